@@ -1,0 +1,112 @@
+"""The prefix-cache contract shared by ``RadixCache``, ``ChunkCache`` and ``SessionAwareCache``.
+
+A cache sits on top of the ``ReqToTokenPool`` (request row → KV slot indices) and the
+``TokenToKVPoolAllocator`` (KV slots) it is constructed with, and decides which KV slots outlive
+the request that computed them.
+
+Ownership of KV slots of one request (row ``req_to_token[req.req_pool_idx]``):
+
+    | range                          | owner                                                 |
+    |--------------------------------|-------------------------------------------------------|
+    | [0, len(req.prefix_indices))   | the cache, pinned by the lock on ``req.last_node``     |
+    |                                | (the tail past the page-aligned part, if any, is the   |
+    |                                | request's own: see ``cache_unfinished_req``)          |
+    | [len(prefix_indices), kv_len)  | the request; handed to the cache or freed at finish    |
+
+All sizes are in tokens (KV slots), never pages.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class MatchResult:
+    """``device_indices``: KV slots of the longest cached prefix (page aligned, int64).
+    ``last_node``: the node to lock to pin exactly that prefix (opaque to callers)."""
+
+    device_indices: torch.Tensor
+    last_node: Any
+
+
+class CacheableReq(Protocol):
+    """What a cache reads and writes on a request (``schedule_batch.Req`` satisfies it)."""
+
+    rid: str
+    req_pool_idx: int | None
+    prefix_indices: torch.Tensor
+    last_node: Any
+
+
+class BasePrefixCache(ABC):
+    @abstractmethod
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        """Longest cached prefix of ``key``, truncated to a multiple of ``page_size``.
+
+        Does not lock: callers lock ``last_node`` with ``inc_lock_ref`` before allocating, so that
+        eviction cannot take the matched slots. Refreshes the LRU time of the matched path.
+        """
+
+    @abstractmethod
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """Insert ``key`` → KV slots ``value`` (``len(key)`` must be page aligned).
+
+        Returns how many leading tokens were already cached. The caller still owns
+        ``value[:returned]`` (duplicates) and must free them; the cache owns the rest.
+        """
+
+    @abstractmethod
+    def inc_lock_ref(self, node: Any) -> None:
+        """Pin ``node`` and its ancestors: locked tokens count as protected, never evicted."""
+
+    @abstractmethod
+    def dec_lock_ref(self, node: Any) -> None:
+        """Undo one ``inc_lock_ref``; unlocked tokens become evictable again."""
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` slots from unlocked leaves, least recently used first.
+
+        Evicting 0 is a no-op. May free more than asked (whole nodes, whole pages) or fewer when
+        not enough is evictable. Returns the number of slots freed.
+        """
+
+    @abstractmethod
+    def cache_finished_req(self, req: CacheableReq, token_ids: list[int]) -> None:
+        """Hand a finished (or retracted) request's KV to the cache and release the request.
+
+        ``token_ids`` are the tokens whose KV is in ``req_to_token[req.req_pool_idx,
+        :len(token_ids)]``. The page-aligned part is inserted; duplicate slots and the unaligned
+        tail are freed; the lock on ``req.last_node`` is released; the request row is freed and
+        ``req.req_pool_idx`` set to ``None``.
+        """
+
+    @abstractmethod
+    def cache_unfinished_req(self, req: CacheableReq, token_ids: list[int]) -> None:
+        """After a prefill chunk: insert the page-aligned part, keep the request running.
+
+        Afterwards ``req.prefix_indices`` covers all of ``token_ids`` (cached part + the
+        request's own unaligned tail), ``req.last_node`` is the new locked node, and the request
+        row points at the cache's slots for the cached part.
+        """
+
+    @abstractmethod
+    def evictable_size(self) -> int:
+        """Tokens held by the cache and not locked."""
+
+    @abstractmethod
+    def protected_size(self) -> int:
+        """Tokens held by the cache and locked by running requests."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Drop everything (used by flush_cache when no request runs)."""
+
+    def session_held_size(self) -> int:
+        """Tokens held for streaming sessions outside the tree (0 unless sessions exist)."""
+        return 0

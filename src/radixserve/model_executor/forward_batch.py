@@ -1,0 +1,61 @@
+"""The scheduler/runner seam: one ``ForwardBatch`` per model step.
+
+Data flows ``Req`` (scheduler state, per request) → ``ScheduleBatch`` (the running set, scheduler
+side) → ``ForwardBatch`` (plain tensors, built by ``ScheduleBatch.to_forward_batch``) → model →
+attention backend. The runner never sees a ``Req``; nothing here holds scheduler objects.
+
+Token layout of an EXTEND batch: the new tokens of all requests are concatenated in batch order
+(``input_ids``, ``positions`` and ``out_cache_loc`` all have ``sum(extend_seq_lens)`` rows).
+Request ``i`` already has ``extend_prefix_lens[i]`` tokens of KV (in ``req_to_token`` row
+``req_pool_indices[i]``) and after the step has ``seq_lens[i] = prefix + extend`` tokens there.
+A DECODE batch has exactly one new token per request, so ``extend_*`` are ``None``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 1
+    DECODE = 2
+    IDLE = 3
+
+    @property
+    def is_extend(self) -> bool:
+        return self is ForwardMode.EXTEND
+
+    @property
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    req_pool_indices: torch.Tensor  # [bs] int64, rows of ReqToTokenPool.req_to_token
+    seq_lens: torch.Tensor  # [bs] int64, KV length of each request after this step
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot written for each new token
+    seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int] | None = None  # EXTEND only
+    extend_seq_lens_cpu: list[int] | None = None  # EXTEND only
+    sampling_info: SamplingBatchInfo | None = None
+    return_logprob: bool = False
+    top_logprobs_nums: list[int] | None = None  # per request, when return_logprob
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

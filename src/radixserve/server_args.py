@@ -1,0 +1,98 @@
+"""Server configuration: one frozen dataclass built by the CLI or by ``Engine(**kwargs)``.
+
+Each component reads only the fields it needs; derived values are properties. Validation happens
+in ``__post_init__`` so that a bad flag fails before any process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    # model execution
+    dtype: str = "auto"
+    device: str = "auto"
+    context_length: int | None = None
+    random_seed: int = 0
+    tp_size: int = 1
+    dp_size: int = 1
+    # memory
+    mem_fraction_static: float | None = None
+    max_total_tokens: int | None = None
+    max_running_requests: int | None = None
+    page_size: int = 1
+    disable_radix_cache: bool = False
+    # scheduling
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int = 4096
+    schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    enable_streaming_session: bool = False
+    # serving
+    enable_metrics: bool = False
+    max_queued_requests: int | None = None
+    chat_template: str | None = None
+    log_requests: bool = False
+    log_level: str = "info"
+    skip_warmup: bool = False
+    watchdog_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("model_path is required")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+            )
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.tp_size != 1 or self.dp_size != 1:
+            raise ValueError("only tp_size=1 and dp_size=1 are supported in this build")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        for name in ("max_total_tokens", "max_running_requests", "context_length",
+                     "max_queued_requests"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.max_prefill_tokens <= 0:
+            raise ValueError(f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
+        if self.chunked_prefill_size <= 0:
+            raise ValueError(
+                f"chunked_prefill_size must be positive, got {self.chunked_prefill_size}"
+            )
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use in the OpenAI ``model`` field."""
+        return self.served_model_name or self.model_path
+
+    @property
+    def tokenizer(self) -> str:
+        return self.tokenizer_path or self.model_path
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def replace(self, **changes: object) -> ServerArgs:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,111 @@
+"""Tiny random-weight Hugging Face checkpoints for tests, built locally (no hub).
+
+Each checkpoint is a real directory: config.json, generation_config.json, safetensors weights
+written by ``transformers`` (fixed seed) and a byte-level BPE tokenizer trained here with the
+``tokenizers`` library. The radixserve loading code runs on them unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|eos|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+VOCAB_SIZE = 512
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _corpus() -> list[str]:
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)]
+
+
+def build_tokenizer(out_dir: Path) -> None:
+    """Train a small byte-level BPE tokenizer and save it in transformers' format."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<|bos|>",
+                "eos_token": "<|eos|>",
+                "pad_token": "<|pad|>",
+                "add_bos_token": False,
+                "model_max_length": 4096,
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
+
+
+def _hf_config(arch: str, vocab_size: int):
+    import transformers as tf
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        rms_norm_eps=1e-6,
+    )
+    if arch == "llama":
+        return tf.LlamaForCausalLM, tf.LlamaConfig(
+            **common, rope_theta=10000.0, tie_word_embeddings=False
+        )
+    if arch == "mistral":
+        return tf.MistralForCausalLM, tf.MistralConfig(
+            **common, rope_theta=10000.0, sliding_window=None, tie_word_embeddings=False
+        )
+    if arch == "qwen2":
+        return tf.Qwen2ForCausalLM, tf.Qwen2Config(
+            **common, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False
+        )
+    if arch == "qwen3":
+        return tf.Qwen3ForCausalLM, tf.Qwen3Config(
+            **common, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True,
+            use_sliding_window=False,
+        )
+    raise ValueError(f"unknown test architecture {arch!r}")
+
+
+def build_checkpoint(out_dir: Path, arch: str = "llama", seed: int = 0,
+                     max_shard_size: str | None = None, **config_overrides) -> Path:
+    """Write a tiny random checkpoint of ``arch`` to ``out_dir`` and return it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out_dir)
+    vocab = len(json.loads((out_dir / "tokenizer.json").read_text())["model"]["vocab"])
+    model_cls, config = _hf_config(arch, vocab)
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    kwargs = {"safe_serialization": True}
+    if max_shard_size:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(out_dir, **kwargs)
+    return out_dir
