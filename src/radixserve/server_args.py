@@ -66,7 +66,9 @@ class ServerArgs:
         if self.tp_size != 1 or self.dp_size != 1:
             raise ValueError("only tp_size=1 and dp_size=1 are supported in this build")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
-            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+            raise ValueError(
+                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
+            )
         for name in ("max_total_tokens", "max_running_requests", "context_length",
                      "max_queued_requests"):
             value = getattr(self, name)

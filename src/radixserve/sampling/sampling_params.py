@@ -6,6 +6,7 @@ bad input with the same ``ValueError`` message before anything reaches the model
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -65,8 +66,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` with a message naming the bad field."""
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise ValueError(
+                f"temperature must be a finite non-negative number, got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1 or self.top_k == 0:
@@ -94,6 +97,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             )
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be finite numbers")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:

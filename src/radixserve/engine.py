@@ -1,0 +1,436 @@
+"""The offline engine: the serving processes without HTTP.
+
+``start_subprocesses`` spawns the scheduler and the detokenizer (also used by the HTTP server).
+``Engine`` adds a ``TokenizerManager`` on a private asyncio loop in a background thread, so that
+plain synchronous code can call ``generate`` while a caller's own asyncio code can use
+``async_generate``::
+
+    caller thread ── run_coroutine_threadsafe ──▶ engine loop thread: TokenizerManager
+                                                     │ ZMQ
+                                        scheduler process ─▶ detokenizer process
+
+Processes are started with ``spawn``: a script that creates an ``Engine`` at import time must
+guard it with ``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import dataclasses
+import json
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from radixserve.managers.generate_request import GenerateReqInput
+from radixserve.managers.io_struct import OpenSessionReqInput
+from radixserve.managers.ipc import PortArgs
+from radixserve.managers.tokenizer_manager import TokenizerManager
+from radixserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_CHILDREN = ("scheduler", "detokenizer")
+_WATCH_POLL_S = 0.5
+
+
+def server_args_to_json(server_args: ServerArgs) -> str:
+    """What a child receives; it rebuilds with ``ServerArgs(**json.loads(text))``."""
+    return json.dumps(dataclasses.asdict(server_args))
+
+
+def port_args_to_json(port_args: PortArgs) -> str:
+    """What a child receives; it rebuilds with ``PortArgs(**json.loads(text))``."""
+    return json.dumps(dataclasses.asdict(port_args))
+
+
+# ---------------------------------------------------------------------- child processes
+def _child_main(name: str, server_args_json: str, port_args_json: str,
+                ready_conn: Connection) -> None:
+    """Spawn target: import the named entry point here, so the parent never loads it."""
+    try:
+        if name == "scheduler":
+            from radixserve.managers.scheduler import run_scheduler_process as entry
+        else:
+            from radixserve.managers.detokenizer_manager import run_detokenizer_process as entry
+    except Exception as e:
+        error = {"status": "error", "message": f"{type(e).__name__}: {e}"}
+        ready_conn.send_bytes(json.dumps(error).encode())
+        raise
+    entry(server_args_json, port_args_json, ready_conn)
+
+
+def _read_ready(name: str, proc: mp.process.BaseProcess, conn: Connection) -> dict[str, Any]:
+    """The child's ready message, or ``RuntimeError`` with its error or exit code."""
+    try:
+        info = json.loads(conn.recv_bytes()) if conn.poll() else None
+    except EOFError:
+        info = None
+    if info is None:
+        proc.join(1.0)
+        raise RuntimeError(
+            f"the {name} process exited (code {proc.exitcode}) before it was ready"
+        )
+    if info.get("status") != "ready":
+        raise RuntimeError(f"the {name} process failed to start: {info.get('message')}")
+    return info
+
+
+def _wait_ready(
+    children: dict[str, tuple[mp.process.BaseProcess, Connection]], timeout: float
+) -> dict[str, dict[str, Any]]:
+    """Wait for every child's ready message; the first failure or the timeout raises."""
+    deadline = time.monotonic() + timeout
+    pending = dict(children)
+    infos = {}
+    while pending:
+        handles = [h for proc, conn in pending.values() for h in (conn, proc.sentinel)]
+        ready = wait(handles, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise RuntimeError(
+                f"timed out after {timeout:.0f}s waiting for the {', '.join(pending)} "
+                f"process(es) to become ready"
+            )
+        for name, (proc, conn) in list(pending.items()):
+            if conn in ready or proc.sentinel in ready:
+                infos[name] = _read_ready(name, proc, conn)
+                del pending[name]
+    return infos
+
+
+def terminate_processes(processes: list[mp.process.BaseProcess], timeout: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL whatever is still alive after ``timeout``; reap all."""
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + timeout
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def start_subprocesses(
+    server_args: ServerArgs,
+    port_args: PortArgs | None = None,
+    ready_timeout: float | None = None,
+) -> tuple[PortArgs, list[mp.process.BaseProcess], dict[str, Any]]:
+    """Spawn the scheduler and detokenizer; return once both are ready.
+
+    Returns the endpoints (``port_args`` if given, else a fresh IPC directory), the processes
+    (scheduler first) and the scheduler's ready message (``max_total_num_tokens``,
+    ``max_running_requests``, ``context_len``, ``page_size``). On any failure the children are
+    killed, the IPC directory removed and ``RuntimeError`` raised. ``ready_timeout`` defaults to
+    ``server_args.watchdog_timeout``.
+    """
+    timeout = server_args.watchdog_timeout if ready_timeout is None else ready_timeout
+    port_args = port_args or PortArgs.create()
+    ctx = mp.get_context("spawn")
+    args_json = (server_args_to_json(server_args), port_args_to_json(port_args))
+    children: dict[str, tuple[mp.process.BaseProcess, Connection]] = {}
+    try:
+        for name in _CHILDREN:
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_child_main,
+                args=(name, *args_json, writer),
+                name=f"radixserve-{name}",
+                daemon=True,
+            )
+            proc.start()
+            writer.close()
+            children[name] = (proc, reader)
+        infos = _wait_ready(children, timeout)
+    except BaseException:
+        terminate_processes([proc for proc, _ in children.values()], timeout=1.0)
+        shutil.rmtree(port_args.directory, ignore_errors=True)
+        raise
+    finally:
+        for _, conn in children.values():
+            conn.close()
+    scheduler_info = {k: v for k, v in infos["scheduler"].items() if k != "status"}
+    return port_args, [proc for proc, _ in children.values()], scheduler_info
+
+
+def watch_processes(
+    processes: list[mp.process.BaseProcess], on_death: Callable[[str], None]
+) -> threading.Event:
+    """Call ``on_death(message)`` from a daemon thread if a child exits; set the event to stop."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        sentinels = {p.sentinel: p for p in processes}
+        while not stop.is_set():
+            dead = wait(list(sentinels), timeout=_WATCH_POLL_S)
+            if dead and not stop.is_set():
+                proc = sentinels[dead[0]]
+                proc.join(1.0)
+                on_death(f"the {proc.name} process exited unexpectedly (code {proc.exitcode})")
+                return
+
+    threading.Thread(target=watch, name="radixserve-watchdog", daemon=True).start()
+    return stop
+
+
+# ---------------------------------------------------------------------- engine
+_END = object()
+
+
+async def _anext(agen: AsyncIterator) -> Any:
+    """``__anext__`` as a coroutine that returns ``_END`` instead of raising (futures can't)."""
+    try:
+        return await agen.__anext__()
+    except StopAsyncIteration:
+        return _END
+
+
+async def _first_and_close(agen: Any) -> Any:
+    try:
+        return await _anext(agen)
+    finally:
+        await agen.aclose()
+
+
+class Engine:
+    """Offline inference: ``Engine(model_path=..., **server_args).generate(...)``.
+
+    Outputs are SGLang-shaped dicts ``{"text", "output_ids", "meta_info"}``. Stream chunks are
+    cumulative like SGLang's ``/generate``: each carries the whole text and ids so far, and the
+    last one has a non-None ``meta_info["finish_reason"]``. A batch stream's chunks carry the
+    prompt's ``"index"``.
+    """
+
+    def __init__(self, model_path: str | os.PathLike[str], **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - ServerArgs.field_names())
+        if unknown:
+            raise TypeError(f"unknown Engine argument(s): {', '.join(unknown)}")
+        self.server_args = ServerArgs(model_path=os.fspath(model_path), **kwargs)
+        from radixserve.model_config import ModelConfig
+
+        sa = self.server_args
+        self.model_config = ModelConfig.from_path(
+            sa.model_path, dtype=sa.dtype, device=sa.device, context_length=sa.context_length
+        )
+        self._closed = False
+        self._lock = threading.Lock()
+        self._processes: list[mp.process.BaseProcess] = []
+        self.tokenizer_manager: TokenizerManager | None = None
+        self._stop_watch = threading.Event()
+        self.port_args = PortArgs.create()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="radixserve-engine-loop", daemon=True
+        )
+        self._thread.start()
+        # The tokenizer loads on the loop thread while the children start.
+        tm_future = self._submit(self._start_tokenizer_manager())
+        try:
+            _, self._processes, self.scheduler_info = start_subprocesses(sa, self.port_args)
+            self.tokenizer_manager = tm_future.result()
+        except BaseException:
+            try:
+                self.tokenizer_manager = tm_future.result()
+            except Exception:
+                logger.debug("tokenizer manager failed to start", exc_info=True)
+            self.shutdown()
+            raise
+        self._stop_watch = watch_processes(self._processes, self._on_child_death)
+        atexit.register(self.shutdown)
+
+    async def _start_tokenizer_manager(self) -> TokenizerManager:
+        tm = TokenizerManager(self.server_args, self.port_args, self.model_config)
+        tm.start()
+        return tm
+
+    def _on_child_death(self, message: str) -> None:
+        """From the watchdog thread: make waiting and future calls raise instead of hang."""
+        tm = self.tokenizer_manager
+        if self._closed or tm is None:
+            return
+        logger.error(message)
+        try:
+            self._loop.call_soon_threadsafe(tm.fail_all, message)
+        except RuntimeError:  # the loop was closed by a concurrent shutdown
+            pass
+
+    @property
+    def _tm(self) -> TokenizerManager:
+        if self._closed or self.tokenizer_manager is None:
+            raise RuntimeError("the engine is shut down")
+        return self.tokenizer_manager
+
+    def _submit(self, coro: Any) -> Any:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("the engine is shut down")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _run(self, coro: Any) -> Any:
+        """Run ``coro`` on the engine loop and wait; cancel it if the caller is interrupted."""
+        fut = self._submit(coro)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()
+            raise
+
+    # ------------------------------------------------------------------ generate
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        stream: bool = False,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        rid: str | list[str] | None = None,
+        session_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        """Generate for one prompt (→ dict) or a batch (→ list); ``stream`` → an iterator.
+
+        Invalid input raises ``ValueError`` here, also for streams (the first chunk is awaited
+        before returning). Closing a stream iterator early aborts its unfinished requests.
+        """
+        obj = GenerateReqInput(
+            text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+            stream=stream, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+            session_params=session_params,
+        )
+        agen = self._tm.generate_request(obj)
+        if not stream:
+            return self._run(_first_and_close(agen))
+        first = self._run(_anext(agen))
+        return self._sync_stream(agen, first)
+
+    def _sync_stream(self, agen: Any, first: Any) -> Iterator[dict[str, Any]]:
+        item = first
+        try:
+            while item is not _END:
+                yield item
+                item = self._run(_anext(agen))
+        finally:
+            if not self._closed:
+                self._run(agen.aclose())
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        stream: bool = False,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        rid: str | list[str] | None = None,
+        session_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
+        """``generate`` for the caller's own asyncio loop; ``stream`` → an async iterator."""
+        obj = GenerateReqInput(
+            text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+            stream=stream, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+            session_params=session_params,
+        )
+        agen = self._tm.generate_request(obj)
+        if not stream:
+            return await asyncio.wrap_future(self._submit(_first_and_close(agen)))
+        first = await asyncio.wrap_future(self._submit(_anext(agen)))
+        return self._async_stream(agen, first)
+
+    async def _async_stream(self, agen: Any, first: Any) -> AsyncIterator[dict[str, Any]]:
+        item = first
+        try:
+            while item is not _END:
+                yield item
+                item = await asyncio.wrap_future(self._submit(_anext(agen)))
+        finally:
+            if not self._closed:
+                await asyncio.wrap_future(self._submit(agen.aclose()))
+
+    # ------------------------------------------------------------------ control
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        """Abort a request by id (or all); its generate call ends with finish_reason abort."""
+
+        async def abort() -> None:
+            self._tm.abort_request(rid, abort_all)
+
+        self._run(abort())
+
+    def flush_cache(self) -> dict[str, Any]:
+        """``{"success", "message"}``; refused while requests are running."""
+        reply = self._run(self._tm.flush_cache())
+        return {"success": reply.success, "message": reply.message}
+
+    def get_server_info(self) -> dict[str, Any]:
+        state = self._run(self._tm.get_internal_state())
+        return {
+            **dataclasses.asdict(self.server_args),
+            "max_total_num_tokens": self.scheduler_info["max_total_num_tokens"],
+            "context_length": self.scheduler_info["context_len"],
+            "internal_states": [state],
+        }
+
+    def open_session(
+        self,
+        capacity_of_str_len: int,
+        session_id: str | None = None,
+        streaming: bool = False,
+        timeout: float | None = None,
+    ) -> str:
+        """Open a session; ``ValueError`` with the scheduler's reason when it refuses."""
+        req = OpenSessionReqInput(
+            capacity_of_str_len=capacity_of_str_len, session_id=session_id,
+            streaming=streaming, timeout=timeout,
+        )
+        return self._run(self._tm.open_session(req))
+
+    def close_session(self, session_id: str) -> None:
+        self._run(self._tm.close_session(session_id))
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def child_pids(self) -> list[int]:
+        return [p.pid for p in self._processes if p.pid is not None]
+
+    def shutdown(self) -> None:
+        """Stop the loop thread and the children, remove the IPC directory (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        atexit.unregister(self.shutdown)
+        self._stop_watch.set()
+        try:
+            self._stop_loop()
+        finally:
+            terminate_processes(self._processes)
+            shutil.rmtree(self.port_args.directory, ignore_errors=True)
+
+    def _stop_loop(self) -> None:
+        tm = self.tokenizer_manager
+        if tm is not None:
+
+            async def stop_tm() -> None:
+                tm.shutdown()
+                await asyncio.sleep(0)  # let the cancelled receive task finish
+
+            try:
+                asyncio.run_coroutine_threadsafe(stop_tm(), self._loop).result(timeout=10)
+            except Exception:  # shutdown goes on: the children must still be stopped
+                logger.warning("tokenizer manager did not stop cleanly", exc_info=True)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

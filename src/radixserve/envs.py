@@ -1,0 +1,25 @@
+"""Every environment variable radixserve reads, typed, in one place.
+
+Values are read when asked for (not at import), so tests can set them per test.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class EnvBool:
+    name: str
+    default: bool = False
+
+    def get(self) -> bool:
+        value = os.environ.get(self.name)
+        return self.default if value is None else value.strip().lower() in _TRUE
+
+
+# Raise instead of only logging when the idle memory self-check finds a leak (set in tests).
+RADIXSERVE_TEST_STRICT = EnvBool("RADIXSERVE_TEST_STRICT")

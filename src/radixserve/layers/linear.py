@@ -1,0 +1,166 @@
+"""Tensor-parallel-aware linear layers whose parameters know how to load their own shard.
+
+Every parameter carries a ``weight_loader(param, loaded_weight[, shard_id])``. A fused layer
+(``qkv_proj``, ``gate_up_proj``) is loaded from several checkpoint tensors, one ``shard_id`` each,
+and places each at its offset; every layer narrows the full checkpoint tensor to this rank's
+slice. Column-parallel layers split the output dimension, row-parallel ones the input dimension.
+Only ``tp_size == 1`` runs today, but the shapes and loaders are already per rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """Copy ``loaded_weight`` into ``param`` (or a view of it), converting dtype and device."""
+    if param.shape != loaded_weight.shape:
+        raise ValueError(
+            f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
+            f"{tuple(loaded_weight.shape)}"
+        )
+    param.data.copy_(loaded_weight)
+
+
+def _divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by tp_size {denominator}")
+    return numerator // denominator
+
+
+class _LinearBase(nn.Module):
+    """``y = x @ weight.T (+ bias)`` with a per-rank weight of shape ``[out, in]``."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool, tp_rank: int, tp_size: int
+    ) -> None:
+        super().__init__()
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """Copy this rank's slice of a checkpoint tensor; each subclass knows its split."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(_LinearBase):
+    """Output features split across ranks; each rank holds rows ``[rank*n, (rank+1)*n)``."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__(input_size, _divide(output_size, tp_size), bias, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        size = param.shape[0]
+        default_weight_loader(param, loaded_weight.narrow(0, self.tp_rank * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused in one matmul (``gate_up_proj``: gate, up).
+
+    Shard ``i`` of the checkpoint fills rows ``sum(output_sizes[:i]) / tp_size`` onwards.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def weight_loader(  # type: ignore[override]
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int
+    ) -> None:
+        size = _divide(self.output_sizes[shard_id], self.tp_size)
+        offset = _divide(sum(self.output_sizes[:shard_id]), self.tp_size)
+        shard = loaded_weight.narrow(0, self.tp_rank * size, size)
+        default_weight_loader(param.data.narrow(0, offset, size), shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k and v projections; each rank holds its query heads then its KV heads."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.head_dim = head_dim
+        self.num_heads = _divide(total_num_heads, tp_size)
+        self.num_kv_heads = _divide(total_num_kv_heads, tp_size)
+        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_dim
+        super().__init__(hidden_size, output_size, bias, tp_rank, tp_size)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(  # type: ignore[override]
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str
+    ) -> None:
+        offset, size = {
+            "q": (0, self.q_size),
+            "k": (self.q_size, self.kv_size),
+            "v": (self.q_size + self.kv_size, self.kv_size),
+        }[shard_id]
+        shard = loaded_weight.narrow(0, self.tp_rank * size, size)
+        default_weight_loader(param.data.narrow(0, offset, size), shard)
+
+
+class RowParallelLinear(_LinearBase):
+    """Input features split across ranks; partial outputs are summed over the TP group."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__(_divide(input_size, tp_size), output_size, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if param.dim() == 1:  # the bias is whole on every rank
+            default_weight_loader(param, loaded_weight)
+            return
+        size = param.shape[1]
+        default_weight_loader(param, loaded_weight.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight)
+        torch.distributed.all_reduce(out)
+        return out if self.bias is None else out + self.bias

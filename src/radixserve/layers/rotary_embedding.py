@@ -1,0 +1,85 @@
+"""Rotary position embedding (neox style: the head's two halves are the rotated pairs).
+
+The inverse frequencies follow transformers exactly (``default``, ``linear`` and ``llama3``
+types), and the cos/sin table is built in float32 for every position up to ``max_position``, then
+cast to the activation dtype at use, as transformers does, so fp32 outputs match it bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def compute_inv_freq(
+    head_dim: int, base: float, rope_scaling: dict[str, Any] | None
+) -> torch.Tensor:
+    """Float32 ``[head_dim // 2]`` inverse frequencies for the given RoPE type."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    rope_type = rope_scaling["rope_type"] if rope_scaling else "default"
+    if rope_type == "default":
+        return inv_freq
+    factor = float(rope_scaling["factor"])
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, factor, rope_scaling)
+    raise ValueError(f"unsupported rope type {rope_type!r}")
+
+
+def _llama3_inv_freq(
+    inv_freq: torch.Tensor, factor: float, rope_scaling: dict[str, Any]
+) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths are divided by ``factor``, short ones kept, and the
+    band between the two is interpolated smoothly."""
+    low_freq_factor = float(rope_scaling["low_freq_factor"])
+    high_freq_factor = float(rope_scaling["high_freq_factor"])
+    old_context_len = rope_scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to query and key heads at the given absolute positions."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        rope_scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = compute_inv_freq(head_dim, base, rope_scaling)
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        # Not part of the checkpoint; kept float32 whatever the model dtype.
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q``: ``[n, q_heads, head_dim]``, ``k``: ``[n, kv_heads, head_dim]``, ``positions``:
+        ``[n]``; returns rotated copies."""
+        cos = self.cos_cache[positions].unsqueeze(1)
+        sin = self.sin_cache[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos = cos.to(x.dtype)
+    sin = sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

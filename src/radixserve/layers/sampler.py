@@ -1,0 +1,151 @@
+"""Turns next-token logits into next tokens, plus the logprobs the request asked for.
+
+Pipeline of ``Sampler.__call__`` over ``[bs, vocab]`` float32 logits:
+
+1. logit bias, then penalties and the min_new_tokens ban (``SamplingBatchInfo.process_logits``),
+   on a copy: the caller's logits are never modified;
+2. all rows greedy → argmax, no softmax;
+3. otherwise divide by temperature, softmax, zero out what top_k / top_p / min_p filter, and
+   draw by inverting each row's cumulative distribution at one uniform number per row (what
+   ``torch.multinomial`` does, without its errors on degenerate rows or its cost on CPU); scaling
+   the uniform by the remaining mass samples the renormalised distribution without a division.
+   Unseeded rows take their uniform from the global generator; a row with a ``sampling_seed`` from
+   its own ``torch.Generator`` seeded by (seed, output length), so its token depends only on that
+   and its own logits, never on the rest of the batch. Greedy rows take the argmax;
+4. logprobs come from ``log_softmax`` of the raw logits, so they match transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.sampling.sampling_batch_info import SamplingBatchInfo, SeededRow
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SampleOutput:
+    next_token_ids: torch.Tensor  # [bs] int64
+    logprobs: torch.Tensor | None = None  # [bs] float32, raw-logit logprob of the chosen token
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per request: (token_id, logprob)
+
+
+class Sampler:
+    """Stateless: everything per step comes from ``SamplingBatchInfo``."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        sampling_info: SamplingBatchInfo,
+        return_logprob: bool = False,
+        top_logprobs_nums: list[int] | None = None,
+    ) -> SampleOutput:
+        """Sample one token per row; ``top_logprobs_nums[i]`` top entries for request ``i``."""
+        assert logits.shape == (sampling_info.batch_size, sampling_info.vocab_size), logits.shape
+        processed = sampling_info.process_logits(logits)
+        if sampling_info.is_all_greedy:
+            next_token_ids = processed.argmax(dim=-1)
+        else:
+            next_token_ids = _sample(processed, sampling_info)
+
+        if not return_logprob:
+            return SampleOutput(next_token_ids)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        chosen = logprobs.gather(-1, next_token_ids.unsqueeze(-1)).squeeze(-1)
+        top = None if top_logprobs_nums is None else _top_logprobs(logprobs, top_logprobs_nums)
+        return SampleOutput(next_token_ids, chosen, top)
+
+
+def _sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    probs = torch.softmax(logits / info.temperatures, dim=-1)
+    if info.need_top_p_top_k:
+        probs = _filter_top_k_top_p(probs, info.top_ks, info.top_ps)
+    if info.need_min_p:
+        probs = _filter_min_p(probs, info.min_ps)
+
+    uniforms = _uniforms(info, probs.device)
+    sampled = _invert_cdf(probs, uniforms)
+    return torch.where(info.top_ks == 1, logits.argmax(dim=-1), sampled)
+
+
+def _uniforms(info: SamplingBatchInfo, device: torch.device) -> torch.Tensor:
+    """``[bs, 1]`` float64 uniforms in [0, 1): global RNG, except for seeded rows."""
+    uniforms = torch.rand(info.batch_size, 1, dtype=torch.float64, device=device)
+    if info.seeded_rows:
+        # One scalar per row, drawn on CPU: no kernel launch per row, same value on every device.
+        generator = torch.Generator()
+        values = []
+        for row in info.seeded_rows:
+            generator.manual_seed(_generator_seed(row))
+            values.append(float(torch.rand((), dtype=torch.float64, generator=generator)))
+        rows = torch.tensor([row.index for row in info.seeded_rows], device=device)
+        uniforms[rows, 0] = torch.tensor(values, dtype=torch.float64, device=device)
+    return uniforms
+
+
+def _invert_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Draw token ``i`` with probability ``probs[i] / probs.sum()`` per row.
+
+    The float64 running sum keeps tiny probabilities from vanishing in a large vocabulary. A
+    zero-probability token is never drawn: its running sum equals its predecessor's.
+    """
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:].contiguous()
+    ids = torch.searchsorted(cdf, uniforms * total, right=True)
+    # uniform * total may round up to total: the answer is then the last token that has mass.
+    last = torch.searchsorted(cdf, total)
+    # The clamp only matters for NaN rows (non-finite logits), to keep the id in range.
+    return torch.minimum(ids, last).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+def _filter_top_k_top_p(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
+) -> torch.Tensor:
+    """Zero tokens outside the top_k, then outside the top_p nucleus of what top_k kept.
+
+    A token survives top_p if the mass strictly before it (in descending order) is below
+    ``top_p`` of the kept mass, so the most likely token always survives.
+    """
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1], device=probs.device)
+    sorted_probs = sorted_probs.masked_fill(ranks >= top_ks.unsqueeze(-1), 0.0)
+    cumulative = sorted_probs.cumsum(dim=-1)
+    kept_mass = cumulative[:, -1:]
+    top_ps = top_ps.unsqueeze(-1)
+    # top_p == 1 must keep everything even when rounding pushes the running sum past 1.
+    beyond_p = (cumulative - sorted_probs >= top_ps * kept_mass) & (top_ps < 1.0)
+    sorted_probs = sorted_probs.masked_fill(beyond_p, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def _filter_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """Zero tokens less likely than ``min_p`` times the row's most likely token."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_ps.unsqueeze(-1)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _generator_seed(row: SeededRow) -> int:
+    """Mix (seed, step) into a 64-bit generator seed (splitmix64), so that nearby seeds and
+    consecutive steps get unrelated noise."""
+    return _splitmix64((_splitmix64(row.seed & _MASK64) + row.step) & _MASK64)
+
+
+def _splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _top_logprobs(logprobs: torch.Tensor, nums: list[int]) -> list[list[tuple[int, float]]]:
+    """Per request the ``nums[i]`` most likely tokens, most likely first (one device→host copy)."""
+    assert len(nums) == logprobs.shape[0], "one top_logprobs_num per request"
+    k = min(max(nums, default=0), logprobs.shape[-1])
+    if k <= 0:
+        return [[] for _ in nums]
+    values, ids = logprobs.topk(k, dim=-1)
+    values_l, ids_l = values.tolist(), ids.tolist()
+    return [list(zip(ids_l[i][:n], values_l[i][:n], strict=True)) for i, n in enumerate(nums)]

@@ -1,0 +1,39 @@
+"""Token embedding and the output projection that may share its weight.
+
+Both are replicated on every rank (not vocab-parallel): only ``tp_size == 1`` runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.layers.linear import default_weight_loader
+
+
+def _vocab_weight(vocab_size: int, hidden_size: int) -> nn.Parameter:
+    weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+    weight.weight_loader = default_weight_loader
+    return weight
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = _vocab_weight(vocab_size, hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """``[vocab, hidden]`` output projection; ``LogitsProcessor`` applies it (no forward)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = _vocab_weight(vocab_size, hidden_size)
+
+    def tie_to(self, embedding: VocabEmbedding) -> None:
+        """Share the embedding's weight (``tie_word_embeddings``)."""
+        self.weight = embedding.weight

@@ -1,0 +1,221 @@
+"""Detokenizer process: token ids from the scheduler → UTF-8-safe text deltas for the tokenizer.
+
+Data flow per request (``rid``)::
+
+    ReqTokenOutput(new_token_ids, finished_reason)      from the scheduler
+        │  IncrementalDetokenizer.step()
+        ▼
+    ReqStrOutput(new_text = the part of the text no client has seen yet)   to the TokenizerManager
+
+Two things are held back from ``new_text`` until they are safe to show:
+
+* a tail that decodes to U+FFFD: a multi-byte character split across tokens (byte-level BPE)
+  is emitted once its last byte arrives, never as a replacement character mid-stream;
+* a tail that could be the start of a stop string: the scheduler finishes the request when the
+  stop string completes, and the text is then cut where it begins, so it never leaks.
+
+At finish everything still held is flushed (cut at the stop string when it matched), and the
+request's state is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+from radixserve.managers import io_struct, ipc
+from radixserve.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, ReqStrOutput
+from radixserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_REPLACEMENT_CHAR = "\ufffd"
+_PARENT_POLL_S = 0.5
+
+
+class IncrementalDetokenizer:
+    """Turns one request's growing token ids into text deltas.
+
+    Decoding uses two offsets into ``ids`` (the scheme of vLLM/SGLang): ``prefix_offset`` marks a
+    few already-emitted tokens decoded again as context (so tokenizers that look at neighbours,
+    e.g. SentencePiece leading spaces, decode consistently) and ``read_offset`` marks the end of
+    what has been turned into text. The text of ``ids[prefix_offset:]`` minus the text of
+    ``ids[prefix_offset:read_offset]`` is the new text.
+
+    ``text[:sent]`` has been emitted; ``text[sent:]`` is held back (a possible stop-string start).
+    """
+
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        stop: Sequence[str] = (),
+        no_stop_trim: bool = False,
+    ) -> None:
+        self._decode = decode
+        self._stop = [s for s in stop if s]
+        self._no_stop_trim = no_stop_trim
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+        self.sent = 0
+
+    def step(self, new_ids: Sequence[int], finished_reason: dict[str, Any] | None) -> str:
+        """Add ``new_ids``; return the text that became safe to emit (all of it at finish)."""
+        matched = finished_reason.get("matched") if finished_reason else None
+        trim = (
+            finished_reason is not None
+            and finished_reason.get("type") == "stop"
+            and not self._no_stop_trim
+        )
+        if trim and isinstance(matched, int) and new_ids and new_ids[-1] == matched:
+            new_ids = new_ids[:-1]  # the stop token itself is not part of the text
+        self.ids.extend(new_ids)
+        self._decode_new(force=finished_reason is not None)
+
+        if finished_reason is None:
+            end = len(self.text) if self._no_stop_trim else self._safe_end()
+        else:
+            end = len(self.text)
+            if trim and isinstance(matched, str):
+                pos = self.text.find(matched)
+                if pos != -1:
+                    end = max(pos, self.sent)
+        delta = self.text[self.sent : end]
+        self.sent = end
+        return delta
+
+    def _decode_new(self, force: bool) -> None:
+        if self.read_offset == len(self.ids):
+            return
+        surrounding = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(surrounding) and (force or not full.endswith(_REPLACEMENT_CHAR)):
+            self.text += full[len(surrounding) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+
+    def _safe_end(self) -> int:
+        """End of the text that cannot be (the start of) a stop string."""
+        end = len(self.text)
+        for stop in self._stop:
+            pos = self.text.find(stop, self.sent)
+            if pos != -1:
+                end = min(end, pos)
+            # Longest suffix of the unsent text that is a proper prefix of ``stop``.
+            for k in range(min(len(stop) - 1, len(self.text) - self.sent), 0, -1):
+                if self.text.endswith(stop[:k]):
+                    end = min(end, len(self.text) - k)
+                    break
+        return end
+
+
+class DetokenizerManager:
+    """Receives ``BatchTokenIDOutput``, keeps one ``IncrementalDetokenizer`` per running rid."""
+
+    def __init__(self, server_args: ServerArgs, port_args: ipc.PortArgs) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            server_args.tokenizer, local_files_only=True
+        )
+        self._ctx = zmq.Context()
+        self._recv = ipc.pull_socket(self._ctx, port_args.detokenizer_input)
+        self._send = ipc.push_socket(self._ctx, port_args.tokenizer_input)
+        self._states: dict[str, IncrementalDetokenizer] = {}
+
+    def handle_batch(self, batch: BatchTokenIDOutput) -> BatchStrOutput:
+        """Decode one scheduler output into text deltas; drop the state of finished requests."""
+        outputs = []
+        for out in batch.outputs:
+            state = self._states.get(out.rid)
+            if state is None:
+                state = IncrementalDetokenizer(
+                    self._decoder(out.skip_special_tokens, out.spaces_between_special_tokens),
+                    stop=out.stop,
+                    no_stop_trim=out.no_stop_trim,
+                )
+                self._states[out.rid] = state
+            new_text = state.step(out.new_token_ids, out.finished_reason)
+            if out.finished_reason is not None:
+                del self._states[out.rid]
+            outputs.append(
+                ReqStrOutput(
+                    rid=out.rid,
+                    new_text=new_text,
+                    new_token_ids=out.new_token_ids,
+                    finished_reason=out.finished_reason,
+                    prompt_tokens=out.prompt_tokens,
+                    completion_tokens=out.completion_tokens,
+                    cached_tokens=out.cached_tokens,
+                    output_logprobs=out.output_logprobs,
+                    output_top_logprobs=out.output_top_logprobs,
+                )
+            )
+        return BatchStrOutput(outputs=outputs)
+
+    def _decoder(self, skip_special: bool, spaces_between_special: bool) -> Callable:
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(
+                ids,
+                skip_special_tokens=skip_special,
+                spaces_between_special_tokens=spaces_between_special,
+                clean_up_tokenization_spaces=False,
+            )
+
+        return decode
+
+    def close(self) -> None:
+        self._recv.close(linger=0)
+        self._send.close(linger=0)
+        self._ctx.term()
+
+    def event_loop(self) -> None:
+        """Block on the socket forever; the parent terminates this process at shutdown."""
+        while True:
+            msg = io_struct.decode(self._recv.recv())
+            if isinstance(msg, BatchTokenIDOutput):
+                ipc.send(self._send, self.handle_batch(msg))
+            else:
+                logger.warning("detokenizer ignores unexpected message %s", type(msg).__name__)
+
+
+def _exit_when_parent_dies() -> None:
+    """SIGTERM ourselves once reparented: the detokenizer must not outlive the server."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    os._exit(0)  # nothing to flush; interpreter teardown would take seconds
+
+
+def run_detokenizer_process(server_args_json: str, port_args_json: str, ready_conn: Any) -> None:
+    """Entry point of the spawned detokenizer process (arguments arrive as JSON, never pickled)."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    _exit_when_parent_dies()
+    try:
+        server_args = ServerArgs(**json.loads(server_args_json))
+        logging.basicConfig(level=server_args.log_level.upper())
+        manager = DetokenizerManager(server_args, ipc.PortArgs(**json.loads(port_args_json)))
+    except Exception as e:  # report any start-up failure to the parent, then exit
+        error = {"status": "error", "message": f"{type(e).__name__}: {e}"}
+        ready_conn.send_bytes(json.dumps(error).encode())
+        raise
+    ready_conn.send_bytes(json.dumps({"status": "ready"}).encode())
+    ready_conn.close()
+    manager.event_loop()

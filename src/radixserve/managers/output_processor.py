@@ -1,0 +1,101 @@
+"""What happens to a batch after its model step: tokens in, finished requests out.
+
+For every request of the batch:
+
+- a prefill chunk that is not the last only hands its KV to the cache (``cache_unfinished_req``)
+  and samples nothing;
+- otherwise the sampled token (and its logprobs) is appended and ``check_finished`` runs; a
+  finished request gives its KV to the cache (``cache_finished_req``); a request that just
+  finished its prefill inserts its prompt into the cache so that others can share it while it
+  decodes (``cache_unfinished_req``).
+
+Then one ``BatchTokenIDOutput`` goes to the detokenizer: stream requests report the tokens of
+every step; non-stream requests report once, at finish, with all their tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from radixserve.managers.io_struct import BatchTokenIDOutput, ReqTokenOutput
+from radixserve.managers.schedule_batch import Req, ScheduleBatch, release_kv
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
+
+
+def make_output(req: Req) -> ReqTokenOutput:
+    """The request's progress since its last output; advances its send offset."""
+    start = req.send_offset
+    req.send_offset = len(req.output_ids)
+    params = req.sampling_params
+    return ReqTokenOutput(
+        rid=req.rid,
+        new_token_ids=req.output_ids[start:],
+        finished_reason=req.finished_reason,
+        prompt_tokens=len(req.origin_input_ids),
+        completion_tokens=len(req.output_ids),
+        cached_tokens=req.cached_tokens,
+        stream=req.stream,
+        stop=list(params.stop),
+        no_stop_trim=params.no_stop_trim,
+        skip_special_tokens=params.skip_special_tokens,
+        spaces_between_special_tokens=params.spaces_between_special_tokens,
+        output_logprobs=req.output_logprobs[start:] if req.return_logprob else None,
+        output_top_logprobs=(
+            req.output_top_logprobs[start:] if req.return_logprob and req.top_logprobs_num else None
+        ),
+    )
+
+
+class OutputProcessor:
+    """Applies sampled tokens to requests and reports them to the detokenizer."""
+
+    def __init__(
+        self,
+        tree_cache: BasePrefixCache,
+        eos_token_ids: list[int],
+        tokenizer: Any,
+        send_to_detokenizer: Callable[[BatchTokenIDOutput], None],
+    ) -> None:
+        self.tree_cache = tree_cache
+        self.eos_token_ids = set(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.send_to_detokenizer = send_to_detokenizer
+
+    def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
+        """``result`` is the runner's ``SampleOutput`` for ``batch``."""
+        next_ids: list[int] = result.next_token_ids.tolist()
+        logprobs: list[float] | None = (
+            result.logprobs.tolist() if result.logprobs is not None else None
+        )
+        is_extend = batch.forward_mode.is_extend
+        for i, req in enumerate(batch.reqs):
+            if req.is_chunked:
+                self.tree_cache.cache_unfinished_req(req, req.fill_ids)
+                continue
+            req.output_ids.append(next_ids[i])
+            if req.return_logprob:
+                assert logprobs is not None, "the sampler returns logprobs when asked"
+                req.output_logprobs.append(logprobs[i])
+                if req.top_logprobs_num:
+                    req.output_top_logprobs.append(result.top_logprobs[i])
+            req.check_finished(self.eos_token_ids, self.tokenizer)
+            if req.finished():
+                release_kv(req, self.tree_cache)
+            elif is_extend:
+                self.tree_cache.cache_unfinished_req(req, req.fill_ids)
+        self.send_outputs(
+            [r for r in batch.reqs if r.finished() or (r.stream and not r.is_chunked)]
+        )
+
+    def finish_now(self, reqs: list[Req], reason: dict[str, Any]) -> None:
+        """Finish requests outside a model step (aborted, rejected, out of memory)."""
+        for req in reqs:
+            req.finished_reason = reason
+            if req.req_pool_idx is not None:
+                release_kv(req, self.tree_cache)
+        self.send_outputs(reqs)
+
+    def send_outputs(self, reqs: list[Req]) -> None:
+        if reqs:
+            self.send_to_detokenizer(BatchTokenIDOutput(outputs=[make_output(r) for r in reqs]))

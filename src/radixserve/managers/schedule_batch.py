@@ -1,0 +1,393 @@
+"""Scheduler-side request and batch state, and the step down to the runner's ``ForwardBatch``.
+
+Data flows through three types, each owned by one side of the scheduler/runner seam:
+
+    Req            one request for its whole life: prompt, output so far, sampling parameters,
+                   its request-pool row and KV length, the prefix it reuses from the cache,
+                   logprobs and what was already sent to the detokenizer.  Python lists, CPU.
+      │  admitted by PrefillAdder (schedule_policy.py) or kept running across decode steps
+      ▼
+    ScheduleBatch  the requests of one model step.  ``prepare_for_extend`` / ``prepare_for_decode``
+                   allocate request rows and KV slots (evicting from the prefix cache first when
+                   short), write ``req_to_token`` and build the step's tensors on the device,
+                   one host→device copy per tensor.
+      │  to_forward_batch()
+      ▼
+    ForwardBatch   plain tensors + SamplingBatchInfo; the model runner never sees a ``Req``.
+
+After the step, ``output_processor.py`` appends the sampled tokens to each ``Req``, decides who
+finished and hands finished KV to the prefix cache.  The running set is itself a
+``ScheduleBatch`` that finished requests leave at once (``filter_batch``) and a finished prefill
+joins (``merge_batch``).
+
+Token accounting of one request (``all_ids = origin_input_ids + output_ids``):
+
+    | counter                 | meaning                                                        |
+    |-------------------------|----------------------------------------------------------------|
+    | len(prefix_indices)     | leading tokens whose KV is reused: matched in the prefix cache |
+    |                         | (locked), or computed by this request's earlier prefill chunks |
+    | kv_len                  | leading tokens of ``all_ids`` whose KV exists for this request |
+    | len(fill_ids)           | tokens whose KV exists after the current prefill (chunk)       |
+    | extend_input_len        | tokens computed by the current prefill: fill - prefix          |
+
+``len(prefix_indices) <= kv_len <= len(all_ids)`` always (asserted). Between steps a running
+request has ``kv_len == len(all_ids) - 1``: its newest token's KV is written by the next decode
+step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixserve.managers.io_struct import SessionParams
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
+from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
+from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
+from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
+from radixserve.sampling.sampling_params import SamplingParams
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def pages_to_alloc(prefix_len: int, seq_len: int, page_size: int) -> int:
+    """KV slots the allocator hands out to grow a request from ``prefix_len`` to ``seq_len``.
+
+    The partial last page of the prefix is filled first, then whole pages are taken.
+    """
+    return (-(-seq_len // page_size) - -(-prefix_len // page_size)) * page_size
+
+
+class Req:
+    """One generation request (satisfies ``CacheableReq`` and the sessions' ``SessionReq``)."""
+
+    def __init__(
+        self,
+        rid: str,
+        origin_input_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+        session_params: SessionParams | None = None,
+    ) -> None:
+        self.rid = rid
+        self.origin_input_ids = origin_input_ids
+        self.output_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.return_logprob = return_logprob
+        self.top_logprobs_num = top_logprobs_num if return_logprob else 0
+        self.stream = stream
+        self.session_params = session_params
+
+        # Memory state (see the module docstring's table).
+        self.req_pool_idx: int | None = None
+        self.prefix_indices: torch.Tensor = _EMPTY
+        self.last_node: Any = None
+        self.fill_ids: list[int] = []
+        self.extend_input_len = 0
+        self._kv_len = 0
+        # True while a prefill of this request is cut short (the rest comes in later chunks).
+        self.is_chunked = False
+        # True once retracted: its next prefill recomputes origin_input_ids + output_ids.
+        self.is_retracted = False
+
+        # Reporting.
+        self.cached_tokens = 0
+        self.finished_reason: dict[str, Any] | None = None
+        self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        self.send_offset = 0  # output_ids[:send_offset] were already sent
+        # An abort message, set when an abort arrives while the request holds KV; the scheduler
+        # finishes it before the next batch forms.
+        self.to_abort: str | None = None
+
+    # ------------------------------------------------------------------ derived state
+    @property
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def kv_len(self) -> int:
+        return self._kv_len
+
+    @kv_len.setter
+    def kv_len(self, value: int) -> None:
+        assert len(self.prefix_indices) <= value <= self.seqlen, (
+            f"{self.rid}: kv_len {value} outside [prefix {len(self.prefix_indices)}, "
+            f"seqlen {self.seqlen}]"
+        )
+        self._kv_len = value
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def remaining_new_tokens(self) -> int:
+        return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
+
+    # ------------------------------------------------------------------ lifecycle
+    def reset_after_retract(self) -> None:
+        """Forget all KV state (the cache already took it); outputs are kept."""
+        assert self.req_pool_idx is None, "release the request row before resetting"
+        self.prefix_indices = _EMPTY
+        self.last_node = None
+        self.fill_ids = []
+        self.extend_input_len = 0
+        self._kv_len = 0
+        self.is_chunked = False
+        self.is_retracted = True
+
+    def check_finished(self, eos_token_ids: set[int], tokenizer: Any) -> None:
+        """Set ``finished_reason`` after a token was appended, if the request is done.
+
+        Order: the length limit, then (not before ``min_new_tokens``) EOS unless
+        ``ignore_eos``, ``stop_token_ids``, and stop strings found in text this request
+        generated.
+        """
+        if self.finished_reason is not None:
+            return
+        params = self.sampling_params
+        if len(self.output_ids) >= params.max_new_tokens:
+            self.finished_reason = {"type": "length", "length": params.max_new_tokens}
+            return
+        if len(self.output_ids) < params.min_new_tokens:
+            return
+        last = self.output_ids[-1]
+        if (not params.ignore_eos and last in eos_token_ids) or last in params.stop_token_ids:
+            self.finished_reason = {"type": "stop", "matched": last}
+            return
+        if params.stop:
+            # A byte-level token carries at least one byte and a character at most four, so
+            # this window covers the longest stop string (+1 for a merge at its left edge).
+            window = 4 * max(len(s) for s in params.stop) + 1
+            tail = tokenizer.decode(
+                self.output_ids[-window:], skip_special_tokens=params.skip_special_tokens
+            )
+            for stop in params.stop:
+                if stop in tail:
+                    self.finished_reason = {"type": "stop", "matched": stop}
+                    return
+
+
+def release_kv(req: Req, tree_cache: BasePrefixCache) -> None:
+    """Hand ``req``'s KV to the prefix cache, unlock its prefix and free its row.
+
+    KV slots of the row change hands like this with a radix tree (``cache_finished_req``'s
+    contract; the chunk cache frees them all):
+
+        | row range                         | before          | after                       |
+        |-----------------------------------|-----------------|-----------------------------|
+        | [0, len(prefix_indices))          | cache (locked)  | cache (unlocked)            |
+        | [len(prefix), page-aligned kv_len)| request         | cache (duplicates freed)    |
+        | [page-aligned kv_len, kv_len)     | request         | freed                       |
+    """
+    tree_cache.cache_finished_req(req, req.all_ids[: req.kv_len])
+    assert req.req_pool_idx is None, "cache_finished_req frees the request row"
+
+
+@dataclass(frozen=True)
+class BatchResources:
+    """What every batch of one scheduler allocates from and builds tensors for."""
+
+    req_to_token_pool: ReqToTokenPool
+    allocator: Any  # TokenToKVPoolAllocator
+    tree_cache: BasePrefixCache
+    device: torch.device
+    vocab_size: int
+    eos_token_ids: list[int]
+
+    @property
+    def page_size(self) -> int:
+        return self.allocator.page_size
+
+
+class ScheduleBatch:
+    """The requests of one model step (the running set between steps)."""
+
+    def __init__(self, reqs: list[Req], res: BatchResources) -> None:
+        self.reqs = reqs
+        self.res = res
+        self.forward_mode = ForwardMode.DECODE
+        # Step tensors (device), filled by prepare_for_extend / prepare_for_decode.
+        self.input_ids: torch.Tensor = _EMPTY
+        self.positions: torch.Tensor = _EMPTY
+        self.req_pool_indices: torch.Tensor = _EMPTY
+        self.seq_lens: torch.Tensor = _EMPTY
+        self.out_cache_loc: torch.Tensor = _EMPTY
+        self.seq_lens_cpu: list[int] = []
+        self.prefix_lens_cpu: list[int] = []
+        self.extend_lens_cpu: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    # ------------------------------------------------------------------ allocation
+    def _alloc_kv(self, num_tokens: int, alloc: Any) -> torch.Tensor:
+        """Run ``alloc()`` after evicting enough from the cache; the caller checked capacity."""
+        allocator = self.res.allocator
+        if allocator.available_size() < num_tokens:
+            self.res.tree_cache.evict(num_tokens - allocator.available_size())
+        out = alloc()
+        assert out is not None, (
+            f"KV allocation of {num_tokens} tokens failed although admission checked capacity "
+            f"(available {allocator.available_size()}, "
+            f"evictable {self.res.tree_cache.evictable_size()})"
+        )
+        return out
+
+    def _last_locs(self, rows: list[int], lens: list[int]) -> list[int]:
+        """KV slot of each request's last token already in its row (-1 when none)."""
+        table = self.res.req_to_token_pool.req_to_token
+        idx = [i for i, n in enumerate(lens) if n > 0]
+        out = [-1] * len(lens)
+        if idx:
+            locs = table[[rows[i] for i in idx], [lens[i] - 1 for i in idx]].tolist()
+            for i, loc in zip(idx, locs, strict=True):
+                out[i] = loc
+        return out
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(self.res.device, non_blocking=True)
+
+    def prepare_for_extend(self) -> None:
+        """Give each admitted request a row and KV slots for ``fill_ids[len(prefix):]``.
+
+        KV slots of request ``r`` after this call (row ``req_to_token[r.req_pool_idx]``):
+
+            | row range                      | slots from                | owner        |
+            |--------------------------------|---------------------------|--------------|
+            | [0, len(prefix_indices))       | prefix_indices (matched)  | prefix cache |
+            | [len(prefix), len(fill_ids))   | allocated here            | the request  |
+        """
+        res = self.res
+        self.forward_mode = ForwardMode.EXTEND
+        for req in self.reqs:
+            if req.req_pool_idx is None:
+                req.req_pool_idx = res.req_to_token_pool.alloc()
+                assert req.req_pool_idx is not None, "admission checked free request slots"
+        rows = [r.req_pool_idx for r in self.reqs]
+        self.prefix_lens_cpu = [len(r.prefix_indices) for r in self.reqs]
+        self.seq_lens_cpu = [len(r.fill_ids) for r in self.reqs]
+        self.extend_lens_cpu = [
+            s - p for s, p in zip(self.seq_lens_cpu, self.prefix_lens_cpu, strict=True)
+        ]
+        assert all(n > 0 for n in self.extend_lens_cpu), "every prefill computes >= 1 token"
+
+        table = res.req_to_token_pool.req_to_token
+        # Rows of reused prefixes point at the cache's slots.
+        with_prefix = [i for i, p in enumerate(self.prefix_lens_cpu) if p > 0]
+        if with_prefix:
+            prefix_rows = torch.tensor(
+                [rows[i] for i in with_prefix], dtype=torch.int64
+            ).repeat_interleave(torch.tensor([self.prefix_lens_cpu[i] for i in with_prefix]))
+            prefix_cols = torch.cat([torch.arange(self.prefix_lens_cpu[i]) for i in with_prefix])
+            prefix_slots = torch.cat([self.reqs[i].prefix_indices for i in with_prefix])
+            table[prefix_rows.to(table.device), prefix_cols.to(table.device)] = prefix_slots.to(
+                table.device
+            )
+
+        num_new = sum(self.extend_lens_cpu)
+        need = sum(
+            pages_to_alloc(p, s, res.page_size)
+            for p, s in zip(self.prefix_lens_cpu, self.seq_lens_cpu, strict=True)
+        )
+        last_locs = self._last_locs(rows, self.prefix_lens_cpu)
+        self.out_cache_loc = self._alloc_kv(
+            need,
+            lambda: res.allocator.alloc_extend(self.prefix_lens_cpu, self.seq_lens_cpu, last_locs),
+        )
+        assert self.out_cache_loc.numel() == num_new
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        for req, p, s in zip(self.reqs, self.prefix_lens_cpu, self.seq_lens_cpu, strict=True):
+            input_ids.extend(req.fill_ids[p:s])
+            positions.extend(range(p, s))
+            req.extend_input_len = s - p
+            req.kv_len = s
+        token_rows = torch.tensor(rows, dtype=torch.int64).repeat_interleave(
+            torch.tensor(self.extend_lens_cpu)
+        )
+        self.input_ids = self._to_device(input_ids)
+        self.positions = self._to_device(positions)
+        self.req_pool_indices = self._to_device(rows)
+        self.seq_lens = self._to_device(self.seq_lens_cpu)
+        table[token_rows.to(table.device), self.positions.to(table.device)] = (
+            self.out_cache_loc.to(table.device)
+        )
+
+    def decode_tokens_needed(self) -> int:
+        """KV slots the next decode step takes: a new page for each request whose last is full."""
+        page = self.res.page_size
+        return sum(page for r in self.reqs if r.kv_len % page == 0)
+
+    def prepare_for_decode(self) -> None:
+        """One new KV slot per request for its newest token (``output_ids[-1]``)."""
+        res = self.res
+        self.forward_mode = ForwardMode.DECODE
+        rows = [r.req_pool_idx for r in self.reqs]
+        kv_lens = [r.kv_len for r in self.reqs]
+        self.prefix_lens_cpu = []
+        self.extend_lens_cpu = []
+        self.seq_lens_cpu = [n + 1 for n in kv_lens]
+        last_locs = self._last_locs(rows, kv_lens)
+        self.out_cache_loc = self._alloc_kv(
+            self.decode_tokens_needed(),
+            lambda: res.allocator.alloc_decode(self.seq_lens_cpu, last_locs),
+        )
+        self.input_ids = self._to_device([r.output_ids[-1] for r in self.reqs])
+        self.positions = self._to_device(kv_lens)
+        self.req_pool_indices = self._to_device(rows)
+        self.seq_lens = self._to_device(self.seq_lens_cpu)
+        table = res.req_to_token_pool.req_to_token
+        table[self.req_pool_indices.to(table.device), self.positions.to(table.device)] = (
+            self.out_cache_loc.to(table.device)
+        )
+        for req in self.reqs:
+            req.kv_len += 1
+
+    # ------------------------------------------------------------------ membership
+    def filter_batch(self) -> None:
+        """Drop finished requests and those whose prefill is still being chunked."""
+        self.reqs = [r for r in self.reqs if not r.finished() and not r.is_chunked]
+
+    def merge_batch(self, other: ScheduleBatch) -> None:
+        self.reqs.extend(other.reqs)
+
+    # ------------------------------------------------------------------ the seam
+    def to_forward_batch(self) -> ForwardBatch:
+        res = self.res
+        return_logprob = any(r.return_logprob for r in self.reqs)
+        sampling_info = SamplingBatchInfo.from_params(
+            [r.sampling_params for r in self.reqs],
+            output_ids=[r.output_ids for r in self.reqs],
+            input_ids=[r.origin_input_ids for r in self.reqs],
+            eos_token_ids=res.eos_token_ids,
+            vocab_size=res.vocab_size,
+            device=res.device,
+        )
+        is_extend = self.forward_mode.is_extend
+        return ForwardBatch(
+            forward_mode=self.forward_mode,
+            input_ids=self.input_ids,
+            positions=self.positions,
+            req_pool_indices=self.req_pool_indices,
+            seq_lens=self.seq_lens,
+            out_cache_loc=self.out_cache_loc,
+            seq_lens_cpu=list(self.seq_lens_cpu),
+            extend_prefix_lens_cpu=list(self.prefix_lens_cpu) if is_extend else None,
+            extend_seq_lens_cpu=list(self.extend_lens_cpu) if is_extend else None,
+            sampling_info=sampling_info,
+            return_logprob=return_logprob,
+            top_logprobs_nums=[r.top_logprobs_num for r in self.reqs] if return_logprob else None,
+        )

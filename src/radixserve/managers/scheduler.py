@@ -1,0 +1,464 @@
+"""The scheduler process: the loop of DESIGN section 4 and the handlers of incoming messages.
+
+    while True:
+        process_input_requests(recv_nowait())   # TypeBasedDispatcher: type → handler
+        step():  batch = get_next_batch_to_run() # a new prefill if one fits, else a decode step
+                 run it, process its result      # output_processor.py
+                 or, idle: self_check_during_idle() and block on the socket
+
+The single-job objects it composes: ``SchedulePolicy`` + ``PrefillAdder`` (admission),
+``retract_for_decode`` (memory pressure), ``OutputProcessor`` (results), ``TpModelWorker``
+(the model) and the prefix cache (``mem_cache``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import zmq
+
+from radixserve import envs
+from radixserve.managers import ipc
+from radixserve.managers.dispatcher import TypeBasedDispatcher
+from radixserve.managers.io_struct import (
+    AbortReq,
+    CloseSessionReqInput,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    OpenSessionReqInput,
+    OpenSessionReqOutput,
+    TokenizedGenerateReqInput,
+)
+from radixserve.managers.output_processor import OutputProcessor
+from radixserve.managers.retraction import NewTokenRatio, retract_for_decode
+from radixserve.managers.schedule_batch import BatchResources, Req, ScheduleBatch, pages_to_alloc
+from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
+from radixserve.managers.tp_worker import TpModelWorker
+from radixserve.mem_cache import create_prefix_cache
+from radixserve.model_config import ModelConfig, resolve_device
+from radixserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# How long an idle loop blocks on its socket before looking around again.
+_IDLE_POLL_MS = 1000
+_PARENT_POLL_S = 0.5
+_SESSIONS_UNSUPPORTED = "sessions are not supported yet"
+
+
+class Scheduler:
+    """Owns the waiting queue, the running batch and the chunked request; runs one step at a time.
+
+    Outputs leave through the two callables (the process wires them to ZMQ sockets; tests pass
+    ``list.append``).
+    """
+
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        send_to_detokenizer: Callable[[Any], None],
+        send_to_tokenizer: Callable[[Any], None],
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self.server_args = server_args
+        self.send_to_tokenizer = send_to_tokenizer
+        device = resolve_device(server_args.device)
+        self.model_config = ModelConfig.from_path(
+            server_args.model_path, server_args.dtype, device, server_args.context_length
+        )
+        self.tp_worker = TpModelWorker(self.model_config, server_args, device)
+        runner = self.tp_worker.model_runner
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.allocator = runner.token_to_kv_pool_allocator
+        self.max_total_num_tokens: int = runner.max_total_num_tokens
+        self.max_running_requests: int = runner.max_running_requests
+        self.page_size: int = runner.page_size
+        if server_args.chunked_prefill_size < self.page_size:
+            raise ValueError(
+                f"chunked_prefill_size ({server_args.chunked_prefill_size}) must be at least "
+                f"page_size ({self.page_size})"
+            )
+        self.tree_cache = create_prefix_cache(
+            server_args.disable_radix_cache, self.req_to_token_pool, self.allocator, self.page_size
+        )
+        self.res = BatchResources(
+            req_to_token_pool=self.req_to_token_pool,
+            allocator=self.allocator,
+            tree_cache=self.tree_cache,
+            device=device,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
+        # Only for stop strings; the detokenizer makes the text.
+        tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer, local_files_only=True)
+        self.policy = SchedulePolicy(
+            server_args.schedule_policy, self.tree_cache, not server_args.disable_radix_cache
+        )
+        self.new_token_ratio = NewTokenRatio.from_conservativeness(
+            server_args.schedule_conservativeness
+        )
+        self.output_processor = OutputProcessor(
+            self.tree_cache, self.model_config.eos_token_ids, tokenizer, send_to_detokenizer
+        )
+
+        self.waiting_queue: list[Req] = []
+        self.running_batch = ScheduleBatch([], self.res)
+        self.chunked_req: Req | None = None  # holds KV between its prefill chunks
+        self.num_retracted_reqs = 0
+        self.last_leak_check: dict[str, Any] = {}
+        self._idle_checked = False
+        self._last_was_prefill = False
+
+        self.dispatcher = TypeBasedDispatcher(
+            [
+                (TokenizedGenerateReqInput, self.handle_generate_request),
+                (AbortReq, self.handle_abort),
+                (FlushCacheReq, self.handle_flush_cache),
+                (GetInternalStateReq, self.handle_get_internal_state),
+                (OpenSessionReqInput, self.handle_open_session),
+                (CloseSessionReqInput, self.handle_close_session),
+            ]
+        )
+
+    def ready_info(self) -> dict[str, Any]:
+        return {
+            "status": "ready",
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "max_running_requests": self.max_running_requests,
+            "context_len": self.model_config.context_len,
+            "page_size": self.page_size,
+        }
+
+    # ------------------------------------------------------------------ the loop
+    def event_loop(self, recv_socket: zmq.Socket) -> None:
+        """Run forever; an idle scheduler blocks on ``recv_socket`` instead of spinning."""
+        poller = zmq.Poller()
+        poller.register(recv_socket, zmq.POLLIN)
+        while True:
+            self.process_input_requests(ipc.recv_nowait(recv_socket))
+            if not self.step():
+                poller.poll(_IDLE_POLL_MS)
+
+    def process_input_requests(self, msgs: list[Any]) -> None:
+        for msg in msgs:
+            reply = self.dispatcher(msg)
+            if reply is not None:
+                self.send_to_tokenizer(reply)
+
+    def step(self) -> bool:
+        """Run one batch; False when there was nothing to run."""
+        batch = self.get_next_batch_to_run()
+        if batch is None:
+            if not self._idle_checked:
+                self.self_check_during_idle()
+                self._idle_checked = True
+            return False
+        self._idle_checked = False
+        result = self.tp_worker.forward_batch_generation(batch.to_forward_batch())
+        self.output_processor.process_batch_result(batch, result)
+        self._last_was_prefill = batch.forward_mode.is_extend
+        if batch.forward_mode.is_extend:
+            batch.filter_batch()
+            self.running_batch.merge_batch(batch)
+        else:
+            self.running_batch.filter_batch()
+        return True
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        """A prefill batch when one can be admitted, else a decode step of the running batch.
+
+        Right after a prefill the running batch decodes first, so that prefill and decode
+        alternate: a stream of arrivals or a long chunked prompt cannot starve running requests.
+        """
+        self._finish_aborted()
+        if not (self._last_was_prefill and not self.running_batch.is_empty()):
+            batch = self._get_new_batch_prefill()
+            if batch is not None:
+                return batch
+        if self.running_batch.is_empty():
+            return None
+        self._update_running_batch()
+        return None if self.running_batch.is_empty() else self.running_batch
+
+    def _finish_aborted(self) -> None:
+        """Requests marked by an abort leave (and free their KV) before the next batch forms."""
+        aborted = [r for r in self.running_batch.reqs if r.to_abort is not None]
+        if self.chunked_req is not None and self.chunked_req.to_abort is not None:
+            aborted.append(self.chunked_req)
+            self.chunked_req = None
+        for req in aborted:
+            self.output_processor.finish_now([req], {"type": "abort", "message": req.to_abort})
+        if aborted:
+            self.running_batch.filter_batch()
+
+    def _get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        running = self.running_batch.reqs
+        holding = len(running) + (self.chunked_req is not None)
+        adder = PrefillAdder(
+            tree_cache=self.tree_cache,
+            allocator=self.allocator,
+            running_reqs=running,
+            new_token_ratio=self.new_token_ratio.value,
+            max_prefill_tokens=self.server_args.max_prefill_tokens,
+            chunked_prefill_size=self.server_args.chunked_prefill_size,
+            free_req_slots=min(
+                self.req_to_token_pool.available_size(), self.max_running_requests - holding
+            ),
+        )
+        if self.chunked_req is not None:
+            if adder.add_chunked_req(self.chunked_req) is AddResult.CONTINUE:
+                self.chunked_req = None  # its last chunk runs now
+        if self.chunked_req is None:
+            self.policy.calc_priority(self.waiting_queue)
+            for req in self.waiting_queue:
+                if adder.add_one_req(req) is AddResult.STOP:
+                    break
+            if adder.new_chunked_req is not None:
+                self.chunked_req = adder.new_chunked_req
+        if not adder.can_run:
+            return None
+        admitted = {id(r) for r in adder.can_run}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        batch = ScheduleBatch(adder.can_run, self.res)
+        batch.prepare_for_extend()
+        return batch
+
+    def _update_running_batch(self) -> None:
+        """Make room for one more token per running request (retracting if needed)."""
+        result = retract_for_decode(self.running_batch, self.new_token_ratio)
+        if result.retracted:
+            self.num_retracted_reqs += len(result.retracted)
+            self.waiting_queue[:0] = result.retracted
+            logger.info(
+                "KV cache full: retracted %d request(s); new_token_ratio is now %.3f",
+                len(result.retracted),
+                self.new_token_ratio.value,
+            )
+        else:
+            self.new_token_ratio.step()
+        if result.cannot_fit:
+            message = (
+                f"out of KV cache memory: the request alone does not fit in the KV pool "
+                f"({self.max_total_num_tokens} tokens)"
+            )
+            reason = {"type": "abort", "message": message}
+            self.output_processor.finish_now(result.cannot_fit, reason)
+        if not self.running_batch.is_empty():
+            self.running_batch.prepare_for_decode()
+
+    # ------------------------------------------------------------------ handlers
+    def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
+        req = Req(
+            msg.rid,
+            list(msg.input_ids),
+            msg.sampling_params,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
+            stream=msg.stream,
+            session_params=msg.session_params,
+        )
+        error = self._validate(msg)
+        if error is not None:
+            logger.info("request %s rejected: %s", msg.rid, error)
+            self.output_processor.finish_now([req], {"type": "abort", "message": error})
+        elif msg.sampling_params.max_new_tokens == 0:
+            self.output_processor.finish_now([req], {"type": "length", "length": 0})
+        else:
+            self.waiting_queue.append(req)
+
+    def _validate(self, msg: TokenizedGenerateReqInput) -> str | None:
+        """Why the request cannot run, or None. It never reaches the model when rejected."""
+        ids = msg.input_ids
+        vocab = self.model_config.vocab_size
+        context_len = self.model_config.context_len
+        max_new = msg.sampling_params.max_new_tokens
+        if msg.session_params is not None:
+            return _SESSIONS_UNSUPPORTED
+        if not ids:
+            return "the input is empty: a request needs at least one input token"
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            return f"input token ids out of the vocabulary range [0, {vocab}): {bad[:8]}"
+        if len(ids) + max_new > context_len:
+            return (
+                f"the input ({len(ids)} tokens) plus max_new_tokens ({max_new}) exceeds the "
+                f"model's context length ({context_len} tokens)"
+            )
+        if pages_to_alloc(0, len(ids) + 1, self.page_size) > self.max_total_num_tokens:
+            return (
+                f"the input ({len(ids)} tokens) does not fit in the KV cache "
+                f"({self.max_total_num_tokens} tokens)"
+            )
+        if msg.top_logprobs_num < 0:
+            return f"top_logprobs_num must be non-negative, got {msg.top_logprobs_num}"
+        try:
+            msg.sampling_params.validate(vocab)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def handle_abort(self, msg: AbortReq) -> None:
+        """Waiting requests finish now; those holding KV are marked and finish at the next step
+        (``_finish_aborted``), so that a batch in flight is never changed under its feet."""
+
+        def hit(req: Req) -> bool:
+            return msg.abort_all or req.rid == msg.rid
+
+        reason = {"type": "abort", "message": "aborted by request"}
+        waiting = [r for r in self.waiting_queue if hit(r)]
+        self.waiting_queue = [r for r in self.waiting_queue if not hit(r)]
+        self.output_processor.finish_now(waiting, reason)
+        holding = list(self.running_batch.reqs)
+        if self.chunked_req is not None:
+            holding.append(self.chunked_req)
+        for req in holding:
+            if hit(req):
+                req.to_abort = reason["message"]
+
+    def handle_flush_cache(self, msg: FlushCacheReq) -> FlushCacheReqOutput:
+        if not self._is_idle():
+            return FlushCacheReqOutput(
+                success=False,
+                message=(
+                    f"cannot flush the cache while requests run or wait "
+                    f"({self._num_running()} running, {len(self.waiting_queue)} waiting)"
+                ),
+            )
+        self.tree_cache.reset()
+        self.allocator.clear()
+        self.req_to_token_pool.clear()
+        logger.info("cache flushed")
+        return FlushCacheReqOutput(success=True)
+
+    def handle_get_internal_state(self, msg: GetInternalStateReq) -> GetInternalStateReqOutput:
+        self.self_check_during_idle()  # fresh when idle, else the last idle check
+        return GetInternalStateReqOutput(
+            state={
+                "memory": self._memory_state(),
+                "num_running_reqs": self._num_running(),
+                "num_waiting_reqs": len(self.waiting_queue),
+                "max_total_num_tokens": self.max_total_num_tokens,
+                "num_retracted_reqs": self.num_retracted_reqs,
+                "new_token_ratio": self.new_token_ratio.value,
+                "last_leak_check": self.last_leak_check,
+            }
+        )
+
+    def handle_open_session(self, msg: OpenSessionReqInput) -> OpenSessionReqOutput:
+        return OpenSessionReqOutput(session_id=None, success=False, message=_SESSIONS_UNSUPPORTED)
+
+    def handle_close_session(self, msg: CloseSessionReqInput) -> None:
+        logger.warning("close_session(%s) ignored: %s", msg.session_id, _SESSIONS_UNSUPPORTED)
+
+    # ------------------------------------------------------------------ memory invariant
+    def _is_idle(self) -> bool:
+        return not self.waiting_queue and self.running_batch.is_empty() and not self.chunked_req
+
+    def _num_running(self) -> int:
+        return len(self.running_batch) + (self.chunked_req is not None)
+
+    def _memory_state(self) -> dict[str, int]:
+        return {
+            "available_kv_tokens": self.allocator.available_size(),
+            "evictable_kv_tokens": self.tree_cache.evictable_size(),
+            "protected_kv_tokens": self.tree_cache.protected_size(),
+            "session_held_kv_tokens": self.tree_cache.session_held_size(),
+            "total_kv_tokens": self.max_total_num_tokens,
+            "free_req_slots": self.req_to_token_pool.available_size(),
+            "total_req_slots": self.req_to_token_pool.size,
+        }
+
+    def self_check_during_idle(self) -> None:
+        """Check the memory invariant (DESIGN section 3) when no request runs or waits.
+
+        Idle, every KV slot is free, evictable or held for a session (nothing may stay locked),
+        and every request slot is free. A violation is a bug: logged, and raised in tests.
+        """
+        if not self._is_idle():
+            return
+        m = self._memory_state()
+        accounted = (
+            m["available_kv_tokens"]
+            + m["evictable_kv_tokens"]
+            + m["protected_kv_tokens"]
+            + m["session_held_kv_tokens"]
+        )
+        ok = (
+            accounted == m["total_kv_tokens"]
+            and m["protected_kv_tokens"] == 0
+            and m["free_req_slots"] == m["total_req_slots"]
+        )
+        self.last_leak_check = {"ok": ok, "time": time.time(), **m}
+        if not ok:
+            message = f"memory leak detected: {m}"
+            logger.error(message)
+            if envs.RADIXSERVE_TEST_STRICT.get():
+                raise RuntimeError(message)
+
+
+# ---------------------------------------------------------------------- process entry point
+def _exit_when_parent_dies() -> None:
+    """SIGTERM ourselves (a clean exit) once the parent is gone: we are reparented."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def run_scheduler_process(server_args_json: str, port_args_json: str, ready_conn: Any) -> None:
+    """Entry point of the spawned scheduler process (arguments arrive as JSON, never pickled)."""
+    server_args = ServerArgs(**json.loads(server_args_json))
+    logging.basicConfig(
+        level=server_args.log_level.upper(),
+        format="%(asctime)s scheduler %(levelname)s %(name)s: %(message)s",
+    )
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    _exit_when_parent_dies()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    random.seed(server_args.random_seed)
+    torch.manual_seed(server_args.random_seed)
+    ctx = zmq.Context()
+    try:
+        try:
+            port_args = ipc.PortArgs(**json.loads(port_args_json))
+            recv = ipc.pull_socket(ctx, port_args.scheduler_input)
+            to_detokenizer = ipc.push_socket(ctx, port_args.detokenizer_input)
+            to_tokenizer = ipc.push_socket(ctx, port_args.tokenizer_input)
+            scheduler = Scheduler(
+                server_args, partial(ipc.send, to_detokenizer), partial(ipc.send, to_tokenizer)
+            )
+        except Exception as e:
+            logger.exception("scheduler failed to start")
+            ready_conn.send_bytes(
+                json.dumps({"status": "error", "message": f"{type(e).__name__}: {e}"}).encode()
+            )
+            raise SystemExit(1) from e
+        ready_conn.send_bytes(json.dumps(scheduler.ready_info()).encode())
+        ready_conn.close()
+        logger.info("scheduler ready: %s", scheduler.ready_info())
+        scheduler.event_loop(recv)
+    finally:
+        ctx.destroy(linger=0)

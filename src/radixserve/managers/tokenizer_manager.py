@@ -1,0 +1,394 @@
+"""TokenizerManager: the server-side end of every request (runs on one asyncio loop).
+
+Flow of a generate call::
+
+    generate_request(GenerateReqInput)
+        normalize → tokenize → validate ALL prompts (ValueError before anything is sent)
+        → register one _ReqState per rid → TokenizedGenerateReqInput ──ZMQ──▶ scheduler
+    handle_loop (task reading the PULL socket)
+        BatchStrOutput (from the detokenizer) → append to the rid's state → wake its generate call
+        FlushCacheReqOutput / GetInternalStateReqOutput / OpenSessionReqOutput → waiting future
+    generate_request yields SGLang-shaped dicts built from the state; when its consumer stops
+    early (generator closed, task cancelled: a client disconnect) it sends AbortReq for every
+    request of the call that has not finished.
+
+All methods must be called on the loop that runs ``handle_loop``; the ``Engine`` bridges threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from radixserve.managers import io_struct, ipc
+from radixserve.managers.generate_request import GenerateReqInput
+from radixserve.managers.io_struct import (
+    AbortReq,
+    BatchStrOutput,
+    CloseSessionReqInput,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    OpenSessionReqInput,
+    OpenSessionReqOutput,
+    ReqStrOutput,
+    SessionParams,
+    TokenizedGenerateReqInput,
+)
+from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_CONTROL_REPLIES = (FlushCacheReqOutput, GetInternalStateReqOutput, OpenSessionReqOutput)
+
+
+@dataclass
+class RequestMetrics:
+    """Timings of one request (``time.perf_counter`` seconds), handed to the metrics callback."""
+
+    rid: str
+    arrival_time: float
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_time: float | None = None
+    # One entry per output message: (time it arrived, number of new tokens in it).
+    token_times: list[tuple[float, int]] = field(default_factory=list)
+    finish_time: float | None = None
+    finish_reason: dict[str, Any] | None = None
+
+
+@dataclass(eq=False)
+class _ReqState:
+    """Everything received so far for one rid; ``notify`` is shared by all rids of one call."""
+
+    rid: str
+    notify: asyncio.Event
+    return_logprob: bool
+    top_logprobs_num: int
+    metrics: RequestMetrics
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[list[float | int]] = field(default_factory=list)
+    top_logprobs: list[list[list[float | int]]] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finished_reason: dict[str, Any] | None = None
+    finished: bool = False
+    dirty: bool = False  # received something the consumer has not yielded yet
+
+    def to_dict(self) -> dict[str, Any]:
+        """SGLang's output shape; lists are copied so cumulative chunks stay immutable."""
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finished_reason,
+        }
+        if self.return_logprob:
+            meta["output_token_logprobs"] = list(self.logprobs)
+            if self.top_logprobs_num > 0:
+                meta["output_top_logprobs"] = list(self.top_logprobs)
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+
+
+class TokenizerManager:
+    """Tokenizes and validates requests, sends them to the scheduler, routes outputs back."""
+
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        port_args: ipc.PortArgs,
+        model_config: Any,
+        *,
+        on_request_finished: Callable[[RequestMetrics], None] | None = None,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self.server_args = server_args
+        self.model_config = model_config
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            server_args.tokenizer, local_files_only=True
+        )
+        # Called (on the loop) once per finished request; e.g. the HTTP layer's Prometheus hook.
+        self.on_request_finished = on_request_finished
+        self._ctx = zmq.asyncio.Context()
+        self._recv_sock = ipc.pull_socket(self._ctx, port_args.tokenizer_input)
+        self._send_ctx = zmq.Context()
+        self._send_sock = ipc.push_socket(self._send_ctx, port_args.scheduler_input)
+        self._states: dict[str, _ReqState] = {}
+        self._task: asyncio.Task | None = None
+        self._dead_message: str | None = None
+        # Control requests: one in flight per reply type, answered in order by the scheduler.
+        self._control_locks: dict[type, asyncio.Lock] = {}
+        self._control_futures: dict[type, asyncio.Future] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Begin the receive loop on the running asyncio loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.handle_loop())
+
+    def shutdown(self) -> None:
+        """Stop receiving, fail whatever still waits, close the sockets (idempotent)."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        if self._dead_message is None:
+            self.fail_all("the server is shutting down")
+        self._recv_sock.close(linger=0)
+        self._send_sock.close(linger=0)
+        self._ctx.term()
+        self._send_ctx.term()
+
+    def fail_all(self, message: str) -> None:
+        """Mark the backend unusable (e.g. a child process died): waiting calls raise."""
+        self._dead_message = message
+        for state in list(self._states.values()):
+            state.notify.set()
+        for fut in self._control_futures.values():
+            if not fut.done():
+                fut.set_exception(RuntimeError(message))
+
+    @property
+    def num_inflight(self) -> int:
+        """Requests sent to the scheduler that have not finished (for --max-queued-requests)."""
+        return len(self._states)
+
+    # ------------------------------------------------------------------ generate
+    async def generate_request(
+        self, obj: GenerateReqInput
+    ) -> AsyncIterator[dict[str, Any] | list[dict[str, Any]]]:
+        """Validate, send and yield outputs (see the module docstring for the shapes).
+
+        single non-stream: one final dict; single stream: cumulative dicts, the last with a
+        ``finish_reason``; batch non-stream: one list of dicts in input order; batch stream:
+        cumulative dicts with an ``"index"`` key into the batch.
+        """
+        self._check_alive()
+        obj.normalize()
+        reqs = [self._tokenize(obj[i], i if not obj.is_single else None)
+                for i in range(obj.batch_size)]
+        for req in reqs:
+            if req.rid in self._states:
+                raise ValueError(f"request id {req.rid!r} is already in flight")
+
+        notify = asyncio.Event()
+        now = time.perf_counter()
+        states = [
+            _ReqState(
+                rid=req.rid,
+                notify=notify,
+                return_logprob=obj.return_logprob,
+                top_logprobs_num=obj.top_logprobs_num,
+                metrics=RequestMetrics(rid=req.rid, arrival_time=now),
+            )
+            for req in reqs
+        ]
+        for state, req in zip(states, reqs, strict=True):
+            self._states[state.rid] = state
+            ipc.send(self._send_sock, req)
+        try:
+            while True:
+                await notify.wait()
+                notify.clear()
+                self._check_alive()
+                done = all(s.finished for s in states)
+                if obj.stream:
+                    for i, state in enumerate(states):
+                        if state.dirty:
+                            state.dirty = False
+                            out = state.to_dict()
+                            if not obj.is_single:
+                                out["index"] = i
+                            yield out
+                elif done:
+                    outs = [s.to_dict() for s in states]
+                    yield outs[0] if obj.is_single else outs
+                if done:
+                    return
+        finally:
+            for state in states:
+                if not state.finished and self._states.pop(state.rid, None) is state:
+                    if self._dead_message is None:
+                        ipc.send(self._send_sock, AbortReq(rid=state.rid))
+                    self._report(state, {"type": "abort", "message": "the caller stopped reading"})
+
+    def _tokenize(self, obj: GenerateReqInput, index: int | None) -> TokenizedGenerateReqInput:
+        """Build the scheduler message of one prompt; ``ValueError`` names the batch index."""
+        try:
+            return self._tokenize_one(obj)
+        except ValueError as e:
+            if index is None:
+                raise
+            raise ValueError(f"prompt {index}: {e}") from e
+
+    def _tokenize_one(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+        if obj.input_ids is not None:
+            input_ids = list(obj.input_ids)
+        else:
+            input_ids = self.tokenizer.encode(obj.text)
+        if not input_ids:
+            raise ValueError("the prompt is empty")
+        vocab_size = self.model_config.vocab_size
+        bad = sorted({t for t in input_ids if not 0 <= t < vocab_size})
+        if bad:
+            raise ValueError(
+                f"input_ids contain token ids outside the vocabulary [0, {vocab_size}): {bad[:10]}"
+            )
+        sampling_params = SamplingParams.from_dict(obj.sampling_params)
+        sampling_params.validate(vocab_size)
+        context_len = self.model_config.context_len
+        prompt_len, max_new = len(input_ids), sampling_params.max_new_tokens
+        if prompt_len >= context_len:
+            raise ValueError(
+                f"the prompt is too long: it has {prompt_len} tokens and the model's context "
+                f"length is {context_len} tokens"
+            )
+        if prompt_len + max_new > context_len:
+            raise ValueError(
+                f"the prompt has {prompt_len} tokens and max_new_tokens is {max_new}: "
+                f"{prompt_len + max_new} tokens exceed the model's context length of "
+                f"{context_len} tokens"
+            )
+        session_params = None
+        if obj.session_params:
+            try:
+                session_params = msgspec.convert(obj.session_params, SessionParams)
+            except msgspec.ValidationError as e:
+                raise ValueError(f"invalid session_params: {e}") from e
+        return TokenizedGenerateReqInput(
+            rid=obj.rid,
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            input_text=obj.text,
+            return_logprob=obj.return_logprob,
+            top_logprobs_num=obj.top_logprobs_num,
+            stream=obj.stream,
+            session_params=session_params,
+        )
+
+    def _check_alive(self) -> None:
+        if self._dead_message is not None:
+            raise RuntimeError(self._dead_message)
+
+    # ------------------------------------------------------------------ receive
+    async def handle_loop(self) -> None:
+        """Route every message from the detokenizer and the scheduler (runs until cancelled)."""
+        while True:
+            data = await self._recv_sock.recv()
+            try:
+                self._dispatch(io_struct.decode(data))
+            except Exception:  # one bad message must not stop every request's outputs
+                logger.exception("tokenizer manager failed to handle a message")
+
+    def _dispatch(self, msg: io_struct.Message) -> None:
+        if isinstance(msg, BatchStrOutput):
+            for out in msg.outputs:
+                self._handle_output(out)
+        elif isinstance(msg, _CONTROL_REPLIES):
+            fut = self._control_futures.get(type(msg))
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            else:
+                logger.warning("unexpected %s without a waiting caller", type(msg).__name__)
+        else:
+            logger.warning("tokenizer manager ignores message %s", type(msg).__name__)
+
+    def _handle_output(self, out: ReqStrOutput) -> None:
+        state = self._states.get(out.rid)
+        if state is None:  # aborted by its consumer, outputs may still be in flight
+            return
+        now = time.perf_counter()
+        state.text += out.new_text
+        state.output_ids.extend(out.new_token_ids)
+        state.prompt_tokens = out.prompt_tokens
+        state.completion_tokens = out.completion_tokens
+        state.cached_tokens = out.cached_tokens
+        if state.return_logprob and out.output_logprobs is not None:
+            state.logprobs.extend(
+                [lp, tid] for lp, tid in zip(out.output_logprobs, out.new_token_ids, strict=True)
+            )
+        if state.top_logprobs_num > 0 and out.output_top_logprobs is not None:
+            state.top_logprobs.extend(
+                [[lp, tid] for tid, lp in tops] for tops in out.output_top_logprobs
+            )
+        metrics = state.metrics
+        if out.new_token_ids:
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.token_times.append((now, len(out.new_token_ids)))
+        if out.finished_reason is not None:
+            state.finished = True
+            state.finished_reason = out.finished_reason
+            del self._states[out.rid]
+            self._report(state, out.finished_reason)
+        state.dirty = True
+        state.notify.set()
+
+    def _report(self, state: _ReqState, reason: dict[str, Any]) -> None:
+        """Complete the request's metrics and hand them to the callback, if any."""
+        metrics = state.metrics
+        metrics.prompt_tokens = state.prompt_tokens
+        metrics.cached_tokens = state.cached_tokens
+        metrics.completion_tokens = state.completion_tokens
+        metrics.finish_time = time.perf_counter()
+        metrics.finish_reason = reason
+        if self.on_request_finished is not None:
+            try:
+                self.on_request_finished(metrics)
+            except Exception:  # a metrics bug must not break serving
+                logger.exception("on_request_finished callback failed")
+
+    # ------------------------------------------------------------------ control requests
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Ask the scheduler to abort ``rid`` (or everything); the request finishes as abort."""
+        self._check_alive()
+        ipc.send(self._send_sock, AbortReq(rid=rid, abort_all=abort_all))
+
+    async def flush_cache(self) -> FlushCacheReqOutput:
+        """Flush the prefix cache; the scheduler refuses (success False) while requests run."""
+        return await self._control(FlushCacheReq(), FlushCacheReqOutput)
+
+    async def get_internal_state(self) -> dict[str, Any]:
+        reply = await self._control(GetInternalStateReq(), GetInternalStateReqOutput)
+        return reply.state
+
+    async def open_session(self, req: OpenSessionReqInput) -> str:
+        """Open a session and return its id; ``ValueError`` with the scheduler's reason."""
+        if req.capacity_of_str_len <= 0:
+            raise ValueError(
+                f"capacity_of_str_len must be positive, got {req.capacity_of_str_len}"
+            )
+        reply = await self._control(req, OpenSessionReqOutput)
+        if not reply.success or reply.session_id is None:
+            raise ValueError(reply.message or "failed to open the session")
+        return reply.session_id
+
+    async def close_session(self, session_id: str) -> None:
+        self._check_alive()
+        ipc.send(self._send_sock, CloseSessionReqInput(session_id=session_id))
+
+    async def _control(self, req: io_struct._Msg, reply_type: type) -> Any:
+        self._check_alive()
+        lock = self._control_locks.setdefault(reply_type, asyncio.Lock())
+        async with lock:
+            fut = asyncio.get_running_loop().create_future()
+            self._control_futures[reply_type] = fut
+            try:
+                ipc.send(self._send_sock, req)
+                return await asyncio.wait_for(fut, self.server_args.watchdog_timeout)
+            finally:
+                del self._control_futures[reply_type]

@@ -1,0 +1,149 @@
+"""KV slot allocation: hands out indices into the KV pool, one page at a time.
+
+Slot ``s`` lives in page ``s // page_size``. Page 0 (slots ``0..page_size-1``) is the padding page
+the KV pool reserves: it is never handed out, so a zeroed ``req_to_token`` row or a padded
+``out_cache_loc`` points at harmless memory. Pages ``1..size // page_size`` are allocatable.
+
+A page has one owner at a time: a request, or a radix-tree node. A request's last page may be
+partly filled; ``alloc_extend`` and ``alloc_decode`` continue it (slot ``last_loc + 1`` onwards)
+before taking a new page, so a request's KV is made of whole pages plus one partial page at its
+end, and the prefix cache can take over whole pages. ``free`` works on pages too: passing any slot
+of a page returns the whole page.
+
+The free list and the double-free bookkeeping are tensors on the pool's device; Python loops run
+per request (in ``alloc_extend``/``alloc_decode``), never per token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class TokenToKVPoolAllocator:
+    """Page-granular allocator of KV slots (``size`` tokens, a multiple of ``page_size``)."""
+
+    def __init__(self, size: int, page_size: int, device: torch.device | str) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if size < 0 or size % page_size:
+            raise ValueError(
+                f"KV pool size must be a non-negative multiple of page_size={page_size}, got {size}"
+            )
+        self.size = size
+        self.page_size = page_size
+        self.num_pages = size // page_size
+        self.device = torch.device(device)
+        self._free_pages: torch.Tensor
+        self._page_is_free: torch.Tensor  # [num_pages + 1] bool: catches double frees cheaply
+        self.clear()
+
+    def clear(self) -> None:
+        """Make every page free again (flush_cache, when no request holds KV)."""
+        self._free_pages = torch.arange(
+            1, self.num_pages + 1, dtype=torch.int64, device=self.device
+        )
+        self._page_is_free = torch.ones(self.num_pages + 1, dtype=torch.bool, device=self.device)
+        self._page_is_free[0] = False
+
+    def available_size(self) -> int:
+        """Free KV slots (whole free pages, in tokens)."""
+        return len(self._free_pages) * self.page_size
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """``num_tokens`` fresh slots (``page_size == 1`` only), or ``None`` if too few are free."""
+        assert self.page_size == 1, "alloc(n) is for page_size 1; use alloc_extend"
+        return self._take_pages(num_tokens)
+
+    def alloc_extend(
+        self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]
+    ) -> torch.Tensor | None:
+        """Slots for positions ``[prefix_lens[i], seq_lens[i])`` of each request, concatenated.
+
+        A request whose prefix ends inside a page (``prefix_len % page_size != 0``) first gets the
+        rest of that page (``last_locs[i] + 1, ...``; ``last_locs[i]`` is the slot of its token at
+        ``prefix_len - 1``, or -1 without a prefix), then whole new pages. All or nothing: returns
+        ``None`` and allocates nothing when the new pages do not fit.
+        """
+        ps = self.page_size
+        if ps == 1:
+            return self._take_pages(sum(s - p for p, s in zip(prefix_lens, seq_lens, strict=True)))
+
+        num_new_pages = 0
+        for p, s, last in zip(prefix_lens, seq_lens, last_locs, strict=True):
+            assert 0 <= p <= s, f"bad extend: prefix_len {p}, seq_len {s}"
+            assert p % ps == 0 or (last >= ps and last % ps == (p - 1) % ps), (
+                f"last_loc {last} is not the slot of position {p - 1} (page_size {ps})"
+            )
+            num_new_pages += _cdiv(s, ps) - _cdiv(p, ps)
+        pages = self._take_pages(num_new_pages)
+        if pages is None:
+            return None
+
+        offsets = torch.arange(ps, dtype=torch.int64, device=self.device)
+        parts: list[torch.Tensor] = []
+        next_page = 0
+        for p, s, last in zip(prefix_lens, seq_lens, last_locs, strict=True):
+            fill = min(s - p, -p % ps)  # room left in the request's partial last page
+            if fill:
+                parts.append(
+                    torch.arange(last + 1, last + 1 + fill, dtype=torch.int64, device=self.device)
+                )
+            k = _cdiv(s, ps) - _cdiv(p, ps)
+            if k:
+                slots = (pages[next_page : next_page + k, None] * ps + offsets).flatten()
+                parts.append(slots[: s - p - fill])
+                next_page += k
+        if not parts:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        return torch.cat(parts)
+
+    def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
+        """One slot per request for its newest token (``seq_lens`` count that token).
+
+        The slot is ``last_locs[i] + 1`` while the request's last page has room, else the first
+        slot of a new page. All or nothing, like ``alloc_extend``.
+        """
+        ps = self.page_size
+        if ps == 1:
+            return self._take_pages(len(seq_lens))
+
+        needs_page = []
+        for s, last in zip(seq_lens, last_locs, strict=True):
+            assert s >= 1, f"bad decode seq_len {s}"
+            new_page = (s - 1) % ps == 0
+            assert new_page or (last >= ps and last % ps == (s - 2) % ps), (
+                f"last_loc {last} is not the slot of position {s - 2} (page_size {ps})"
+            )
+            needs_page.append(new_page)
+        pages = self._take_pages(sum(needs_page))
+        if pages is None:
+            return None
+        out = torch.tensor(last_locs, dtype=torch.int64, device=self.device) + 1
+        out[torch.tensor(needs_page, dtype=torch.bool, device=self.device)] = pages * ps
+        return out
+
+    def free(self, indices: torch.Tensor) -> None:
+        """Return every page that has a slot in ``indices`` (duplicates within a page are fine)."""
+        if indices.numel() == 0:
+            return
+        pages = torch.unique(indices // self.page_size)  # sorted
+        assert self.page_size > 1 or len(pages) == indices.numel(), "double free of a KV slot"
+        assert 1 <= int(pages[0]) and int(pages[-1]) <= self.num_pages, (
+            f"freeing slots outside pages 1..{self.num_pages} (page 0 is padding)"
+        )
+        assert not bool(self._page_is_free[pages].any()), "double free of a KV page"
+        self._page_is_free[pages] = True
+        self._free_pages = torch.cat((self._free_pages, pages))
+
+    def _take_pages(self, num_pages: int) -> torch.Tensor | None:
+        """The first ``num_pages`` free pages (slots, when page_size is 1), or ``None``."""
+        if num_pages > len(self._free_pages):
+            return None
+        pages = self._free_pages[:num_pages]
+        self._free_pages = self._free_pages[num_pages:]
+        self._page_is_free[pages] = False
+        return pages

@@ -1,0 +1,285 @@
+"""Radix-tree prefix cache: requests that share a prompt prefix share its KV slots.
+
+The tree maps token ids to KV slots. Every edge key is a whole number of pages, children are keyed
+by their first page, and nodes split only at page boundaries; so every slot range in the tree is
+made of whole pages the tree owns outright, which is what the page-granular allocator frees.
+
+A node is *protected* while a running request locks it or a descendant (``inc_lock_ref`` pins the
+whole path to the root) and *evictable* otherwise. Both counters change incrementally, in O(depth)
+per lock, and unlocked leaves are kept in a set, so neither accounting nor eviction walks the tree.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Hashable
+
+import torch
+
+from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, CacheableReq, MatchResult
+from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
+
+
+class _TreeNode:
+    """One edge of the tree: ``key`` tokens (whole pages) whose KV lives in slots ``value``."""
+
+    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access")
+
+    def __init__(
+        self,
+        node_id: int,
+        key: list[int],
+        value: torch.Tensor,
+        parent: _TreeNode | None,
+        last_access: int,
+    ) -> None:
+        self.id = node_id
+        self.key = key
+        self.value = value
+        self.parent = parent
+        self.children: dict[Hashable, _TreeNode] = {}
+        self.lock_ref = 0
+        self.last_access = last_access
+
+
+class RadixCache(BasePrefixCache):
+    """The default prefix cache (see ``BasePrefixCache`` for the contract)."""
+
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: TokenToKVPoolAllocator,
+        page_size: int,
+    ) -> None:
+        if page_size != allocator.page_size:
+            raise ValueError(
+                f"page_size {page_size} differs from the allocator's {allocator.page_size}"
+            )
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.page_size = page_size
+        self.device = allocator.device
+        self._ids = itertools.count()
+        self._clock = itertools.count(1)  # logical time: deterministic LRU order
+        self._init_tree()
+
+    def _init_tree(self) -> None:
+        self._root = _TreeNode(next(self._ids), [], self._empty(), None, 0)
+        self._evictable_size = 0
+        self._protected_size = 0
+        self._evictable_leaves: set[_TreeNode] = set()  # unlocked nodes without children
+
+    # ---- queries -----------------------------------------------------------------------------
+
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        """Longest cached page-aligned prefix; splits a node so ``last_node`` ends exactly there."""
+        tick = next(self._clock)
+        end = len(key) // self.page_size * self.page_size
+        node, pos = self._root, 0
+        values: list[torch.Tensor] = []
+        while pos < end:
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            child.last_access = tick
+            n = self._match_len(child.key, key, pos, end)
+            if n < len(child.key):
+                child = self._split(child, n)
+            values.append(child.value)
+            node, pos = child, pos + n
+        indices = torch.cat(values) if values else self._empty()
+        return MatchResult(device_indices=indices, last_node=node)
+
+    def evictable_size(self) -> int:
+        return self._evictable_size
+
+    def protected_size(self) -> int:
+        return self._protected_size
+
+    def total_size(self) -> int:
+        """Tokens held by the tree (evictable + protected)."""
+        return self._evictable_size + self._protected_size
+
+    # ---- updates -----------------------------------------------------------------------------
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        assert len(key) % self.page_size == 0, f"insert of {len(key)} tokens is not page aligned"
+        assert len(value) == len(key), "insert: key and value lengths differ"
+        tick = next(self._clock)
+        node, pos = self._root, 0
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            child.last_access = tick
+            n = self._match_len(child.key, key, pos, len(key))
+            if n < len(child.key):
+                child = self._split(child, n)
+            node, pos = child, pos + n
+        if pos < len(key):
+            # Clone: ``value`` is usually a view of a request row that will be reused.
+            leaf = _TreeNode(next(self._ids), key[pos:], value[pos:].clone(), node, tick)
+            node.children[self._child_key(key, pos)] = leaf
+            self._evictable_size += len(leaf.key)
+            self._evictable_leaves.discard(node)
+            self._evictable_leaves.add(leaf)
+        return pos
+
+    def inc_lock_ref(self, node: _TreeNode) -> None:
+        while node is not self._root:
+            if node.lock_ref == 0:
+                self._evictable_size -= len(node.key)
+                self._protected_size += len(node.key)
+                self._evictable_leaves.discard(node)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: _TreeNode) -> None:
+        while node is not self._root:
+            assert node.lock_ref > 0, "dec_lock_ref without a matching inc_lock_ref"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable_size += len(node.key)
+                self._protected_size -= len(node.key)
+                if not node.children:
+                    self._evictable_leaves.add(node)
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> int:
+        if num_tokens <= 0:
+            return 0
+        heap = [(leaf.last_access, leaf.id, leaf) for leaf in self._evictable_leaves]
+        heapq.heapify(heap)
+        freed: list[torch.Tensor] = []
+        num_freed = 0
+        while num_freed < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[self._child_key(leaf.key, 0)]
+            self._evictable_leaves.remove(leaf)
+            self._evictable_size -= len(leaf.key)
+            freed.append(leaf.value)
+            num_freed += len(leaf.value)
+            if parent is not self._root and not parent.children and parent.lock_ref == 0:
+                self._evictable_leaves.add(parent)
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        if freed:
+            self.allocator.free(torch.cat(freed))
+        return num_freed
+
+    def cache_finished_req(self, req: CacheableReq, token_ids: list[int]) -> None:
+        assert req.req_pool_idx is not None, f"request {req.rid} holds no request slot"
+        row = req.req_pool_idx
+        kv = self.req_to_token_pool.req_to_token[row, : len(token_ids)]
+        aligned = len(token_ids) // self.page_size * self.page_size
+        cached = len(req.prefix_indices) // self.page_size * self.page_size
+        new_prefix = self.insert(token_ids[:aligned], kv[:aligned])
+        assert new_prefix >= cached, "the request's locked prefix vanished from the tree"
+        # Slots of ``kv`` (positions of the request row):
+        #   | [0, cached)          | tree's, pinned by req.last_node  | unlocked below           |
+        #   | [cached, new_prefix) | request's; another request       | freed (duplicates)       |
+        #   |                      | cached these tokens meanwhile    |                          |
+        #   | [new_prefix, aligned)| request's                        | inserted: now the tree's |
+        #   | [aligned, len)       | request's partial last page      | freed                    |
+        self.allocator.free(torch.cat((kv[cached:new_prefix], kv[aligned:])))
+        self.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(row)
+        req.req_pool_idx = None
+
+    def cache_unfinished_req(self, req: CacheableReq, token_ids: list[int]) -> None:
+        assert req.req_pool_idx is not None, f"request {req.rid} holds no request slot"
+        row = req.req_pool_idx
+        kv = self.req_to_token_pool.req_to_token[row, : len(token_ids)]
+        aligned = len(token_ids) // self.page_size * self.page_size
+        # After an earlier call prefix_indices may end in the request's own partial page: only
+        # its page-aligned part belongs to the tree.
+        cached = len(req.prefix_indices) // self.page_size * self.page_size
+        new_prefix = self.insert(token_ids[:aligned], kv[:aligned])
+        assert new_prefix >= cached, "the request's locked prefix vanished from the tree"
+        # Slots of ``kv`` (positions of the request row):
+        #   | [0, cached)          | tree's, pinned by req.last_node  | lock moves to new node   |
+        #   | [cached, new_prefix) | request's; already in the tree   | freed; row repointed at  |
+        #   |                      |                                  | the tree's slots         |
+        #   | [new_prefix, aligned)| request's                        | inserted: now the tree's |
+        #   | [aligned, len)       | request's partial last page      | kept by the request      |
+        self.allocator.free(kv[cached:new_prefix])
+        match = self.match_prefix(token_ids[:aligned])
+        assert len(match.device_indices) == aligned, "a just-inserted prefix did not match"
+        tail = kv[aligned:].clone()
+        self.req_to_token_pool.req_to_token[row, cached:aligned] = match.device_indices[cached:]
+        self.inc_lock_ref(match.last_node)
+        self.dec_lock_ref(req.last_node)
+        req.prefix_indices = torch.cat((match.device_indices, tail))
+        req.last_node = match.last_node
+
+    def reset(self) -> None:
+        """Drop every node and return its slots to the allocator (no request may hold a lock)."""
+        assert self._protected_size == 0, "reset while running requests lock the tree"
+        values = [node.value for node in self._nodes()]
+        if values:
+            self.allocator.free(torch.cat(values))
+        self._init_tree()
+
+    def pretty_print(self) -> None:
+        """Print one line per node (head of its key, token count, lock count) and the totals."""
+        stack = [(child, 0) for child in self._root.children.values()]
+        while stack:
+            node, depth = stack.pop()
+            head = node.key[:8] if len(node.key) <= 8 else [*node.key[:8], "..."]
+            print(f"{'  ' * depth}{head} tokens={len(node.key)} lock={node.lock_ref}")
+            stack.extend((child, depth + 1) for child in node.children.values())
+        print(
+            f"total={self.total_size()} evictable={self._evictable_size} "
+            f"protected={self._protected_size}"
+        )
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _child_key(self, key: list[int], pos: int) -> Hashable:
+        """Children are keyed by their first page (a token id when page_size is 1)."""
+        if self.page_size == 1:
+            return key[pos]
+        return tuple(key[pos : pos + self.page_size])
+
+    def _match_len(self, node_key: list[int], key: list[int], pos: int, end: int) -> int:
+        """Length of the common prefix of ``node_key`` and ``key[pos:end]``, in whole pages."""
+        n = min(len(node_key), end - pos)
+        ps = self.page_size
+        i = 0
+        if ps == 1:
+            while i < n and node_key[i] == key[pos + i]:
+                i += 1
+        else:
+            while i < n and node_key[i : i + ps] == key[pos + i : pos + i + ps]:
+                i += ps
+        return i
+
+    def _split(self, node: _TreeNode, n: int) -> _TreeNode:
+        """Cut ``node`` after ``n`` tokens (a page boundary); returns the new upper half."""
+        parent = node.parent
+        assert parent is not None and 0 < n < len(node.key) and n % self.page_size == 0
+        upper = _TreeNode(
+            next(self._ids), node.key[:n], node.value[:n].clone(), parent, node.last_access
+        )
+        upper.lock_ref = node.lock_ref  # same locks: every lock on node passes through upper
+        parent.children[self._child_key(node.key, 0)] = upper
+        node.key = node.key[n:]
+        node.value = node.value[n:].clone()
+        node.parent = upper
+        upper.children[self._child_key(node.key, 0)] = node
+        return upper
+
+    def _nodes(self) -> list[_TreeNode]:
+        """Every node but the root."""
+        out: list[_TreeNode] = []
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.device)

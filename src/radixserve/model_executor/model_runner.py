@@ -1,0 +1,137 @@
+"""Owns the model and its memory on one device: weights, request slots, KV pool, attention.
+
+Construction order matters: the KV budget is planned first (from free memory minus the weights'
+size read from the checkpoint headers), the pools and the attention backend are created, and the
+model is built around that backend and loaded. ``forward`` then runs one ``ForwardBatch`` and
+returns the float32 logits of the last token of each request; ``sample`` turns them into tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING
+
+import psutil
+import torch
+
+from radixserve.layers.attention import create_attention_backend
+from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
+from radixserve.mem_cache.kv_pool import MHATokenToKVPool
+from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
+from radixserve.model_config import ModelConfig, resolve_device
+from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
+from radixserve.model_executor.model_loader import checkpoint_weight_bytes, load_model
+from radixserve.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from radixserve.layers.sampler import SampleOutput, Sampler
+
+logger = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+_DEFAULT_MEM_FRACTION = {"cpu": 0.3, "cuda": 0.85}
+_DEFAULT_MAX_RUNNING_REQUESTS = 256
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free device memory on CUDA, available RAM on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return psutil.virtual_memory().available
+
+
+class ModelRunner:
+    def __init__(
+        self, model_config: ModelConfig, server_args: ServerArgs, device: torch.device | str
+    ) -> None:
+        self.model_config = model_config
+        self.device = resolve_device(device)
+        self.dtype = model_config.torch_dtype
+        self.page_size = server_args.page_size
+        self.vocab_size = model_config.vocab_size
+
+        self.max_total_num_tokens = self._plan_kv_tokens(server_args)
+        self.max_running_requests = server_args.max_running_requests or min(
+            _DEFAULT_MAX_RUNNING_REQUESTS, self.max_total_num_tokens
+        )
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests, model_config.context_len, self.device
+        )
+        self.token_to_kv_pool = MHATokenToKVPool(
+            size=self.max_total_num_tokens,
+            page_size=self.page_size,
+            dtype=self.dtype,
+            head_num=model_config.num_key_value_heads,
+            head_dim=model_config.head_dim,
+            layer_num=model_config.num_hidden_layers,
+            device=self.device,
+        )
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
+            self.max_total_num_tokens, self.page_size, self.device
+        )
+        logger.info(
+            "KV cache: %d tokens, %.4g GiB (%s, page size %d); %d request slots",
+            self.max_total_num_tokens,
+            self.token_to_kv_pool.size_bytes() / _GIB,
+            str(self.dtype).removeprefix("torch."),
+            self.page_size,
+            self.max_running_requests,
+        )
+        self.attn_backend = create_attention_backend(
+            "torch_native", self.req_to_token_pool, self.token_to_kv_pool
+        )
+        self.model = load_model(model_config, self.attn_backend, self.device)
+
+    def _plan_kv_tokens(self, server_args: ServerArgs) -> int:
+        """KV slots to allocate, rounded down to whole pages.
+
+        ``max_total_tokens`` wins when set; otherwise ``mem_fraction_static`` (default 0.3 on
+        CPU, 0.85 on CUDA) of the memory left after the weights, divided by one token's KV bytes.
+        """
+        cfg = self.model_config
+        if server_args.max_total_tokens is not None:
+            tokens = server_args.max_total_tokens
+        else:
+            fraction = server_args.mem_fraction_static or _DEFAULT_MEM_FRACTION.get(
+                self.device.type, _DEFAULT_MEM_FRACTION["cuda"]
+            )
+            weight_bytes = checkpoint_weight_bytes(cfg, self.dtype)
+            budget = (available_memory_bytes(self.device) - weight_bytes) * fraction
+            per_token = MHATokenToKVPool.bytes_per_token(
+                cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers, self.dtype
+            )
+            tokens = int(budget) // per_token
+        tokens = tokens // self.page_size * self.page_size
+        if tokens <= 0:
+            raise ValueError(
+                f"not enough memory for a KV cache of one page ({self.page_size} tokens) on "
+                f"{self.device}; lower the page size or raise max_total_tokens/mem_fraction_static"
+            )
+        return tokens
+
+    @functools.cached_property
+    def _sampler(self) -> Sampler:
+        # Imported on first use: the runner's forward path does not depend on sampling code.
+        from radixserve.layers.sampler import Sampler
+
+        return Sampler()
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Float32 next-token logits ``[batch_size, vocab_size]``; KV of the new tokens is stored
+        at ``forward_batch.out_cache_loc``."""
+        if forward_batch.forward_mode is ForwardMode.IDLE or forward_batch.batch_size == 0:
+            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+        self.attn_backend.init_forward_metadata(forward_batch)
+        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, forward_batch: ForwardBatch) -> SampleOutput:
+        """Next tokens (and logprobs when asked) for the logits ``forward`` returned."""
+        return self._sampler(
+            logits,
+            forward_batch.sampling_info,
+            forward_batch.return_logprob,
+            forward_batch.top_logprobs_nums,
+        )

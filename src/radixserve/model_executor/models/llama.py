@@ -1,0 +1,197 @@
+"""Llama-style decoder (also Mistral, and the base of Qwen2 and Qwen3).
+
+Parameter names match the Hugging Face checkpoints (``model.layers.N.self_attn.q_proj`` ...),
+except that q/k/v and gate/up are fused; ``packed_modules_mapping`` tells the loader which
+checkpoint tensor fills which shard of a fused layer. The variants differ only in two switches:
+``qkv_bias`` (Qwen2) and ``qk_norm`` (Qwen3: RMSNorm per head on q and k before RoPE).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixserve.layers.activation import SiluAndMul
+from radixserve.layers.attention import Attention, AttentionBackend
+from radixserve.layers.layernorm import RMSNorm
+from radixserve.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from radixserve.layers.logits_processor import LogitsProcessor
+from radixserve.layers.rotary_embedding import RotaryEmbedding
+from radixserve.layers.vocab_embedding import LMHead, VocabEmbedding
+from radixserve.model_config import ModelConfig
+from radixserve.model_executor.forward_batch import ForwardBatch
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        attn_backend: AttentionBackend,
+        rotary_emb: RotaryEmbedding,
+        qkv_bias: bool,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=qkv_bias,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim,
+            config.hidden_size,
+            bias=bool(config.hf_config.get("attention_bias", False)),
+        )
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            num_heads=self.qkv_proj.num_heads,
+            head_dim=head_dim,
+            scaling=head_dim**-0.5,
+            num_kv_heads=self.qkv_proj.num_kv_heads,
+            layer_id=layer_id,
+            backend=attn_backend,
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        n = hidden_states.shape[0]
+        head_dim = self.attn.head_dim
+        qkv = self.qkv_proj(hidden_states)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(n, -1, head_dim)
+        k = k.reshape(n, -1, head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q.reshape(n, q_size), k.reshape(n, kv_size), v, forward_batch)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], bias=bias
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        attn_backend: AttentionBackend,
+        rotary_emb: RotaryEmbedding,
+        qkv_bias: bool,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(
+            config, layer_id, attn_backend, rotary_emb, qkv_bias, qk_norm
+        )
+        self.mlp = LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            bias=bool(config.hf_config.get("mlp_bias", False)),
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.self_attn(
+            positions, self.input_layernorm(hidden_states), forward_batch
+        )
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        attn_backend: AttentionBackend,
+        qkv_bias: bool,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        # One cos/sin table for all layers, covering every position a request can reach.
+        rotary_emb = RotaryEmbedding(
+            config.head_dim, config.context_len, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, attn_backend, rotary_emb, qkv_bias, qk_norm)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden_states = layer(positions, hidden_states, forward_batch)
+        return self.norm(hidden_states)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM: returns float32 logits of the last token of each request in the batch."""
+
+    # checkpoint module name → (fused module name, shard id)
+    packed_modules_mapping: dict[str, tuple[str, str | int]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    qk_norm: bool = False
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(
+            config, attn_backend, qkv_bias=self.qkv_bias(config), qk_norm=self.qk_norm
+        )
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.tie_word_embeddings()
+        self.logits_processor = LogitsProcessor()
+
+    @staticmethod
+    def qkv_bias(config: ModelConfig) -> bool:
+        """Whether q/k/v projections have a bias (Llama: the ``attention_bias`` flag)."""
+        return bool(config.hf_config.get("attention_bias", False))
+
+    def tie_word_embeddings(self) -> None:
+        """Make ``lm_head`` share the input embedding's weight."""
+        self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        hidden_states = self.model(input_ids, positions, forward_batch)
+        return self.logits_processor(hidden_states, self.lm_head, forward_batch)

@@ -1,0 +1,148 @@
+"""``SamplingBatchInfo``: the per-request sampling parameters of one step, as batched tensors.
+
+Data flow: ``SamplingParams`` (one per request, on ``Req``) → ``SamplingBatchInfo.from_params``
+(called by ``ScheduleBatch.to_forward_batch`` every step, carried on ``ForwardBatch``) →
+``Sampler`` (``layers/sampler.py``), which turns ``[bs, vocab]`` logits into next tokens.
+
+It is rebuilt from scratch every step instead of being updated incrementally, so it must stay
+cheap: a batch that uses no penalty, logit bias or pending min_new_tokens costs four small
+``[bs]`` tensors and a few passes over the request list; ``[bs, vocab]`` tensors exist only for
+batches that need them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from radixserve.sampling.penalties import PenaltyInputs, PenaltyOrchestrator
+from radixserve.sampling.sampling_params import SamplingParams
+
+
+class SeededRow(NamedTuple):
+    """A sampled (non-greedy) row with a ``sampling_seed``; ``step`` = its output length so far."""
+
+    index: int
+    seed: int
+    step: int
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Batched sampling parameters of one step; rows are in batch order.
+
+    Greedy rows (temperature 0 or top_k 1) are stored with temperature 1 and top_k 1 so that the
+    sampler's division is safe and ``top_ks == 1`` marks them.
+    """
+
+    temperatures: torch.Tensor  # [bs, 1] float32
+    top_ps: torch.Tensor  # [bs] float32
+    top_ks: torch.Tensor  # [bs] int64, vocab_size when disabled, 1 for greedy rows
+    min_ps: torch.Tensor  # [bs] float32
+    vocab_size: int
+    is_all_greedy: bool
+    need_top_p_top_k: bool  # some sampled row filters by top_k or top_p
+    need_min_p: bool  # some sampled row filters by min_p
+    logit_bias: torch.Tensor | None = None  # [bs, vocab] float32, only if a request has a bias
+    penalties: PenaltyOrchestrator | None = None  # also applies the min_new_tokens ban
+    seeded_rows: tuple[SeededRow, ...] = ()
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.top_ks.shape[0])
+
+    def process_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Apply the logit bias, then the penalties and the min_new_tokens ban.
+
+        Returns ``logits`` itself when the batch has none of them, else a new tensor: the caller's
+        logits are never modified (logprobs are taken from them raw). A row whose every token got
+        banned would give NaN probabilities, so it falls back to its unprocessed logits.
+        """
+        if self.logit_bias is None and self.penalties is None:
+            return logits
+        processed = logits + self.logit_bias if self.logit_bias is not None else logits.clone()
+        if self.penalties is None:
+            return processed  # a finite bias cannot ban a token
+        self.penalties.apply(processed)
+        banned_all = torch.isneginf(processed).all(dim=-1, keepdim=True)
+        return torch.where(banned_all, logits, processed)
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        output_ids: Sequence[Sequence[int]],
+        input_ids: Sequence[Sequence[int]],
+        eos_token_ids: Sequence[int],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingBatchInfo:
+        """Batch the parameters of ``params[i]`` with its prompt ``input_ids[i]`` and the tokens it
+        has generated so far ``output_ids[i]`` (the lists are read, never copied whole)."""
+        assert len(params) == len(output_ids) == len(input_ids), "ragged batch"
+        device = torch.device(device)
+        temperatures: list[float] = []
+        top_ks: list[int] = []
+        seeded: list[SeededRow] = []
+        is_all_greedy = True
+        need_top_p_top_k = need_min_p = uses_bias = uses_penalty = False
+        for i, (p, out) in enumerate(zip(params, output_ids, strict=True)):
+            uses_bias = uses_bias or bool(p.logit_bias)
+            uses_penalty = uses_penalty or (
+                p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0
+                or p.repetition_penalty != 1.0
+                or len(out) < p.min_new_tokens
+            )
+            if p.is_greedy:
+                temperatures.append(1.0)
+                top_ks.append(1)
+                continue
+            top_k = vocab_size if p.top_k < 0 else min(p.top_k, vocab_size)
+            temperatures.append(p.temperature)
+            top_ks.append(top_k)
+            is_all_greedy = False
+            need_top_p_top_k = need_top_p_top_k or top_k < vocab_size or p.top_p < 1.0
+            need_min_p = need_min_p or p.min_p > 0.0
+            if p.sampling_seed is not None:
+                seeded.append(SeededRow(i, p.sampling_seed, len(out)))
+
+        penalties = None
+        if uses_penalty:
+            inputs = PenaltyInputs(params, output_ids, input_ids, eos_token_ids, vocab_size, device)
+            penalties = PenaltyOrchestrator.build(inputs)
+        return cls(
+            temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device).view(-1, 1),
+            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            vocab_size=vocab_size,
+            is_all_greedy=is_all_greedy,
+            need_top_p_top_k=need_top_p_top_k,
+            need_min_p=need_min_p,
+            logit_bias=_dense_logit_bias(params, vocab_size, device) if uses_bias else None,
+            penalties=penalties,
+            seeded_rows=tuple(seeded),
+        )
+
+
+def _dense_logit_bias(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """``[bs, vocab]`` additive bias; ids were validated upstream, out-of-range ones are skipped."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        for token, value in (p.logit_bias or {}).items():
+            if 0 <= token < vocab_size:
+                rows.append(i)
+                cols.append(token)
+                values.append(value)
+    bias = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
+    index = torch.tensor([rows, cols], dtype=torch.int64, device=device)
+    bias[index[0], index[1]] = torch.tensor(values, dtype=torch.float32, device=device)
+    return bias

@@ -1,0 +1,251 @@
+"""End to end through the real processes: Engine → scheduler → detokenizer → Engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from radixserve import Engine
+from tests.engine.conftest import ENGINE_KWARGS, wait_idle
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+PROMPT = "The quick brown fox jumps over the lazy dog"
+MEMORY_KEYS = {
+    "available_kv_tokens", "evictable_kv_tokens", "protected_kv_tokens",
+    "session_held_kv_tokens", "total_kv_tokens", "free_req_slots", "total_req_slots",
+}
+
+
+@pytest.fixture(scope="module")
+def engine(llama_path, strict_env):
+    with Engine(model_path=str(llama_path), **ENGINE_KWARGS) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llama_path):
+    return AutoTokenizer.from_pretrained(llama_path, local_files_only=True)
+
+
+def long_stream(engine: Engine, rid: str):
+    """A stream that keeps running until aborted; returns it after its first chunk."""
+    params = {"temperature": 0.0, "max_new_tokens": 900, "ignore_eos": True}
+    return engine.generate(input_ids=[5, 6, 7], sampling_params=params, stream=True, rid=rid)
+
+
+def test_generate_single_returns_text_ids_and_meta(engine, tokenizer):
+    out = engine.generate(PROMPT, GREEDY, rid="single")
+    meta = out["meta_info"]
+    assert meta["id"] == "single"
+    assert meta["prompt_tokens"] == len(tokenizer.encode(PROMPT))
+    assert meta["completion_tokens"] == len(out["output_ids"]) == 8
+    assert meta["finish_reason"] == {"type": "length", "length": 8}
+    assert out["text"] == tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+    assert "output_token_logprobs" not in meta
+
+
+def test_generate_batch_keeps_input_order(engine):
+    prompts = ["alpha beta", "one two three four five", "x"]
+    outs = engine.generate(prompts, GREEDY, rid=["b0", "b1", "b2"])
+    assert [o["meta_info"]["id"] for o in outs] == ["b0", "b1", "b2"]
+    singles = [engine.generate(p, GREEDY) for p in prompts]
+    assert [o["output_ids"] for o in outs] == [s["output_ids"] for s in singles]
+
+
+def test_stream_chunks_are_cumulative_and_end_equal_to_non_stream(engine):
+    params = {**GREEDY, "max_new_tokens": 16}
+    chunks = list(engine.generate(PROMPT, params, stream=True))
+    full = engine.generate(PROMPT, params)
+    assert len(chunks) > 1
+    for prev, cur in zip(chunks, chunks[1:], strict=False):
+        assert cur["text"].startswith(prev["text"])
+        assert cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]
+        assert prev["meta_info"]["finish_reason"] is None
+    deltas = "".join(cur["text"][len(prev["text"]):]
+                     for prev, cur in zip([{"text": ""}, *chunks], chunks, strict=False))
+    assert deltas == chunks[-1]["text"] == full["text"]
+    assert chunks[-1]["output_ids"] == full["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_batch_stream_chunks_carry_the_prompt_index(engine):
+    prompts = ["first prompt", "second, longer prompt here"]
+    last: dict[int, dict] = {}
+    for chunk in engine.generate(prompts, GREEDY, stream=True):
+        last[chunk["index"]] = chunk
+    full = engine.generate(prompts, GREEDY)
+    assert sorted(last) == [0, 1]
+    assert [last[i]["output_ids"] for i in (0, 1)] == [o["output_ids"] for o in full]
+
+
+def test_logprobs_have_one_entry_per_output_token(engine):
+    out = engine.generate(PROMPT, GREEDY, return_logprob=True, top_logprobs_num=3)
+    meta = out["meta_info"]
+    logprobs, tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
+    assert len(logprobs) == len(tops) == len(out["output_ids"]) == 8
+    assert [tid for _, tid in logprobs] == out["output_ids"]
+    for (lp, tid), top in zip(logprobs, tops, strict=True):
+        assert lp <= 0.0 and len(top) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert top[0][1] == tid and top[0][0] == pytest.approx(lp, abs=1e-4)
+
+
+def test_same_prompt_twice_hits_the_prefix_cache(engine):
+    prompt = "a prompt long enough to be worth caching: " + PROMPT
+    first = engine.generate(prompt, GREEDY)
+    second = engine.generate(prompt, GREEDY)
+    assert second["meta_info"]["cached_tokens"] > 0
+    assert second["output_ids"] == first["output_ids"]
+
+
+def test_abort_of_a_running_stream_finishes_it_as_abort(engine):
+    stream = long_stream(engine, "to-abort")
+    first = next(stream)
+    engine.abort("to-abort")
+    chunks = [first, *stream]
+    meta = chunks[-1]["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert meta["completion_tokens"] < 900
+    wait_idle(engine)
+
+
+def test_closing_a_stream_early_aborts_its_request(engine):
+    stream = long_stream(engine, "disconnect")
+    next(stream)
+    stream.close()  # what a client disconnect does in the HTTP layer
+    wait_idle(engine)
+
+
+def test_flush_cache_refused_while_running_and_accepted_when_idle(engine):
+    stream = long_stream(engine, "busy")
+    next(stream)
+    assert engine.flush_cache()["success"] is False
+    stream.close()
+    wait_idle(engine)
+    assert engine.flush_cache()["success"] is True
+    prompt = "after the flush " + PROMPT
+    engine.generate(prompt, GREEDY)
+    assert engine.flush_cache()["success"] is True
+    assert engine.generate(prompt, GREEDY)["meta_info"]["cached_tokens"] == 0
+
+
+def test_stop_string_is_cut_from_text_and_never_streamed(engine):
+    params = {**GREEDY, "max_new_tokens": 24}
+    full = engine.generate(PROMPT, params)["text"]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    expected = full[: full.find(stop)]
+    out = engine.generate(PROMPT, {**params, "stop": stop})
+    assert out["text"] == expected
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    chunks = list(engine.generate(PROMPT, {**params, "stop": stop}, stream=True))
+    assert all(expected.startswith(c["text"]) for c in chunks)
+    assert chunks[-1]["text"] == expected
+    kept = engine.generate(PROMPT, {**params, "stop": stop, "no_stop_trim": True})
+    assert kept["text"].startswith(expected + stop)
+
+
+def test_open_session_rejects_non_positive_capacity(engine):
+    with pytest.raises(ValueError, match="capacity_of_str_len"):
+        engine.open_session(0)
+
+
+def test_async_generate_matches_generate(engine):
+    expected = engine.generate(PROMPT, GREEDY)
+
+    async def run():
+        single = await engine.async_generate(PROMPT, GREEDY)
+        chunks = [c async for c in await engine.async_generate(PROMPT, GREEDY, stream=True)]
+        return single, chunks
+
+    single, chunks = asyncio.run(run())
+    assert single["output_ids"] == chunks[-1]["output_ids"] == expected["output_ids"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prompt": ""}, "prompt is empty"),
+        ({"input_ids": []}, "prompt is empty"),
+        ({"input_ids": [1] * 1030}, r"1030 tokens.*1024 tokens"),
+        ({"input_ids": [1] * 1000, "sampling_params": {"max_new_tokens": 100}},
+         r"1000 tokens and max_new_tokens is 100.*1024"),
+        ({"input_ids": [1, 2, 100000]}, r"outside the vocabulary.*100000"),
+        ({"sampling_params": {"temperature": -0.5}}, "temperature"),
+        ({"sampling_params": {"top_p": 0.0}}, "top_p"),
+        ({"sampling_params": {"top_p": 1.5}}, "top_p"),
+        ({"sampling_params": {"top_k": 0}}, "top_k"),
+        ({"sampling_params": {"top_k": -2}}, "top_k"),
+        ({"sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+        ({"sampling_params": {"temprature": 0.5}}, "unknown sampling parameter.*temprature"),
+        ({"prompt": ["ok", ""]}, "prompt 1: the prompt is empty"),
+    ],
+)
+def test_bad_input_raises_value_error_and_engine_keeps_serving(engine, kwargs, message):
+    kwargs = {"prompt": None if "input_ids" in kwargs else "hello", **kwargs}
+    with pytest.raises(ValueError, match=message):
+        engine.generate(**kwargs)
+    with pytest.raises(ValueError, match=message):
+        list(engine.generate(**kwargs, stream=True))
+    assert engine.generate("hello", GREEDY)["meta_info"]["completion_tokens"] == 8
+
+
+def test_duplicate_rid_in_flight_is_rejected(engine):
+    stream = long_stream(engine, "dup")
+    next(stream)
+    with pytest.raises(ValueError, match="already in flight"):
+        engine.generate("x", GREEDY, rid="dup")
+    assert engine.tokenizer_manager.num_inflight == 1
+    stream.close()
+    assert engine.tokenizer_manager.num_inflight == 0
+    wait_idle(engine)
+
+
+def test_metrics_callback_gets_timings_of_every_request(engine):
+    seen = []
+    engine.tokenizer_manager.on_request_finished = seen.append
+    try:
+        list(engine.generate(PROMPT, GREEDY, rid="timed", stream=True))
+        stream = long_stream(engine, "timed-closed")
+        next(stream)
+        stream.close()
+    finally:
+        engine.tokenizer_manager.on_request_finished = None
+    wait_idle(engine)
+    assert [m.rid for m in seen] == ["timed", "timed-closed"]
+    done, closed = seen
+    assert done.arrival_time <= done.first_token_time <= done.finish_time
+    assert sum(n for _, n in done.token_times) == done.completion_tokens == 8
+    assert done.finish_reason == {"type": "length", "length": 8}
+    assert closed.finish_reason["type"] == "abort"
+
+
+def test_greedy_matches_transformers_on_mixed_length_batch(engine, llama_path):
+    torch.manual_seed(0)
+    lengths = [3, 17, 5, 40, 1, 9, 28, 12]
+    prompts = [torch.randint(3, 500, (n,)).tolist() for n in lengths]
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    model = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(GREEDY["max_new_tokens"]):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert out["output_ids"] == ids[len(prompt):]
+
+
+def test_server_info_reports_memory_and_the_invariant_holds_after_all_tests(engine):
+    state = wait_idle(engine)
+    info = engine.get_server_info()
+    assert info["model_path"] == engine.server_args.model_path
+    assert info["context_length"] == 1024
+    assert info["max_total_num_tokens"] == state["max_total_num_tokens"] > 0
+    memory = state["memory"]
+    assert set(memory) == MEMORY_KEYS
+    assert (memory["available_kv_tokens"] + memory["evictable_kv_tokens"]
+            + memory["protected_kv_tokens"] + memory["session_held_kv_tokens"]
+            == memory["total_kv_tokens"])
+    assert memory["protected_kv_tokens"] == 0
+    assert memory["free_req_slots"] == memory["total_req_slots"]

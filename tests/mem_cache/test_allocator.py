@@ -1,0 +1,187 @@
+"""TokenToKVPoolAllocator: accounting, all-or-nothing, partial pages, page 0, double free."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixserve.mem_cache import TokenToKVPoolAllocator
+from tests.mem_cache.asserters import assert_no_overlap, assert_pages_accounted
+
+PAGE_SIZES = [1, 16]
+
+
+def test_rejects_size_that_is_not_whole_pages():
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        TokenToKVPoolAllocator(size=40, page_size=16, device="cpu")
+    with pytest.raises(ValueError, match="page_size"):
+        TokenToKVPoolAllocator(size=40, page_size=0, device="cpu")
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_alloc_and_free_keep_available_size_exact(ps):
+    alloc = TokenToKVPoolAllocator(size=8 * ps, page_size=ps, device="cpu")
+    assert alloc.available_size() == 8 * ps
+    a = alloc.alloc_extend([0, 0], [3 * ps, 2 * ps], [-1, -1])
+    assert a is not None and len(a) == 5 * ps and a.dtype == torch.int64
+    assert alloc.available_size() == 3 * ps
+    alloc.free(a[: 3 * ps])
+    assert alloc.available_size() == 6 * ps
+    alloc.free(a[3 * ps :])
+    assert alloc.available_size() == 8 * ps
+    assert_pages_accounted(alloc, [])
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_page_zero_is_never_handed_out(ps):
+    alloc = TokenToKVPoolAllocator(size=6 * ps, page_size=ps, device="cpu")
+    slots = alloc.alloc_extend([0], [6 * ps], [-1])
+    assert slots is not None
+    assert int(slots.min()) >= ps
+    assert sorted((slots // ps).unique().tolist()) == list(range(1, 7))
+    assert alloc.alloc_extend([0], [1], [-1]) is None
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_not_enough_pages_allocates_nothing(ps):
+    alloc = TokenToKVPoolAllocator(size=4 * ps, page_size=ps, device="cpu")
+    assert alloc.alloc_extend([0, 0], [2 * ps, 2 * ps + 1], [-1, -1]) is None
+    assert alloc.available_size() == 4 * ps
+    held = alloc.alloc_decode([1] * 4, [-1] * 4)
+    assert held is not None
+    assert alloc.alloc_decode([1], [-1]) is None
+    assert alloc.available_size() == 0
+    assert_pages_accounted(alloc, [held])
+
+
+def test_alloc_n_hands_out_distinct_slots_with_page_size_one():
+    alloc = TokenToKVPoolAllocator(size=10, page_size=1, device="cpu")
+    a, b = alloc.alloc(4), alloc.alloc(6)
+    assert a is not None and b is not None
+    assert_no_overlap(a, b)
+    assert alloc.alloc(1) is None
+    assert sorted(torch.cat((a, b)).tolist()) == list(range(1, 11))
+
+
+def test_extend_continues_the_partial_last_page_before_taking_a_new_one():
+    ps = 16
+    alloc = TokenToKVPoolAllocator(size=4 * ps, page_size=ps, device="cpu")
+    first = alloc.alloc_extend([0], [5], [-1])
+    assert first is not None
+    page = int(first[0]) // ps
+    assert first.tolist() == [page * ps + i for i in range(5)]
+    assert alloc.available_size() == 3 * ps
+
+    second = alloc.alloc_extend([5], [20], [int(first[-1])])
+    assert second is not None and len(second) == 15
+    assert second[:11].tolist() == [page * ps + i for i in range(5, 16)]
+    new_page = int(second[11]) // ps
+    assert new_page != page and second[11:].tolist() == [new_page * ps + i for i in range(4)]
+    assert alloc.available_size() == 2 * ps
+
+    # Decode fills the same page until it is full, then opens a new one.
+    last = int(second[-1])
+    for seq_len in range(21, 33):
+        slot = alloc.alloc_decode([seq_len], [last])
+        assert slot is not None and int(slot) == last + 1
+        last = int(slot)
+    assert alloc.available_size() == 2 * ps
+    slot = alloc.alloc_decode([33], [last])
+    assert slot is not None and int(slot) % ps == 0 and int(slot) // ps not in (page, new_page)
+    assert alloc.available_size() == ps
+
+
+def test_extend_of_a_batch_mixes_continuations_and_fresh_requests():
+    ps = 4
+    alloc = TokenToKVPoolAllocator(size=8 * ps, page_size=ps, device="cpu")
+    a = alloc.alloc_extend([0], [6], [-1])  # 2 pages, second half full
+    assert a is not None
+    out = alloc.alloc_extend([6, 0, 8], [9, 3, 8], [int(a[-1]), -1, int(a[-1]) + 2])
+    assert out is not None and len(out) == 3 + 3 + 0
+    assert out[:2].tolist() == [int(a[-1]) + 1, int(a[-1]) + 2]  # rest of a's page
+    assert int(out[2]) % ps == 0  # then a new page
+    assert int(out[3]) % ps == 0 and out[3:6].tolist() == [int(out[3]) + i for i in range(3)]
+    assert alloc.available_size() == (8 - 2 - 1 - 1) * ps
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_free_of_a_partial_page_returns_the_whole_page(ps):
+    alloc = TokenToKVPoolAllocator(size=2 * ps, page_size=ps, device="cpu")
+    slots = alloc.alloc_extend([0], [ps + 1], [-1])
+    assert slots is not None and alloc.available_size() == 0
+    alloc.free(slots[ps:])  # one slot, alone in its page
+    assert alloc.available_size() == ps
+    alloc.free(slots[:1])  # one slot of a full page frees the page
+    assert alloc.available_size() == 2 * ps
+    assert_pages_accounted(alloc, [])
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_double_free_is_caught(ps):
+    alloc = TokenToKVPoolAllocator(size=4 * ps, page_size=ps, device="cpu")
+    slots = alloc.alloc_extend([0], [2 * ps], [-1])
+    assert slots is not None
+    alloc.free(slots)
+    with pytest.raises(AssertionError, match="double free"):
+        alloc.free(slots[:1])
+    assert alloc.available_size() == 4 * ps
+
+
+def test_freeing_the_padding_page_is_caught():
+    alloc = TokenToKVPoolAllocator(size=8, page_size=4, device="cpu")
+    with pytest.raises(AssertionError, match="page 0 is padding"):
+        alloc.free(torch.tensor([2]))
+
+
+def test_clear_frees_everything():
+    alloc = TokenToKVPoolAllocator(size=32, page_size=4, device="cpu")
+    assert alloc.alloc_extend([0], [30], [-1]) is not None
+    alloc.clear()
+    assert alloc.available_size() == 32
+    assert_pages_accounted(alloc, [])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ps=st.sampled_from([1, 2, 4]),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["new", "extend", "decode", "free"]), st.integers(0, 9)),
+        max_size=40,
+    ),
+)
+def test_random_request_traffic_never_shares_a_page(ps, ops):
+    """Requests grow by extend/decode and finish at random; pages stay exclusive and counted."""
+    alloc = TokenToKVPoolAllocator(size=12 * ps, page_size=ps, device="cpu")
+    reqs: list[torch.Tensor] = []  # each request's slots, in position order
+    for op, n in ops:
+        before = alloc.available_size()
+        if op == "new":
+            out = alloc.alloc_extend([0], [n], [-1])
+            if out is not None:
+                reqs.append(out)
+        elif op in ("extend", "decode") and reqs:
+            i = n % len(reqs)
+            slots = reqs[i]
+            last = int(slots[-1]) if len(slots) else -1
+            if op == "extend":
+                out = alloc.alloc_extend([len(slots)], [len(slots) + n], [last])
+            else:
+                out = alloc.alloc_decode([len(slots) + 1], [last])
+            if out is not None:
+                reqs[i] = torch.cat((slots, out))
+        elif op == "free" and reqs:
+            alloc.free(reqs.pop(n % len(reqs)))
+        else:
+            continue
+        if op != "free" and out is None:
+            assert alloc.available_size() == before, "a failed allocation took pages"
+        for slots in reqs:  # position p sits at offset p % ps of the page its page-start opened
+            pos = torch.arange(len(slots))
+            assert torch.equal(slots % ps, pos % ps)
+            assert torch.equal(slots, slots[pos // ps * ps] + pos % ps)
+        assert_no_overlap(*reqs)
+        assert_pages_accounted(alloc, reqs)
+        used = sum(-(-len(s) // ps) for s in reqs)
+        assert alloc.available_size() == (12 - used) * ps
