@@ -178,14 +178,16 @@ def test_generation_longer_than_the_pool_aborts_with_a_clear_message(llama_path)
     assert len(result.tokens) > 0
 
 
-def test_sessions_are_refused_for_now(driver, prompts):
-    driver.send(OpenSessionReqInput(capacity_of_str_len=100))
+def test_session_requests_on_unknown_or_refused_sessions_are_rejected(driver, prompts):
+    driver.send(OpenSessionReqInput(capacity_of_str_len=100, streaming=True))
     reply = driver.replies.pop()
-    assert not reply.success and "not supported" in reply.message
+    assert not reply.success and "--enable-streaming-session" in reply.message
     driver.send(TokenizedGenerateReqInput(
         rid="sess", input_ids=prompts[0], sampling_params=SamplingParams(max_new_tokens=2),
         session_params=SessionParams(id="x")))
-    assert "not supported" in driver.results()["sess"].finished_reason["message"]
+    reason = driver.results()["sess"].finished_reason
+    assert reason["type"] == "abort" and reason["status_code"] == 400
+    assert "'x' does not exist" in reason["message"]
 
 
 def test_max_new_tokens_zero_finishes_without_running(driver, prompts):

@@ -56,8 +56,10 @@ class OutputProcessor:
         eos_token_ids: list[int],
         tokenizer: Any,
         send_to_detokenizer: Callable[[BatchTokenIDOutput], None],
+        on_finish: Callable[[Req], None] | None = None,
     ) -> None:
         self.tree_cache = tree_cache
+        self.on_finish = on_finish
         self.eos_token_ids = set(eos_token_ids)
         self.tokenizer = tokenizer
         self.send_to_detokenizer = send_to_detokenizer
@@ -97,5 +99,9 @@ class OutputProcessor:
         self.send_outputs(reqs)
 
     def send_outputs(self, reqs: list[Req]) -> None:
+        if self.on_finish is not None:
+            for req in reqs:
+                if req.finished():
+                    self.on_finish(req)
         if reqs:
             self.send_to_detokenizer(BatchTokenIDOutput(outputs=[make_output(r) for r in reqs]))

@@ -63,7 +63,7 @@ def retract_for_decode(batch: ScheduleBatch, ratio: NewTokenRatio) -> RetractRes
     result = RetractResult()
 
     def short() -> bool:
-        capacity = res.allocator.available_size() + res.tree_cache.evictable_size()
+        capacity = res.allocator.available_size() + res.tree_cache.reclaimable_size()
         return batch.decode_tokens_needed() > capacity
 
     if not short():

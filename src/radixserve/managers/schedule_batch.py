@@ -82,6 +82,8 @@ class Req:
         self.top_logprobs_num = top_logprobs_num if return_logprob else 0
         self.stream = stream
         self.session_params = session_params
+        # Set for a turn of a streaming session: its KV lives in that session's slot.
+        self.streaming_session_id: str | None = None
 
         # Memory state (see the module docstring's table).
         self.req_pool_idx: int | None = None

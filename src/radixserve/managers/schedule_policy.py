@@ -91,10 +91,10 @@ class PrefillAdder:
         self.new_chunked_req: Req | None = None
 
     def rem_total_tokens(self) -> int:
-        """KV slots still free for this batch: free + evictable (unlocked) - committed."""
+        """KV slots still free for this batch: free + reclaimable (unlocked) - committed."""
         return (
             self.allocator.available_size()
-            + self.tree_cache.evictable_size()
+            + self.tree_cache.reclaimable_size()
             - self.committed_tokens
         )
 
@@ -110,7 +110,7 @@ class PrefillAdder:
         if self.free_req_slots == 0:
             return AddResult.STOP
         # At least the last token is computed, so the step has logits to sample from.
-        match = self.tree_cache.match_prefix(req.all_ids[:-1])
+        match = self.tree_cache.match_req(req, req.all_ids[:-1])
         # Lock first, then check capacity: the lock turns the prefix from evictable to
         # protected, so the check below cannot count on evicting it.
         self.tree_cache.inc_lock_ref(match.last_node)

@@ -47,15 +47,16 @@ from radixserve.managers.schedule_batch import BatchResources, Req, ScheduleBatc
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
 from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.mem_cache import create_prefix_cache
+from radixserve.mem_cache.session_aware_cache import SessionAwareCache
 from radixserve.model_config import ModelConfig, resolve_device
 from radixserve.server_args import ServerArgs
+from radixserve.sessions.session_controller import SessionController
 
 logger = logging.getLogger(__name__)
 
 # How long an idle loop blocks on its socket before looking around again.
 _IDLE_POLL_MS = 1000
 _PARENT_POLL_S = 0.5
-_SESSIONS_UNSUPPORTED = "sessions are not supported yet"
 
 
 class Scheduler:
@@ -94,6 +95,16 @@ class Scheduler:
         self.tree_cache = create_prefix_cache(
             server_args.disable_radix_cache, self.req_to_token_pool, self.allocator, self.page_size
         )
+        # Streaming sessions keep their KV in per-session slots around the prefix cache.
+        self.session_cache: SessionAwareCache | None = None
+        if server_args.enable_streaming_session:
+            self.session_cache = SessionAwareCache(
+                self.tree_cache, self.req_to_token_pool, self.allocator, self.page_size
+            )
+            self.tree_cache = self.session_cache
+        self.sessions = SessionController(
+            server_args.enable_streaming_session, self.session_cache, self.model_config.bos_token_id
+        )
         self.res = BatchResources(
             req_to_token_pool=self.req_to_token_pool,
             allocator=self.allocator,
@@ -111,7 +122,11 @@ class Scheduler:
             server_args.schedule_conservativeness
         )
         self.output_processor = OutputProcessor(
-            self.tree_cache, self.model_config.eos_token_ids, tokenizer, send_to_detokenizer
+            self.tree_cache,
+            self.model_config.eos_token_ids,
+            tokenizer,
+            send_to_detokenizer,
+            on_finish=self.sessions.on_req_finished,
         )
 
         self.waiting_queue: list[Req] = []
@@ -160,6 +175,7 @@ class Scheduler:
 
     def step(self) -> bool:
         """Run one batch; False when there was nothing to run."""
+        self.sessions.close_expired()
         batch = self.get_next_batch_to_run()
         if batch is None:
             if not self._idle_checked:
@@ -209,6 +225,9 @@ class Scheduler:
             return None
         running = self.running_batch.reqs
         holding = len(running) + (self.chunked_req is not None)
+        if self.session_cache is not None and self.req_to_token_pool.available_size() == 0:
+            # Idle sessions must not starve new requests of rows: their next turn re-prefills.
+            self.session_cache.release_idle_rows(len(self.waiting_queue))
         adder = PrefillAdder(
             tree_cache=self.tree_cache,
             allocator=self.allocator,
@@ -263,32 +282,43 @@ class Scheduler:
 
     # ------------------------------------------------------------------ handlers
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
-        req = Req(
-            msg.rid,
-            list(msg.input_ids),
-            msg.sampling_params,
-            return_logprob=msg.return_logprob,
-            top_logprobs_num=msg.top_logprobs_num,
-            stream=msg.stream,
-            session_params=msg.session_params,
-        )
-        error = self._validate(msg)
+        created = None
+        if msg.session_params is not None:
+            created = self.sessions.create_req(msg)
+            req, error = created.req, created.error
+        else:
+            req = Req(
+                msg.rid,
+                list(msg.input_ids),
+                msg.sampling_params,
+                return_logprob=msg.return_logprob,
+                top_logprobs_num=msg.top_logprobs_num,
+                stream=msg.stream,
+            )
+            error = None
+        error = error or self._validate(req.origin_input_ids, msg)
         if error is not None:
             logger.info("request %s rejected: %s", msg.rid, error)
-            self.output_processor.finish_now([req], {"type": "abort", "message": error})
-        elif msg.sampling_params.max_new_tokens == 0:
+            # status_code 400: bad input, raised to the caller as a ValueError.
+            reason = {"type": "abort", "message": error, "status_code": 400}
+            self.output_processor.finish_now([req], reason)
+            return
+        if created is not None:
+            for replaced in self.sessions.admit(created):
+                self.handle_abort(AbortReq(rid=replaced.rid))
+        if msg.sampling_params.max_new_tokens == 0:
             self.output_processor.finish_now([req], {"type": "length", "length": 0})
         else:
             self.waiting_queue.append(req)
 
-    def _validate(self, msg: TokenizedGenerateReqInput) -> str | None:
-        """Why the request cannot run, or None. It never reaches the model when rejected."""
-        ids = msg.input_ids
+    def _validate(self, ids: list[int], msg: TokenizedGenerateReqInput) -> str | None:
+        """Why the request cannot run, or None. It never reaches the model when rejected.
+
+        ``ids`` is the whole prompt (for a session request: as assembled from its session).
+        """
         vocab = self.model_config.vocab_size
         context_len = self.model_config.context_len
         max_new = msg.sampling_params.max_new_tokens
-        if msg.session_params is not None:
-            return _SESSIONS_UNSUPPORTED
         if not ids:
             return "the input is empty: a request needs at least one input token"
         bad = [t for t in ids if not 0 <= t < vocab]
@@ -360,10 +390,10 @@ class Scheduler:
         )
 
     def handle_open_session(self, msg: OpenSessionReqInput) -> OpenSessionReqOutput:
-        return OpenSessionReqOutput(session_id=None, success=False, message=_SESSIONS_UNSUPPORTED)
+        return self.sessions.open(msg)
 
     def handle_close_session(self, msg: CloseSessionReqInput) -> None:
-        logger.warning("close_session(%s) ignored: %s", msg.session_id, _SESSIONS_UNSUPPORTED)
+        self.sessions.close(msg.session_id)
 
     # ------------------------------------------------------------------ memory invariant
     def _is_idle(self) -> bool:
@@ -383,11 +413,15 @@ class Scheduler:
             "total_req_slots": self.req_to_token_pool.size,
         }
 
+    def _session_held_rows(self) -> int:
+        return self.session_cache.session_held_rows() if self.session_cache is not None else 0
+
     def self_check_during_idle(self) -> None:
         """Check the memory invariant (DESIGN section 3) when no request runs or waits.
 
         Idle, every KV slot is free, evictable or held for a session (nothing may stay locked),
-        and every request slot is free. A violation is a bug: logged, and raised in tests.
+        and every request slot is free or held by a session. A violation is a bug: logged, and
+        raised in tests.
         """
         if not self._is_idle():
             return
@@ -401,7 +435,7 @@ class Scheduler:
         ok = (
             accounted == m["total_kv_tokens"]
             and m["protected_kv_tokens"] == 0
-            and m["free_req_slots"] == m["total_req_slots"]
+            and m["free_req_slots"] + self._session_held_rows() == m["total_req_slots"]
         )
         self.last_leak_check = {"ok": ok, "time": time.time(), **m}
         if not ok:

@@ -205,6 +205,7 @@ class TokenizerManager:
                 await notify.wait()
                 notify.clear()
                 self._check_alive()
+                _raise_if_rejected(states, obj.is_single)
                 done = all(s.finished for s in states)
                 if obj.stream:
                     for i, state in enumerate(states):
@@ -392,3 +393,15 @@ class TokenizerManager:
                 return await asyncio.wait_for(fut, self.server_args.watchdog_timeout)
             finally:
                 del self._control_futures[reply_type]
+
+
+def _raise_if_rejected(states: list[_ReqState], is_single: bool) -> None:
+    """Bad input the scheduler found (e.g. an invalid session) is a ``ValueError`` like ours.
+
+    The scheduler marks such a rejection with ``status_code`` 400 on its abort reason.
+    """
+    for i, state in enumerate(states):
+        reason = state.finished_reason
+        if state.finished and reason and reason.get("status_code") == 400:
+            message = reason.get("message", "invalid request")
+            raise ValueError(message if is_single else f"prompt {i}: {message}")

@@ -52,6 +52,14 @@ class BasePrefixCache(ABC):
         eviction cannot take the matched slots. Refreshes the LRU time of the matched path.
         """
 
+    def match_req(self, req: CacheableReq, key: list[int]) -> MatchResult:
+        """The cached prefix to use for ``req`` (whose prompt so far is ``key``).
+
+        Plain caches answer from ``key`` alone; ``SessionAwareCache`` answers a streaming
+        session's turn from that session's slot.
+        """
+        return self.match_prefix(key)
+
     @abstractmethod
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Insert ``key`` → KV slots ``value`` (``len(key)`` must be page aligned).
@@ -106,6 +114,10 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def reset(self) -> None:
         """Drop everything (used by flush_cache when no request runs)."""
+
+    def reclaimable_size(self) -> int:
+        """Tokens ``evict`` could free: evictable tree tokens (plus idle session slots)."""
+        return self.evictable_size()
 
     def session_held_size(self) -> int:
         """Tokens held for streaming sessions outside the tree (0 unless sessions exist)."""

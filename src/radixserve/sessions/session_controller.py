@@ -1,0 +1,174 @@
+"""Open sessions, owned by the scheduler: open/close, per-request prompt assembly, turn results.
+
+The scheduler calls ``create_req`` for every generate request that carries ``session_params``;
+the controller turns it into a ``Req`` with the assembled prompt (or a rejection message) and
+records it in the session. ``on_req_finished`` is called for every finished request, so streaming
+sessions learn their new history (or roll back after an abort) and deferred closes happen.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from radixserve.managers.io_struct import (
+    OpenSessionReqInput,
+    OpenSessionReqOutput,
+    TokenizedGenerateReqInput,
+)
+from radixserve.managers.schedule_batch import Req
+from radixserve.mem_cache.session_aware_cache import SessionAwareCache
+from radixserve.sessions.session import Session, SessionError, SessionReqNode
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CreatedReq:
+    """The result of ``create_req``: a request to schedule, or a rejection for the caller.
+
+    Nothing in the session changes until the scheduler has validated the request and calls
+    ``admit``: the parent to hang it under and the nodes a ``replace`` removes wait here.
+    """
+
+    req: Req
+    error: str | None = None
+    parent: SessionReqNode | None = None
+    to_remove: list[SessionReqNode] = field(default_factory=list)
+
+
+class SessionController:
+    def __init__(
+        self,
+        streaming_enabled: bool,
+        session_cache: SessionAwareCache | None,
+        bos_token_id: int | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.streaming_enabled = streaming_enabled
+        self.session_cache = session_cache
+        self.bos_token_id = bos_token_id
+        self.clock = clock
+        self.sessions: dict[str, Session] = {}
+
+    # ------------------------------------------------------------------ open / close
+    def open(self, msg: OpenSessionReqInput) -> OpenSessionReqOutput:
+        def fail(message: str) -> OpenSessionReqOutput:
+            return OpenSessionReqOutput(session_id=None, success=False, message=message)
+
+        if msg.streaming and not self.streaming_enabled:
+            return fail(
+                "streaming sessions need the server to be started with --enable-streaming-session"
+            )
+        if msg.capacity_of_str_len <= 0:
+            return fail(f"capacity_of_str_len must be positive, got {msg.capacity_of_str_len}")
+        if msg.timeout is not None and msg.timeout <= 0:
+            return fail(f"timeout must be positive seconds, got {msg.timeout}")
+        if msg.session_id is not None and not msg.session_id:
+            return fail("session_id must be a non-empty string")
+        session = Session(
+            capacity_of_str_len=msg.capacity_of_str_len,
+            streaming=msg.streaming,
+            timeout=msg.timeout,
+            last_active=self.clock(),
+        )
+        if msg.session_id is not None:
+            session.session_id = msg.session_id
+        if session.session_id in self.sessions:
+            return fail(f"session id {session.session_id!r} already exists")
+        self.sessions[session.session_id] = session
+        logger.info("session %s opened (streaming=%s)", session.session_id, msg.streaming)
+        return OpenSessionReqOutput(session_id=session.session_id, success=True)
+
+    def close(self, session_id: str) -> list[Req]:
+        """Close ``session_id`` (unknown ids are ignored). Returns requests to abort.
+
+        A streaming session with a turn in flight closes when that turn finishes; until then it
+        refuses new requests. A non-streaming session's running requests are left to finish;
+        their KV stays in the radix cache.
+        """
+        session = self.sessions.get(session_id)
+        if session is None:
+            return []
+        if session.streaming and session.inflight_rid is not None:
+            session.close_pending = True
+            return []
+        self._drop(session)
+        return []
+
+    def _drop(self, session: Session) -> None:
+        del self.sessions[session.session_id]
+        if session.streaming and self.session_cache is not None:
+            self.session_cache.release_slot(session.session_id)
+        logger.info("session %s closed", session.session_id)
+
+    def close_expired(self) -> None:
+        """Close sessions idle for longer than their timeout."""
+        now = self.clock()
+        for session in [s for s in self.sessions.values() if s.is_expired(now)]:
+            logger.info("session %s timed out", session.session_id)
+            self._drop(session)
+
+    # ------------------------------------------------------------------ requests
+    def create_req(self, msg: TokenizedGenerateReqInput) -> CreatedReq:
+        """Assemble the request's prompt from its session; changes nothing."""
+        params = msg.session_params
+        assert params is not None, "only session requests come here"
+        session = self.sessions.get(params.id)
+        try:
+            if session is None:
+                raise SessionError(f"session {params.id!r} does not exist or is closed")
+            input_ids, parent, to_remove = session.resolve_input_ids(
+                params, msg.input_ids, self.bos_token_id
+            )
+        except SessionError as e:
+            return CreatedReq(self._make_req(msg, list(msg.input_ids)), error=str(e))
+        req = self._make_req(msg, input_ids)
+        if session.streaming:
+            req.streaming_session_id = session.session_id
+        return CreatedReq(req, parent=parent, to_remove=to_remove)
+
+    def admit(self, created: CreatedReq) -> list[Req]:
+        """Record a validated request in its session; returns the requests to abort.
+
+        A ``replace`` removes the replaced branch now; its unfinished requests must be aborted.
+        A streaming session keeps no tree: only its history and the request in flight.
+        """
+        req = created.req
+        session = self.sessions[req.session_params.id]
+        session.touch()
+        if session.streaming:
+            session.inflight_rid = req.rid
+            return []
+        to_abort = session.remove_nodes(created.to_remove)
+        session.add_req(req, created.parent)
+        return to_abort  # type: ignore[return-value]
+
+    def on_req_finished(self, req: Req) -> None:
+        """A session request finished (any reason): update history, run a deferred close."""
+        params = req.session_params
+        session = self.sessions.get(params.id) if params is not None else None
+        if session is None:
+            return
+        session.touch()
+        if not session.streaming or session.inflight_rid != req.rid:
+            return
+        session.inflight_rid = None
+        if (req.finished_reason or {}).get("type") != "abort":
+            # Each turn continues from the last successfully finished one.
+            session.history_ids = req.origin_input_ids + req.output_ids
+        if session.close_pending:
+            self._drop(session)
+
+    def _make_req(self, msg: TokenizedGenerateReqInput, input_ids: list[int]) -> Req:
+        return Req(
+            msg.rid,
+            input_ids,
+            msg.sampling_params,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
+            stream=msg.stream,
+            session_params=msg.session_params,
+        )
