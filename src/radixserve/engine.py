@@ -23,6 +23,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -54,7 +55,12 @@ def port_args_to_json(port_args: PortArgs) -> str:
 # ---------------------------------------------------------------------- child processes
 def _child_main(name: str, server_args_json: str, port_args_json: str,
                 ready_conn: Connection) -> None:
-    """Spawn target: import the named entry point here, so the parent never loads it."""
+    """Spawn target: import the named entry point here, so the parent never loads it.
+
+    Ctrl-C in a terminal signals the whole process group; the children ignore it and are stopped
+    by their parent, which may still be draining requests.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if name == "scheduler":
             from radixserve.managers.scheduler import run_scheduler_process as entry

@@ -1,0 +1,199 @@
+"""Online serving benchmark: streaming requests against any OpenAI-compatible server.
+
+Sends ``--num-requests`` streaming ``/v1/completions`` requests, either as a closed loop of
+``--concurrency`` clients or as Poisson arrivals at ``--request-rate`` per second (both: arrivals
+at that rate, at most that many in flight), and prints one JSON object: request throughput,
+output tokens/s, and TTFT / inter-token / end-to-end latency (mean, p50, p99, in ms).
+
+Prompts are random token ids (exact ``--input-len``; the vocabulary range is ``--vocab-low`` to
+``--vocab-high``) or, with ``--prompt-kind text``, random words (about ``--input-len`` tokens).
+Every request asks for exactly ``--output-len`` tokens (``ignore_eos``, an extension radixserve,
+SGLang and vLLM accept). Token counts come from the server's usage chunk when it sends one.
+
+    radixserve serve --model-path DIR &
+    python benchmarks/bench_serving.py --base-url http://127.0.0.1:30000 --num-requests 64 \\
+        --concurrency 8 --input-len 128 --output-len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+WORDS = (
+    "the of and to in is it that for on with as was at by this be from or have an are not "
+    "but what all were when we there can more if out so up said about into than them its time "
+    "cache tree token batch server model radix prefix memory request stream sample decode"
+).split()
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    start: float = 0.0
+    ttft: float | None = None
+    e2e: float | None = None
+    itls: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str = ""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:30000")
+    p.add_argument("--model", help="model name (default: the first of GET /v1/models)")
+    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, help="most requests in flight")
+    p.add_argument("--request-rate", type=float, help="Poisson arrivals per second")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--prompt-kind", choices=["ids", "text"], default="ids")
+    p.add_argument("--vocab-low", type=int, default=100)
+    p.add_argument("--vocab-high", type=int, default=400)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    args = p.parse_args(argv)
+    if args.concurrency is None and args.request_rate is None:
+        args.concurrency = 8
+    if args.concurrency is not None and args.concurrency < 1:
+        p.error("--concurrency must be at least 1")
+    if args.request_rate is not None and args.request_rate <= 0:
+        p.error("--request-rate must be positive")
+    return args
+
+
+def make_prompts(args: argparse.Namespace) -> list[Any]:
+    rng = random.Random(args.seed)
+    if args.prompt_kind == "ids":
+        return [[rng.randrange(args.vocab_low, args.vocab_high) for _ in range(args.input_len)]
+                for _ in range(args.num_requests)]
+    return [" ".join(rng.choices(WORDS, k=args.input_len)) for _ in range(args.num_requests)]
+
+
+async def one_request(client: httpx.AsyncClient, model: str, prompt: Any,
+                      args: argparse.Namespace) -> RequestResult:
+    """Stream one completion, timing each content chunk."""
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0.0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }
+    res = RequestResult(ok=False, start=time.perf_counter())
+    last = res.start
+    chunks = 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    res.error = str(event["error"])
+                    return res
+                if event.get("usage"):
+                    res.prompt_tokens = event["usage"].get("prompt_tokens", 0)
+                    res.output_tokens = event["usage"].get("completion_tokens", 0)
+                if not any(c.get("text") for c in event.get("choices", [])):
+                    continue
+                now = time.perf_counter()
+                if res.ttft is None:
+                    res.ttft = now - res.start
+                else:
+                    res.itls.append(now - last)
+                last = now
+                chunks += 1
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.e2e = time.perf_counter() - res.start
+    res.output_tokens = res.output_tokens or chunks
+    res.ok = True
+    return res
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.concurrency or args.num_requests)
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
+                                 timeout=args.timeout) as client:
+        model = args.model
+        if model is None:
+            r = await client.get("/v1/models")
+            r.raise_for_status()
+            model = r.json()["data"][0]["id"]
+        prompts = make_prompts(args)
+        gate = asyncio.Semaphore(args.concurrency or args.num_requests)
+        rng = random.Random(args.seed + 1)
+
+        async def gated(prompt: Any) -> RequestResult:
+            async with gate:
+                return await one_request(client, model, prompt, args)
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(gated(prompt)))
+            if args.request_rate is not None:
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(args, model, results, duration)
+
+
+def _stats_ms(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p99": None}
+    ordered = sorted(values)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    return {"mean": round(statistics.fmean(values) * 1e3, 3),
+            "p50": round(pct(0.50) * 1e3, 3), "p99": round(pct(0.99) * 1e3, 3)}
+
+
+def summarize(args: argparse.Namespace, model: str, results: list[RequestResult],
+              duration: float) -> dict[str, Any]:
+    done = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in done)
+    errors = sorted({r.error for r in results if not r.ok})
+    return {
+        "base_url": args.base_url,
+        "model": model,
+        "num_requests": len(results),
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "concurrency": args.concurrency,
+        "request_rate": args.request_rate,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "duration_s": round(duration, 3),
+        "request_throughput": round(len(done) / duration, 3),
+        "output_tokens_per_s": round(output_tokens / duration, 3),
+        "total_prompt_tokens": sum(r.prompt_tokens for r in done),
+        "total_output_tokens": output_tokens,
+        "ttft_ms": _stats_ms([r.ttft for r in done if r.ttft is not None]),
+        "itl_ms": _stats_ms([x for r in done for x in r.itls]),
+        "e2e_latency_ms": _stats_ms([r.e2e for r in done if r.e2e is not None]),
+        "errors": errors[:5],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    print(json.dumps(asyncio.run(run(parse_args(argv)))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""``radixserve serve``: the command line.
+
+Every ``ServerArgs`` field is a ``--kebab-case`` flag (SGLang's names); booleans are switches and
+fields with a fixed set of values list their choices. ``--model-path`` may be left out: the
+default model is then used (see ``server/default_model.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from radixserve import __version__
+from radixserve.server_args import DEVICES, DTYPES, SCHEDULE_POLICIES, ServerArgs
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+CHOICES: dict[str, Sequence[str]] = {
+    "dtype": DTYPES,
+    "device": DEVICES,
+    "schedule_policy": SCHEDULE_POLICIES,
+    "log_level": LOG_LEVELS,
+}
+
+HELP: dict[str, str] = {
+    "model_path": "Hugging Face checkpoint directory (default: models/radixserve-demo if it "
+    "exists).",
+    "tokenizer_path": "Tokenizer directory (default: the model path).",
+    "served_model_name": "Model name in the OpenAI API (default: the model path).",
+    "host": "Address to listen on.",
+    "port": "Port to listen on.",
+    "api_key": "Require 'Authorization: Bearer KEY' on every route except /health.",
+    "dtype": "Weight and activation dtype ('auto': the checkpoint's, fp32 on CPUs without bf16).",
+    "device": "Device to run on ('auto': CUDA if available, else CPU).",
+    "context_length": "Override the context length (at most the model's).",
+    "random_seed": "Seed of the sampling random generators.",
+    "tp_size": "Tensor-parallel size (only 1 in this build).",
+    "dp_size": "Data-parallel size (only 1 in this build).",
+    "mem_fraction_static": "Fraction of free memory for the KV cache (default 0.3 on CPU, "
+    "0.85 on CUDA).",
+    "max_total_tokens": "KV cache size in tokens (overrides --mem-fraction-static).",
+    "max_running_requests": "Most requests in the running batch.",
+    "page_size": "Tokens per KV cache page.",
+    "disable_radix_cache": "Do not reuse prompt prefixes across requests.",
+    "max_prefill_tokens": "Token budget of one prefill batch.",
+    "chunked_prefill_size": "Longest prefill chunk of one request.",
+    "schedule_policy": "Order of waiting requests (lpm: longest cached prefix first).",
+    "schedule_conservativeness": "Scale of the decode-token reservation when admitting requests.",
+    "enable_streaming_session": "Keep a streaming session's KV between turns.",
+    "enable_metrics": "Serve Prometheus metrics on GET /metrics.",
+    "max_queued_requests": "Answer 429 when this many generation requests are in flight.",
+    "chat_template": "Jinja chat template, or a file holding one (default: the tokenizer's).",
+    "log_requests": "Log every request and HTTP access.",
+    "log_level": "Logging level.",
+    "skip_warmup": "Skip the warm-up generation before the server reports ready.",
+    "watchdog_timeout": "Seconds to wait for a child process to start or answer a control call.",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _value_type(annotation: str) -> type:
+    """The argparse type of a ``ServerArgs`` annotation such as ``'int | None'``."""
+    base = annotation.replace(" | None", "").strip()
+    types = {"str": str, "int": int, "float": float}
+    if base not in types:
+        raise TypeError(f"no command-line type for ServerArgs annotation {annotation!r}")
+    return types[base]
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``ServerArgs`` field, with the dataclass default."""
+    for f in dataclasses.fields(ServerArgs):
+        default = None if f.default is dataclasses.MISSING else f.default
+        kwargs: dict[str, Any] = {"dest": f.name, "help": HELP[f.name]}
+        if f.type in ("bool", bool):
+            kwargs["action"] = "store_true" if not default else argparse.BooleanOptionalAction
+            kwargs["default"] = default
+        else:
+            kwargs["type"] = _value_type(str(f.type))
+            kwargs["default"] = default
+            if f.name in CHOICES:
+                kwargs["choices"] = CHOICES[f.name]
+            if default is not None:
+                kwargs["help"] += " (default: %(default)s)"
+        parser.add_argument(_flag(f.name), **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="radixserve", description="radixserve: an LLM serving engine."
+    )
+    parser.add_argument("--version", action="version", version=f"radixserve {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="Start the HTTP server (OpenAI and SGLang-native APIs).",
+        description="Start the HTTP server (OpenAI and SGLang-native APIs).",
+    )
+    add_server_args(serve)
+    return parser
+
+
+def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
+    """``ServerArgs`` from parsed flags, resolving the default model when none is given.
+
+    The default model is served under its directory name (``radixserve-demo``)
+    unless ``--served-model-name`` says otherwise.
+    """
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)}
+    if values["model_path"] is None:
+        from radixserve.server.default_model import default_model_path
+
+        path = default_model_path()
+        values["model_path"] = str(path)
+        values["served_model_name"] = values["served_model_name"] or path.name
+    return ServerArgs(**values)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    # Logs (ours and uvicorn's) go to stderr: stdout carries only the server's ready line.
+    logging.basicConfig(
+        level=ns.log_level.upper(),
+        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        server_args = server_args_from_namespace(ns)
+    except ValueError as e:
+        parser.error(str(e))
+    from radixserve.server.launch import launch_server
+
+    try:
+        return launch_server(server_args)
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"radixserve: error: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,337 @@
+"""The FastAPI application: shared server state, the request guard, and the routers.
+
+A request passes, in order:
+
+1. ``RequestGuard`` (pure ASGI, before any parsing): the API key (every route but ``/health``),
+   the server state (503 while starting or draining), admission of generation requests (429 with
+   ``Retry-After`` past ``--max-queued-requests``; the in-flight count the drain waits on), and
+   the body size (413 past ``MAX_BODY_BYTES``, from ``Content-Length`` or counted while reading);
+   POST bodies are read as JSON whatever their Content-Type says.
+2. The route (``native_api``, ``openai/*``), which validates its body with pydantic (errors → 400)
+   and calls the ``TokenizerManager`` (``ValueError`` → 400).
+
+Generation is driven by async generators from ``TokenizerManager.generate_request``; closing or
+cancelling one aborts its request in the scheduler. Streaming responses are cancelled by Starlette
+when the client disconnects; non-streaming ones are watched with ``cancel_on_disconnect``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import hmac
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from radixserve.managers.tokenizer_manager import TokenizerManager
+from radixserve.server.errors import APIError, install_error_handlers, send_error
+from radixserve.server.metrics import ServerMetrics
+from radixserve.server_args import ServerArgs
+
+T = TypeVar("T")
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+# Routes that start generations: they count as in flight (drain, --max-queued-requests).
+GENERATION_PATHS = frozenset({"/generate", "/v1/chat/completions", "/v1/completions"})
+# Reachable without an API key and in every state (it reports the state itself).
+HEALTH_PATH = "/health"
+RETRY_AFTER_S = 1
+
+
+class ServerState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+
+
+@dataclass
+class ServerContext:
+    """What every route needs: the configuration, the TokenizerManager and the server state."""
+
+    server_args: ServerArgs
+    tokenizer_manager: TokenizerManager
+    scheduler_info: dict[str, Any]
+    metrics: ServerMetrics | None = None
+    chat_template: str | None = None
+    state: ServerState = ServerState.STARTING
+    in_flight: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        return self.server_args.model_name
+
+    @property
+    def context_len(self) -> int:
+        return int(self.tokenizer_manager.model_config.context_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer_manager.model_config.vocab_size)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.tokenizer_manager.tokenizer
+
+    def check_model(self, name: str | None) -> None:
+        """404 for a ``model`` field naming a model this server does not serve."""
+        if name is not None and name not in (self.model_name, self.server_args.model_path):
+            raise APIError(
+                404,
+                f"The model '{name}' does not exist; this server serves '{self.model_name}'.",
+                param="model",
+                code="model_not_found",
+            )
+
+
+async def first_item(agen: AsyncIterator[T]) -> T:
+    """The first item of ``agen`` (for a non-stream generation: its only one), closing it."""
+    async with contextlib.aclosing(agen):  # type: ignore[type-var]
+        async for item in agen:
+            return item
+    raise RuntimeError("the generation ended without output")
+
+
+async def prime(agen: AsyncIterator[T]) -> AsyncIterator[T]:
+    """Wait for the first item, so that validation errors fail the request before it streams.
+
+    Returns an iterator over every item, the first included; closing it closes ``agen``. On an
+    error ``agen`` is closed (aborting its request) and the error propagates to the route.
+    """
+    try:
+        first = await agen.__anext__()
+    except StopAsyncIteration:
+        raise RuntimeError("the generation ended without output") from None
+    except BaseException:
+        await agen.aclose()  # type: ignore[attr-defined]
+        raise
+
+    async def chained() -> AsyncIterator[T]:
+        async with contextlib.aclosing(agen):  # type: ignore[type-var]
+            yield first
+            async for item in agen:
+                yield item
+
+    return chained()
+
+
+async def collect_final(merged: AsyncIterator[tuple[int, T]], n: int) -> list[T]:
+    """The last item of each of ``n`` merged generations, in index order."""
+    finals: dict[int, T] = {}
+    async with contextlib.aclosing(merged):  # type: ignore[type-var]
+        async for i, item in merged:
+            finals[i] = item
+    return [finals[i] for i in range(n)]
+
+
+_END = object()
+
+
+async def merge_generations(gens: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several generations as ``(index, item)`` in arrival order.
+
+    Each generation is pumped by its own task; an error in one is raised to the consumer, and
+    closing the merged iterator cancels the pumps, which aborts every unfinished generation.
+    """
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[T]) -> None:
+        try:
+            async with contextlib.aclosing(gen):  # type: ignore[type-var]
+                async for item in gen:
+                    queue.put_nowait((i, item, None))
+        except Exception as exc:
+            queue.put_nowait((i, None, exc))
+        else:
+            queue.put_nowait((i, _END, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is _END:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it (so its generation aborts) if the client disconnects.
+
+    Streaming responses get this from Starlette; a plain response only notices a gone client
+    when it writes, after the whole generation, so its receive channel is watched here.
+    """
+    work_task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work_task.done():
+            return work_task.result()
+        work_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work_task
+        raise APIError(499, "the client closed the connection")
+    finally:
+        watcher.cancel()
+        if not work_task.done():
+            work_task.cancel()
+
+
+class RequestGuard:
+    """Pure ASGI middleware: API key, server state, admission, body size (see module doc)."""
+
+    def __init__(self, app: ASGIApp, ctx: ServerContext, max_body_bytes: int) -> None:
+        self.app = app
+        self.ctx = ctx
+        self.max_body_bytes = max_body_bytes
+        key = ctx.server_args.api_key
+        self._expected_auth = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        generation = path in GENERATION_PATHS and scope["method"] == "POST"
+        try:
+            if path != HEALTH_PATH:
+                self._check_api_key(scope)
+                self._check_state()
+            if generation:
+                self._check_admission()
+            receive = await self._read_body(scope, receive)
+        except APIError as err:
+            await send_error(send, err)
+            return
+        if scope["method"] == "POST":
+            scope = _as_json(scope)
+        if not generation:
+            await self.app(scope, receive, send)
+            return
+        self.ctx.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.ctx.in_flight -= 1
+
+    def _check_api_key(self, scope: Scope) -> None:
+        if self._expected_auth is None:
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self._expected_auth):
+            raise APIError(
+                401,
+                "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                code="invalid_api_key",
+            )
+
+    def _check_state(self) -> None:
+        state = self.ctx.state
+        if state is not ServerState.READY:
+            raise APIError(
+                503,
+                f"The server is {state.value}; try again later.",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+
+    def _check_admission(self) -> None:
+        limit = self.ctx.server_args.max_queued_requests
+        if limit is not None and self.ctx.in_flight >= limit:
+            raise APIError(
+                429,
+                f"Too many requests in flight ({self.ctx.in_flight}, the limit is {limit}); "
+                "retry later.",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> Receive:
+        """Read the whole body within the limit and return a ``receive`` that replays it."""
+        limit = self.max_body_bytes
+        too_large = APIError(413, f"The request body is larger than {limit} bytes.")
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                raise APIError(400, "Invalid Content-Length header.") from None
+            if declared > limit:
+                raise too_large
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away while sending
+                return _replay([], message, receive)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return _replay(chunks, None, receive)
+
+
+def _as_json(scope: Scope) -> Scope:
+    """Every POST body is JSON: a missing or other Content-Type (``curl -d`` sends a form
+    type) is read as JSON rather than failing with a confusing validation error."""
+    headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+
+
+def _replay(chunks: list[bytes], pending: Message | None, receive: Receive) -> Receive:
+    """A ``receive`` that yields the buffered body once, then defers to the real one."""
+    replayed = False
+
+    async def replay_receive() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            if pending is not None:
+                return pending
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        return await receive()
+
+    return replay_receive
+
+
+def create_app(ctx: ServerContext, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """Build the app for one running server (routes read ``app.state.ctx``)."""
+    from radixserve.server.native_api import router as native_router
+    from radixserve.server.openai.serving_chat import router as chat_router
+    from radixserve.server.openai.serving_completions import router as completions_router
+    from radixserve.server.openai.serving_models import router as models_router
+
+    app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.include_router(native_router)
+    app.include_router(chat_router)
+    app.include_router(completions_router)
+    app.include_router(models_router)
+    app.add_middleware(RequestGuard, ctx=ctx, max_body_bytes=max_body_bytes)
+    return app
+
+
+def get_ctx(request: Request) -> ServerContext:
+    """The ``ServerContext`` of the app serving ``request``."""
+    return request.app.state.ctx

@@ -1,0 +1,115 @@
+"""Prometheus metrics for ``GET /metrics`` (only with ``--enable-metrics``).
+
+Two sources feed them:
+
+* per request, the TokenizerManager's ``on_request_finished`` callback hands over a
+  ``RequestMetrics`` (arrival, first token, per-message token times, finish): token counters and
+  the TTFT / inter-token / end-to-end latency histograms (TTFT and inter-token latency are only
+  seen for streamed requests, whose tokens arrive step by step);
+* per scrape, the scheduler's internal state (``get_internal_state``): running and queued requests
+  and KV-cache usage, set as gauges just before the text is rendered.
+
+The registry is private to the server (never prometheus_client's global one), so two servers in
+one process, as in tests, do not collide.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from radixserve.managers.tokenizer_manager import RequestMetrics
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+_PREFIX = "radixserve:"
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# Inter-token observations per request are capped so that one long request costs O(1) to record.
+_MAX_ITL_OBSERVATIONS = 256
+
+
+class ServerMetrics:
+    """The server's Prometheus collectors, labelled with the served model name."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        label = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(_PREFIX + name, doc, label, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(_PREFIX + name, doc, label, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(
+                _PREFIX + name, doc, label, buckets=buckets, registry=self.registry
+            ).labels(model_name)
+
+        self.num_running_reqs = gauge("num_running_reqs", "Requests in the running batch.")
+        self.num_queued_reqs = gauge("num_queued_reqs", "Requests waiting in the scheduler.")
+        self.token_usage = gauge(
+            "token_usage", "Fraction of KV slots in use (neither free nor evictable)."
+        )
+        self.cache_hit_rate = gauge(
+            "cache_hit_rate", "Cached prompt tokens / prompt tokens, over all finished requests."
+        )
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.num_requests = counter("num_requests", "Finished requests.")
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
+        )
+        self.itl = histogram("inter_token_latency_seconds", "Inter-token latency.", _ITL_BUCKETS)
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS
+        )
+        self._prompt_total = 0
+        self._cached_total = 0
+
+    def on_request_finished(self, m: RequestMetrics) -> None:
+        """Record one finished request (the TokenizerManager's callback; runs on the loop)."""
+        self.num_requests.inc()
+        self.prompt_tokens.inc(m.prompt_tokens)
+        self.cached_tokens.inc(m.cached_tokens)
+        self.generation_tokens.inc(m.completion_tokens)
+        self._prompt_total += m.prompt_tokens
+        self._cached_total += m.cached_tokens
+        # A non-stream request gets all its tokens in one message at the end, so its first
+        # message time is only a first-token time when that message carried a single token.
+        if m.first_token_time is not None and m.token_times and m.token_times[0][1] == 1:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+        observed = 0
+        for (prev_t, _), (t, n) in zip(m.token_times, m.token_times[1:], strict=False):
+            # A message with n tokens arrived t - prev_t after the previous one: n gaps.
+            per_token = (t - prev_t) / max(n, 1)
+            for _ in range(min(n, _MAX_ITL_OBSERVATIONS - observed)):
+                self.itl.observe(per_token)
+            observed += n
+            if observed >= _MAX_ITL_OBSERVATIONS:
+                break
+        if m.finish_time is not None:
+            self.e2e.observe(m.finish_time - m.arrival_time)
+
+    def update_scheduler_state(self, state: dict[str, Any]) -> None:
+        """Set the gauges from ``GetInternalStateReqOutput.state``."""
+        self.num_running_reqs.set(state.get("num_running_reqs", 0))
+        self.num_queued_reqs.set(state.get("num_waiting_reqs", 0))
+        memory = state.get("memory", {})
+        total = memory.get("total_kv_tokens", 0)
+        if total:
+            free = memory.get("available_kv_tokens", 0) + memory.get("evictable_kv_tokens", 0)
+            self.token_usage.set((total - free) / total)
+        if self._prompt_total:
+            self.cache_hit_rate.set(self._cached_total / self._prompt_total)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every collector."""
+        return generate_latest(self.registry)
