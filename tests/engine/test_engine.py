@@ -25,6 +25,19 @@ def engine(llama_path, strict_env):
         yield eng
 
 
+@pytest.fixture(autouse=True)
+def leak_invariant_holds_after_each_test(engine):
+    """Once idle after every test, all KV is free or evictable and every request slot is free."""
+    yield
+    state = wait_idle(engine)
+    m = state["memory"]
+    held = (m["available_kv_tokens"] + m["evictable_kv_tokens"] + m["protected_kv_tokens"]
+            + m["session_held_kv_tokens"])
+    assert held == m["total_kv_tokens"], m
+    assert m["protected_kv_tokens"] == 0 and m["free_req_slots"] == m["total_req_slots"], m
+    assert state["last_leak_check"]["ok"], state["last_leak_check"]
+
+
 @pytest.fixture(scope="module")
 def tokenizer(llama_path):
     return AutoTokenizer.from_pretrained(llama_path, local_files_only=True)
