@@ -22,23 +22,19 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
-import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
 
 from radixserve.managers import io_struct, ipc
+from radixserve.managers.child_process import install_exit_handlers
 from radixserve.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, ReqStrOutput
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 _REPLACEMENT_CHAR = "\ufffd"
-_PARENT_POLL_S = 0.5
 
 
 class IncrementalDetokenizer:
@@ -188,26 +184,9 @@ class DetokenizerManager:
                 logger.warning("detokenizer ignores unexpected message %s", type(msg).__name__)
 
 
-def _exit_when_parent_dies() -> None:
-    """SIGTERM ourselves once reparented: the detokenizer must not outlive the server."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(_PARENT_POLL_S)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    os._exit(0)  # nothing to flush; interpreter teardown would take seconds
-
-
 def run_detokenizer_process(server_args_json: str, port_args_json: str, ready_conn: Any) -> None:
     """Entry point of the spawned detokenizer process (arguments arrive as JSON, never pickled)."""
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    _exit_when_parent_dies()
+    install_exit_handlers()
     try:
         server_args = ServerArgs(**json.loads(server_args_json))
         logging.basicConfig(level=server_args.log_level.upper())

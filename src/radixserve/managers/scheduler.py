@@ -17,8 +17,6 @@ import json
 import logging
 import os
 import random
-import signal
-import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -29,6 +27,7 @@ import zmq
 
 from radixserve import envs
 from radixserve.managers import ipc
+from radixserve.managers.child_process import install_exit_handlers
 from radixserve.managers.dispatcher import TypeBasedDispatcher
 from radixserve.managers.io_struct import (
     AbortReq,
@@ -56,7 +55,6 @@ logger = logging.getLogger(__name__)
 
 # How long an idle loop blocks on its socket before looking around again.
 _IDLE_POLL_MS = 1000
-_PARENT_POLL_S = 0.5
 
 
 class Scheduler:
@@ -446,22 +444,6 @@ class Scheduler:
 
 
 # ---------------------------------------------------------------------- process entry point
-def _exit_when_parent_dies() -> None:
-    """SIGTERM ourselves (a clean exit) once the parent is gone: we are reparented."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(_PARENT_POLL_S)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(0)
-
-
 def run_scheduler_process(server_args_json: str, port_args_json: str, ready_conn: Any) -> None:
     """Entry point of the spawned scheduler process (arguments arrive as JSON, never pickled)."""
     server_args = ServerArgs(**json.loads(server_args_json))
@@ -469,8 +451,7 @@ def run_scheduler_process(server_args_json: str, port_args_json: str, ready_conn
         level=server_args.log_level.upper(),
         format="%(asctime)s scheduler %(levelname)s %(name)s: %(message)s",
     )
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    _exit_when_parent_dies()
+    install_exit_handlers()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     random.seed(server_args.random_seed)
     torch.manual_seed(server_args.random_seed)
