@@ -225,7 +225,11 @@ class Scheduler:
         holding = len(running) + (self.chunked_req is not None)
         if self.session_cache is not None and self.req_to_token_pool.available_size() == 0:
             # Idle sessions must not starve new requests of rows: their next turn re-prefills.
-            self.session_cache.release_idle_rows(len(self.waiting_queue))
+            # Release no more than can be admitted, sparing sessions whose own turn waits.
+            self.session_cache.release_idle_rows(
+                min(len(self.waiting_queue), self.max_running_requests - holding),
+                spare={r.streaming_session_id for r in self.waiting_queue},
+            )
         adder = PrefillAdder(
             tree_cache=self.tree_cache,
             allocator=self.allocator,

@@ -23,6 +23,7 @@ turn re-prefills) when the pool runs short, so sessions never starve other reque
 from __future__ import annotations
 
 import itertools
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,10 +164,15 @@ class SessionAwareCache(BasePrefixCache):
     def _idle_slots_lru(self) -> list[SessionSlot]:
         return sorted((s for s in self.slots.values() if not s.in_use), key=lambda s: s.last_used)
 
-    def release_idle_rows(self, num_rows: int) -> int:
-        """Release up to ``num_rows`` idle slots (least recently used first)."""
+    def release_idle_rows(self, num_rows: int, spare: Container[str | None] = ()) -> int:
+        """Release up to ``num_rows`` idle slots, least recently used first.
+
+        Slots of the sessions in ``spare`` (say, those with a turn waiting to reuse its slot)
+        go last.
+        """
         released = 0
-        for slot in self._idle_slots_lru()[:num_rows]:
+        victims = sorted(self._idle_slots_lru(), key=lambda s: s.session_id in spare)
+        for slot in victims[:num_rows]:
             self.release_slot(slot.session_id)
             released += 1
         return released

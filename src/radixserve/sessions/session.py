@@ -73,15 +73,17 @@ class Session:
     inflight_rid: str | None = None
     close_pending: bool = False
 
-    def touch(self) -> None:
-        self.last_active = time.monotonic()
+    def touch(self, now: float) -> None:
+        """Record activity at ``now`` (the controller's clock, which expiry is measured on)."""
+        self.last_active = now
 
     def is_expired(self, now: float) -> bool:
+        # Cheapest tests first: this runs every scheduler step for every session.
         return (
             self.timeout is not None
+            and now - self.last_active > self.timeout
             and self.inflight_rid is None
             and not self.has_unfinished_reqs()
-            and now - self.last_active > self.timeout
         )
 
     def has_unfinished_reqs(self) -> bool:

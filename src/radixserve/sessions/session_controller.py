@@ -138,7 +138,7 @@ class SessionController:
         """
         req = created.req
         session = self.sessions[req.session_params.id]
-        session.touch()
+        session.touch(self.clock())
         if session.streaming:
             session.inflight_rid = req.rid
             return []
@@ -152,7 +152,7 @@ class SessionController:
         session = self.sessions.get(params.id) if params is not None else None
         if session is None:
             return
-        session.touch()
+        session.touch(self.clock())
         if not session.streaming or session.inflight_rid != req.rid:
             return
         session.inflight_rid = None

@@ -1,0 +1,279 @@
+"""Multi-turn chat benchmark: streaming sessions against resending the history.
+
+``--sessions`` (S) chats run concurrently, each ``--turns`` (T) turns in sequence; every turn adds
+``--new-tokens`` (U) random token ids and generates exactly ``--output-len`` (O) tokens (greedy,
+``ignore_eos``), streamed so that time to first token is seen. The same chats run three ways:
+
+- ``streaming``: a streaming session per chat (``/open_session`` with ``streaming: true``); each
+  turn sends only its U new ids, the server keeps the conversation's KV in the session's slot;
+- ``resend``: plain ``/generate`` requests carrying the whole history, radix cache on;
+- ``resend-no-radix``: the same on a server started with ``--disable-radix-cache``.
+
+It prints one JSON object per mode and turn index (means over the S chats): TTFT, prefill tokens
+computed (``prompt_tokens - cached_tokens``), cached tokens, and output tokens/s of that turn
+(all its output tokens over the span from its first request's start to its last one's end); then
+one summary per mode, and a check that every mode produced the same conversations.
+
+    # starts its own servers (tiny random model of make_bench_models.py, built on first use):
+    python benchmarks/bench_sessions.py --sessions 8 --turns 6 --new-tokens 64 --output-len 32
+    # or against running servers (the first started with --enable-streaming-session):
+    python benchmarks/bench_sessions.py --base-url http://127.0.0.1:30000 \\
+        --no-radix-base-url http://127.0.0.1:30001
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+BENCH_MODELS = ("tiny", "small")
+MODES = ("streaming", "resend", "resend-no-radix")
+READY_PREFIX = "radixserve ready: "
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny",
+                   help=f"{' or '.join(BENCH_MODELS)} (built on first use) or a checkpoint dir")
+    p.add_argument("--base-url", help="a running server with --enable-streaming-session")
+    p.add_argument("--no-radix-base-url", help="a running server with --disable-radix-cache")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of "
+                   + ", ".join(MODES))
+    p.add_argument("--sessions", "-S", type=int, default=8)
+    p.add_argument("--turns", "-T", type=int, default=6)
+    p.add_argument("--new-tokens", "-U", type=int, default=64, help="new ids per turn")
+    p.add_argument("--output-len", "-O", type=int, default=32)
+    p.add_argument("--vocab-low", type=int, default=10)
+    p.add_argument("--vocab-high", type=int, default=500)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", help="for the servers this script starts")
+    p.add_argument("--device", default="auto", help="for the servers this script starts")
+    p.add_argument("--max-total-tokens", type=int, help="for the servers this script starts")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    args = p.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    unknown = set(args.modes) - set(MODES)
+    if unknown:
+        p.error(f"unknown mode(s) {sorted(unknown)}; choose from {', '.join(MODES)}")
+    for name in ("sessions", "turns", "new_tokens", "output_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+# ---------------------------------------------------------------------------- servers
+def resolve_model(name: str) -> str:
+    """A checkpoint directory; the benchmark models are built on first use."""
+    if name not in BENCH_MODELS:
+        return name
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from make_bench_models import DEFAULT_OUT, build
+
+    path = DEFAULT_OUT / name
+    if not (path / "config.json").is_file():
+        print(json.dumps(build(name, path, seed=0)), file=sys.stderr, flush=True)
+    return str(path)
+
+
+class Server:
+    """``radixserve serve`` in a subprocess on a free loopback port, stopped with SIGTERM."""
+
+    def __init__(self, args: argparse.Namespace, model_path: str, *flags: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "radixserve", "serve", "--model-path", model_path,
+               "--port", str(port), "--dtype", args.dtype, "--device", args.device,
+               "--log-level", "warning", *flags]
+        if args.max_total_tokens:
+            cmd += ["--max-total-tokens", str(args.max_total_tokens)]
+        self.log = tempfile.TemporaryFile("w+")  # the server's stderr, shown if it fails
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self._ready = threading.Event()
+        threading.Thread(target=self._watch_stdout, daemon=True).start()
+
+    def _watch_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(READY_PREFIX):
+                self._ready.set()
+
+    def __enter__(self) -> Server:
+        while not self._ready.wait(0.2):
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                tail = "".join(self.log.readlines()[-20:])
+                raise RuntimeError(f"the server exited with code {self.proc.returncode}:\n{tail}")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+# ---------------------------------------------------------------------------- workload
+@dataclass
+class TurnResult:
+    turn: int
+    start: float
+    end: float
+    ttft: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+
+def make_chats(args: argparse.Namespace) -> list[list[list[int]]]:
+    """The new ids of every turn of every chat (the same for every mode)."""
+    rng = random.Random(args.seed)
+    return [[[rng.randrange(args.vocab_low, args.vocab_high) for _ in range(args.new_tokens)]
+             for _ in range(args.turns)] for _ in range(args.sessions)]
+
+
+async def streamed_generate(http: httpx.AsyncClient, body: dict[str, Any]) -> tuple[float, dict]:
+    """POST a streaming /generate; returns (seconds to the first token, the final chunk)."""
+    start = time.perf_counter()
+    ttft = None
+    last: dict[str, Any] | None = None
+    async with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"/generate answered {r.status_code}: {(await r.aread())[:500]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            last = json.loads(line.removeprefix("data: "))
+            if "error" in last:
+                raise RuntimeError(f"/generate failed: {last['error']}")
+            if ttft is None and last["output_ids"]:
+                ttft = time.perf_counter() - start
+    assert last is not None and ttft is not None, "the stream carried no tokens"
+    return ttft, last
+
+
+async def run_chat(http: httpx.AsyncClient, mode: str, turns: list[list[int]],
+                   output_len: int) -> tuple[list[TurnResult], list[int]]:
+    """One chat's turns in sequence; returns per-turn results and the final conversation."""
+    params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
+    session_id = None
+    if mode == "streaming":
+        r = await http.post("/open_session",
+                            json={"capacity_of_str_len": 1 << 20, "streaming": True})
+        if r.status_code != 200:
+            raise RuntimeError(f"/open_session answered {r.status_code}: {r.text}")
+        session_id = r.json()
+    history: list[int] = []
+    results = []
+    try:
+        for k, new in enumerate(turns):
+            if session_id is not None:
+                body = {"input_ids": new, "session_params": {"id": session_id}}
+            else:
+                body = {"input_ids": history + new}
+            start = time.perf_counter()
+            ttft, out = await streamed_generate(http, {**body, "sampling_params": params})
+            meta = out["meta_info"]
+            results.append(TurnResult(k, start, time.perf_counter(), ttft, meta["prompt_tokens"],
+                                      meta["cached_tokens"], meta["completion_tokens"]))
+            history = history + new + out["output_ids"]
+    finally:
+        if session_id is not None:
+            await http.post("/close_session", json={"session_id": session_id})
+    return results, history
+
+
+async def run_mode(base_url: str, mode: str, args: argparse.Namespace,
+                   chats: list[list[list[int]]]) -> tuple[list[dict], list[list[int]]]:
+    limits = httpx.Limits(max_connections=2 * args.sessions + 4)
+    async with httpx.AsyncClient(base_url=base_url, timeout=args.timeout, limits=limits) as http:
+        r = await http.post("/flush_cache")  # every mode starts from an empty cache
+        if r.status_code != 200:
+            raise RuntimeError(f"/flush_cache answered {r.status_code}: {r.text}")
+        start = time.perf_counter()
+        done = await asyncio.gather(*(run_chat(http, mode, c, args.output_len) for c in chats))
+        wall = time.perf_counter() - start
+    results = [t for turns, _ in done for t in turns]
+    return report(mode, results, wall), [history for _, history in done]
+
+
+def report(mode: str, results: list[TurnResult], wall: float) -> list[dict[str, Any]]:
+    lines = []
+    for k in sorted({t.turn for t in results}):
+        turn = [t for t in results if t.turn == k]
+        span = max(t.end for t in turn) - min(t.start for t in turn)
+        lines.append({
+            "mode": mode, "turn": k, "requests": len(turn),
+            "ttft_ms_mean": round(1000 * statistics.mean(t.ttft for t in turn), 2),
+            "prompt_tokens_mean": round(statistics.mean(t.prompt_tokens for t in turn), 1),
+            "prefill_tokens_mean": round(
+                statistics.mean(t.prompt_tokens - t.cached_tokens for t in turn), 1),
+            "cached_tokens_mean": round(statistics.mean(t.cached_tokens for t in turn), 1),
+            "output_tokens_per_s": round(sum(t.output_tokens for t in turn) / span, 1),
+        })
+    lines.append({
+        "mode": mode, "summary": True, "requests": len(results), "wall_s": round(wall, 3),
+        "ttft_ms_mean": round(1000 * statistics.mean(t.ttft for t in results), 2),
+        "prefill_tokens_total": sum(t.prompt_tokens - t.cached_tokens for t in results),
+        "cached_tokens_total": sum(t.cached_tokens for t in results),
+        "output_tokens_per_s": round(sum(t.output_tokens for t in results) / wall, 1),
+    })
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    chats = make_chats(args)
+    model_path = None if args.base_url and args.no_radix_base_url else resolve_model(args.model)
+    histories: dict[str, list[list[int]]] = {}
+
+    def run(base_url: str, mode: str) -> None:
+        lines, histories[mode] = asyncio.run(run_mode(base_url, mode, args, chats))
+        for line in lines:
+            print(json.dumps(line), flush=True)
+
+    radix_modes = [m for m in args.modes if m != "resend-no-radix"]
+    if radix_modes:
+        if args.base_url:
+            for mode in radix_modes:
+                run(args.base_url, mode)
+        else:
+            with Server(args, model_path, "--enable-streaming-session") as server:
+                for mode in radix_modes:
+                    run(server.base_url, mode)
+    if "resend-no-radix" in args.modes:
+        if args.no_radix_base_url:
+            run(args.no_radix_base_url, "resend-no-radix")
+        elif args.base_url:
+            print(json.dumps({"mode": "resend-no-radix", "skipped": "give --no-radix-base-url"}))
+        else:
+            with Server(args, model_path, "--disable-radix-cache") as server:
+                run(server.base_url, "resend-no-radix")
+    modes = list(histories)
+    identical = sum(len({json.dumps(histories[m][i]) for m in modes}) == 1
+                    for i in range(args.sessions))
+    print(json.dumps({"comparison": "final conversations identical across modes",
+                      "modes": modes, "identical": identical, "sessions": args.sessions}))
+
+
+if __name__ == "__main__":
+    main()
