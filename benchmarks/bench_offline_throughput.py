@@ -1,141 +1,353 @@
-"""Offline throughput: the radixserve Engine vs transformers ``generate`` on the same prompts.
+"""Offline throughput: the radixserve Engine vs transformers ``generate``, same run, same prompts.
 
-Both backends get the same random token-id prompts, decode greedily and ignore EOS, so every
-request produces exactly ``--output-len`` tokens. Results are printed as JSON lines, one per
-backend, then one comparing their outputs. See benchmarks/README.md.
+Scenarios (each backend runs all of them; the Engine first, shut down before transformers loads,
+so the two never share the CPU):
+
+- ``decode`` at each ``--batch-sizes`` B: B random prompts (``--min/--max-input-len`` tokens),
+  ``--output-len`` new tokens, greedy, ignore_eos. ``output_tokens_per_s`` is end to end (the
+  prompts' prefill included); ``decode_tokens_per_s`` subtracts the wall time of the same batch
+  run with one new token, so it counts decode steps only;
+- ``prefill``: one prompt of ``--prefill-len`` tokens, one new token; ``prefill_tokens_per_s``.
+
+With ``--step-overhead`` the scheduler runs in this process with the model's forward replaced by a
+stub returning zero logits: ``ms_per_step`` is then what the scheduler + runner + sampler cost per
+decode step without any model compute (the Python overhead a faster model cannot hide).
+
+Prints JSON lines; ``--plot out.png`` draws them (needs matplotlib, the ``bench`` extra).
+See benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
+import statistics
 import sys
-import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+BENCH_MODELS = ("tiny", "small")
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-path", help="local checkpoint; default: a tiny random llama")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--input-len", type=int, default=128, help="tokens per prompt")
-    p.add_argument("--min-input-len", type=int, help="with --max-input-len: random lengths")
-    p.add_argument("--max-input-len", type=int)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=8, help="transformers generate batch size")
+    p.add_argument("--model", default="tiny",
+                   help="tiny, small (built when missing) or a checkpoint directory")
+    p.add_argument("--batch-sizes", default="1,8,16,32,64",
+                   help="comma-separated decode batch sizes ('' to skip decode)")
+    p.add_argument("--min-input-len", type=int, default=64)
+    p.add_argument("--max-input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prefill-len", type=int, default=1024, help="0 skips the prefill scenario")
+    p.add_argument("--backends", default="radixserve,transformers")
+    p.add_argument("--step-overhead", action="store_true",
+                   help="also time scheduler steps with the model forward stubbed out")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--max-running-requests", type=int, help="radixserve continuous-batch width")
-    p.add_argument("--threads", type=int, default=2, help="torch threads for transformers")
+    p.add_argument("--threads", type=int,
+                   help="torch threads of both backends (default: one per CPU)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="best of this many runs per scenario (the backends take turns)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--plot", type=Path, help="write a PNG of the results (needs matplotlib)")
     args = p.parse_args()
-    if (args.min_input_len is None) != (args.max_input_len is None):
-        p.error("--min-input-len and --max-input-len go together")
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    args.backends = [b for b in args.backends.split(",") if b]
+    unknown = set(args.backends) - {"radixserve", "transformers"}
+    if unknown:
+        p.error(f"unknown backend(s) {sorted(unknown)}")
+    if not 0 < args.min_input_len <= args.max_input_len:
+        p.error("need 0 < --min-input-len <= --max-input-len")
     return args
 
 
-def make_prompts(args: argparse.Namespace, vocab_size: int, special: set[int]) -> list[list[int]]:
-    rng = random.Random(args.seed)
-    allowed = [t for t in range(vocab_size) if t not in special]
-    lo, hi = (args.min_input_len, args.max_input_len) if args.min_input_len else (
-        args.input_len, args.input_len)
-    return [rng.choices(allowed, k=rng.randint(lo, hi)) for _ in range(args.num_prompts)]
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Give torch in this process ``threads`` threads (default: leave torch's choice)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
-def result(backend: str, prompts: list[list[int]], outputs: list[list[int]],
-           wall_s: float) -> dict[str, Any]:
+def start_engine(threads: int | None, **kwargs: Any) -> Any:
+    """An Engine whose scheduler uses ``threads`` torch threads.
+
+    The scheduler process sizes its thread pool from its CPU affinity, so it is started with
+    ``threads`` CPUs and then allowed on all of them again: the thread count stays, and like
+    transformers' threads they may run on whichever CPU is free.
+    """
+    from radixserve import Engine
+
+    allowed = os.sched_getaffinity(0)
+    if threads:
+        os.sched_setaffinity(0, sorted(allowed)[:threads])
+    try:
+        engine = Engine(**kwargs)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    for pid in engine.child_pids:
+        os.sched_setaffinity(pid, allowed)
+    return engine
+
+
+def resolve_model(name: str) -> tuple[str, str]:
+    """``(label, checkpoint dir)``; the benchmark models are built on first use."""
+    if name not in BENCH_MODELS:
+        return Path(name).name, name
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from make_bench_models import DEFAULT_OUT, build
+
+    path = DEFAULT_OUT / name
+    if not (path / "config.json").is_file():
+        print(json.dumps(build(name, path, seed=0)), file=sys.stderr, flush=True)
+    return name, str(path)
+
+
+class Workload:
+    """The prompts of every scenario, drawn once so that both backends get the same ones."""
+
+    def __init__(self, args: argparse.Namespace, allowed: list[int]) -> None:
+        rng = random.Random(args.seed)
+        self.decode = {
+            b: [rng.choices(allowed, k=rng.randint(args.min_input_len, args.max_input_len))
+                for _ in range(b)]
+            for b in args.batch_sizes
+        }
+        self.prefill = [rng.choices(allowed, k=args.prefill_len)] if args.prefill_len else []
+        self.output_len = args.output_len
+
+
+def decode_record(backend: str, prompts: list[list[int]], outputs: list[list[int]],
+                  wall_s: float, prefill_wall_s: float) -> dict[str, Any]:
     out_tokens = sum(len(o) for o in outputs)
-    in_tokens = sum(len(p) for p in prompts)
+    decoded = out_tokens - len(outputs)  # the first token of each comes from the prefill
     return {
-        "backend": backend,
-        "num_prompts": len(prompts),
-        "input_tokens": in_tokens,
-        "output_tokens": out_tokens,
-        "wall_s": round(wall_s, 4),
-        "output_tokens_per_s": round(out_tokens / wall_s, 2),
-        "total_tokens_per_s": round((in_tokens + out_tokens) / wall_s, 2),
+        "backend": backend, "scenario": "decode", "batch_size": len(prompts),
+        "input_tokens": sum(len(p) for p in prompts), "output_tokens": out_tokens,
+        "wall_s": round(wall_s, 3), "prefill_wall_s": round(prefill_wall_s, 3),
+        "output_tokens_per_s": round(out_tokens / wall_s, 1),
+        "decode_tokens_per_s": round(decoded / max(wall_s - prefill_wall_s, 1e-9), 1),
     }
 
 
-def run_radixserve(args: argparse.Namespace, model_path: str,
-                   prompts: list[list[int]]) -> tuple[list[list[int]], float]:
-    from radixserve import Engine
-
-    kwargs: dict[str, Any] = {"dtype": args.dtype, "device": args.device}
-    if args.max_running_requests:
-        kwargs["max_running_requests"] = args.max_running_requests
-    params = {"temperature": 0.0, "max_new_tokens": args.output_len, "ignore_eos": True}
-    with Engine(model_path=model_path, **kwargs) as engine:
-        engine.generate(input_ids=prompts[0][:8], sampling_params={**params, "max_new_tokens": 2})
-        engine.flush_cache()  # the warm-up prefix must not count as cached
-        start = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=params)
-        wall = time.perf_counter() - start
-    return [o["output_ids"] for o in outs], wall
+def prefill_record(backend: str, prompt: list[int], wall_s: float) -> dict[str, Any]:
+    return {"backend": backend, "scenario": "prefill", "batch_size": 1,
+            "input_tokens": len(prompt), "wall_s": round(wall_s, 3),
+            "prefill_tokens_per_s": round(len(prompt) / wall_s, 1)}
 
 
-def run_transformers(args: argparse.Namespace, model_path: str, prompts: list[list[int]],
-                     dtype: torch.dtype, device: torch.device,
-                     pad_id: int) -> tuple[list[list[int]], float]:
+Generate = Callable[[list[list[int]], int], tuple[list[list[int]], float]]
+
+
+@contextlib.contextmanager
+def radixserve_backend(args: argparse.Namespace, model_path: str) -> Iterator[Generate]:
+    """``generate(prompts, n) -> (outputs, wall_s)`` on a running Engine (cache flushed first)."""
+    params = {"temperature": 0.0, "ignore_eos": True}
+    with start_engine(args.threads, model_path=model_path, dtype=args.dtype,
+                      max_running_requests=max(args.batch_sizes, default=1)) as engine:
+
+        def generate(prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
+            engine.flush_cache()  # nothing may start cached
+            start = time.perf_counter()
+            outs = engine.generate(input_ids=prompts,
+                                   sampling_params={**params, "max_new_tokens": n})
+            return [o["output_ids"] for o in outs], time.perf_counter() - start
+
+        yield generate
+
+
+@contextlib.contextmanager
+def transformers_backend(args: argparse.Namespace, model_path: str,
+                         pad_id: int) -> Iterator[Generate]:
+    """The same for transformers ``generate`` on left-padded static batches."""
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(args.threads)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    from radixserve.model_config import ModelConfig
 
-    def generate(batch: list[list[int]]) -> list[list[int]]:
-        width = max(len(p) for p in batch)  # left padding keeps every prompt's end aligned
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
-        with torch.no_grad():
+    dtype = ModelConfig.from_path(model_path, dtype=args.dtype).torch_dtype
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+
+    def generate(prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
+        width = max(len(p) for p in prompts)  # left padding keeps every prompt's end aligned
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        start = time.perf_counter()
+        with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                 max_new_tokens=args.output_len, min_new_tokens=args.output_len,
-                                 pad_token_id=pad_id)
-        return out[:, width:].tolist()
+                                 max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_id)
+        return out[:, width:].tolist(), time.perf_counter() - start
 
-    generate([prompts[0][:8]])  # warm-up
-    start = time.perf_counter()
-    outputs = []
-    for i in range(0, len(prompts), args.batch_size):
-        outputs.extend(generate(prompts[i:i + args.batch_size]))
-    return outputs, time.perf_counter() - start
+    yield generate
+
+
+def measure(backends: dict[str, Generate], work: Workload, repeats: int,
+            ) -> tuple[list[dict[str, Any]], dict[str, dict[int, list[list[int]]]]]:
+    """Every scenario on every backend, best of ``repeats``; the backends take turns within a
+    scenario, so a burst of load from other processes hits both alike."""
+    records: list[dict[str, Any]] = []
+    outputs: dict[str, dict[int, list[list[int]]]] = {name: {} for name in backends}
+    for generate in backends.values():
+        generate([[3] * 16, [4] * 12], 4)  # warm-up
+    for b, prompts in work.decode.items():
+        best = {name: [float("inf"), float("inf")] for name in backends}  # prefill, whole
+        for _ in range(repeats):
+            for name, generate in backends.items():
+                _, prefill_wall = generate(prompts, 1)
+                outputs[name][b], wall = generate(prompts, work.output_len)
+                best[name] = [min(best[name][0], prefill_wall), min(best[name][1], wall)]
+        for name in backends:
+            records.append(decode_record(name, prompts, outputs[name][b], best[name][1],
+                                         best[name][0]))
+            print(json.dumps(records[-1]), flush=True)
+    if work.prefill:
+        best_prefill = {name: float("inf") for name in backends}
+        for _ in range(repeats):
+            for name, generate in backends.items():
+                generate(work.prefill, 1)  # the first long prompt pays one-off allocations
+                best_prefill[name] = min(best_prefill[name], generate(work.prefill, 1)[1])
+        for name in backends:
+            records.append(prefill_record(name, work.prefill[0], best_prefill[name]))
+            print(json.dumps(records[-1]), flush=True)
+    return records, outputs
+
+
+class _ZeroLogits(torch.nn.Module):
+    """Stands in for the model in ``--step-overhead``: zero logits of the right shape."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: Any) -> torch.Tensor:
+        return torch.zeros(forward_batch.batch_size, self.vocab_size)
+
+
+def run_step_overhead(args: argparse.Namespace, model_path: str,
+                      work: Workload) -> list[dict[str, Any]]:
+    """Median wall time of one decode ``Scheduler.step()`` with the model stubbed out."""
+    from radixserve.managers.io_struct import TokenizedGenerateReqInput
+    from radixserve.managers.scheduler import Scheduler
+    from radixserve.sampling.sampling_params import SamplingParams
+    from radixserve.server_args import ServerArgs
+
+    sent: list[Any] = []
+    sa = ServerArgs(model_path=model_path, dtype=args.dtype, device="cpu",
+                    max_running_requests=max(args.batch_sizes), max_total_tokens=1 << 16)
+    scheduler = Scheduler(sa, sent.append, sent.append)
+    runner = scheduler.tp_worker.model_runner
+    runner.model = _ZeroLogits(runner.vocab_size)
+    params = SamplingParams(temperature=0.0, max_new_tokens=work.output_len, ignore_eos=True)
+    records = []
+    for b, prompts in work.decode.items():
+        scheduler.process_input_requests([
+            TokenizedGenerateReqInput(rid=f"overhead-{b}-{i}", input_ids=p,
+                                      sampling_params=params)
+            for i, p in enumerate(prompts)])
+        step_s: list[float] = []
+        while True:
+            decoding = not scheduler.waiting_queue and len(scheduler.running_batch) == b
+            start = time.perf_counter()
+            if not scheduler.step():
+                break
+            if decoding:
+                step_s.append(time.perf_counter() - start)
+        records.append({"backend": "radixserve", "scenario": "step_overhead", "batch_size": b,
+                        "decode_steps": len(step_s),
+                        "ms_per_step": round(1e3 * statistics.median(step_s), 3)})
+        print(json.dumps(records[-1]), flush=True)
+    return records
+
+
+def comparisons(records: list[dict[str, Any]], our_out: dict[int, list[list[int]]],
+                their_out: dict[int, list[list[int]]]) -> list[dict[str, Any]]:
+    """radixserve over transformers per scenario, and how many greedy outputs are equal."""
+    ours = [r for r in records if r["backend"] == "radixserve"]
+    theirs = [r for r in records if r["backend"] == "transformers"]
+    rows = []
+    for a, b in zip(ours, theirs, strict=True):
+        row: dict[str, Any] = {"comparison": a["scenario"], "batch_size": a["batch_size"]}
+        for key in ("output_tokens_per_s", "decode_tokens_per_s", "prefill_tokens_per_s"):
+            if key in a:
+                row[f"speedup_{key.removesuffix('_tokens_per_s')}"] = round(a[key] / b[key], 2)
+        if a["scenario"] == "decode":
+            pairs = zip(our_out[a["batch_size"]], their_out[a["batch_size"]], strict=True)
+            row["identical_outputs"] = sum(x == y for x, y in pairs)
+        rows.append(row)
+    return rows
+
+
+def plot(records: list[dict[str, Any]], label: str, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'); no plot", file=sys.stderr)
+        return
+    fig, (ax_dec, ax_pre) = plt.subplots(1, 2, figsize=(10, 4), width_ratios=[3, 1])
+    for backend, color in (("radixserve", "tab:blue"), ("transformers", "tab:orange")):
+        dec = [r for r in records if r["backend"] == backend and r["scenario"] == "decode"]
+        if dec:
+            ax_dec.plot([r["batch_size"] for r in dec], [r["decode_tokens_per_s"] for r in dec],
+                        "o-", color=color, label=backend)
+        pre = [r for r in records if r["backend"] == backend and r["scenario"] == "prefill"]
+        if pre:
+            ax_pre.bar(backend, pre[0]["prefill_tokens_per_s"], color=color)
+    ax_dec.set(xscale="log", xlabel="batch size", ylabel="decode tokens/s",
+               title=f"decode ({label})")
+    ax_dec.legend()
+    ax_pre.set(ylabel="prefill tokens/s", title="prefill")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def main() -> None:
     args = parse_args()
     from transformers import AutoTokenizer
 
-    from radixserve.model_config import ModelConfig, resolve_device
+    from radixserve.model_config import ModelConfig
 
-    with tempfile.TemporaryDirectory(prefix="radixserve-bench-") as tmp:
-        model_path = args.model_path
-        if model_path is None:
-            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's tests/
-            from tests.checkpoints import build_checkpoint
+    label, model_path = resolve_model(args.model)
+    config = ModelConfig.from_path(model_path, dtype=args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    special = set(tokenizer.all_special_ids) | set(config.eos_token_ids)
+    # Prompt ids stay inside the tokenizer (the small model's vocab is larger than its tokenizer).
+    allowed = [t for t in range(min(len(tokenizer), config.vocab_size)) if t not in special]
+    work = Workload(args, allowed)
+    threads = args.threads or len(os.sched_getaffinity(0))
+    print(json.dumps({"model": label, "path": model_path, "dtype": str(config.torch_dtype),
+                      "threads": threads, "output_len": args.output_len,
+                      "input_len": [args.min_input_len, args.max_input_len]}), flush=True)
 
-            model_path = str(build_checkpoint(Path(tmp) / "llama", "llama"))
-        config = ModelConfig.from_path(model_path, dtype=args.dtype, device=args.device)
-        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-        special = set(tokenizer.all_special_ids) | set(config.eos_token_ids)
-        prompts = make_prompts(args, config.vocab_size, special)
-
-        outs, wall = run_radixserve(args, model_path, prompts)
-        print(json.dumps(result("radixserve", prompts, outs, wall)), flush=True)
-        if args.skip_transformers:
-            return
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        hf_outs, hf_wall = run_transformers(args, model_path, prompts, config.torch_dtype,
-                                            resolve_device(args.device), pad_id)
-        print(json.dumps(result("transformers", prompts, hf_outs, hf_wall)), flush=True)
-        same = sum(a == b for a, b in zip(outs, hf_outs, strict=True))
-        print(json.dumps({"comparison": "greedy outputs identical", "identical_outputs": same,
-                          "num_prompts": len(prompts),
-                          "speedup": round(hf_wall / wall, 3)}), flush=True)
+    records: list[dict[str, Any]] = []
+    with torch_threads(args.threads), contextlib.ExitStack() as stack:
+        if args.step_overhead and args.batch_sizes:
+            records += run_step_overhead(args, model_path, work)
+        backends: dict[str, Generate] = {}
+        if "radixserve" in args.backends:
+            backends["radixserve"] = stack.enter_context(radixserve_backend(args, model_path))
+        if "transformers" in args.backends:
+            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+            backends["transformers"] = stack.enter_context(
+                transformers_backend(args, model_path, pad_id))
+        measured, outputs = measure(backends, work, args.repeats)
+    records += measured
+    if len(backends) == 2:
+        for row in comparisons(measured, outputs["radixserve"], outputs["transformers"]):
+            print(json.dumps(row), flush=True)
+    if args.plot:
+        plot(records, label, args.plot)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ Every parameter carries a ``weight_loader(param, loaded_weight[, shard_id])``. A
 and places each at its offset; every layer narrows the full checkpoint tensor to this rank's
 slice. Column-parallel layers split the output dimension, row-parallel ones the input dimension.
 Only ``tp_size == 1`` runs today, but the shapes and loaders are already per rank.
+
+On CPU in bfloat16 the model runner calls ``prepack()`` once after loading: it reorders the weight
+into oneDNN's blocked layout, whose GEMM streams it about twice as fast as the stock path
+(``F.linear`` on the plain ``[out, in]`` tensor), at every batch size, with the same products.
 """
 
 from __future__ import annotations
@@ -24,13 +28,25 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
     param.data.copy_(loaded_weight)
 
 
+def mkldnn_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether weights should be prepacked: bfloat16 on a CPU build with oneDNN."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+
+
+def mkldnn_linear(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``, the weight reordered by ``mkldnn._reorder_linear_weight``."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight, bias, "none", [], "")
+
+
 def _divide(numerator: int, denominator: int) -> int:
     if numerator % denominator:
         raise ValueError(f"{numerator} is not divisible by tp_size {denominator}")
     return numerator // denominator
 
 
-class _LinearBase(nn.Module):
+class LinearBase(nn.Module):
     """``y = x @ weight.T (+ bias)`` with a per-rank weight of shape ``[out, in]``."""
 
     def __init__(
@@ -46,16 +62,29 @@ class _LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.prepacked = False  # weight holds oneDNN's blocked layout (see prepack)
+
+    def prepack(self) -> None:
+        """Replace the plain weight by its oneDNN-reordered copy (once, after loading): the
+        same bfloat16 products, with a faster kernel."""
+        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.prepacked = True
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.prepacked:
+            return mkldnn_linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copy this rank's slice of a checkpoint tensor; each subclass knows its split."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
-class ColumnParallelLinear(_LinearBase):
+class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; each rank holds rows ``[rank*n, (rank+1)*n)``."""
 
     def __init__(
@@ -138,7 +167,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         default_weight_loader(param.data.narrow(0, offset, size), shard)
 
 
-class RowParallelLinear(_LinearBase):
+class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are summed over the TP group."""
 
     def __init__(
@@ -160,7 +189,7 @@ class RowParallelLinear(_LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = F.linear(x, self.weight)
+            return self._matmul(x, self.bias)
+        out = self._matmul(x, None)
         torch.distributed.all_reduce(out)
         return out if self.bias is None else out + self.bias

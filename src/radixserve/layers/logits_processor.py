@@ -25,4 +25,4 @@ class LogitsProcessor(nn.Module):
             last = list(itertools.accumulate(forward_batch.extend_seq_lens_cpu))
             index = torch.tensor(last, dtype=torch.int64, device=hidden_states.device) - 1
             hidden_states = hidden_states[index]
-        return torch.matmul(hidden_states, lm_head.weight.T).float()
+        return lm_head.project(hidden_states).float()

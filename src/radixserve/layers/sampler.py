@@ -4,7 +4,7 @@ Pipeline of ``Sampler.__call__`` over ``[bs, vocab]`` float32 logits:
 
 1. logit bias, then penalties and the min_new_tokens ban (``SamplingBatchInfo.process_logits``),
    on a copy: the caller's logits are never modified;
-2. all rows greedy → argmax, no softmax;
+2. all rows greedy → argmax (blocked, see ``greedy_argmax``), no softmax;
 3. otherwise divide by temperature, softmax, zero out what top_k / top_p / min_p filter, and
    draw by inverting each row's cumulative distribution at one uniform number per row (what
    ``torch.multinomial`` does, without its errors on degenerate rows or its cost on CPU); scaling
@@ -47,7 +47,7 @@ class Sampler:
         assert logits.shape == (sampling_info.batch_size, sampling_info.vocab_size), logits.shape
         processed = sampling_info.process_logits(logits)
         if sampling_info.is_all_greedy:
-            next_token_ids = processed.argmax(dim=-1)
+            next_token_ids = greedy_argmax(processed)
         else:
             next_token_ids = _sample(processed, sampling_info)
 
@@ -68,7 +68,22 @@ def _sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
 
     uniforms = _uniforms(info, probs.device)
     sampled = _invert_cdf(probs, uniforms)
-    return torch.where(info.top_ks == 1, logits.argmax(dim=-1), sampled)
+    return torch.where(info.top_ks == 1, greedy_argmax(logits), sampled)
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (the first maximum of each row, NaN counting as the maximum),
+    computed as a vectorised max over blocks of the vocabulary, then one argmax over the block
+    maxima and one inside the winning block: several times faster on CPU for a large vocabulary,
+    where a plain argmax does not vectorise."""
+    bs, vocab = logits.shape
+    block = next((b for b in (128, 64, 32, 16) if vocab % b == 0), 0)
+    if not block or bs == 0:
+        return logits.argmax(dim=-1)
+    blocks = logits.reshape(bs, vocab // block, block)
+    best_block = blocks.amax(dim=-1).argmax(dim=-1)
+    rows = torch.arange(bs, device=logits.device)
+    return best_block * block + blocks[rows, best_block].argmax(dim=-1)
 
 
 def _uniforms(info: SamplingBatchInfo, device: torch.device) -> torch.Tensor:

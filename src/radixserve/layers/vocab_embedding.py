@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.layers.linear import default_weight_loader
+from radixserve.layers.linear import default_weight_loader, mkldnn_linear
 
 
 def _vocab_weight(vocab_size: int, hidden_size: int) -> nn.Parameter:
@@ -33,6 +33,19 @@ class LMHead(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.weight = _vocab_weight(vocab_size, hidden_size)
+        # oneDNN-reordered copy (see layers/linear.py); a copy because a tied weight is also
+        # the embedding table, which needs the plain layout.
+        self.packed_weight: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        """Make the oneDNN copy ``project`` uses (bf16 on CPU; costs one more vocab x hidden)."""
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+
+    def project(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``hidden_states @ weight.T`` in the weight's dtype."""
+        if self.packed_weight is not None:
+            return mkldnn_linear(hidden_states, self.packed_weight, None)
+        return torch.matmul(hidden_states, self.weight.T)
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         """Share the embedding's weight (``tie_word_embeddings``)."""

@@ -16,6 +16,8 @@ import psutil
 import torch
 
 from radixserve.layers.attention import create_attention_backend
+from radixserve.layers.linear import LinearBase, mkldnn_prepack_supported
+from radixserve.layers.vocab_embedding import LMHead
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -82,6 +84,11 @@ class ModelRunner:
             "torch_native", self.req_to_token_pool, self.token_to_kv_pool
         )
         self.model = load_model(model_config, self.attn_backend, self.device)
+        if mkldnn_prepack_supported(self.device, self.dtype):
+            # bf16 on CPU: oneDNN's blocked weight layout streams about twice as fast.
+            for module in self.model.modules():
+                if isinstance(module, (LinearBase, LMHead)):
+                    module.prepack()
 
     def _plan_kv_tokens(self, server_args: ServerArgs) -> int:
         """KV slots to allocate, rounded down to whole pages.

@@ -2,17 +2,28 @@
 
 Per batch it builds, once for all layers:
 
-    slot_table [bs, max_kv]        KV slot of each (request, key position); padding → slot 0
-    q_index    [bs, max_q]         row of each (request, new token) in the flat token dimension
-    q_valid    [bs, max_q]         which of those are real tokens (the rest are padding)
-    mask       [bs, 1, max_q, max_kv]  key position <= query position and < seq_len
+    slot_index [bs * max_kv]   KV slot of each (request, key position), row-major; padding → slot 0
+    q_index    [bs, max_q]     row of each (request, new token) in the flat token dimension
+    q_valid    [bs, max_q]     which of those are real tokens (the rest are padding)
+    mask       [bs, 1, max_q, max_kv]  additive: 0 where key position <= query position and
+                                       < seq_len, -inf elsewhere (faster in SDPA than a bool mask)
 
 where ``max_q`` is the longest extend (1 for decode) and ``max_kv`` the longest ``seq_len``. A
 query at extend offset ``j`` of request ``i`` sits at absolute position ``prefix_len[i] + j``, so
-the causal mask covers the cached prefix too. Each layer then writes the new K/V into the pool,
-gathers the padded K/V of the batch, and makes one batched ``scaled_dot_product_attention`` call.
-Padded query rows see every real key of their request, so no row is fully masked (which would
-produce NaN); their outputs are dropped.
+the causal mask covers the cached prefix too. When every request has ``max_q`` new tokens (always
+for decode) the queries are already in that layout and ``q_index``/``q_valid`` are ``None``.
+
+Each layer then writes the new K/V into the pool, gathers the padded K/V of the batch with one
+``index_select`` per buffer (several times faster on CPU than advanced indexing), and makes one
+batched ``scaled_dot_product_attention`` call; for decode the query heads that share a KV head
+are folded into the query-length dimension (``[bs, kv_heads, group, head_dim]``), which is plain
+multi-query attention per KV head and about twice as fast on CPU as ``enable_gqa``. Padded query
+rows see every real key of their request, so no row is fully masked (which would produce NaN);
+their outputs are dropped.
+
+A batch of fresh prompts of equal length (no prefix, no padding: typically a single prompt)
+needs none of this: it attends over its own new K/V through SDPA's causal path, which also skips
+the blocks above the diagonal.
 """
 
 from __future__ import annotations
@@ -30,10 +41,13 @@ from radixserve.model_executor.forward_batch import ForwardBatch
 
 @dataclass
 class _Metadata:
-    slot_table: torch.Tensor
-    q_index: torch.Tensor
-    q_valid: torch.Tensor
-    mask: torch.Tensor
+    batch_size: int
+    slot_index: torch.Tensor
+    max_kv: int
+    max_q: int
+    q_index: torch.Tensor | None
+    q_valid: torch.Tensor | None
+    mask: torch.Tensor | None  # None: plain causal attention over the new tokens only
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -54,6 +68,12 @@ class TorchNativeAttnBackend(AttentionBackend):
             prefix_lens = fb.extend_prefix_lens_cpu
         max_kv = max(fb.seq_lens_cpu)
         max_q = max(extend_lens)
+        if max_q == max_kv and min(extend_lens) == max_q:
+            # Fresh prompts of equal length (a single prompt, typically): no cached prefix and
+            # no padding, so the new K/V are all there is and SDPA's causal path applies.
+            empty = torch.empty(0, dtype=torch.int64, device=device)
+            self._metadata = _Metadata(fb.batch_size, empty, max_kv, max_q, None, None, None)
+            return
 
         def as_column(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)[:, None]
@@ -61,16 +81,22 @@ class TorchNativeAttnBackend(AttentionBackend):
         kv_pos = torch.arange(max_kv, device=device)
         kv_valid = kv_pos[None, :] < as_column(fb.seq_lens_cpu)
         rows = self.req_to_token_pool.req_to_token[fb.req_pool_indices.to(device), :max_kv]
-        slot_table = rows.masked_fill(~kv_valid, 0)
+        slot_index = rows.masked_fill(~kv_valid, 0).view(-1)
 
         q_off = torch.arange(max_q, device=device)[None, :]
-        extend_t = as_column(extend_lens)
-        q_valid = q_off < extend_t
-        q_start = torch.cumsum(extend_t, dim=0) - extend_t
-        q_index = (q_start + q_off).masked_fill(~q_valid, 0)
+        q_index = q_valid = None
+        if any(n != max_q for n in extend_lens):
+            extend_t = as_column(extend_lens)
+            q_valid = q_off < extend_t
+            q_start = torch.cumsum(extend_t, dim=0) - extend_t
+            q_index = (q_start + q_off).masked_fill(~q_valid, 0)
         q_abs_pos = as_column(prefix_lens) + q_off
-        mask = (kv_pos[None, None, :] <= q_abs_pos[:, :, None]) & kv_valid[:, None, :]
-        self._metadata = _Metadata(slot_table, q_index, q_valid, mask[:, None])
+        visible = (kv_pos[None, None, :] <= q_abs_pos[:, :, None]) & kv_valid[:, None, :]
+        mask = torch.zeros(visible.shape, dtype=self.token_to_kv_pool.dtype, device=device)
+        mask.masked_fill_(~visible, float("-inf"))
+        self._metadata = _Metadata(
+            fb.batch_size, slot_index, max_kv, max_q, q_index, q_valid, mask[:, None]
+        )
 
     def forward_extend(
         self,
@@ -111,16 +137,50 @@ class TorchNativeAttnBackend(AttentionBackend):
             k.view(num_tokens, kv_heads, head_dim),
             v.view(num_tokens, kv_heads, head_dim),
         )
-        # [bs, len, heads, head_dim] → [bs, heads, len, head_dim] for SDPA
-        keys = pool.get_key_buffer(layer.layer_id)[md.slot_table].to(q.dtype).transpose(1, 2)
-        values = pool.get_value_buffer(layer.layer_id)[md.slot_table].to(q.dtype).transpose(1, 2)
-        queries = q.view(num_tokens, heads, head_dim)[md.q_index].transpose(1, 2)
+        bs = md.batch_size
+        if md.mask is None:
+            # [bs * len, heads, head_dim] → [bs, heads, len, head_dim] for SDPA
+            def dense(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+                return x.reshape(bs, md.max_q, num_heads, head_dim).transpose(1, 2)
+
+            out = F.scaled_dot_product_attention(
+                dense(q, heads),
+                dense(k, kv_heads),
+                dense(v, kv_heads),
+                is_causal=True,
+                scale=layer.scaling,
+                enable_gqa=heads != kv_heads,
+            )
+            return out.transpose(1, 2).reshape(num_tokens, heads * head_dim)
+
+        def gather(buffer: torch.Tensor) -> torch.Tensor:
+            # [bs * max_kv, kv_heads, head_dim] → [bs, kv_heads, max_kv, head_dim] for SDPA
+            rows = buffer.index_select(0, md.slot_index).to(q.dtype)
+            return rows.view(bs, md.max_kv, kv_heads, head_dim).transpose(1, 2)
+
+        keys = gather(pool.get_key_buffer(layer.layer_id))
+        values = gather(pool.get_value_buffer(layer.layer_id))
+        if forward_batch.forward_mode.is_decode:
+            # Query head h uses KV head h // group: fold each group into the query dimension.
+            queries = q.view(bs, kv_heads, heads // kv_heads, head_dim)
+            out = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=md.mask.to(q.dtype), scale=layer.scaling
+            )
+            return out.reshape(num_tokens, heads * head_dim)
+        queries = q.view(num_tokens, heads, head_dim)
+        if md.q_index is None:
+            queries = queries.view(bs, md.max_q, heads, head_dim).transpose(1, 2)
+        else:
+            queries = queries[md.q_index].transpose(1, 2)
         out = F.scaled_dot_product_attention(
             queries,
             keys,
             values,
-            attn_mask=md.mask,
+            attn_mask=md.mask.to(q.dtype),
             scale=layer.scaling,
             enable_gqa=heads != kv_heads,
         )
-        return out.transpose(1, 2)[md.q_valid].reshape(num_tokens, heads * head_dim)
+        out = out.transpose(1, 2)
+        if md.q_valid is not None:
+            out = out[md.q_valid]
+        return out.reshape(num_tokens, heads * head_dim)
