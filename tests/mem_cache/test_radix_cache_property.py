@@ -119,7 +119,8 @@ def insert(cache: RadixCache, ref: Reference, tokens: list[int]) -> None:
         ref.pages[tuple(key[: j + ps])] = value[j : j + ps]
 
 
-@settings(max_examples=300, deadline=None)
+# Thousands of random operation sequences (issue #2), each up to a few dozen operations.
+@settings(max_examples=2000, deadline=None)
 @given(ps=st.sampled_from([1, 2, 4]), ops=_ops)
 def test_random_traffic_agrees_with_naive_reference(ps, ops):
     pool = ReqToTokenPool(size=1, max_context_len=1, device="cpu")
