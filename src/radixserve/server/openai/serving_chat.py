@@ -9,7 +9,6 @@ usage chunk (``stream_options.include_usage``) and ``data: [DONE]``.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,7 +24,7 @@ from radixserve.server.app import (
     merge_generations,
     prime,
 )
-from radixserve.server.errors import APIError, stream_error
+from radixserve.server.errors import APIError
 from radixserve.server.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -43,7 +42,8 @@ from radixserve.server.openai.protocol import (
     new_id,
     now,
 )
-from radixserve.server.sse import DONE, sse_event, sse_response
+from radixserve.server.openai.streaming import Delta, stream_choices
+from radixserve.server.sse import sse_response
 
 router = APIRouter()
 
@@ -139,7 +139,7 @@ def _response(
     )
 
 
-async def _stream(
+def _stream(
     ctx: ServerContext,
     body: ChatCompletionRequest,
     merged: AsyncIterator[tuple[int, dict[str, Any]]],
@@ -147,50 +147,29 @@ async def _stream(
     response_id: str,
     created: int,
 ) -> AsyncIterator[bytes]:
-    def chunk(choice: ChatCompletionStreamChoice) -> bytes:
-        return sse_event(
-            ChatCompletionStreamResponse(
-                id=response_id, created=created, model=ctx.model_name, choices=[choice]
-            ).model_dump()
+    def frame(choices: list[Any], usage: UsageInfo | None) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(
+            id=response_id, created=created, model=ctx.model_name, choices=choices, usage=usage
         )
 
-    text_sent = [0] * num_choices
-    tokens_sent = [0] * num_choices
-    finals: dict[int, dict[str, Any]] = {}
-    async with contextlib.aclosing(merged):  # type: ignore[type-var]
-        for i in range(num_choices):
-            delta = DeltaMessage(role="assistant", content="")
-            yield chunk(ChatCompletionStreamChoice(index=i, delta=delta))
-        try:
-            async for i, out in merged:
-                meta = out["meta_info"]
-                reason = meta["finish_reason"]
-                new_text = out["text"][text_sent[i]:]
-                logprobs = _logprobs(ctx, meta, tokens_sent[i]) if body.logprobs else None
-                text_sent[i] = len(out["text"])
-                tokens_sent[i] = len(out["output_ids"])
-                if reason is not None:
-                    finals[i] = out
-                elif not new_text and not (logprobs and logprobs.content):
-                    continue
-                yield chunk(
-                    ChatCompletionStreamChoice(
-                        index=i,
-                        delta=DeltaMessage(content=new_text),
-                        logprobs=logprobs,
-                        finish_reason=finish_reason_name(reason),
-                        matched_stop=matched_stop(reason),
-                    )
-                )
-        except Exception as exc:
-            yield sse_event(stream_error(exc))
-            yield DONE
-            return
-    if body.include_usage:
-        usage = UsageInfo.from_outputs([finals[i] for i in range(num_choices)], body.n)
-        yield sse_event(
-            ChatCompletionStreamResponse(
-                id=response_id, created=created, model=ctx.model_name, choices=[], usage=usage
-            ).model_dump()
+    def to_choice(delta: Delta) -> ChatCompletionStreamChoice | None:
+        reason = delta.finish_reason
+        meta = delta.out["meta_info"]
+        logprobs = _logprobs(ctx, meta, delta.tokens_sent) if body.logprobs else None
+        if reason is None and not delta.new_text and not (logprobs and logprobs.content):
+            return None
+        return ChatCompletionStreamChoice(
+            index=delta.index,
+            delta=DeltaMessage(content=delta.new_text),
+            logprobs=logprobs,
+            finish_reason=finish_reason_name(reason),
+            matched_stop=matched_stop(reason),
         )
-    yield DONE
+
+    # The first chunk of every choice carries the role.
+    head = [
+        ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+        for i in range(num_choices)
+    ]
+    usage_n = body.n if body.include_usage else None
+    return stream_choices(merged, num_choices, to_choice, frame, usage_n, head)

@@ -8,7 +8,6 @@ the top k alternatives per position.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,7 +22,6 @@ from radixserve.server.app import (
     merge_generations,
     prime,
 )
-from radixserve.server.errors import stream_error
 from radixserve.server.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -36,7 +34,8 @@ from radixserve.server.openai.protocol import (
     new_id,
     now,
 )
-from radixserve.server.sse import DONE, sse_event, sse_response
+from radixserve.server.openai.streaming import Delta, stream_choices
+from radixserve.server.sse import sse_response
 
 router = APIRouter()
 
@@ -132,7 +131,7 @@ def _response(
     )
 
 
-async def _stream(
+def _stream(
     ctx: ServerContext,
     body: CompletionRequest,
     merged: AsyncIterator[tuple[int, dict[str, Any]]],
@@ -140,53 +139,28 @@ async def _stream(
     response_id: str,
     created: int,
 ) -> AsyncIterator[bytes]:
-    def chunk(choice: CompletionChoice) -> bytes:
-        return sse_event(
-            CompletionStreamResponse(
-                id=response_id, created=created, model=ctx.model_name, choices=[choice]
-            ).model_dump()
+    def frame(choices: list[Any], usage: UsageInfo | None) -> CompletionStreamResponse:
+        return CompletionStreamResponse(
+            id=response_id, created=created, model=ctx.model_name, choices=choices, usage=usage
         )
 
-    num_choices = len(prefixes)
-    text_sent = [0] * num_choices
-    tokens_sent = [0] * num_choices
-    finals: dict[int, dict[str, Any]] = {}
-    async with contextlib.aclosing(merged):  # type: ignore[type-var]
-        for i, prefix in enumerate(prefixes):
-            if prefix:
-                yield chunk(CompletionChoice(index=i, text=prefix))
-        try:
-            async for i, out in merged:
-                meta = out["meta_info"]
-                reason = meta["finish_reason"]
-                new_text = out["text"][text_sent[i]:]
-                logprobs = None
-                if body.logprobs is not None:
-                    logprobs = _logprobs(ctx, meta, tokens_sent[i], text_sent[i])
-                text_sent[i] = len(out["text"])
-                tokens_sent[i] = len(out["output_ids"])
-                if reason is not None:
-                    finals[i] = out
-                elif not new_text and not (logprobs and logprobs.tokens):
-                    continue
-                yield chunk(
-                    CompletionChoice(
-                        index=i,
-                        text=new_text,
-                        logprobs=logprobs,
-                        finish_reason=finish_reason_name(reason),
-                        matched_stop=matched_stop(reason),
-                    )
-                )
-        except Exception as exc:
-            yield sse_event(stream_error(exc))
-            yield DONE
-            return
-    if body.include_usage:
-        usage = UsageInfo.from_outputs([finals[i] for i in range(num_choices)], body.n)
-        yield sse_event(
-            CompletionStreamResponse(
-                id=response_id, created=created, model=ctx.model_name, choices=[], usage=usage
-            ).model_dump()
+    def to_choice(delta: Delta) -> CompletionChoice | None:
+        reason = delta.finish_reason
+        logprobs = None
+        if body.logprobs is not None:
+            meta = delta.out["meta_info"]
+            logprobs = _logprobs(ctx, meta, delta.tokens_sent, delta.text_sent)
+        if reason is None and not delta.new_text and not (logprobs and logprobs.tokens):
+            return None
+        return CompletionChoice(
+            index=delta.index,
+            text=delta.new_text,
+            logprobs=logprobs,
+            finish_reason=finish_reason_name(reason),
+            matched_stop=matched_stop(reason),
         )
-    yield DONE
+
+    # With echo, each choice's prompt text goes first.
+    head = [CompletionChoice(index=i, text=p) for i, p in enumerate(prefixes) if p]
+    usage_n = body.n if body.include_usage else None
+    return stream_choices(merged, len(prefixes), to_choice, frame, usage_n, head)
