@@ -51,7 +51,13 @@ def _llama3_inv_freq(
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to query and key heads at the given absolute positions."""
+    """Looks up RoPE's cos/sin rows for a batch's positions, once per forward for all layers.
+
+    The tables are stored as ``[cos, cos]`` and ``[-sin, sin]`` over the whole head, so rotating
+    is ``x * cos + swap_halves(x) * sin``: four kernels per call, and q and k heads can be rotated
+    in one call. The products and sums are the same as transformers' ``rotate_half`` form, so fp32
+    outputs stay bit for bit equal to it.
+    """
 
     def __init__(
         self,
@@ -64,22 +70,24 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         inv_freq = compute_inv_freq(head_dim, base, rope_scaling)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        cos, sin = freqs.cos(), freqs.sin()
         # Not part of the checkpoint; kept float32 whatever the model dtype.
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self.register_buffer("cos_cache", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin_cache", torch.cat((-sin, sin), dim=-1), persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q``: ``[n, q_heads, head_dim]``, ``k``: ``[n, kv_heads, head_dim]``, ``positions``:
-        ``[n]``; returns rotated copies."""
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        """``positions``: ``[n]`` → ``(cos, signed sin)``, each ``[n, 1, head_dim]`` in
+        ``dtype``, broadcasting over heads in ``apply_rotary``."""
+        cos = self.cos_cache[positions].to(dtype).unsqueeze(1)
+        sin = self.sin_cache[positions].to(dtype).unsqueeze(1)
+        return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos = cos.to(x.dtype)
-    sin = sin.to(x.dtype)
+def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate ``x``: ``[n, heads, head_dim]`` (neox halves) by ``rope`` from
+    ``RotaryEmbedding.forward``; returns a new tensor."""
+    cos, sin = rope
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin

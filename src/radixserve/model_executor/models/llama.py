@@ -20,10 +20,12 @@ from radixserve.layers.linear import (
     RowParallelLinear,
 )
 from radixserve.layers.logits_processor import LogitsProcessor
-from radixserve.layers.rotary_embedding import RotaryEmbedding
+from radixserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from radixserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from radixserve.model_config import ModelConfig
 from radixserve.model_executor.forward_batch import ForwardBatch
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, signed sin) of RotaryEmbedding.forward
 
 
 class LlamaAttention(nn.Module):
@@ -32,7 +34,6 @@ class LlamaAttention(nn.Module):
         config: ModelConfig,
         layer_id: int,
         attn_backend: AttentionBackend,
-        rotary_emb: RotaryEmbedding,
         qkv_bias: bool,
         qk_norm: bool,
     ) -> None:
@@ -52,7 +53,6 @@ class LlamaAttention(nn.Module):
         )
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rotary_emb = rotary_emb
         self.attn = Attention(
             num_heads=self.qkv_proj.num_heads,
             head_dim=head_dim,
@@ -63,19 +63,21 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
+        self, rope: Rope, hidden_states: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         n = hidden_states.shape[0]
-        head_dim = self.attn.head_dim
-        qkv = self.qkv_proj(hidden_states)
+        heads, head_dim = self.attn.num_heads, self.attn.head_dim
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(n, -1, head_dim)
-        k = k.reshape(n, -1, head_dim)
+        qkv = self.qkv_proj(hidden_states)
+        v = qkv[:, q_size + kv_size :]
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q = self.q_norm(qkv[:, :q_size].reshape(n, heads, head_dim))
+            k = self.k_norm(qkv[:, q_size : q_size + kv_size].reshape(n, -1, head_dim))
+            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        else:
+            # q and k heads sit side by side in qkv: one rotation for both.
+            qk = apply_rotary(qkv[:, : q_size + kv_size].view(n, -1, head_dim), rope)
+            q, k = qk[:, :heads], qk[:, heads:]
         out = self.attn(q.reshape(n, q_size), k.reshape(n, kv_size), v, forward_batch)
         return self.o_proj(out)
 
@@ -99,14 +101,11 @@ class LlamaDecoderLayer(nn.Module):
         config: ModelConfig,
         layer_id: int,
         attn_backend: AttentionBackend,
-        rotary_emb: RotaryEmbedding,
         qkv_bias: bool,
         qk_norm: bool,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(
-            config, layer_id, attn_backend, rotary_emb, qkv_bias, qk_norm
-        )
+        self.self_attn = LlamaAttention(config, layer_id, attn_backend, qkv_bias, qk_norm)
         self.mlp = LlamaMLP(
             config.hidden_size,
             config.intermediate_size,
@@ -116,12 +115,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
+        self, rope: Rope, hidden_states: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         residual = hidden_states
-        hidden_states = self.self_attn(
-            positions, self.input_layernorm(hidden_states), forward_batch
-        )
+        hidden_states = self.self_attn(rope, self.input_layernorm(hidden_states), forward_batch)
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
@@ -139,11 +136,11 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table for all layers, covering every position a request can reach.
-        rotary_emb = RotaryEmbedding(
+        self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.context_len, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attn_backend, rotary_emb, qkv_bias, qk_norm)
+            LlamaDecoderLayer(config, i, attn_backend, qkv_bias, qk_norm)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -152,8 +149,9 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, hidden_states.dtype)  # looked up once for all layers
         for layer in self.layers:
-            hidden_states = layer(positions, hidden_states, forward_batch)
+            hidden_states = layer(rope, hidden_states, forward_batch)
         return self.norm(hidden_states)
 
 
