@@ -9,24 +9,36 @@ Prompts are random token ids (exact ``--input-len``; the vocabulary range is ``-
 ``--vocab-high``) or, with ``--prompt-kind text``, random words (about ``--input-len`` tokens).
 Every request asks for exactly ``--output-len`` tokens (``ignore_eos``, an extension radixserve,
 SGLang and vLLM accept). Token counts come from the server's usage chunk when it sends one.
+The client is aiohttp (its HTTP parser is C): on a small machine the client shares the CPUs with
+the server, and a pure-Python client costs several times more CPU per streamed token.
 
     radixserve serve --model-path DIR &
     python benchmarks/bench_serving.py --base-url http://127.0.0.1:30000 --num-requests 64 \\
         --concurrency 8 --input-len 128 --output-len 64
+
+With ``--launch MODEL`` (``tiny``, ``small`` or a checkpoint directory) it starts the server
+itself. ``--offline-baseline`` (with ``--launch``) also runs the same prompts through an
+in-process ``Engine`` (``generate`` on the whole batch, no HTTP), taking turns with the served
+run ``--repeats`` times, and prints one more line: the best served output tokens/s over the best
+offline one (issue #5 asks at least 0.9 for 32 concurrent streams).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
+import shlex
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
+from bench_common import Server, resolve_model
 
 WORDS = (
     "the of and to in is it that for on with as was at by this be from or have an are not "
@@ -62,7 +74,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab-high", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--launch", metavar="MODEL",
+                   help="start a server for MODEL (tiny, small or a checkpoint dir) and use it")
+    p.add_argument("--dtype", default="auto", help="of the launched server and offline Engine")
+    p.add_argument("--server-flags", default="",
+                   help="more flags for the launched server, e.g. '--stream-interval 4'")
+    p.add_argument("--offline-baseline", action="store_true",
+                   help="also time the same batch on an in-process Engine (needs --launch)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="with --offline-baseline: runs of each, taking turns; best is reported")
     args = p.parse_args(argv)
+    if args.offline_baseline and not args.launch:
+        p.error("--offline-baseline needs --launch (both must serve the same checkpoint)")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     if args.concurrency is None and args.request_rate is None:
         args.concurrency = 8
     if args.concurrency is not None and args.concurrency < 1:
@@ -80,7 +105,7 @@ def make_prompts(args: argparse.Namespace) -> list[Any]:
     return [" ".join(rng.choices(WORDS, k=args.input_len)) for _ in range(args.num_requests)]
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: Any,
+async def one_request(session: aiohttp.ClientSession, model: str, prompt: Any,
                       args: argparse.Namespace) -> RequestResult:
     """Stream one completion, timing each content chunk."""
     body = {
@@ -91,14 +116,14 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: Any,
     last = res.start
     chunks = 0
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+        async with session.post("/v1/completions", json=body) as r:
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for raw in r.content:  # one SSE line at a time
+                if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
                     continue
-                event = json.loads(line[6:])
+                event = json.loads(raw[6:])
                 if "error" in event:
                     res.error = str(event["error"])
                     return res
@@ -114,7 +139,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: Any,
                     res.itls.append(now - last)
                 last = now
                 chunks += 1
-    except httpx.HTTPError as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.e2e = time.perf_counter() - res.start
@@ -125,21 +150,22 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: Any,
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.concurrency or args.num_requests)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
-                                 timeout=args.timeout) as client:
+    connector = aiohttp.TCPConnector(limit=args.concurrency or args.num_requests)
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    async with aiohttp.ClientSession(base_url=args.base_url, headers=headers, timeout=timeout,
+                                     connector=connector) as session:
         model = args.model
         if model is None:
-            r = await client.get("/v1/models")
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
+            async with session.get("/v1/models") as r:
+                r.raise_for_status()
+                model = (await r.json())["data"][0]["id"]
         prompts = make_prompts(args)
         gate = asyncio.Semaphore(args.concurrency or args.num_requests)
         rng = random.Random(args.seed + 1)
 
         async def gated(prompt: Any) -> RequestResult:
             async with gate:
-                return await one_request(client, model, prompt, args)
+                return await one_request(session, model, prompt, args)
 
         start = time.perf_counter()
         tasks = []
@@ -191,8 +217,60 @@ def summarize(args: argparse.Namespace, model: str, results: list[RequestResult]
     }
 
 
+def run_offline(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The same prompts and sampling as the served run, as one ``Engine.generate`` batch."""
+    prompts = make_prompts(args)
+    params = {"max_new_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
+    engine.flush_cache()  # as on the server, nothing starts cached
+    start = time.perf_counter()
+    if args.prompt_kind == "ids":
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+    else:
+        outs = engine.generate(prompt=prompts, sampling_params=params)
+    duration = time.perf_counter() - start
+    output_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    return {"offline": True, "num_requests": len(prompts), "duration_s": round(duration, 3),
+            "output_tokens_per_s": round(output_tokens / duration, 3),
+            "total_output_tokens": output_tokens}
+
+
+@contextlib.contextmanager
+def launched(args: argparse.Namespace) -> Iterator[Any]:
+    """The server of ``--launch`` (``args.base_url`` points at it), and the offline Engine of
+    ``--offline-baseline`` (else None); both idle while the other runs."""
+    model_path = resolve_model(args.launch)
+    with contextlib.ExitStack() as stack:
+        flags = ["--dtype", args.dtype, *shlex.split(args.server_flags)]
+        server = stack.enter_context(Server(model_path, *flags))
+        args.base_url = server.base_url
+        engine = None
+        if args.offline_baseline:
+            from radixserve import Engine
+
+            engine = stack.enter_context(Engine(model_path, dtype=args.dtype))
+        yield engine
+
+
 def main(argv: list[str] | None = None) -> None:
-    print(json.dumps(asyncio.run(run(parse_args(argv)))))
+    args = parse_args(argv)
+    if not args.launch:
+        print(json.dumps(asyncio.run(run(args))))
+        return
+    with launched(args) as engine:
+        served, offline = [], []
+        for _ in range(args.repeats):
+            served.append(asyncio.run(run(args)))
+            print(json.dumps(served[-1]), flush=True)
+            if engine is not None:
+                offline.append(run_offline(engine, args))
+                print(json.dumps(offline[-1]), flush=True)
+    if offline:
+        best_served = max(r["output_tokens_per_s"] for r in served)
+        best_offline = max(r["output_tokens_per_s"] for r in offline)
+        print(json.dumps({"comparison": "served over offline output tokens/s",
+                          "concurrency": args.concurrency, "served": best_served,
+                          "offline": best_offline,
+                          "ratio": round(best_served / best_offline, 3)}))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@
 It prints one JSON object per mode and turn index (means over the S chats): TTFT, prefill tokens
 computed (``prompt_tokens - cached_tokens``), cached tokens, and output tokens/s of that turn
 (all its output tokens over the span from its first request's start to its last one's end); then
-one summary per mode, and a check that every mode produced the same conversations.
+one summary per mode (with `ttft_last_over_first`, the last turn's TTFT over the first one's), and a
+check that every mode produced the same conversations. Each mode starts with one warm-up request
+and an empty cache.
 
     # starts its own servers (tiny random model of make_bench_models.py, built on first use):
     python benchmarks/bench_sessions.py --sessions 8 --turns 6 --new-tokens 64 --output-len 32
@@ -27,23 +29,15 @@ import argparse
 import asyncio
 import json
 import random
-import signal
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
+from bench_common import BENCH_MODELS, Server, resolve_model
 
-BENCH_MODELS = ("tiny", "small")
 MODES = ("streaming", "resend", "resend-no-radix")
-READY_PREFIX = "radixserve ready: "
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,62 +68,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
-
-
-# ---------------------------------------------------------------------------- servers
-def resolve_model(name: str) -> str:
-    """A checkpoint directory; the benchmark models are built on first use."""
-    if name not in BENCH_MODELS:
-        return name
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from make_bench_models import DEFAULT_OUT, build
-
-    path = DEFAULT_OUT / name
-    if not (path / "config.json").is_file():
-        print(json.dumps(build(name, path, seed=0)), file=sys.stderr, flush=True)
-    return str(path)
-
-
-class Server:
-    """``radixserve serve`` in a subprocess on a free loopback port, stopped with SIGTERM."""
-
-    def __init__(self, args: argparse.Namespace, model_path: str, *flags: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "radixserve", "serve", "--model-path", model_path,
-               "--port", str(port), "--dtype", args.dtype, "--device", args.device,
-               "--log-level", "warning", *flags]
-        if args.max_total_tokens:
-            cmd += ["--max-total-tokens", str(args.max_total_tokens)]
-        self.log = tempfile.TemporaryFile("w+")  # the server's stderr, shown if it fails
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        self._ready = threading.Event()
-        threading.Thread(target=self._watch_stdout, daemon=True).start()
-
-    def _watch_stdout(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(READY_PREFIX):
-                self._ready.set()
-
-    def __enter__(self) -> Server:
-        while not self._ready.wait(0.2):
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                tail = "".join(self.log.readlines()[-20:])
-                raise RuntimeError(f"the server exited with code {self.proc.returncode}:\n{tail}")
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
 
 
 # ---------------------------------------------------------------------------- workload
@@ -206,6 +144,9 @@ async def run_mode(base_url: str, mode: str, args: argparse.Namespace,
                    chats: list[list[list[int]]]) -> tuple[list[dict], list[list[int]]]:
     limits = httpx.Limits(max_connections=2 * args.sessions + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=args.timeout, limits=limits) as http:
+        # One throwaway request first, so turn 0 does not pay for the server's first forward.
+        await streamed_generate(http, {"input_ids": chats[0][0], "sampling_params": {
+            "max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True}})
         r = await http.post("/flush_cache")  # every mode starts from an empty cache
         if r.status_code != 200:
             raise RuntimeError(f"/flush_cache answered {r.status_code}: {r.text}")
@@ -236,6 +177,8 @@ def report(mode: str, results: list[TurnResult], wall: float) -> list[dict[str, 
         "prefill_tokens_total": sum(t.prompt_tokens - t.cached_tokens for t in results),
         "cached_tokens_total": sum(t.cached_tokens for t in results),
         "output_tokens_per_s": round(sum(t.output_tokens for t in results) / wall, 1),
+        # issue #5's sessions target: the last turn's TTFT over the first one's
+        "ttft_last_over_first": round(lines[-1]["ttft_ms_mean"] / lines[0]["ttft_ms_mean"], 3),
     })
     return lines
 
@@ -244,6 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     chats = make_chats(args)
     model_path = None if args.base_url and args.no_radix_base_url else resolve_model(args.model)
+    server_flags = ["--dtype", args.dtype, "--device", args.device]
+    if args.max_total_tokens:
+        server_flags += ["--max-total-tokens", str(args.max_total_tokens)]
     histories: dict[str, list[list[int]]] = {}
 
     def run(base_url: str, mode: str) -> None:
@@ -257,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
             for mode in radix_modes:
                 run(args.base_url, mode)
         else:
-            with Server(args, model_path, "--enable-streaming-session") as server:
+            with Server(model_path, *server_flags, "--enable-streaming-session") as server:
                 for mode in radix_modes:
                     run(server.base_url, mode)
     if "resend-no-radix" in args.modes:
@@ -266,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.base_url:
             print(json.dumps({"mode": "resend-no-radix", "skipped": "give --no-radix-base-url"}))
         else:
-            with Server(args, model_path, "--disable-radix-cache") as server:
+            with Server(model_path, *server_flags, "--disable-radix-cache") as server:
                 run(server.base_url, "resend-no-radix")
     modes = list(histories)
     identical = sum(len({json.dumps(histories[m][i]) for m in modes}) == 1

@@ -51,6 +51,8 @@ HELP: dict[str, str] = {
     "schedule_policy": "Order of waiting requests (lpm: longest cached prefix first).",
     "schedule_conservativeness": "Scale of the decode-token reservation when admitting requests.",
     "enable_streaming_session": "Keep a streaming session's KV between turns.",
+    "stream_interval": "Stream a request's tokens every this many steps (the first and the last "
+    "token at once); larger values cost less per token.",
     "enable_metrics": "Serve Prometheus metrics on GET /metrics.",
     "max_queued_requests": "Answer 429 when this many generation requests are in flight.",
     "chat_template": "Jinja chat template, or a file holding one (default: the tokenizer's).",

@@ -42,6 +42,7 @@ class ServerArgs:
     schedule_conservativeness: float = 1.0
     enable_streaming_session: bool = False
     # serving
+    stream_interval: int = 1
     enable_metrics: bool = False
     max_queued_requests: int | None = None
     chat_template: str | None = None
@@ -80,6 +81,8 @@ class ServerArgs:
             raise ValueError(
                 f"chunked_prefill_size must be positive, got {self.chunked_prefill_size}"
             )
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
 

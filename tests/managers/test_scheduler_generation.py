@@ -113,3 +113,16 @@ def test_stream_reports_every_step_and_non_stream_once(llama_path):
     assert results["s"].tokens == results["n"].tokens
     assert results["n"].completion_tokens == MAX_NEW_TOKENS
     assert results["n"].prompt_tokens == 12
+
+
+def test_stream_interval_reports_first_token_then_every_n_tokens_and_the_end(llama_path):
+    driver = new_driver(llama_path, stream_interval=4)
+    prompt = make_prompts(driver.scheduler.model_config.vocab_size, (12,), seed=2)[0]
+    driver.submit("s", prompt, stream=True, ignore_eos=True, max_new_tokens=10)
+    driver.submit("n", prompt, ignore_eos=True, max_new_tokens=10)
+    driver.run()
+    reported = [len(o.new_token_ids) for batch in driver.outputs for o in batch.outputs
+                if o.rid == "s"]
+    assert reported == [1, 4, 4, 1]  # tokens 1, 2-5, 6-9, 10 (the finish)
+    results = driver.results()
+    assert results["s"].tokens == results["n"].tokens

@@ -43,6 +43,13 @@ def test_invalid_flags_exit_with_usage_error(argv, capsys):
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize("flag, value", [("--stream-interval", "0"), ("--page-size", "0")])
+def test_out_of_range_flag_values_raise_value_error_naming_the_flag(flag, value):
+    ns = build_parser().parse_args(["serve", "--model-path", "m", flag, value])
+    with pytest.raises(ValueError, match=flag.removeprefix("--").replace("-", "_")):
+        server_args_from_namespace(ns)
+
+
 def test_default_model_prefers_the_demo_checkpoint_in_the_working_directory(tmp_path,
                                                                             monkeypatch):
     demo = tmp_path / "models" / "radixserve-demo"

@@ -9,8 +9,10 @@ For every request of the batch:
   finished its prefill inserts its prompt into the cache so that others can share it while it
   decodes (``cache_unfinished_req``).
 
-Then one ``BatchTokenIDOutput`` goes to the detokenizer: stream requests report the tokens of
-every step; non-stream requests report once, at finish, with all their tokens.
+Then one ``BatchTokenIDOutput`` goes to the detokenizer: stream requests report their first token
+at once, then every ``stream_interval`` tokens (``--stream-interval``; 1: every step) and at
+finish; non-stream requests report once, at finish, with all their tokens. Each report carries
+every token since the previous one.
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ class OutputProcessor:
         tokenizer: Any,
         send_to_detokenizer: Callable[[BatchTokenIDOutput], None],
         on_finish: Callable[[Req], None] | None = None,
+        stream_interval: int = 1,
     ) -> None:
         self.tree_cache = tree_cache
+        self.stream_interval = stream_interval
         self.on_finish = on_finish
         self.eos_token_ids = set(eos_token_ids)
         self.tokenizer = tokenizer
@@ -86,9 +90,15 @@ class OutputProcessor:
                 release_kv(req, self.tree_cache)
             elif is_extend:
                 self.tree_cache.cache_unfinished_req(req, req.fill_ids)
-        self.send_outputs(
-            [r for r in batch.reqs if r.finished() or (r.stream and not r.is_chunked)]
-        )
+        self.send_outputs([r for r in batch.reqs if r.finished() or self._stream_due(r)])
+
+    def _stream_due(self, req: Req) -> bool:
+        """Whether a running stream request reports this step: its first token (time to first
+        token never waits), then once ``stream_interval`` tokens are unsent."""
+        if not req.stream or req.is_chunked:
+            return False
+        unsent = len(req.output_ids) - req.send_offset
+        return req.send_offset == 0 or unsent >= self.stream_interval
 
     def finish_now(self, reqs: list[Req], reason: dict[str, Any]) -> None:
         """Finish requests outside a model step (aborted, rejected, out of memory)."""

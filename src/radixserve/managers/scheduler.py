@@ -125,6 +125,7 @@ class Scheduler:
             tokenizer,
             send_to_detokenizer,
             on_finish=self.sessions.on_req_finished,
+            stream_interval=server_args.stream_interval,
         )
 
         self.waiting_queue: list[Req] = []

@@ -1,0 +1,69 @@
+"""What the HTTP benchmarks share: the benchmark models by name, and a server to measure."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Any
+
+BENCH_MODELS = ("tiny", "small")
+READY_PREFIX = "radixserve ready: "
+
+
+def resolve_model(name: str) -> str:
+    """A checkpoint directory; the benchmark models are built on first use."""
+    if name not in BENCH_MODELS:
+        return name
+    from make_bench_models import DEFAULT_OUT, build  # imports torch: only when needed
+
+    path = DEFAULT_OUT / name
+    if not (path / "config.json").is_file():
+        print(json.dumps(build(name, path, seed=0)), file=sys.stderr, flush=True)
+    return str(path)
+
+
+class Server:
+    """``radixserve serve`` in a subprocess on a free loopback port, stopped with SIGTERM.
+
+    ``flags`` are passed to ``radixserve serve`` after ``--model-path`` and ``--port``.
+    """
+
+    def __init__(self, model_path: str, *flags: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "radixserve", "serve", "--model-path", model_path,
+               "--port", str(port), "--log-level", "warning", *flags]
+        self.log = tempfile.TemporaryFile("w+")  # the server's stderr, shown if it fails
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self._ready = threading.Event()
+        threading.Thread(target=self._watch_stdout, daemon=True).start()
+
+    def _watch_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(READY_PREFIX):
+                self._ready.set()
+
+    def __enter__(self) -> Server:
+        while not self._ready.wait(0.2):
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                tail = "".join(self.log.readlines()[-20:])
+                raise RuntimeError(f"the server exited with code {self.proc.returncode}:\n{tail}")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
