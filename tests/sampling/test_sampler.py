@@ -61,6 +61,24 @@ def test_all_greedy_batch_equals_argmax():
     assert torch.equal(out.next_token_ids, logits.argmax(dim=-1))
 
 
+def test_bfloat16_logits_sample_as_their_float32_upcast():
+    logits = (torch.randn(6, 300) * 4).to(torch.bfloat16)
+    logits[0, 7] = logits[0, 9] = logits[0].max()  # a tie: the first index wins either way
+    upcast = logits.float()
+    greedy = make_info([SamplingParams(temperature=0.0)] * 6, 300)
+    assert torch.equal(sample(logits, greedy).next_token_ids, upcast.argmax(dim=-1))
+    assert sample(logits, greedy).next_token_ids[0] == 7
+    # Logprobs, penalties and seeded sampling run on the float32 upcast.
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.5),
+              *(SamplingParams(temperature=0.8, sampling_seed=i) for i in range(5))]
+    info = make_info(params, 300, output_ids=[[3]] * 6)
+    ours = sample(logits, info, return_logprob=True)
+    ref = sample(upcast, make_info(params, 300, output_ids=[[3]] * 6), return_logprob=True)
+    assert ours.logprobs is not None and ours.logprobs.dtype == torch.float32
+    assert torch.equal(ours.next_token_ids, ref.next_token_ids)
+    assert torch.equal(ours.logprobs, ref.logprobs)
+
+
 def test_top_k_one_equals_greedy_even_with_temperature_one_in_a_sampled_batch():
     logits = torch.randn(6, 100) * 0.1  # flat: plain sampling would rarely hit the argmax
     params = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0)] * 3

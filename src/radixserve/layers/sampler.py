@@ -1,7 +1,9 @@
 """Turns next-token logits into next tokens, plus the logprobs the request asked for.
 
-Pipeline of ``Sampler.__call__`` over ``[bs, vocab]`` float32 logits:
+Pipeline of ``Sampler.__call__`` over ``[bs, vocab]`` logits in the model's dtype:
 
+0. a greedy batch without logprobs, bias or penalties takes its argmax right there (upcasting
+   cannot change which entry is largest); anything else is upcast to float32 first;
 1. logit bias, then penalties and the min_new_tokens ban (``SamplingBatchInfo.process_logits``),
    on a copy: the caller's logits are never modified;
 2. all rows greedy → argmax (blocked, see ``greedy_argmax``), no softmax;
@@ -45,6 +47,9 @@ class Sampler:
     ) -> SampleOutput:
         """Sample one token per row; ``top_logprobs_nums[i]`` top entries for request ``i``."""
         assert logits.shape == (sampling_info.batch_size, sampling_info.vocab_size), logits.shape
+        if sampling_info.is_all_greedy and not return_logprob and not sampling_info.modifies_logits:
+            return SampleOutput(greedy_argmax(logits))
+        logits = logits.float()
         processed = sampling_info.process_logits(logits)
         if sampling_info.is_all_greedy:
             next_token_ids = greedy_argmax(processed)

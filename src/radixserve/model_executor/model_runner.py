@@ -3,7 +3,8 @@
 Construction order matters: the KV budget is planned first (from free memory minus the weights'
 size read from the checkpoint headers), the pools and the attention backend are created, and the
 model is built around that backend and loaded. ``forward`` then runs one ``ForwardBatch`` and
-returns the float32 logits of the last token of each request; ``sample`` turns them into tokens.
+returns the logits (model dtype) of the last token of each request; ``sample`` turns them into
+tokens.
 """
 
 from __future__ import annotations
@@ -126,10 +127,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Float32 next-token logits ``[batch_size, vocab_size]``; KV of the new tokens is stored
-        at ``forward_batch.out_cache_loc``."""
+        """Next-token logits ``[batch_size, vocab_size]`` in the model's dtype; KV of the new
+        tokens is stored at ``forward_batch.out_cache_loc``."""
         if forward_batch.forward_mode is ForwardMode.IDLE or forward_batch.batch_size == 0:
-            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+            return torch.empty((0, self.vocab_size), dtype=self.dtype, device=self.device)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 

@@ -54,6 +54,11 @@ class SamplingBatchInfo:
     def batch_size(self) -> int:
         return int(self.top_ks.shape[0])
 
+    @property
+    def modifies_logits(self) -> bool:
+        """Whether ``process_logits`` changes anything (a logit bias or a penalty is set)."""
+        return self.logit_bias is not None or self.penalties is not None
+
     def process_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Apply the logit bias, then the penalties and the min_new_tokens ban.
 
@@ -61,7 +66,7 @@ class SamplingBatchInfo:
         logits are never modified (logprobs are taken from them raw). A row whose every token got
         banned would give NaN probabilities, so it falls back to its unprocessed logits.
         """
-        if self.logit_bias is None and self.penalties is None:
+        if not self.modifies_logits:
             return logits
         processed = logits + self.logit_bias if self.logit_bias is not None else logits.clone()
         if self.penalties is None:
