@@ -140,7 +140,7 @@ def memory_figures(client: httpx.Client) -> dict[str, int]:
     info = client.get("/get_server_info").json()
     state = info["internal_states"][0]
     return {**state["memory"], "running": state["num_running_reqs"],
-            "waiting": state["num_waiting_reqs"]}
+            "waiting": state["num_waiting_reqs"], "aborted": state["num_aborted_reqs"]}
 
 
 def assert_no_leak(client: httpx.Client, timeout: float = 30.0) -> dict[str, int]:

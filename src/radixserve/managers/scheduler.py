@@ -132,6 +132,7 @@ class Scheduler:
         self.running_batch = ScheduleBatch([], self.res)
         self.chunked_req: Req | None = None  # holds KV between its prefill chunks
         self.num_retracted_reqs = 0
+        self.num_aborted_reqs = 0  # running or waiting requests ended by an abort
         self.last_leak_check: dict[str, Any] = {}
         self._idle_checked = False
         self._last_was_prefill = False
@@ -216,6 +217,7 @@ class Scheduler:
             self.chunked_req = None
         for req in aborted:
             self.output_processor.finish_now([req], {"type": "abort", "message": req.to_abort})
+        self.num_aborted_reqs += len(aborted)
         if aborted:
             self.running_batch.filter_batch()
 
@@ -356,6 +358,7 @@ class Scheduler:
         waiting = [r for r in self.waiting_queue if hit(r)]
         self.waiting_queue = [r for r in self.waiting_queue if not hit(r)]
         self.output_processor.finish_now(waiting, reason)
+        self.num_aborted_reqs += len(waiting)
         holding = list(self.running_batch.reqs)
         if self.chunked_req is not None:
             holding.append(self.chunked_req)
@@ -387,6 +390,7 @@ class Scheduler:
                 "num_waiting_reqs": len(self.waiting_queue),
                 "max_total_num_tokens": self.max_total_num_tokens,
                 "num_retracted_reqs": self.num_retracted_reqs,
+                "num_aborted_reqs": self.num_aborted_reqs,
                 "new_token_ratio": self.new_token_ratio.value,
                 "last_leak_check": self.last_leak_check,
             }
