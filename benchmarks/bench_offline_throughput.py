@@ -79,24 +79,20 @@ def torch_threads(threads: int | None) -> Iterator[None]:
 
 
 def start_engine(threads: int | None, **kwargs: Any) -> Any:
-    """An Engine whose scheduler uses ``threads`` torch threads.
-
-    The scheduler process sizes its thread pool from its CPU affinity, so it is started with
-    ``threads`` CPUs and then allowed on all of them again: the thread count stays, and like
-    transformers' threads they may run on whichever CPU is free.
-    """
+    """An Engine whose scheduler uses ``threads`` torch threads (its ``OMP_NUM_THREADS``)."""
     from radixserve import Engine
 
-    allowed = os.sched_getaffinity(0)
-    if threads:
-        os.sched_setaffinity(0, sorted(allowed)[:threads])
+    if not threads:
+        return Engine(**kwargs)
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # read by the spawned scheduler process
     try:
-        engine = Engine(**kwargs)
+        return Engine(**kwargs)
     finally:
-        os.sched_setaffinity(0, allowed)
-    for pid in engine.child_pids:
-        os.sched_setaffinity(pid, allowed)
-    return engine
+        if previous is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous
 
 
 def resolve_model(name: str) -> tuple[str, str]:
@@ -221,15 +217,17 @@ def measure(backends: dict[str, Generate], work: Workload, repeats: int,
 
 
 class _ZeroLogits(torch.nn.Module):
-    """Stands in for the model in ``--step-overhead``: zero logits of the right shape."""
+    """Stands in for the model in ``--step-overhead``: zero logits of the model's shape and
+    dtype (the sampler's cost depends on both)."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        self.dtype = dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: Any) -> torch.Tensor:
-        return torch.zeros(forward_batch.batch_size, self.vocab_size)
+        return torch.zeros(forward_batch.batch_size, self.vocab_size, dtype=self.dtype)
 
 
 def run_step_overhead(args: argparse.Namespace, model_path: str,
@@ -245,7 +243,7 @@ def run_step_overhead(args: argparse.Namespace, model_path: str,
                     max_running_requests=max(args.batch_sizes), max_total_tokens=1 << 16)
     scheduler = Scheduler(sa, sent.append, sent.append)
     runner = scheduler.tp_worker.model_runner
-    runner.model = _ZeroLogits(runner.vocab_size)
+    runner.model = _ZeroLogits(runner.vocab_size, runner.dtype)
     params = SamplingParams(temperature=0.0, max_new_tokens=work.output_len, ignore_eos=True)
     records = []
     for b, prompts in work.decode.items():

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing as mp
+import os
 import shutil
 
+import pytest
 import zmq
 
 from radixserve.managers import ipc
@@ -16,7 +18,7 @@ from radixserve.managers.io_struct import (
     GetInternalStateReqOutput,
     TokenizedGenerateReqInput,
 )
-from radixserve.managers.scheduler import run_scheduler_process
+from radixserve.managers.scheduler import run_scheduler_process, scheduler_threads
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
@@ -68,3 +70,14 @@ def test_scheduler_process_serves_over_zmq_and_exits_cleanly_on_sigterm(llama_pa
             proc.join()
         ctx.destroy(linger=0)
         shutil.rmtree(port_args.directory, ignore_errors=True)
+
+
+@pytest.mark.parametrize("value, expected", [
+    (None, None), ("", None), ("1", 1), ("3", 3), ("0", None), ("two", None), ("-1", None),
+])
+def test_scheduler_threads_follow_omp_num_threads_else_allowed_cpus(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+    assert scheduler_threads() == (expected or len(os.sched_getaffinity(0)))

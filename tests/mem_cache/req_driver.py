@@ -18,6 +18,8 @@ class Req:
     req_pool_idx: int | None = None
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Any = None
+    streaming_session_id: str | None = None
+    finished_reason: dict[str, Any] | None = None
     kv_len: int = 0
 
 

@@ -9,7 +9,6 @@ every page is free or owned by exactly one holder.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -26,20 +25,14 @@ LENGTH = {"type": "length", "length": 4}
 ABORT = {"type": "abort", "message": "aborted by request"}
 
 
-@dataclass
-class TurnReq(Req):
-    streaming_session_id: str | None = None
-    finished_reason: dict[str, Any] | None = None
-
-
 class SessionDriver(Driver):
     """Admits, decodes and finishes requests (streaming turns or plain ones) like the scheduler."""
 
     cache: SessionAwareCache
 
-    def admit_req(self, rid: str, prompt: list[int], session_id: str | None = None) -> TurnReq:
+    def admit_req(self, rid: str, prompt: list[int], session_id: str | None = None) -> Req:
         """Match (a turn: from its session's slot), lock, take a row and prefill ``prompt``."""
-        req = TurnReq(rid, streaming_session_id=session_id)
+        req = Req(rid, streaming_session_id=session_id)
         match = self.cache.match_req(req, prompt[:-1])
         self.cache.inc_lock_ref(match.last_node)
         req.prefix_indices, req.last_node = match.device_indices, match.last_node
@@ -50,11 +43,11 @@ class SessionDriver(Driver):
         self.extend(req, len(prompt))
         return req
 
-    def decode(self, req: TurnReq, num_tokens: int) -> None:
+    def decode(self, req: Req, num_tokens: int) -> None:
         """KV of ``num_tokens`` more sampled tokens (the newest token's KV comes one step later)."""
         self.extend(req, req.kv_len + num_tokens)
 
-    def finish(self, req: TurnReq, all_ids: list[int], reason: dict[str, Any] | None) -> None:
+    def finish(self, req: Req, all_ids: list[int], reason: dict[str, Any] | None) -> None:
         """``reason`` None is a retraction: the request gives its KV up without finishing."""
         req.finished_reason = reason
         self.cache.cache_finished_req(req, all_ids[: req.kv_len])
@@ -62,7 +55,7 @@ class SessionDriver(Driver):
     def turn(
         self, session_id: str | None, prompt: list[int], output: list[int],
         reason: dict[str, Any] | None = LENGTH,
-    ) -> TurnReq:
+    ) -> Req:
         """A whole request: prefill, decode ``output`` (all but its last token get KV), finish."""
         req = self.admit_req(f"{session_id}-{len(prompt)}", prompt, session_id)
         self.decode(req, len(output) - 1)
@@ -73,7 +66,7 @@ class SessionDriver(Driver):
         slot = self.cache.slots[session_id]
         return self.pool.req_to_token[slot.req_pool_idx, : len(slot.token_ids)]
 
-    def assert_accounted(self, *running: TurnReq) -> None:
+    def assert_accounted(self, *running: Req) -> None:
         """Pages are free, in the tree, in a slot, or owned by a running request: exactly one."""
         held = [self.slot_kv(s) for s, slot in self.cache.slots.items() if not slot.in_use]
         held += [self.row(r)[: r.kv_len] for r in running]
@@ -148,7 +141,7 @@ def test_admission_refused_after_matching_keeps_the_slot(d):
     prompt, output = ids(10, 9), ids(100, 4)
     d.turn("s", prompt, output)
     held, available = d.cache.session_held_size(), d.allocator.available_size()
-    req = TurnReq("refused", streaming_session_id="s")
+    req = Req("refused", streaming_session_id="s")
     match = d.cache.match_req(req, (prompt + output + ids(200, 2))[:-1])
     d.cache.inc_lock_ref(match.last_node)
     d.cache.dec_lock_ref(match.last_node)
@@ -207,17 +200,17 @@ def test_plain_requests_go_to_the_inner_radix_cache(d):
     prompt = ids(10, 12)
     d.turn(None, prompt, ids(100, 5))
     assert d.cache.inner.total_size() == (12 + 4) // ps * ps
-    plain = TurnReq("plain")
+    plain = Req("plain")
     assert len(d.cache.match_req(plain, prompt + [7]).device_indices) == 12 // ps * ps
     # A first streaming turn on the same ids does not use the tree: its KV is the slot's alone.
-    turn = TurnReq("turn", streaming_session_id="s")
+    turn = Req("turn", streaming_session_id="s")
     assert len(d.cache.match_req(turn, prompt + [7]).device_indices) == 0
 
 
 def test_a_slot_that_does_not_prefix_the_turn_is_released_not_reused(d):
     available = d.allocator.available_size()
     d.turn("s", ids(10, 8), ids(100, 3))
-    req = TurnReq("diverged", streaming_session_id="s")
+    req = Req("diverged", streaming_session_id="s")
     match = d.cache.match_req(req, ids(50, 20))
     assert len(match.device_indices) == 0
     assert "s" not in d.cache.slots and d.allocator.available_size() == available

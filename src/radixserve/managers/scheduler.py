@@ -453,6 +453,19 @@ class Scheduler:
 
 
 # ---------------------------------------------------------------------- process entry point
+def scheduler_threads() -> int:
+    """Torch threads of the scheduler: ``OMP_NUM_THREADS`` when set, else one per allowed CPU
+    (the model forward is the only CPU-heavy work of the process)."""
+    allowed = len(os.sched_getaffinity(0))
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if not value:
+        return allowed
+    if not value.isdigit() or int(value) < 1:
+        logger.warning("ignoring OMP_NUM_THREADS=%r: not a positive integer", value)
+        return allowed
+    return int(value)
+
+
 def run_scheduler_process(server_args_json: str, port_args_json: str, ready_conn: Any) -> None:
     """Entry point of the spawned scheduler process (arguments arrive as JSON, never pickled)."""
     server_args = ServerArgs(**json.loads(server_args_json))
@@ -461,7 +474,7 @@ def run_scheduler_process(server_args_json: str, port_args_json: str, ready_conn
         format="%(asctime)s scheduler %(levelname)s %(name)s: %(message)s",
     )
     install_exit_handlers()
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.set_num_threads(scheduler_threads())
     random.seed(server_args.random_seed)
     torch.manual_seed(server_args.random_seed)
     ctx = zmq.Context()

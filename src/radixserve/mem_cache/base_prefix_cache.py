@@ -41,6 +41,8 @@ class CacheableReq(Protocol):
     req_pool_idx: int | None
     prefix_indices: torch.Tensor
     last_node: Any
+    streaming_session_id: str | None  # set on a streaming session's turn (SessionAwareCache)
+    finished_reason: dict[str, Any] | None  # None while the request runs
 
 
 class BasePrefixCache(ABC):

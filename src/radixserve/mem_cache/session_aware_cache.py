@@ -72,7 +72,7 @@ class SessionAwareCache(BasePrefixCache):
         return self.inner.match_prefix(key)
 
     def match_req(self, req: CacheableReq, key: list[int]) -> MatchResult:
-        session_id = getattr(req, "streaming_session_id", None)
+        session_id = req.streaming_session_id
         if session_id is None:
             return self.inner.match_prefix(key)
         slot = self.slots.get(session_id)
@@ -115,7 +115,7 @@ class SessionAwareCache(BasePrefixCache):
         row = req.req_pool_idx
         assert row is not None, f"{req.rid}: a streaming turn holds a row until it finishes"
         old = node.slot
-        reason = getattr(req, "finished_reason", None)
+        reason = req.finished_reason
         if old is not None:
             old.in_use = False
             if self.slots.get(node.session_id) is old:
