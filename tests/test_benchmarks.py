@@ -1,0 +1,46 @@
+"""The serving and sessions benchmarks still run end to end, on a tiny test checkpoint and a few
+tokens. Their speed is not checked here (that is what they print); their output shape and their
+own consistency checks are."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run_benchmark(script: str, *args: str) -> list[dict[str, Any]]:
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def test_bench_serving_launches_a_server_and_compares_it_with_the_offline_engine(llama_path):
+    served, offline, comparison = run_benchmark(
+        "bench_serving.py", "--launch", str(llama_path), "--offline-baseline",
+        "--num-requests", "4", "--concurrency", "4", "--input-len", "8", "--output-len", "6",
+        "--dtype", "float32", "--server-flags", "--device cpu --stream-interval 2",
+    )
+    assert (served["completed"], served["failed"], served["errors"]) == (4, 0, [])
+    assert served["total_output_tokens"] == offline["total_output_tokens"] == 24
+    assert served["ttft_ms"]["p50"] > 0
+    ratio = served["output_tokens_per_s"] / offline["output_tokens_per_s"]
+    assert comparison["ratio"] == round(ratio, 3)
+
+
+def test_bench_sessions_runs_every_mode_and_streaming_reuses_the_history(llama_path):
+    lines = run_benchmark(
+        "bench_sessions.py", "--model", str(llama_path), "--sessions", "2", "--turns", "3",
+        "--new-tokens", "8", "--output-len", "4", "--vocab-high", "400", "--device", "cpu",
+    )
+    summary = {line["mode"]: line for line in lines if line.get("summary")}
+    assert set(summary) == {"streaming", "resend", "resend-no-radix"}
+    assert summary["streaming"]["cached_tokens_total"] > 0
+    assert summary["resend-no-radix"]["cached_tokens_total"] == 0
+    assert all(line["ttft_last_over_first"] > 0 for line in summary.values())
+    assert lines[-1]["identical"] == 2  # float32: the same conversations in every mode
