@@ -1,0 +1,119 @@
+"""radixserve's own CPU kernels (``layers/csrc``), compiled on first use, once per machine.
+
+Today one kernel: the batch-1 bf16 GEMV (``csrc/gemv_bf16.cpp``), which streams a linear layer's
+weight at memory speed where oneDNN's prepacked GEMV reaches about 70% of it (RESULTS.md). It
+needs AVX512-BF16. The build goes through ``torch.utils.cpp_extension`` (ninja and g++, about
+15 s) into ``~/.cache/radixserve/kernels/<key>``; the key covers the sources, the torch version
+and this CPU's flags (the code is built for the CPU it runs on), so later starts load the cached
+library at once. Without a compiler or the instruction set, or with
+``RADIXSERVE_DISABLE_CPU_KERNELS=1``, ``load_cpu_kernels`` returns False and layers keep to
+oneDNN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from radixserve import envs
+
+logger = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).parent / "csrc" / "gemv_bf16.cpp",)
+GEMV_ROWS = 16  # output rows per weight block (csrc/gemv_bf16.cpp)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def _build_dir(flags: set[str]) -> Path:
+    key = hashlib.sha256()
+    for source in SOURCES:
+        key.update(source.read_bytes())
+    key.update(torch.__version__.encode())
+    key.update(" ".join(sorted(flags)).encode())
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return root / "radixserve" / "kernels" / key.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """cpp_extension runs ``ninja`` from PATH; the ``ninja`` package's binary sits in the
+    environment's bin directory, which is not on PATH when the venv is not activated."""
+    import ninja
+
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
+@functools.cache
+def load_cpu_kernels() -> bool:
+    """Register ``torch.ops.radixserve_cpu.*``; False when they cannot run here."""
+    if envs.RADIXSERVE_DISABLE_CPU_KERNELS.get():
+        return False
+    flags = _cpu_flags()
+    if not {"avx512f", "avx512bw", "avx512_bf16"} <= flags:
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        build_dir = _build_dir(flags)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        if not any(build_dir.glob("*.so")):
+            logger.info("building radixserve's CPU kernels into %s (once)", build_dir)
+        with _ninja_on_path():
+            load(
+                name="radixserve_cpu_kernels",
+                sources=[str(s) for s in SOURCES],
+                # -fopenmp: at::parallel_for runs on torch's own OpenMP threads (same libgomp)
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+            )
+    except Exception as e:  # no compiler, no ninja, a failed build: oneDNN still works
+        logger.warning("radixserve's CPU kernels are unavailable, using oneDNN only: %s", e)
+        return False
+    return True
+
+
+def gemv_supported(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` ([N, K] bf16 on CPU) can take the GEMV kernel on this machine."""
+    n, k = weight.shape
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and n % GEMV_ROWS == 0
+        and k % 2 == 0
+        and load_cpu_kernels()
+    )
+
+
+def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` → the kernel's blocked ``[N/16, K/2, 16, 2]`` copy."""
+    n, k = weight.shape
+    return weight.detach().view(n // GEMV_ROWS, GEMV_ROWS, k // 2, 2).permute(0, 2, 1, 3).clone(
+        memory_format=torch.contiguous_format
+    )
+
+
+def gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for one row ``x`` ([1, K] bf16) and a ``pack_gemv_weight``."""
+    return torch.ops.radixserve_cpu.gemv_bf16(x.contiguous(), packed, bias)
