@@ -20,9 +20,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
+    from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 
 
 @dataclass
@@ -46,6 +50,20 @@ class CacheableReq(Protocol):
 
 
 class BasePrefixCache(ABC):
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: TokenToKVPoolAllocator,
+        page_size: int,
+    ) -> None:
+        if page_size != allocator.page_size:
+            raise ValueError(
+                f"page_size {page_size} differs from the allocator's {allocator.page_size}"
+            )
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.page_size = page_size
+
     @abstractmethod
     def match_prefix(self, key: list[int]) -> MatchResult:
         """Longest cached prefix of ``key``, truncated to a multiple of ``page_size``.

@@ -11,27 +11,11 @@ from typing import Any
 
 import torch
 
-from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, CacheableReq, MatchResult
-from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 
 
 class ChunkCache(BasePrefixCache):
     """A cache that holds nothing: matches are empty, locks are no-ops, sizes are 0."""
-
-    def __init__(
-        self,
-        req_to_token_pool: ReqToTokenPool,
-        allocator: TokenToKVPoolAllocator,
-        page_size: int,
-    ) -> None:
-        if page_size != allocator.page_size:
-            raise ValueError(
-                f"page_size {page_size} differs from the allocator's {allocator.page_size}"
-            )
-        self.req_to_token_pool = req_to_token_pool
-        self.allocator = allocator
-        self.page_size = page_size
 
     def match_prefix(self, key: list[int]) -> MatchResult:
         empty = torch.empty(0, dtype=torch.int64, device=self.allocator.device)

@@ -53,13 +53,7 @@ class RadixCache(BasePrefixCache):
         allocator: TokenToKVPoolAllocator,
         page_size: int,
     ) -> None:
-        if page_size != allocator.page_size:
-            raise ValueError(
-                f"page_size {page_size} differs from the allocator's {allocator.page_size}"
-            )
-        self.req_to_token_pool = req_to_token_pool
-        self.allocator = allocator
-        self.page_size = page_size
+        super().__init__(req_to_token_pool, allocator, page_size)
         self.device = allocator.device
         self._ids = itertools.count()
         self._clock = itertools.count(1)  # logical time: deterministic LRU order

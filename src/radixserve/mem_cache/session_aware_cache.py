@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, CacheableReq, MatchResult
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 
@@ -57,13 +58,11 @@ class SessionAwareCache(BasePrefixCache):
         self,
         inner: BasePrefixCache,
         req_to_token_pool: ReqToTokenPool,
-        allocator: Any,
+        allocator: TokenToKVPoolAllocator,
         page_size: int,
     ) -> None:
+        super().__init__(req_to_token_pool, allocator, page_size)
         self.inner = inner
-        self.req_to_token_pool = req_to_token_pool
-        self.allocator = allocator
-        self.page_size = page_size
         self.slots: dict[str, SessionSlot] = {}
         self._clock = itertools.count()
 
