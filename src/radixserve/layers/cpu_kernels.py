@@ -26,7 +26,7 @@ from radixserve import envs
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "csrc" / "gemv_bf16.cpp",)
+SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 GEMV_ROWS = 16  # output rows per weight block (csrc/gemv_bf16.cpp)
 
 
