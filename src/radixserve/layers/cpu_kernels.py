@@ -1,8 +1,10 @@
 """radixserve's own CPU kernels (``layers/csrc``), compiled on first use, once per machine.
 
-Today one kernel: the batch-1 bf16 GEMV (``csrc/gemv_bf16.cpp``), which streams a linear layer's
-weight at memory speed where oneDNN's prepacked GEMV reaches about 70% of it (RESULTS.md). It
-needs AVX512-BF16. The build goes through ``torch.utils.cpp_extension`` (ninja and g++, about
+Linear layers for small batches (``csrc/linear_bf16.cpp``): decode steps of up to 32 requests
+read each weight once for a few rows, and these kernels stream it at memory speed where oneDNN
+reaches 60-70% of it (RESULTS.md). They share one blocked copy of the weight: a GEMV for one row
+(AVX512-BF16) and an AMX kernel for up to 32 rows (where the CPU has AMX and K is a multiple of
+32). The build goes through ``torch.utils.cpp_extension`` (ninja and g++, about
 15 s) into ``~/.cache/radixserve/kernels/<key>``; the key covers the sources, the torch version
 and this CPU's flags (the code is built for the CPU it runs on), so later starts load the cached
 library at once. Without a compiler or the instruction set, or with
@@ -18,6 +20,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +30,9 @@ from radixserve import envs
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
-GEMV_ROWS = 16  # output rows per weight block (csrc/gemv_bf16.cpp)
+BLOCK_ROWS = 16  # output rows per weight block (csrc/linear_bf16.cpp)
+AMX_MAX_ROWS = 32  # input rows the AMX kernel takes (two tiles of 16)
+AMX_K_MULTIPLE = 32  # inputs per AMX tile row
 
 
 def _cpu_flags() -> set[str]:
@@ -94,26 +99,61 @@ def load_cpu_kernels() -> bool:
     return True
 
 
-def gemv_supported(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` ([N, K] bf16 on CPU) can take the GEMV kernel on this machine."""
+def blocked_weight_supported(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` ([N, K] bf16 on CPU) can take the small-batch kernels here."""
     n, k = weight.shape
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
-        and n % GEMV_ROWS == 0
+        and n % BLOCK_ROWS == 0
         and k % 2 == 0
         and load_cpu_kernels()
     )
 
 
-def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` → the kernel's blocked ``[N/16, K/2, 16, 2]`` copy."""
-    n, k = weight.shape
-    return weight.detach().view(n // GEMV_ROWS, GEMV_ROWS, k // 2, 2).permute(0, 2, 1, 3).clone(
-        memory_format=torch.contiguous_format
-    )
+@functools.cache
+def amx_available() -> bool:
+    """Whether this CPU has AMX for bf16 (the kernels load; the process asks Linux for the tile
+    state on first use)."""
+    return {"amx_tile", "amx_bf16"} <= _cpu_flags() and load_cpu_kernels()
 
 
 def gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for one row ``x`` ([1, K] bf16) and a ``pack_gemv_weight``."""
+    """``x @ weight.T (+ bias)`` for one row ``x`` ([1, K] bf16) and a blocked weight."""
     return torch.ops.radixserve_cpu.gemv_bf16(x.contiguous(), packed, bias)
+
+
+def small_gemm_amx(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for up to 32 rows on AMX (K a multiple of 32)."""
+    return torch.ops.radixserve_cpu.small_gemm_amx_bf16(x.contiguous(), packed, bias)
+
+
+@dataclass(frozen=True)
+class BlockedWeight:
+    """A linear weight's blocked copy for the small-batch kernels. ``max_rows``: the most input
+    rows they take for it (32 on AMX, else 1 for the GEMV); larger batches go to oneDNN."""
+
+    packed: torch.Tensor
+    max_rows: int
+    amx: bool
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> BlockedWeight | None:
+        """The copy of ``weight`` ([N, K]), or None where the kernels cannot take it."""
+        if not blocked_weight_supported(weight):
+            return None
+        n, k = weight.shape
+        packed = weight.detach().view(n // BLOCK_ROWS, BLOCK_ROWS, k // 2, 2).permute(0, 2, 1, 3)
+        amx = amx_available() and k % AMX_K_MULTIPLE == 0
+        return cls(
+            packed.clone(memory_format=torch.contiguous_format), AMX_MAX_ROWS if amx else 1, amx
+        )
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T (+ bias)`` for at most ``max_rows`` rows of ``x``. AMX takes even
+        one row where it runs: with its prefetch it streams faster than the GEMV."""
+        if self.amx:
+            return small_gemm_amx(x, self.packed, bias)
+        return gemv(x, self.packed, bias)

@@ -9,8 +9,9 @@ Only ``tp_size == 1`` runs today, but the shapes and loaders are already per ran
 On CPU in bfloat16 the model runner calls ``prepack()`` once after loading: it reorders the weight
 into oneDNN's blocked layout, whose GEMM streams it about twice as fast as the stock path
 (``F.linear`` on the plain ``[out, in]`` tensor), at every batch size, with the same products.
-With ``gemv=True`` it also keeps the blocked copy of radixserve's own batch-1 kernel
-(``layers/cpu_kernels.py``), which one-row inputs then take: it streams the weight at memory speed.
+With ``blocked=True`` it also keeps the copy of radixserve's own small-batch kernels
+(``layers/cpu_kernels.py``), which inputs of up to 32 rows (one without AMX) then take: they
+stream the weight at memory speed.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.layers.cpu_kernels import gemv, gemv_supported, pack_gemv_weight
+from radixserve.layers.cpu_kernels import BlockedWeight
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -67,22 +68,22 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.prepacked = False  # weight holds oneDNN's blocked layout (see prepack)
-        self.gemv_weight: torch.Tensor | None = None  # the batch-1 kernel's copy (see prepack)
+        self.blocked: BlockedWeight | None = None  # the small-batch kernels' copy (see prepack)
 
-    def prepack(self, gemv: bool = False) -> None:
+    def prepack(self, blocked: bool = False) -> None:
         """Replace the plain weight by its oneDNN-reordered copy (once, after loading): the
-        same bfloat16 products, with a faster kernel. ``gemv``: also keep the batch-1 kernel's
-        copy, where this machine can run it (one more weight's worth of memory)."""
+        same bfloat16 products, with a faster kernel. ``blocked``: also keep the small-batch
+        kernels' copy, where this machine can run them (one more weight's worth of memory)."""
         weight = self.weight.detach()
-        if gemv and gemv_supported(weight):
-            self.gemv_weight = pack_gemv_weight(weight)
+        if blocked:
+            self.blocked = BlockedWeight.of(weight)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.prepacked = True
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.gemv_weight is not None and x.shape[0] == 1:
-            return gemv(x, self.gemv_weight, bias)
+        if self.blocked is not None and x.shape[0] <= self.blocked.max_rows:
+            return self.blocked.linear(x, bias)
         if self.prepacked:
             return mkldnn_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.layers.cpu_kernels import gemv, gemv_supported, pack_gemv_weight
+from radixserve.layers.cpu_kernels import BlockedWeight
 from radixserve.layers.linear import default_weight_loader, mkldnn_linear
 
 
@@ -37,20 +37,20 @@ class LMHead(nn.Module):
         # oneDNN-reordered copy (see layers/linear.py); a copy because a tied weight is also
         # the embedding table, which needs the plain layout.
         self.packed_weight: torch.Tensor | None = None
-        self.gemv_weight: torch.Tensor | None = None  # the batch-1 kernel's copy
+        self.blocked: BlockedWeight | None = None  # the small-batch kernels' copy
 
-    def prepack(self, gemv: bool = False) -> None:
+    def prepack(self, blocked: bool = False) -> None:
         """Make the oneDNN copy ``project`` uses (bf16 on CPU; costs one more vocab x hidden),
-        and with ``gemv`` the batch-1 kernel's copy where it runs (one more again)."""
+        and with ``blocked`` the small-batch kernels' copy where they run (one more again)."""
         weight = self.weight.detach()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
-        if gemv and gemv_supported(weight):
-            self.gemv_weight = pack_gemv_weight(weight)
+        if blocked:
+            self.blocked = BlockedWeight.of(weight)
 
     def project(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``hidden_states @ weight.T`` in the weight's dtype."""
-        if self.gemv_weight is not None and hidden_states.shape[0] == 1:
-            return gemv(hidden_states, self.gemv_weight, None)
+        if self.blocked is not None and hidden_states.shape[0] <= self.blocked.max_rows:
+            return self.blocked.linear(hidden_states, None)
         if self.packed_weight is not None:
             return mkldnn_linear(hidden_states, self.packed_weight, None)
         return torch.matmul(hidden_states, self.weight.T)

@@ -32,9 +32,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# The batch-1 GEMV kernel keeps a second copy of every linear weight: only when that copy is
+# The small-batch kernels keep a second copy of every linear weight: only when that copy is
 # small next to the machine's memory.
-GEMV_COPY_MAX_RAM_FRACTION = 0.1
+BLOCKED_COPY_MAX_RAM_FRACTION = 0.1
 
 _GIB = 1 << 30
 _DEFAULT_MEM_FRACTION = {"cpu": 0.3, "cuda": 0.85}
@@ -91,14 +91,18 @@ class ModelRunner:
         self.model = load_model(model_config, self.attn_backend, self.device)
         if mkldnn_prepack_supported(self.device, self.dtype):
             # bf16 on CPU: oneDNN's blocked weight layout streams about twice as fast, and the
-            # batch-1 GEMV kernel's own copy faster again, where memory allows the extra copy.
+            # small-batch kernels' own copy faster again, where memory allows the extra copy.
             layers = [m for m in self.model.modules() if isinstance(m, (LinearBase, LMHead))]
             extra = sum(m.weight.numel() * m.weight.element_size() for m in layers)
-            gemv = extra <= GEMV_COPY_MAX_RAM_FRACTION * psutil.virtual_memory().total
+            blocked = extra <= BLOCKED_COPY_MAX_RAM_FRACTION * psutil.virtual_memory().total
             for module in layers:
-                module.prepack(gemv=gemv)
-            if any(m.gemv_weight is not None for m in layers):
-                logger.info("batch-1 GEMV kernel on: +%.2f GiB of weight copies", extra / _GIB)
+                module.prepack(blocked=blocked)
+            rows = max((m.blocked.max_rows for m in layers if m.blocked is not None), default=0)
+            if rows:
+                logger.info(
+                    "small-batch kernels on for up to %d rows: +%.2f GiB of weight copies",
+                    rows, extra / _GIB,
+                )
 
     def _plan_kv_tokens(self, server_args: ServerArgs) -> int:
         """KV slots to allocate, rounded down to whole pages.

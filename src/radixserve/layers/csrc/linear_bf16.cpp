@@ -1,0 +1,280 @@
+// Small-batch bf16 linear layers for CPUs, streaming the weight at memory speed.
+//
+// A decode step with few requests reads every weight once for a handful of input rows, so its
+// speed is the speed at which the weights stream from memory, and oneDNN's kernels for few rows
+// stream them at 60-70% of it (RESULTS.md). Both kernels here read one blocked copy of the weight,
+// [N/16][K/2][16][2]: 16 output rows' input pairs (k, k+1) side by side, 64 bytes per pair.
+// - gemv_bf16 (one row, AVX512-BF16): one 64-byte load feeds `vdpbf16ps`, which multiplies it by
+//   the broadcast input pair and adds into 16 float32 sums; no horizontal sums, no reordering.
+// - small_gemm_amx_bf16 (up to 32 rows, AMX): a block's 32 inputs of 16 outputs are one 1 KiB B
+//   tile, and one `tdpbf16ps` applies it to up to 16 input rows; software prefetch runs ahead.
+// Products and sums are float32 (bf16 x bf16 is exact in float32); each output is rounded to bf16
+// once, after the bias.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+namespace {
+
+constexpr int64_t kRows = 16;     // output rows per block: one register of float32 sums
+constexpr int64_t kAhead = 1024;  // bytes of the block prefetched ahead of the loads
+
+__m512 load_bias(const c10::BFloat16* bias) {
+  // bf16 -> float32 is a 16-bit shift of each value
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+void gemv_blocks(const uint32_t* x_pairs, const uint16_t* weight, const c10::BFloat16* bias,
+                 uint16_t* out, int64_t pairs, int64_t first, int64_t last) {
+  for (int64_t b = first; b < last; ++b) {
+    const uint16_t* block = weight + b * pairs * 2 * kRows;
+    const char* ahead = reinterpret_cast<const char*>(block) + kAhead;
+    // Four independent sums hide the latency of vdpbf16ps.
+    __m512 acc[4] = {bias ? load_bias(bias + b * kRows) : _mm512_setzero_ps(),
+                     _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t p = 0;
+    for (; p + 4 <= pairs; p += 4) {
+      _mm_prefetch(ahead + p * 64, _MM_HINT_T0);
+      _mm_prefetch(ahead + p * 64 + 128, _MM_HINT_T0);
+      for (int i = 0; i < 4; ++i) {
+        __m512i w = _mm512_loadu_si512(block + (p + i) * 2 * kRows);
+        __m512i x = _mm512_set1_epi32(static_cast<int32_t>(x_pairs[p + i]));
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)x, (__m512bh)w);
+      }
+    }
+    for (; p < pairs; ++p) {
+      __m512i w = _mm512_loadu_si512(block + p * 2 * kRows);
+      __m512i x = _mm512_set1_epi32(static_cast<int32_t>(x_pairs[p]));
+      acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)x, (__m512bh)w);
+    }
+    __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    // round to nearest even, as c10::BFloat16 does
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * kRows),
+                        (__m256i)_mm512_cvtneps_pbh(sum));
+  }
+}
+
+// x: [1, K] bf16 contiguous; weight: blocked [N/16, K/2, 16, 2] bf16; bias: [N] bf16 or None.
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "gemv_bf16 takes bfloat16 inputs");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "x must be [1, K], contiguous");
+  TORCH_CHECK(weight.dim() == 4 && weight.size(2) == kRows && weight.size(3) == 2 &&
+                  weight.is_contiguous(),
+              "weight must be blocked [N/16, K/2, 16, 2]");
+  TORCH_CHECK(weight.size(1) * 2 == x.size(1), "x has ", x.size(1), " features, the weight ",
+              weight.size(1) * 2);
+  const int64_t blocks = weight.size(0), pairs = weight.size(1), n = blocks * kRows;
+  const c10::BFloat16* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == n &&
+                    bias->is_contiguous(),
+                "bias must be [N] bfloat16, contiguous");
+    bias_ptr = bias->data_ptr<c10::BFloat16>();
+  }
+  at::Tensor out = at::empty({1, n}, x.options());
+  const auto* x_pairs = reinterpret_cast<const uint32_t*>(x.data_ptr());
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  auto* y = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, blocks, 4, [&](int64_t first, int64_t last) {
+    gemv_blocks(x_pairs, w, bias_ptr, y, pairs, first, last);
+  });
+  return out;
+}
+
+// AMX: tiles 0-3 hold float32 sums, 4-5 input rows, 6-7 weight tiles. Up to 16 rows: four
+// blocks per pass (one sum tile each); 17 to 32 rows: two row tiles by two blocks.
+constexpr int64_t kTileK = 32;       // bf16 inputs per tile row (64 bytes)
+constexpr int64_t kAmxMaxRows = 32;  // two tiles of 16 rows
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr int64_t kAheadElems = 2 * kTileK * kRows;  // prefetched two tiles (2 KiB) ahead
+
+inline void prefetch_tile(const uint16_t* tile) {
+  const char* p = reinterpret_cast<const char*>(tile);
+  for (int line = 0; line < 16; ++line) _mm_prefetch(p + line * 64, _MM_HINT_T0);
+}
+
+bool amx_permitted() {
+  // Linux hands out the 8 KiB AMX state only to processes that ask for it.
+  constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool ok = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  return ok;
+}
+
+TileConfig tile_config(int64_t m) {
+  TileConfig cfg;
+  const int64_t top = std::min<int64_t>(m, 16), bottom = m - top;
+  // sums: tiles 0-1 the top rows; 2-3 the bottom rows (two row tiles) or the top rows again
+  const int64_t rows[6] = {top, top, bottom ? bottom : top, bottom ? bottom : top, top, bottom};
+  for (int t = 0; t < 6; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(rows[t]);
+    cfg.colsb[t] = rows[t] ? 64 : 0;
+  }
+  for (int t = 6; t < 8; ++t) {  // weight tiles: 16 input pairs of 16 outputs
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  return cfg;
+}
+
+// float32 sums [rows][16 * blocks] (+ bias) -> bf16 outputs at column `col` of `out` [M, N]
+void store_rows(const float* sums, int64_t sum_stride, int64_t rows, int64_t cols,
+                const c10::BFloat16* bias, int64_t col, uint16_t* out, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; c += kRows) {
+      __m512 v = _mm512_loadu_ps(sums + r * sum_stride + c);
+      if (bias) v = _mm512_add_ps(v, load_bias(bias + col + c));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * n + col + c),
+                          (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) void amx_blocks(
+    const uint16_t* x, const uint16_t* weight, const c10::BFloat16* bias, uint16_t* out,
+    int64_t m, int64_t k, int64_t n, int64_t first, int64_t last) {
+  const TileConfig cfg = tile_config(m);
+  _tile_loadconfig(&cfg);
+  const int64_t chunks = k / kTileK, block_elems = k * kRows, x_stride = k * 2;
+  alignas(64) float sums[16 * 4 * kRows];  // 16 rows x 4 blocks or 32 rows x 2 blocks
+  if (m <= 16) {
+    int64_t b = first;
+    for (; b + 4 <= last; b += 4) {  // four blocks at a time: tiles 0-3
+      const uint16_t* w = weight + b * block_elems;
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t off = c * kTileK * kRows;
+        for (int blk = 0; blk < 4; ++blk) prefetch_tile(w + blk * block_elems + off + kAheadElems);
+        _tile_loadd(4, x + c * kTileK, x_stride);
+        _tile_loadd(6, w + off, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, w + block_elems + off, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(6, w + 2 * block_elems + off, 64);
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_loadd(7, w + 3 * block_elems + off, 64);
+        _tile_dpbf16ps(3, 4, 7);
+      }
+      _tile_stored(0, sums, 4 * kRows * 4);
+      _tile_stored(1, sums + kRows, 4 * kRows * 4);
+      _tile_stored(2, sums + 2 * kRows, 4 * kRows * 4);
+      _tile_stored(3, sums + 3 * kRows, 4 * kRows * 4);
+      store_rows(sums, 4 * kRows, m, 4 * kRows, bias, b * kRows, out, n);
+    }
+    for (; b < last; ++b) {  // the last blocks one at a time
+      const uint16_t* w = weight + b * block_elems;
+      _tile_zero(0);
+      for (int64_t c = 0; c < chunks; ++c) {
+        prefetch_tile(w + c * kTileK * kRows + kAheadElems);
+        _tile_loadd(4, x + c * kTileK, x_stride);
+        _tile_loadd(6, w + c * kTileK * kRows, 64);
+        _tile_dpbf16ps(0, 4, 6);
+      }
+      _tile_stored(0, sums, kRows * 4);
+      store_rows(sums, kRows, m, kRows, bias, b * kRows, out, n);
+    }
+  } else {
+    const uint16_t* x_bottom = x + 16 * k;
+    int64_t b = first;
+    for (; b + 2 <= last; b += 2) {  // two blocks at a time, two row tiles: tiles 0-3
+      const uint16_t* w = weight + b * block_elems;
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t off = c * kTileK * kRows;
+        prefetch_tile(w + off + kAheadElems);
+        prefetch_tile(w + block_elems + off + kAheadElems);
+        _tile_loadd(4, x + c * kTileK, x_stride);
+        _tile_loadd(5, x_bottom + c * kTileK, x_stride);
+        _tile_loadd(6, w + off, 64);
+        _tile_loadd(7, w + block_elems + off, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, sums, 2 * kRows * 4);
+      _tile_stored(1, sums + kRows, 2 * kRows * 4);
+      _tile_stored(2, sums + 16 * 2 * kRows, 2 * kRows * 4);
+      _tile_stored(3, sums + 16 * 2 * kRows + kRows, 2 * kRows * 4);
+      store_rows(sums, 2 * kRows, m, 2 * kRows, bias, b * kRows, out, n);
+    }
+    for (; b < last; ++b) {
+      const uint16_t* w = weight + b * block_elems;
+      _tile_zero(0); _tile_zero(2);
+      for (int64_t c = 0; c < chunks; ++c) {
+        prefetch_tile(w + c * kTileK * kRows + kAheadElems);
+        _tile_loadd(4, x + c * kTileK, x_stride);
+        _tile_loadd(5, x_bottom + c * kTileK, x_stride);
+        _tile_loadd(6, w + c * kTileK * kRows, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+      }
+      _tile_stored(0, sums, kRows * 4);
+      _tile_stored(2, sums + 16 * kRows, kRows * 4);
+      store_rows(sums, kRows, m, kRows, bias, b * kRows, out, n);
+    }
+  }
+  _tile_release();
+}
+
+// x: [M, K] bf16 contiguous, 1 <= M <= 32, K a multiple of 32; weight and bias as gemv_bf16.
+at::Tensor small_gemm_amx_bf16(const at::Tensor& x, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_permitted(), "AMX is not available to this process");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "small_gemm_amx_bf16 takes bfloat16 inputs");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kAmxMaxRows && x.is_contiguous(),
+              "x must be [M, K] with 1 <= M <= ", kAmxMaxRows, ", contiguous");
+  TORCH_CHECK(x.size(1) % kTileK == 0, "K must be a multiple of ", kTileK, ", got ", x.size(1));
+  TORCH_CHECK(weight.dim() == 4 && weight.size(2) == kRows && weight.size(3) == 2 &&
+                  weight.is_contiguous(),
+              "weight must be blocked [N/16, K/2, 16, 2]");
+  TORCH_CHECK(weight.size(1) * 2 == x.size(1), "x has ", x.size(1), " features, the weight ",
+              weight.size(1) * 2);
+  const int64_t m = x.size(0), k = x.size(1), blocks = weight.size(0), n = blocks * kRows;
+  const c10::BFloat16* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == n &&
+                    bias->is_contiguous(),
+                "bias must be [N] bfloat16, contiguous");
+    bias_ptr = bias->data_ptr<c10::BFloat16>();
+  }
+  at::Tensor out = at::empty({m, n}, x.options());
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  auto* y = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, blocks, 4, [&](int64_t first, int64_t last) {
+    amx_blocks(xs, w, bias_ptr, y, m, k, n, first, last);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(radixserve_cpu, m) {
+  m.def("gemv_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.impl("gemv_bf16", c10::DispatchKey::CPU, &gemv_bf16);
+  m.def("small_gemm_amx_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.impl("small_gemm_amx_bf16", c10::DispatchKey::CPU, &small_gemm_amx_bf16);
+}
