@@ -1,13 +1,17 @@
 """radixserve's own CPU kernels (``layers/csrc``), compiled on first use, once per machine.
 
-Today one kernel: the batch-1 bf16 GEMV (``csrc/gemv_bf16.cpp``), which streams a linear layer's
-weight at memory speed where oneDNN's prepacked GEMV reaches about 70% of it (RESULTS.md). It
-needs AVX512-BF16. The build goes through ``torch.utils.cpp_extension`` (ninja and g++, about
+- the batch-1 bf16 GEMV (``csrc/gemv_bf16.cpp``), which streams a linear layer's weight at memory
+  speed where oneDNN's prepacked GEMV reaches about 70% of it (RESULTS.md);
+- fused bf16 RMSNorm, residual add + RMSNorm, and SiluAndMul (``csrc/norm_act_bf16.cpp``): one
+  kernel each where torch runs up to nine, whose start-up costs dominate a decode step's small
+  tensors. They round to bf16 where transformers' bf16 modules do.
+
+They need AVX512-BF16. The build goes through ``torch.utils.cpp_extension`` (ninja and g++, about
 15 s) into ``~/.cache/radixserve/kernels/<key>``; the key covers the sources, the torch version
 and this CPU's flags (the code is built for the CPU it runs on), so later starts load the cached
 library at once. Without a compiler or the instruction set, or with
 ``RADIXSERVE_DISABLE_CPU_KERNELS=1``, ``load_cpu_kernels`` returns False and layers keep to
-oneDNN.
+oneDNN and torch.
 """
 
 from __future__ import annotations
@@ -117,3 +121,32 @@ def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
 def gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for one row ``x`` ([1, K] bf16) and a ``pack_gemv_weight``."""
     return torch.ops.radixserve_cpu.gemv_bf16(x.contiguous(), packed, bias)
+
+
+def norm_act_supported(*tensors: torch.Tensor) -> bool:
+    """Whether ``tensors`` (bf16 on CPU) can take the RMSNorm and SiluAndMul kernels here.
+    Asked on every call of those layers, so a plain loop (a generator costs microseconds)."""
+    for t in tensors:
+        if not t.is_cpu or t.dtype != torch.bfloat16:
+            return False
+    return load_cpu_kernels()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' bf16 RMSNorm over the last dimension of ``x`` in one pass per row (torch
+    runs eight kernels); a non-contiguous ``x`` (Qwen3's per-head q/k views) is copied first."""
+    return torch.ops.radixserve_cpu.rms_norm_bf16(x.contiguous(), weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """In place: ``residual = x + residual``, then ``x = rms_norm(residual)``: one kernel for the
+    residual add and the next norm (torch: nine). Both must be contiguous, of one shape."""
+    torch.ops.radixserve_cpu.fused_add_rms_norm_bf16(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [..., gate | up]``, in one kernel (torch: two, and an
+    intermediate as large as the output)."""
+    return torch.ops.radixserve_cpu.silu_and_mul_bf16(x.contiguous())
