@@ -2,8 +2,9 @@
 
 The batch-1 bf16 GEMV equals a float64 reference up to bf16 rounding and is taken by linear layers
 and the LM head for one-row inputs only. The fused RMSNorm, add + RMSNorm and SiluAndMul equal
-float64 references that round to bf16 where transformers' bf16 modules do. On a CPU without the
-instruction set every layer keeps to oneDNN and torch, which these tests check too."""
+float64 references that round to bf16 where transformers' bf16 modules do, and RMSNorm and
+SiluAndMul take them for bf16 only. On a CPU without the instruction set every layer keeps to
+oneDNN and torch, which these tests check too."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from radixserve.layers import activation, layernorm
+from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.cpu_kernels import (
     _cpu_flags,
     fused_add_rms_norm,
@@ -20,6 +23,7 @@ from radixserve.layers.cpu_kernels import (
     rms_norm,
     silu_and_mul,
 )
+from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from radixserve.model_executor import model_runner
 from tests.model_executor.harness import ManualSlots, make_runner
@@ -130,6 +134,18 @@ def kernels_here() -> bool:
     return HAS_BF16
 
 
+def count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
+    """Patch ``module.name`` to count its calls; returns the one-element counter."""
+    calls, fn = [0], getattr(module, name)
+
+    def counted(*args: object) -> object:
+        calls[0] += 1
+        return fn(*args)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 @pytest.mark.parametrize("rows, hidden", SHAPES)
 def test_rms_norm_kernel_equals_a_float64_reference_with_transformers_roundings(rows, hidden):
     if not kernels_here():
@@ -176,6 +192,58 @@ def test_silu_and_mul_kernel_agrees_with_torch_on_every_bf16_gate():
     assert_bf16_equal_but_for_ties(out[~nan], expected[~nan])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_takes_the_kernel_for_bf16_and_torch_math_otherwise(dtype, monkeypatch):
+    kernel_calls = count_calls(monkeypatch, layernorm, "rms_norm")
+    fused_calls = count_calls(monkeypatch, layernorm, "fused_add_rms_norm")
+    x, residual, weight = (t.to(dtype) for t in bf16_inputs(5, 96, seed=0))
+    norm = RMSNorm(96, EPS)
+    norm.weight.data = weight
+
+    def torch_math(h: torch.Tensor) -> torch.Tensor:  # RMSNorm.forward before the kernels
+        f = h.float()
+        return norm.weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + EPS)).to(dtype)
+
+    total = x + residual
+    expected = torch_math(x), torch_math(total)
+    out = norm(x)
+    normed, new_residual = norm(x, residual)
+    kernel = dtype == torch.bfloat16 and HAS_BF16
+    assert kernel_calls == fused_calls == [int(kernel)]
+    assert torch.equal(new_residual, total)
+    if dtype == torch.float32:  # bit for bit: the parity tests compare float32 to transformers
+        assert torch.equal(out, expected[0]) and torch.equal(normed, expected[1])
+    else:
+        assert_bf16_equal_but_for_ties(out, expected[0], steps=2)
+        assert_bf16_equal_but_for_ties(normed, expected[1], steps=2)
+
+
+def test_rms_norm_kernel_takes_qwen3s_per_head_views():
+    # q of a fused qkv row, viewed as [tokens, heads, head_dim]: not contiguous
+    qkv, _, weight = bf16_inputs(3, 4 * 64 + 2 * 2 * 64, seed=1)
+    q = qkv[:, : 4 * 64].reshape(3, 4, 64)
+    norm = RMSNorm(64, EPS)
+    norm.weight.data = weight[:64]
+    out = norm(q)
+    assert out.shape == (3, 4, 64)
+    assert_bf16_equal_but_for_ties(out, rms_norm_reference(q, norm.weight), steps=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_takes_the_kernel_for_bf16_and_torch_otherwise(dtype, monkeypatch):
+    kernel_calls = count_calls(monkeypatch, activation, "silu_and_mul")
+    x = bf16_inputs(2, 3, 2 * 70, seed=2)[0].to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    out = SiluAndMul()(x)
+    assert kernel_calls == [int(dtype == torch.bfloat16 and HAS_BF16)]
+    assert out.shape == (2, 3, 70)
+    if dtype == torch.float32:
+        assert torch.equal(out, expected)
+    else:
+        assert_bf16_equal_but_for_ties(out, expected)
+
+
 def test_kernels_reject_a_wrong_dtype_or_shape_with_a_clear_error():
     if not kernels_here():
         return
@@ -193,3 +261,19 @@ def test_kernels_reject_a_wrong_dtype_or_shape_with_a_clear_error():
         ops.silu_and_mul_bf16(x.half())
     with pytest.raises(RuntimeError, match=r"x must be \[\.\.\., 2d\] \(gate then up\), got"):
         ops.silu_and_mul_bf16(x[:, :7].contiguous())
+
+
+def test_bf16_decoder_with_the_fused_kernels_matches_the_torch_math(arch_path, monkeypatch):
+    def logits() -> torch.Tensor:
+        runner = make_runner(arch_path, dtype="bfloat16")
+        slots = ManualSlots(runner)
+        seqs = [slots.new_seq(), slots.new_seq()]
+        runner.forward(slots.extend(seqs, [[5, 9, 30, 41, 7, 100], [8, 2, 77]]))
+        return runner.forward(slots.decode(seqs, [3, 11])).float()
+
+    calls = count_calls(monkeypatch, layernorm, "fused_add_rms_norm")
+    with_kernels = logits()
+    assert (calls[0] > 0) == HAS_BF16
+    for module in (layernorm, activation):
+        monkeypatch.setattr(module, "norm_act_supported", lambda *tensors: False)
+    torch.testing.assert_close(with_kernels, logits(), atol=0.05, rtol=0.05)
