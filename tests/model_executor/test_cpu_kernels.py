@@ -1,26 +1,41 @@
-"""radixserve's small-batch bf16 linear kernels: built where the CPU has AVX512-BF16, equal to a
-float64 reference up to bf16 rounding, taken by linear layers and the LM head for batches they
-cover (one row for the GEMV, up to 32 on AMX) and by nothing larger. On a CPU without the
-instruction sets every layer keeps to oneDNN, which these tests check too."""
+"""radixserve's CPU kernels, built where the CPU has AVX512-BF16.
+
+The small-batch bf16 linear kernels equal a float64 reference up to bf16 rounding and are taken by
+linear layers and the LM head for the batches they cover (one row for the GEMV, up to 32 on AMX)
+and by nothing larger. The fused RMSNorm, add + RMSNorm and SiluAndMul equal float64 references
+that round to bf16 where transformers' bf16 modules do, and RMSNorm and SiluAndMul take them for
+bf16 only. On a CPU without the instruction sets every layer keeps to oneDNN and torch, which
+these tests check too."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from radixserve import envs
+from radixserve.layers import activation, layernorm
+from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.cpu_kernels import (
     AMX_MAX_ROWS,
     BlockedWeight,
     _cpu_flags,
+    fused_add_rms_norm,
     gemv,
     load_cpu_kernels,
+    rms_norm,
+    silu_and_mul,
     small_gemm_amx,
 )
+from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import QKVParallelLinear, RowParallelLinear, mkldnn_linear
 from radixserve.model_executor import model_runner
 from tests.model_executor.harness import ManualSlots, make_runner
 
-HAS_BF16 = {"avx512f", "avx512bw", "avx512_bf16"} <= _cpu_flags()
+# the kernels run here: the CPU has the instructions and RADIXSERVE_DISABLE_CPU_KERNELS is unset
+HAS_BF16 = {"avx512f", "avx512bw", "avx512_bf16"} <= _cpu_flags() and (
+    not envs.RADIXSERVE_DISABLE_CPU_KERNELS.get()
+)
 HAS_AMX = HAS_BF16 and {"amx_tile", "amx_bf16"} <= _cpu_flags()
 
 
@@ -143,3 +158,192 @@ def test_bf16_runner_decodes_a_batch_alike_with_and_without_the_kernels(llama_pa
     without, used = decode_logits()
     assert not used
     torch.testing.assert_close(with_kernel, without, atol=0.05, rtol=0.05)
+
+
+EPS = 1e-6
+SHAPES = [(rows, hidden) for rows in (1, 3, 64) for hidden in (70, 896, 4864)]
+
+
+def bf16_inputs(*shape: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two bf16 activations of ``shape`` and a weight for its last dimension (around 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    x, y = (3 * torch.randn(2, *shape, generator=gen)).to(torch.bfloat16)
+    weight = (0.5 + torch.rand(shape[-1], generator=gen)).to(torch.bfloat16)
+    return x, y, weight
+
+
+def assert_bf16_equal_but_for_ties(actual: torch.Tensor, expected: torch.Tensor,
+                                   steps: int = 1) -> None:
+    """Equal but for a rare element ``steps`` bf16 values away: a float32 result an ulp from the
+    reference's that rounds to the other side of a bf16 tie (one step before the norm's weight
+    is two after it). Same-sign bf16 values are as many steps apart as their bit patterns."""
+    assert actual.dtype == expected.dtype == torch.bfloat16 and actual.shape == expected.shape
+    apart = (actual.view(torch.int16).int() - expected.view(torch.int16).int()).abs()
+    assert apart.max() <= steps and apart.count_nonzero() <= max(1, actual.numel() // 1000)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """transformers' bf16 RMSNorm in float64: the normalised value is rounded to bf16 before the
+    weight multiplies it, and the product again."""
+    h = x.double()
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(torch.bfloat16)
+    return (weight.double() * h.double()).to(torch.bfloat16)
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """torch's bf16 ``F.silu(gate) * up`` in float64: silu rounded to bf16, then the product."""
+    gate, up = x.double().chunk(2, dim=-1)
+    silu = (gate / (1 + torch.exp(-gate))).to(torch.bfloat16)
+    return (silu.double() * up).to(torch.bfloat16)
+
+
+def kernels_here() -> bool:
+    """Load the kernels (whichever test runs first); they load exactly where the CPU has
+    AVX512-BF16, and elsewhere the layers keep to torch."""
+    assert load_cpu_kernels() == HAS_BF16
+    return HAS_BF16
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
+    """Patch ``module.name`` to count its calls; returns the one-element counter."""
+    calls, fn = [0], getattr(module, name)
+
+    def counted(*args: object) -> object:
+        calls[0] += 1
+        return fn(*args)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("rows, hidden", SHAPES)
+def test_rms_norm_kernel_equals_a_float64_reference_with_transformers_roundings(rows, hidden):
+    if not kernels_here():
+        return
+    x, _, weight = bf16_inputs(rows, hidden, seed=rows * hidden)
+    out = rms_norm(x, weight, EPS)
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    assert_bf16_equal_but_for_ties(out, rms_norm_reference(x, weight), steps=2)
+
+
+@pytest.mark.parametrize("rows, hidden", SHAPES)
+def test_fused_add_rms_norm_stores_torchs_bf16_sum_and_its_norm_in_place(rows, hidden):
+    if not kernels_here():
+        return
+    x, residual, weight = bf16_inputs(rows, hidden, seed=rows + hidden)
+    total = x + residual  # torch's bf16 add: the unfused decoder's residual stream
+    x_ptr, residual_ptr = x.data_ptr(), residual.data_ptr()
+    fused_add_rms_norm(x, residual, weight, EPS)
+    assert x.data_ptr() == x_ptr and residual.data_ptr() == residual_ptr
+    assert torch.equal(residual, total)
+    assert_bf16_equal_but_for_ties(x, rms_norm_reference(total, weight), steps=2)
+
+
+@pytest.mark.parametrize("rows, d", SHAPES)
+def test_silu_and_mul_kernel_equals_a_float64_reference_with_torchs_roundings(rows, d):
+    if not kernels_here():
+        return
+    x, _, _ = bf16_inputs(rows, 2 * d, seed=rows * d + 1)
+    out = silu_and_mul(x)
+    assert out.shape == (rows, d) and out.dtype == torch.bfloat16
+    assert_bf16_equal_but_for_ties(out, silu_and_mul_reference(x))
+
+
+def test_silu_and_mul_kernel_agrees_with_torch_on_every_bf16_gate():
+    if not kernels_here():
+        return
+    # all 65536 bit patterns: the kernel's exp over the whole range, overflow, inf and NaN
+    gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    up = torch.ones_like(gate)
+    out = silu_and_mul(torch.cat([gate, up]).view(1, -1))[0]
+    expected = F.silu(gate) * up
+    nan = expected.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert_bf16_equal_but_for_ties(out[~nan], expected[~nan])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_takes_the_kernel_for_bf16_and_torch_math_otherwise(dtype, monkeypatch):
+    kernel_calls = count_calls(monkeypatch, layernorm, "rms_norm")
+    fused_calls = count_calls(monkeypatch, layernorm, "fused_add_rms_norm")
+    x, residual, weight = (t.to(dtype) for t in bf16_inputs(5, 96, seed=0))
+    norm = RMSNorm(96, EPS)
+    norm.weight.data = weight
+
+    def torch_math(h: torch.Tensor) -> torch.Tensor:  # RMSNorm.forward before the kernels
+        f = h.float()
+        return norm.weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + EPS)).to(dtype)
+
+    total = x + residual
+    expected = torch_math(x), torch_math(total)
+    out = norm(x)
+    normed, new_residual = norm(x, residual)
+    kernel = dtype == torch.bfloat16 and HAS_BF16
+    assert kernel_calls == fused_calls == [int(kernel)]
+    assert torch.equal(new_residual, total)
+    if dtype == torch.float32:  # bit for bit: the parity tests compare float32 to transformers
+        assert torch.equal(out, expected[0]) and torch.equal(normed, expected[1])
+    else:
+        assert_bf16_equal_but_for_ties(out, expected[0], steps=2)
+        assert_bf16_equal_but_for_ties(normed, expected[1], steps=2)
+
+
+def test_rms_norm_kernel_takes_qwen3s_per_head_views():
+    # q of a fused qkv row, viewed as [tokens, heads, head_dim]: not contiguous
+    qkv, _, weight = bf16_inputs(3, 4 * 64 + 2 * 2 * 64, seed=1)
+    q = qkv[:, : 4 * 64].reshape(3, 4, 64)
+    norm = RMSNorm(64, EPS)
+    norm.weight.data = weight[:64]
+    out = norm(q)
+    assert out.shape == (3, 4, 64)
+    assert_bf16_equal_but_for_ties(out, rms_norm_reference(q, norm.weight), steps=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_takes_the_kernel_for_bf16_and_torch_otherwise(dtype, monkeypatch):
+    kernel_calls = count_calls(monkeypatch, activation, "silu_and_mul")
+    x = bf16_inputs(2, 3, 2 * 70, seed=2)[0].to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    out = SiluAndMul()(x)
+    assert kernel_calls == [int(dtype == torch.bfloat16 and HAS_BF16)]
+    assert out.shape == (2, 3, 70)
+    if dtype == torch.float32:
+        assert torch.equal(out, expected)
+    else:
+        assert_bf16_equal_but_for_ties(out, expected)
+
+
+def test_kernels_reject_a_wrong_dtype_or_shape_with_a_clear_error():
+    if not kernels_here():
+        return
+    x, residual, weight = bf16_inputs(2, 8, seed=3)
+    ops = torch.ops.radixserve_cpu
+    with pytest.raises(RuntimeError, match="rms_norm_bf16 takes bfloat16 tensors, x is Float"):
+        ops.rms_norm_bf16(x.float(), weight, EPS)
+    with pytest.raises(RuntimeError, match=r"weight must be \[8\] for x of \[2, 8\], got \[7\]"):
+        ops.rms_norm_bf16(x, weight[:7], EPS)
+    with pytest.raises(RuntimeError, match=r"residual is \[1, 8\], x is \[2, 8\]"):
+        ops.fused_add_rms_norm_bf16(x, residual[:1], weight, EPS)
+    with pytest.raises(RuntimeError, match="x must be contiguous"):
+        ops.fused_add_rms_norm_bf16(x.T, residual.T, weight[:2], EPS)
+    with pytest.raises(RuntimeError, match="silu_and_mul_bf16 takes bfloat16 tensors, x is Half"):
+        ops.silu_and_mul_bf16(x.half())
+    with pytest.raises(RuntimeError, match=r"x must be \[\.\.\., 2d\] \(gate then up\), got"):
+        ops.silu_and_mul_bf16(x[:, :7].contiguous())
+
+
+def test_bf16_decoder_with_the_fused_kernels_matches_the_torch_math(arch_path, monkeypatch):
+    def logits() -> torch.Tensor:
+        runner = make_runner(arch_path, dtype="bfloat16")
+        slots = ManualSlots(runner)
+        seqs = [slots.new_seq(), slots.new_seq()]
+        runner.forward(slots.extend(seqs, [[5, 9, 30, 41, 7, 100], [8, 2, 77]]))
+        return runner.forward(slots.decode(seqs, [3, 11])).float()
+
+    calls = count_calls(monkeypatch, layernorm, "fused_add_rms_norm")
+    with_kernels = logits()
+    assert (calls[0] > 0) == HAS_BF16
+    for module in (layernorm, activation):
+        monkeypatch.setattr(module, "norm_act_supported", lambda *tensors: False)
+    torch.testing.assert_close(with_kernels, logits(), atol=0.05, rtol=0.05)

@@ -6,10 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.layers.cpu_kernels import norm_act_supported, silu_and_mul
+
 
 class SiluAndMul(nn.Module):
-    """``silu(gate) * up`` for the fused ``[..., 2 * d]`` output of ``gate_up_proj``."""
+    """``silu(gate) * up`` for the fused ``[..., 2 * d]`` output of ``gate_up_proj``; bf16 on CPU
+    takes radixserve's fused kernel (``layers/cpu_kernels.py``), which rounds as torch does."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if norm_act_supported(x):
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

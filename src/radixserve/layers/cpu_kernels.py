@@ -1,15 +1,20 @@
 """radixserve's own CPU kernels (``layers/csrc``), compiled on first use, once per machine.
 
-Linear layers for small batches (``csrc/linear_bf16.cpp``): decode steps of up to 32 requests
-read each weight once for a few rows, and these kernels stream it at memory speed where oneDNN
-reaches 60-70% of it (RESULTS.md). They share one blocked copy of the weight: a GEMV for one row
-(AVX512-BF16) and an AMX kernel for up to 32 rows (where the CPU has AMX and K is a multiple of
-32). The build goes through ``torch.utils.cpp_extension`` (ninja and g++, about
+- linear layers for small batches (``csrc/linear_bf16.cpp``): decode steps of up to 32 requests
+  read each weight once for a few rows, and these kernels stream it at memory speed where oneDNN
+  reaches 60-70% of it (RESULTS.md). They share one blocked copy of the weight: a GEMV for one
+  row (AVX512-BF16) and an AMX kernel for up to 32 rows (where the CPU has AMX and K is a
+  multiple of 32);
+- fused bf16 RMSNorm, residual add + RMSNorm, and SiluAndMul (``csrc/norm_act_bf16.cpp``): one
+  kernel each where torch runs up to nine, whose start-up costs dominate a decode step's small
+  tensors. They round to bf16 where transformers' bf16 modules do.
+
+They need AVX512-BF16. The build goes through ``torch.utils.cpp_extension`` (ninja and g++, about
 15 s) into ``~/.cache/radixserve/kernels/<key>``; the key covers the sources, the torch version
 and this CPU's flags (the code is built for the CPU it runs on), so later starts load the cached
 library at once. Without a compiler or the instruction set, or with
 ``RADIXSERVE_DISABLE_CPU_KERNELS=1``, ``load_cpu_kernels`` returns False and layers keep to
-oneDNN.
+oneDNN and torch.
 """
 
 from __future__ import annotations
@@ -157,3 +162,32 @@ class BlockedWeight:
         if self.amx:
             return small_gemm_amx(x, self.packed, bias)
         return gemv(x, self.packed, bias)
+
+
+def norm_act_supported(*tensors: torch.Tensor) -> bool:
+    """Whether ``tensors`` (bf16 on CPU) can take the RMSNorm and SiluAndMul kernels here.
+    Asked on every call of those layers, so a plain loop (a generator costs microseconds)."""
+    for t in tensors:
+        if not t.is_cpu or t.dtype != torch.bfloat16:
+            return False
+    return load_cpu_kernels()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' bf16 RMSNorm over the last dimension of ``x`` in one pass per row (torch
+    runs eight kernels); a non-contiguous ``x`` (Qwen3's per-head q/k views) is copied first."""
+    return torch.ops.radixserve_cpu.rms_norm_bf16(x.contiguous(), weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """In place: ``residual = x + residual``, then ``x = rms_norm(residual)``: one kernel for the
+    residual add and the next norm (torch: nine). Both must be contiguous, of one shape."""
+    torch.ops.radixserve_cpu.fused_add_rms_norm_bf16(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [..., gate | up]``, in one kernel (torch: two, and an
+    intermediate as large as the output)."""
+    return torch.ops.radixserve_cpu.silu_and_mul_bf16(x.contiguous())

@@ -115,14 +115,23 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, rope: Rope, hidden_states: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.self_attn(rope, self.input_layernorm(hidden_states), forward_batch)
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
-        return residual + hidden_states
+        self,
+        rope: Rope,
+        hidden_states: torch.Tensor,
+        forward_batch: ForwardBatch,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is ``hidden_states + residual``, the add left to the next norm
+        (which fuses it, see ``RMSNorm.forward``); the first layer gets ``residual=None``.
+        Returns this layer's ``(hidden_states, residual)`` in the same form."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(rope, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -150,9 +159,11 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, hidden_states.dtype)  # looked up once for all layers
+        residual = None
         for layer in self.layers:
-            hidden_states = layer(rope, hidden_states, forward_batch)
-        return self.norm(hidden_states)
+            hidden_states, residual = layer(rope, hidden_states, forward_batch, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
 
 
 class LlamaForCausalLM(nn.Module):

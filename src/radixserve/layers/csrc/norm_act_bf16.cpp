@@ -1,0 +1,233 @@
+// Fused bf16 RMSNorm (alone or after the residual add) and SwiGLU activation for AVX512 CPUs.
+//
+// A decode step has a few rows, so torch spends its time starting kernels, not computing: RMSNorm
+// is eight of them (cast, square, mean, + eps, rsqrt, scale, cast back, * weight), the residual add
+// one more and silu(gate) * up two, each a dispatch and often an OpenMP region. Here each is one
+// pass over a row (two for the norms: sum of squares, then scale), in float32, with the roundings
+// to bf16 where transformers' bf16 modules have them:
+//
+//   rms_norm:      out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))
+//   add + norm:    residual = bf16(x + residual); x = rms_norm(residual)
+//   silu_and_mul:  out = bf16(bf16(silu(gate)) * up)
+//
+// So results equal torch's bit for bit, except for the rare value that lands on the other side of
+// a bf16 tie because torch's sum of squares (in another order) or its exp differs in the last bit.
+
+#include <ATen/MemoryOverlap.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // float32 values per register
+// Elements a thread should get before a call is split over threads: below it, starting the
+// OpenMP region costs more than the work (decode batches stay on one thread).
+constexpr int64_t kElementsPerThread = 1 << 15;
+
+int64_t row_grain(int64_t row_size) { return std::max<int64_t>(1, kElementsPerThread / row_size); }
+
+// Lanes [0, left) of a register, for the tail of a row.
+__mmask16 lanes(int64_t left) {
+  return left >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+}
+
+__m512 load_bf16(const uint16_t* p, __mmask16 m) {
+  // bf16 -> float32 is a 16-bit shift of each value
+  __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// float32 -> the nearest bf16 (ties to even), still in float32 lanes: c10::BFloat16's rounding
+// bit for bit, denormals kept (vcvtneps2bf16 would flush them to zero) and NaN made 0x7FC0.
+__m512 round_to_bf16(__m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
+  __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, bias), _mm512_set1_epi32(~0xFFFF));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_ps(_mm512_castsi512_ps(rounded), nan, _mm512_set1_ps(NAN));
+}
+
+// Stores lanes that hold bf16 values (round_to_bf16's results): their high halves.
+void store_bf16(uint16_t* p, __m512 rounded, __mmask16 m) {
+  __m512i high = _mm512_srli_epi32(_mm512_castps_si512(rounded), 16);
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(high));
+}
+
+// e^x within about one float32 ulp: x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor series to
+// r^7 (truncation error under 0.05 ulp), then scaled by 2^n, which also gives inf and 0 (and the
+// denormals between) at the ends of the range.
+__m512 exp_ps(__m512 x) {
+  // Out here float32 has overflowed or underflowed anyway; clamping keeps inf out of the
+  // reduction below. The operand order lets NaN through.
+  x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // ln2 in two parts: x - n * the first is exact, so r keeps the bits that x - n ln2 cancels.
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  }
+  return _mm512_scalef_ps(p, n);
+}
+
+// Sum of squares of a row, in double: the square of a bf16 value is exact in float32 (8-bit
+// significands), and the double sum is the exact sum rounded once. A float32 sum strays by ulps
+// over a long row, enough to move the row's scale and flip dozens of its bf16 roundings at once.
+struct SumOfSquares {
+  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+
+  void add(__m512 v) {
+    __m512 sq = _mm512_mul_ps(v, v);
+    lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(sq)));
+    hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(
+                               _mm512_extractf64x4_pd(_mm512_castps_pd(sq), 1))));
+  }
+
+  // 1 / sqrt(mean + eps) over `n` values, in float32 as torch: the mean divides the sum, and
+  // rsqrt is 1 / sqrt.
+  float inv_rms(int64_t n, float eps) const {
+    float sum = static_cast<float>(_mm512_reduce_add_pd(_mm512_add_pd(lo, hi)));
+    return 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  }
+};
+
+// out = bf16(w * bf16(x * scale)) over one row.
+void scale_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t n, float scale) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    __mmask16 m = lanes(n - i);
+    __m512 h = round_to_bf16(_mm512_mul_ps(load_bf16(x + i, m), s));
+    store_bf16(out + i, round_to_bf16(_mm512_mul_ps(load_bf16(w + i, m), h)), m);
+  }
+}
+
+void rms_norm_rows(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t n, float eps,
+                   int64_t first, int64_t last) {
+  for (int64_t row = first; row < last; ++row) {
+    const uint16_t* xr = x + row * n;
+    SumOfSquares sumsq;
+    for (int64_t i = 0; i < n; i += kLanes) sumsq.add(load_bf16(xr + i, lanes(n - i)));
+    scale_row(xr, w, out + row * n, n, sumsq.inv_rms(n, eps));
+  }
+}
+
+void add_rms_norm_rows(uint16_t* x, uint16_t* residual, const uint16_t* w, int64_t n, float eps,
+                       int64_t first, int64_t last) {
+  for (int64_t row = first; row < last; ++row) {
+    uint16_t* xr = x + row * n;
+    uint16_t* rr = residual + row * n;
+    SumOfSquares sumsq;
+    for (int64_t i = 0; i < n; i += kLanes) {
+      __mmask16 m = lanes(n - i);
+      // The norm reads the sum as stored (rounded to bf16), as the unfused add then norm do.
+      __m512 sum = round_to_bf16(_mm512_add_ps(load_bf16(xr + i, m), load_bf16(rr + i, m)));
+      store_bf16(rr + i, sum, m);
+      sumsq.add(sum);
+    }
+    scale_row(rr, w, xr, n, sumsq.inv_rms(n, eps));
+  }
+}
+
+// Row layout [gate (d) | up (d)] -> [d]; silu(g) = g / (1 + e^-g), as torch computes it.
+void silu_and_mul_rows(const uint16_t* x, uint16_t* out, int64_t d, int64_t first,
+                       int64_t last) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t row = first; row < last; ++row) {
+    const uint16_t* gate = x + row * 2 * d;
+    const uint16_t* up = gate + d;
+    for (int64_t i = 0; i < d; i += kLanes) {
+      __mmask16 m = lanes(d - i);
+      __m512 g = load_bf16(gate + i, m);
+      __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      __m512 silu = round_to_bf16(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+      store_bf16(out + row * d + i, round_to_bf16(_mm512_mul_ps(silu, load_bf16(up + i, m))), m);
+    }
+  }
+}
+
+void check_bf16(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, op, " takes bfloat16 tensors, ", name, " is ",
+              t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+// x: [..., hidden]; weight: [hidden]. Returns rows = numel / hidden.
+int64_t check_norm(const char* op, const at::Tensor& x, const at::Tensor& weight) {
+  check_bf16(op, "x", x);
+  check_bf16(op, "weight", weight);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, op, ": x must be [..., hidden], got ", x.sizes());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), op, ": weight must be [",
+              x.size(-1), "] for x of ", x.sizes(), ", got ", weight.sizes());
+  return x.numel() / x.size(-1);
+}
+
+uint16_t* u16(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
+
+// x: [..., hidden] bf16 contiguous; weight: [hidden] bf16. Returns a new tensor shaped like x.
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t rows = check_norm("rms_norm_bf16", x, weight), n = x.size(-1);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const uint16_t *xp = u16(x), *wp = u16(weight);
+  uint16_t* op = u16(out);
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t first, int64_t last) {
+    rms_norm_rows(xp, wp, op, n, static_cast<float>(eps), first, last);
+  });
+  return out;
+}
+
+// In place, as vLLM's and SGLang's fused_add_rms_norm: residual <- x + residual (bf16), then
+// x <- rms_norm(residual). x and residual: same shape [..., hidden], contiguous, not overlapping.
+void fused_add_rms_norm_bf16(const at::Tensor& x, const at::Tensor& residual,
+                             const at::Tensor& weight, double eps) {
+  const int64_t rows = check_norm("fused_add_rms_norm_bf16", x, weight), n = x.size(-1);
+  check_bf16("fused_add_rms_norm_bf16", "residual", residual);
+  TORCH_CHECK(residual.sizes() == x.sizes(), "fused_add_rms_norm_bf16: residual is ",
+              residual.sizes(), ", x is ", x.sizes());
+  at::assert_no_overlap(x, residual);
+  uint16_t *xp = u16(x), *rp = u16(residual);
+  const uint16_t* wp = u16(weight);
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t first, int64_t last) {
+    add_rms_norm_rows(xp, rp, wp, n, static_cast<float>(eps), first, last);
+  });
+}
+
+// x: [..., 2d] bf16 contiguous, gate then up (gate_up_proj's output). Returns [..., d].
+at::Tensor silu_and_mul_bf16(const at::Tensor& x) {
+  check_bf16("silu_and_mul_bf16", "x", x);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && x.size(-1) % 2 == 0,
+              "silu_and_mul_bf16: x must be [..., 2d] (gate then up), got ", x.sizes());
+  const int64_t d = x.size(-1) / 2, rows = x.numel() / x.size(-1);
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = d;
+  at::Tensor out = at::empty(sizes, x.options());
+  const uint16_t* xp = u16(x);
+  uint16_t* op = u16(out);
+  at::parallel_for(0, rows, row_grain(2 * d), [&](int64_t first, int64_t last) {
+    silu_and_mul_rows(xp, op, d, first, last);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
+  m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "fused_add_rms_norm_bf16(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul_bf16(Tensor x) -> Tensor");
+  m.impl("rms_norm_bf16", c10::DispatchKey::CPU, &rms_norm_bf16);
+  m.impl("fused_add_rms_norm_bf16", c10::DispatchKey::CPU, &fused_add_rms_norm_bf16);
+  m.impl("silu_and_mul_bf16", c10::DispatchKey::CPU, &silu_and_mul_bf16);
+}
