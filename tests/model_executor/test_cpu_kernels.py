@@ -20,6 +20,8 @@ from radixserve.layers.cpu_kernels import (
     AMX_MAX_ROWS,
     BlockedWeight,
     _cpu_flags,
+    decode_attention,
+    decode_attention_supported,
     fused_add_rms_norm,
     gemv,
     load_cpu_kernels,
@@ -347,3 +349,87 @@ def test_bf16_decoder_with_the_fused_kernels_matches_the_torch_math(arch_path, m
     for module in (layernorm, activation):
         monkeypatch.setattr(module, "norm_act_supported", lambda *tensors: False)
     torch.testing.assert_close(with_kernels, logits(), atol=0.05, rtol=0.05)
+
+
+def decode_attention_reference(q, k_buffer, v_buffer, slots, scale):
+    """Plain float64 attention of each request's one query over its slots' K/V."""
+    heads, kv_heads = q.shape[1], k_buffer.shape[1]
+    outs = []
+    for i, row in enumerate(slots):
+        keys = k_buffer[row].double().repeat_interleave(heads // kv_heads, dim=1)  # [L, H, D]
+        values = v_buffer[row].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[i].double(), keys) * scale
+        outs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), values))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 14, 2), (128, 4, 4), (64, 8, 2)])
+def test_decode_attention_kernel_writes_the_new_kv_and_equals_a_float64_reference(
+    dtype, head_dim, heads, kv_heads
+):
+    supported = decode_attention_supported(dtype, torch.device("cpu"), head_dim, heads // kv_heads)
+    assert supported == kernels_here()
+    if not supported:
+        return
+    gen = torch.Generator().manual_seed(head_dim + heads)
+    lens = [1, 15, 17, 200]
+    num_slots = 600
+    k_buffer = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    v_buffer = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    # scattered slots, no two requests sharing one; the new token's slot is each row's last
+    perm = torch.randperm(num_slots - 1, generator=gen) + 1
+    req_to_token = torch.zeros(6, 256, dtype=torch.int64)
+    pool_rows = torch.tensor([4, 0, 5, 2])
+    start = 0
+    for row, n in zip(pool_rows.tolist(), lens, strict=True):
+        req_to_token[row, :n] = perm[start : start + n]
+        start += n
+    seq_lens = torch.tensor(lens)
+    loc = torch.stack([req_to_token[r, n - 1] for r, n in zip(pool_rows, lens, strict=True)])
+    # q, k, v as row-strided views of one fused projection, as the model passes them
+    qkv = torch.randn(4, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(4, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(4, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(4, kv_heads, head_dim)
+
+    out = decode_attention(q, k, v, loc, k_buffer, v_buffer, req_to_token, pool_rows, seq_lens,
+                           head_dim**-0.5)
+
+    assert torch.equal(k_buffer[loc], k) and torch.equal(v_buffer[loc], v)
+    slots = [req_to_token[r, :n] for r, n in zip(pool_rows, lens, strict=True)]
+    reference = decode_attention_reference(q, k_buffer, v_buffer, slots, head_dim**-0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)
+    else:
+        bf16_close(out, reference)
+
+
+def test_decode_attention_kernel_rejects_bad_input_with_a_clear_error():
+    if not kernels_here():
+        return
+    op = torch.ops.radixserve_cpu.decode_attention
+    buf = torch.zeros(8, 2, 64)
+    table = torch.zeros(2, 8, dtype=torch.int64)
+    ones = torch.ones(2, dtype=torch.int64)
+
+    def call(q=None, k=None, loc=ones, k_buffer=buf, lens=ones):
+        q = torch.zeros(2, 4, 64) if q is None else q
+        k = torch.zeros(2, 2, 64) if k is None else k
+        op(q, k, k, loc, k_buffer, k_buffer.clone(), table, ones, lens, 0.125, torch.empty_like(q))
+
+    call()  # well-formed
+    with pytest.raises(RuntimeError, match="takes float32 or bfloat16"):
+        call(torch.zeros(2, 4, 64, dtype=torch.half), torch.zeros(2, 2, 64, dtype=torch.half),
+             k_buffer=buf.half())
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        call(k_buffer=buf.bfloat16())
+    with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
+        call(torch.zeros(2, 4, 32), torch.zeros(2, 2, 32), k_buffer=torch.zeros(8, 2, 32))
+    with pytest.raises(RuntimeError, match="do not match"):
+        call(k=torch.zeros(3, 2, 64))
+    with pytest.raises(RuntimeError, match="loc must be a contiguous int64"):
+        call(loc=ones.int())
+    with pytest.raises(RuntimeError, match="seq_lens must be a contiguous int64"):
+        call(lens=torch.ones(3, dtype=torch.int64))

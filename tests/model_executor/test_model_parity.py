@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from tests.checkpoints import build_checkpoint
 from tests.model_executor.harness import ManualSlots, hf_logits, make_runner
 
 ATOL = 1e-4
@@ -83,4 +84,17 @@ def test_rope_scaling_matches_transformers(kind, rope_checkpoint, hf_model):
     runner = make_runner(path)
     assert runner.model_config.rope_scaling["rope_type"] == kind
     prompts = _prompts([70, 9], seed=4)
+    _generate_and_compare(runner, hf_model(path), ManualSlots(runner), prompts, steps=8)
+
+
+@pytest.mark.parametrize("arch, shape", [
+    # the CPU decode kernel's head sizes (64, 128) with 7 and 2 query heads per KV head
+    ("llama", dict(hidden_size=112, num_attention_heads=14, num_key_value_heads=2, head_dim=64)),
+    ("qwen2", dict(head_dim=128)),
+])
+def test_head_dims_64_and_128_decode_like_transformers(arch, shape, tmp_path, hf_model):
+    path = build_checkpoint(tmp_path / arch, arch, **shape)
+    runner = make_runner(path)
+    assert runner.model_config.head_dim == shape["head_dim"]
+    prompts = _prompts([21, 4, 40], seed=5)
     _generate_and_compare(runner, hf_model(path), ManualSlots(runner), prompts, steps=8)

@@ -7,7 +7,10 @@
   multiple of 32);
 - fused bf16 RMSNorm, residual add + RMSNorm, and SiluAndMul (``csrc/norm_act_bf16.cpp``): one
   kernel each where torch runs up to nine, whose start-up costs dominate a decode step's small
-  tensors. They round to bf16 where transformers' bf16 modules do.
+  tensors. They round to bf16 where transformers' bf16 modules do;
+- decode attention straight from the paged KV pool (``csrc/decode_attention.cpp``, float32 and
+  bf16): one call per layer writes the new K/V and attends, where the torch path runs two
+  index_puts, two gathers, a mask and SDPA.
 
 They need AVX512-BF16. The build goes through ``torch.utils.cpp_extension`` (ninja and g++, about
 15 s) into ``~/.cache/radixserve/kernels/<key>``; the key covers the sources, the torch version
@@ -35,6 +38,7 @@ from radixserve import envs
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
+HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
 BLOCK_ROWS = 16  # output rows per weight block (csrc/linear_bf16.cpp)
 AMX_MAX_ROWS = 32  # input rows the AMX kernel takes (two tiles of 16)
 AMX_K_MULTIPLE = 32  # inputs per AMX tile row
@@ -51,7 +55,7 @@ def _cpu_flags() -> set[str]:
 
 def _build_dir(flags: set[str]) -> Path:
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         key.update(source.read_bytes())
     key.update(torch.__version__.encode())
     key.update(" ".join(sorted(flags)).encode())
@@ -191,3 +195,42 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [..., gate | up]``, in one kernel (torch: two, and an
     intermediate as large as the output)."""
     return torch.ops.radixserve_cpu.silu_and_mul_bf16(x.contiguous())
+
+
+DECODE_ATTENTION_MAX_GROUP_DIM = 2048  # head_dim x query heads per KV head (its scratch)
+
+
+def decode_attention_supported(
+    dtype: torch.dtype, device: torch.device, head_dim: int, group: int
+) -> bool:
+    """Whether a KV pool of ``dtype`` on ``device`` can take the decode attention kernel, for
+    ``group`` query heads per KV head of ``head_dim``."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and head_dim in (64, 128)
+        and head_dim * group <= DECODE_ATTENTION_MAX_GROUP_DIM
+        and load_cpu_kernels()
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    loc: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One decode token per request: write its K/V (``[bs, kv_heads, head_dim]``) at ``loc`` and
+    attend over the request's ``seq_lens`` slots in ``req_to_token``; returns ``[bs, heads,
+    head_dim]`` for ``q`` of that shape."""
+    out = torch.empty_like(q)
+    torch.ops.radixserve_cpu.decode_attention(
+        q, k, v, loc, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale, out
+    )
+    return out

@@ -23,7 +23,9 @@ their outputs are dropped.
 
 A batch of fresh prompts of equal length (no prefix, no padding: typically a single prompt)
 needs none of this: it attends over its own new K/V through SDPA's causal path, which also skips
-the blocks above the diagonal.
+the blocks above the diagonal. Nor does a decode batch on CPU where radixserve's kernels load
+(``layers/cpu_kernels.py``): one kernel per layer writes the new K/V and attends over each
+request's slots in place.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.layers.attention.base_backend import Attention, AttentionBackend
+from radixserve.layers.cpu_kernels import decode_attention, decode_attention_supported
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_executor.forward_batch import ForwardBatch
@@ -54,10 +57,15 @@ class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: MHATokenToKVPool):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
+        self._batch: ForwardBatch | None = None
         self._metadata: _Metadata | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        fb = forward_batch
+        # Built by the first layer that needs it: a decode batch on the CPU kernel needs none.
+        self._batch = forward_batch
+        self._metadata = None
+
+    def _build_metadata(self, fb: ForwardBatch) -> _Metadata:
         device = self.req_to_token_pool.req_to_token.device
         if fb.forward_mode.is_decode:
             extend_lens = [1] * fb.batch_size
@@ -72,8 +80,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             # Fresh prompts of equal length (a single prompt, typically): no cached prefix and
             # no padding, so the new K/V are all there is and SDPA's causal path applies.
             empty = torch.empty(0, dtype=torch.int64, device=device)
-            self._metadata = _Metadata(fb.batch_size, empty, max_kv, max_q, None, None, None)
-            return
+            return _Metadata(fb.batch_size, empty, max_kv, max_q, None, None, None)
 
         def as_column(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)[:, None]
@@ -94,9 +101,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         visible = (kv_pos[None, None, :] <= q_abs_pos[:, :, None]) & kv_valid[:, None, :]
         mask = torch.zeros(visible.shape, dtype=self.token_to_kv_pool.dtype, device=device)
         mask.masked_fill_(~visible, float("-inf"))
-        self._metadata = _Metadata(
-            fb.batch_size, slot_index, max_kv, max_q, q_index, q_valid, mask[:, None]
-        )
+        return _Metadata(fb.batch_size, slot_index, max_kv, max_q, q_index, q_valid, mask[:, None])
 
     def forward_extend(
         self,
@@ -126,11 +131,29 @@ class TorchNativeAttnBackend(AttentionBackend):
         layer: Attention,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
-        md = self._metadata
-        assert md is not None, "init_forward_metadata must run before attention"
+        assert self._batch is forward_batch, "init_forward_metadata must run before attention"
         num_tokens = q.shape[0]
         heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         pool = self.token_to_kv_pool
+        if forward_batch.forward_mode.is_decode and decode_attention_supported(
+            pool.dtype, q.device, head_dim, heads // kv_heads
+        ):
+            out = decode_attention(
+                q.view(num_tokens, heads, head_dim).to(pool.dtype),
+                k.view(num_tokens, kv_heads, head_dim).to(pool.dtype),
+                v.view(num_tokens, kv_heads, head_dim).to(pool.dtype),
+                forward_batch.out_cache_loc,
+                pool.get_key_buffer(layer.layer_id),
+                pool.get_value_buffer(layer.layer_id),
+                self.req_to_token_pool.req_to_token,
+                forward_batch.req_pool_indices,
+                forward_batch.seq_lens,
+                layer.scaling,
+            )
+            return out.view(num_tokens, heads * head_dim).to(q.dtype)
+        if self._metadata is None:
+            self._metadata = self._build_metadata(forward_batch)
+        md = self._metadata
         pool.set_kv_buffer(
             layer.layer_id,
             forward_batch.out_cache_loc,

@@ -20,6 +20,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -61,25 +63,6 @@ __m512 round_to_bf16(__m512 v) {
 void store_bf16(uint16_t* p, __m512 rounded, __mmask16 m) {
   __m512i high = _mm512_srli_epi32(_mm512_castps_si512(rounded), 16);
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(high));
-}
-
-// e^x within about one float32 ulp: x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor series to
-// r^7 (truncation error under 0.05 ulp), then scaled by 2^n, which also gives inf and 0 (and the
-// denormals between) at the ends of the range.
-__m512 exp_ps(__m512 x) {
-  // Out here float32 has overflowed or underflowed anyway; clamping keeps inf out of the
-  // reduction below. The operand order lets NaN through.
-  x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // ln2 in two parts: x - n * the first is exact, so r keeps the bits that x - n ln2 cancels.
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  }
-  return _mm512_scalef_ps(p, n);
 }
 
 // Sum of squares of a row, in double: the square of a bf16 value is exact in float32 (8-bit
@@ -150,7 +133,7 @@ void silu_and_mul_rows(const uint16_t* x, uint16_t* out, int64_t d, int64_t firs
     for (int64_t i = 0; i < d; i += kLanes) {
       __mmask16 m = lanes(d - i);
       __m512 g = load_bf16(gate + i, m);
-      __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      __m512 e = radixserve_cpu::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
       __m512 silu = round_to_bf16(_mm512_div_ps(g, _mm512_add_ps(one, e)));
       store_bf16(out + row * d + i, round_to_bf16(_mm512_mul_ps(silu, load_bf16(up + i, m))), m);
     }
