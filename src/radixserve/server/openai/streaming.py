@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from radixserve.server.errors import stream_error
 from radixserve.server.openai.protocol import UsageInfo
-from radixserve.server.sse import DONE, sse_event
+from radixserve.server.sse import DONE, sse_event, sse_model
 
 
 @dataclass
@@ -54,7 +54,7 @@ async def stream_choices(
     finals: dict[int, dict[str, Any]] = {}
     async with contextlib.aclosing(merged):  # type: ignore[type-var]
         for choice in head:
-            yield sse_event(frame([choice], None).model_dump())
+            yield sse_model(frame([choice], None))
         try:
             async for i, out in merged:
                 delta = Delta(i, out, out["text"][text_sent[i]:], text_sent[i], tokens_sent[i])
@@ -64,12 +64,12 @@ async def stream_choices(
                     finals[i] = out
                 choice = to_choice(delta)
                 if choice is not None:
-                    yield sse_event(frame([choice], None).model_dump())
+                    yield sse_model(frame([choice], None))
         except Exception as exc:
             yield sse_event(stream_error(exc))
             yield DONE
             return
     if usage_n is not None:
         usage = UsageInfo.from_outputs([finals[i] for i in range(num_choices)], usage_n)
-        yield sse_event(frame([], usage).model_dump())
+        yield sse_model(frame([], usage))
     yield DONE
