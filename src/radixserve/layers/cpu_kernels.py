@@ -122,9 +122,13 @@ def blocked_weight_supported(weight: torch.Tensor) -> bool:
 
 @functools.cache
 def amx_available() -> bool:
-    """Whether this CPU has AMX for bf16 (the kernels load; the process asks Linux for the tile
-    state on first use)."""
-    return {"amx_tile", "amx_bf16"} <= _cpu_flags() and load_cpu_kernels()
+    """Whether this CPU has AMX for bf16, the kernels load, and Linux grants this process the
+    tile state (it must be asked for; kernels before 5.16 cannot)."""
+    return (
+        {"amx_tile", "amx_bf16"} <= _cpu_flags()
+        and load_cpu_kernels()
+        and torch.ops.radixserve_cpu.amx_permitted()
+    )
 
 
 def gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

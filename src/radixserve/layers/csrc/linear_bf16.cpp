@@ -275,6 +275,7 @@ at::Tensor small_gemm_amx_bf16(const at::Tensor& x, const at::Tensor& weight,
 TORCH_LIBRARY(radixserve_cpu, m) {
   m.def("gemv_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("gemv_bf16", c10::DispatchKey::CPU, &gemv_bf16);
+  m.def("amx_permitted() -> bool", &amx_permitted);
   m.def("small_gemm_amx_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("small_gemm_amx_bf16", c10::DispatchKey::CPU, &small_gemm_amx_bf16);
 }
