@@ -26,11 +26,13 @@ from radixserve.layers.cpu_kernels import (
     gemv,
     load_cpu_kernels,
     rms_norm,
+    rotary,
     silu_and_mul,
     small_gemm_amx,
 )
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import QKVParallelLinear, RowParallelLinear, mkldnn_linear
+from radixserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from radixserve.model_executor import model_runner
 from tests.model_executor.harness import ManualSlots, make_runner
 
@@ -433,3 +435,25 @@ def test_decode_attention_kernel_rejects_bad_input_with_a_clear_error():
         call(loc=ones.int())
     with pytest.raises(RuntimeError, match="seq_lens must be a contiguous int64"):
         call(lens=torch.ones(3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("heads, head_dim", [(18, 64), (3, 128), (2, 40)])
+def test_rotary_kernel_equals_torchs_four_bf16_ops_bit_for_bit(heads, head_dim):
+    if not kernels_here():
+        return
+    gen = torch.Generator().manual_seed(heads)
+    emb = RotaryEmbedding(head_dim, 4096, 10000.0)
+    positions = torch.randint(0, 4096, (7,), generator=gen)
+    cos, sin = emb(positions, torch.bfloat16)
+    # q and k heads as a row-strided view of a wider qkv row, as the model passes them
+    qkv = (4 * torch.randn(7, (heads + 1) * head_dim, generator=gen)).to(torch.bfloat16)
+    x = qkv[:, : heads * head_dim].view(7, heads, head_dim)
+    x1, x2 = x.chunk(2, dim=-1)
+    torch_ops = x * cos + torch.cat((x2, x1), dim=-1) * sin
+    out = rotary(x, cos, sin)
+    assert out.is_contiguous() and torch.equal(out.view(torch.int16), torch_ops.view(torch.int16))
+    assert torch.equal(apply_rotary(x, (cos, sin)), out)  # the layer takes the kernel
+    with pytest.raises(RuntimeError, match="rotary_bf16 takes bfloat16 tensors, cos is Float"):
+        rotary(x, cos.float(), sin)
+    with pytest.raises(RuntimeError, match="cos and sin must be contiguous"):
+        rotary(x, cos[:3], sin[:3])

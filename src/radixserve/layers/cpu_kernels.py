@@ -5,15 +5,16 @@
   reaches 60-70% of it (RESULTS.md). They share one blocked copy of the weight: a GEMV for one
   row (AVX512-BF16) and an AMX kernel for up to 32 rows (where the CPU has AMX and K is a
   multiple of 32);
-- fused bf16 RMSNorm, residual add + RMSNorm, and SiluAndMul (``csrc/norm_act_bf16.cpp``): one
-  kernel each where torch runs up to nine, whose start-up costs dominate a decode step's small
-  tensors. They round to bf16 where transformers' bf16 modules do;
+- fused bf16 RMSNorm, residual add + RMSNorm, SiluAndMul and the rotary embedding
+  (``csrc/elementwise_bf16.cpp``): one kernel each where torch runs up to nine, whose start-up
+  costs dominate a decode step's small tensors. They round to bf16 where transformers' bf16
+  modules do;
 - decode attention straight from the paged KV pool (``csrc/decode_attention.cpp``, float32 and
   bf16): one call per layer writes the new K/V and attends, where the torch path runs two
   index_puts, two gathers, a mask and SDPA.
 
 They need AVX512-BF16. The build goes through ``torch.utils.cpp_extension`` (ninja and g++, about
-15 s) into ``~/.cache/radixserve/kernels/<key>``; the key covers the sources, the torch version
+20 s) into ``~/.cache/radixserve/kernels/<key>``; the key covers the sources, the torch version
 and this CPU's flags (the code is built for the CPU it runs on), so later starts load the cached
 library at once. Without a compiler or the instruction set, or with
 ``RADIXSERVE_DISABLE_CPU_KERNELS=1``, ``load_cpu_kernels`` returns False and layers keep to
@@ -193,6 +194,12 @@ def fused_add_rms_norm(
     """In place: ``residual = x + residual``, then ``x = rms_norm(residual)``: one kernel for the
     residual add and the next norm (torch: nine). Both must be contiguous, of one shape."""
     torch.ops.radixserve_cpu.fused_add_rms_norm_bf16(x, residual, weight, eps)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` in one kernel (torch: four), rounding as torch's bf16
+    ops do; ``x`` ``[n, heads, head_dim]`` may be a row-strided view of the qkv output."""
+    return torch.ops.radixserve_cpu.rotary_bf16(x, cos, sin)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

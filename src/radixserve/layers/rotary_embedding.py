@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixserve.layers.cpu_kernels import norm_act_supported, rotary
+
 
 def compute_inv_freq(
     head_dim: int, base: float, rope_scaling: dict[str, Any] | None
@@ -87,7 +89,10 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotate ``x``: ``[n, heads, head_dim]`` (neox halves) by ``rope`` from
-    ``RotaryEmbedding.forward``; returns a new tensor."""
+    ``RotaryEmbedding.forward``; returns a new tensor. bf16 on CPU takes radixserve's fused
+    kernel (``layers/cpu_kernels.py``), which computes and rounds exactly as these four ops."""
     cos, sin = rope
+    if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and norm_act_supported(x, cos, sin):
+        return rotary(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((x2, x1), dim=-1) * sin

@@ -1,14 +1,17 @@
-// Fused bf16 RMSNorm (alone or after the residual add) and SwiGLU activation for AVX512 CPUs.
+// Fused bf16 RMSNorm (alone or after the residual add), SwiGLU activation and rotary embedding
+// for AVX512 CPUs.
 //
 // A decode step has a few rows, so torch spends its time starting kernels, not computing: RMSNorm
 // is eight of them (cast, square, mean, + eps, rsqrt, scale, cast back, * weight), the residual add
-// one more and silu(gate) * up two, each a dispatch and often an OpenMP region. Here each is one
+// one more, silu(gate) * up two and the rotary embedding four, each a dispatch and often an OpenMP
+// region. Here each is one
 // pass over a row (two for the norms: sum of squares, then scale), in float32, with the roundings
 // to bf16 where transformers' bf16 modules have them:
 //
 //   rms_norm:      out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))
 //   add + norm:    residual = bf16(x + residual); x = rms_norm(residual)
 //   silu_and_mul:  out = bf16(bf16(silu(gate)) * up)
+//   rotary:        out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin))  (sin carries the sign)
 //
 // So results equal torch's bit for bit, except for the rare value that lands on the other side of
 // a bf16 tie because torch's sum of squares (in another order) or its exp differs in the last bit.
@@ -26,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -203,6 +207,53 @@ at::Tensor silu_and_mul_bf16(const at::Tensor& x) {
   return out;
 }
 
+// x: [tokens, heads, head_dim] with contiguous heads (a row-strided view of the fused qkv
+// output); cos, sin: [tokens, 1, head_dim] as RotaryEmbedding.forward makes them (neox halves,
+// the sign of rotate_half folded into sin). Returns a new contiguous tensor.
+at::Tensor rotary_bf16(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  for (const auto& [name, t] : {std::pair{"x", &x}, {"cos", &cos}, {"sin", &sin}}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16, "rotary_bf16 takes bfloat16 tensors, ", name,
+                " is ", t->scalar_type());
+  }
+  TORCH_CHECK(x.dim() == 3 && x.size(2) % 2 == 0 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "x must be [tokens, heads, head_dim] with contiguous heads and an even head_dim, got ",
+              x.sizes());
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(0) == x.size(0) &&
+                  cos.size(1) == 1 && cos.size(2) == x.size(2) && cos.is_contiguous() &&
+                  sin.is_contiguous(),
+              "cos and sin must be contiguous [tokens, 1, head_dim] matching x ", x.sizes());
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* cs = reinterpret_cast<const uint16_t*>(cos.data_ptr());
+  const auto* ss = reinterpret_cast<const uint16_t*>(sin.data_ptr());
+  auto* ys = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t x_stride = x.stride(0);
+  at::parallel_for(0, tokens, row_grain(heads * dim), [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      const uint16_t* c = cs + t * dim;
+      const uint16_t* s = ss + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const uint16_t* xr = xs + t * x_stride + h * dim;
+        uint16_t* yr = ys + (t * heads + h) * dim;
+        for (int64_t i = 0; i < half; i += kLanes) {
+          __mmask16 m = lanes(half - i);
+          __m512 x1 = load_bf16(xr + i, m), x2 = load_bf16(xr + half + i, m);
+          // first half: x1 cos1 + x2 (-sin); second half: x2 cos2 + x1 sin
+          __m512 lo = _mm512_add_ps(round_to_bf16(_mm512_mul_ps(x1, load_bf16(c + i, m))),
+                                    round_to_bf16(_mm512_mul_ps(x2, load_bf16(s + i, m))));
+          __m512 hi =
+              _mm512_add_ps(round_to_bf16(_mm512_mul_ps(x2, load_bf16(c + half + i, m))),
+                            round_to_bf16(_mm512_mul_ps(x1, load_bf16(s + half + i, m))));
+          store_bf16(yr + i, round_to_bf16(lo), m);
+          store_bf16(yr + half + i, round_to_bf16(hi), m);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
@@ -210,7 +261,9 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def(
       "fused_add_rms_norm_bf16(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul_bf16(Tensor x) -> Tensor");
+  m.def("rotary_bf16(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.impl("rms_norm_bf16", c10::DispatchKey::CPU, &rms_norm_bf16);
   m.impl("fused_add_rms_norm_bf16", c10::DispatchKey::CPU, &fused_add_rms_norm_bf16);
   m.impl("silu_and_mul_bf16", c10::DispatchKey::CPU, &silu_and_mul_bf16);
+  m.impl("rotary_bf16", c10::DispatchKey::CPU, &rotary_bf16);
 }
