@@ -202,6 +202,12 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.ops.radixserve_cpu.rotary_bf16(x, cos, sin)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` for ``[rows, vocab]`` bf16 logits (first maximum, NaN counting
+    as the maximum) in two vectorised passes per row."""
+    return torch.ops.radixserve_cpu.argmax_bf16(logits.contiguous())
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [..., gate | up]``, in one kernel (torch: two, and an
     intermediate as large as the output)."""

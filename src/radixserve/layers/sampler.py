@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.layers.cpu_kernels import argmax as cpu_argmax
+from radixserve.layers.cpu_kernels import norm_act_supported
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo, SeededRow
 
 _MASK64 = (1 << 64) - 1
@@ -80,8 +82,11 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` (the first maximum of each row, NaN counting as the maximum),
     computed as a vectorised max over blocks of the vocabulary, then one argmax over the block
     maxima and one inside the winning block: several times faster on CPU for a large vocabulary,
-    where a plain argmax does not vectorise."""
+    where a plain argmax does not vectorise. bf16 on CPU takes radixserve's kernel
+    (``layers/cpu_kernels.py``), which reads each row about once and a half."""
     bs, vocab = logits.shape
+    if bs and vocab and norm_act_supported(logits):
+        return cpu_argmax(logits)
     block = next((b for b in (128, 64, 32, 16) if vocab % b == 0), 0)
     if not block or bs == 0:
         return logits.argmax(dim=-1)
