@@ -349,7 +349,7 @@ def test_bf16_decoder_with_the_fused_kernels_matches_the_torch_math(arch_path, m
     with_kernels = logits()
     assert (calls[0] > 0) == HAS_BF16
     for module in (layernorm, activation):
-        monkeypatch.setattr(module, "norm_act_supported", lambda *tensors: False)
+        monkeypatch.setattr(module, "bf16_kernels_supported", lambda *tensors: False)
     torch.testing.assert_close(with_kernels, logits(), atol=0.05, rtol=0.05)
 
 

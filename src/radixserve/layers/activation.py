@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.layers.cpu_kernels import norm_act_supported, silu_and_mul
+from radixserve.layers.cpu_kernels import bf16_kernels_supported, silu_and_mul
 
 
 class SiluAndMul(nn.Module):
@@ -14,7 +14,7 @@ class SiluAndMul(nn.Module):
     takes radixserve's fused kernel (``layers/cpu_kernels.py``), which rounds as torch does."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if norm_act_supported(x):
+        if bf16_kernels_supported(x):
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

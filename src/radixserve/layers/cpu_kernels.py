@@ -173,9 +173,10 @@ class BlockedWeight:
         return gemv(x, self.packed, bias)
 
 
-def norm_act_supported(*tensors: torch.Tensor) -> bool:
-    """Whether ``tensors`` (bf16 on CPU) can take the RMSNorm and SiluAndMul kernels here.
-    Asked on every call of those layers, so a plain loop (a generator costs microseconds)."""
+def bf16_kernels_supported(*tensors: torch.Tensor) -> bool:
+    """Whether ``tensors`` (bf16 on CPU) can take the element-wise kernels here (norms,
+    SiluAndMul, rotary, argmax). Asked on every call of those layers, so a plain loop (a
+    generator costs microseconds)."""
     for t in tensors:
         if not t.is_cpu or t.dtype != torch.bfloat16:
             return False

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixserve.layers.cpu_kernels import fused_add_rms_norm, norm_act_supported, rms_norm
+from radixserve.layers.cpu_kernels import bf16_kernels_supported, fused_add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -30,11 +30,11 @@ class RMSNorm(nn.Module):
         """
         weight = self.weight
         if residual is None:
-            if norm_act_supported(x, weight):
+            if bf16_kernels_supported(x, weight):
                 return rms_norm(x, weight, self.eps)
             return self._norm(x)
         fusable = x.is_contiguous() and residual.is_contiguous()  # the kernel writes in place
-        if fusable and norm_act_supported(x, residual, weight):
+        if fusable and bf16_kernels_supported(x, residual, weight):
             fused_add_rms_norm(x, residual, weight, self.eps)
             return x, residual
         residual = x + residual

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from radixserve.layers.cpu_kernels import norm_act_supported, rotary
+from radixserve.layers.cpu_kernels import bf16_kernels_supported, rotary
 
 
 def compute_inv_freq(
@@ -92,7 +92,7 @@ def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> to
     ``RotaryEmbedding.forward``; returns a new tensor. bf16 on CPU takes radixserve's fused
     kernel (``layers/cpu_kernels.py``), which computes and rounds exactly as these four ops."""
     cos, sin = rope
-    if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and norm_act_supported(x, cos, sin):
+    if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and bf16_kernels_supported(x, cos, sin):
         return rotary(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((x2, x1), dim=-1) * sin

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.layers.cpu_kernels import argmax as cpu_argmax
-from radixserve.layers.cpu_kernels import norm_act_supported
+from radixserve.layers.cpu_kernels import bf16_kernels_supported
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo, SeededRow
 
 _MASK64 = (1 << 64) - 1
@@ -85,7 +85,7 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     where a plain argmax does not vectorise. bf16 on CPU takes radixserve's kernel
     (``layers/cpu_kernels.py``), which reads each row about once and a half."""
     bs, vocab = logits.shape
-    if bs and vocab and norm_act_supported(logits):
+    if bs and vocab and bf16_kernels_supported(logits):
         return cpu_argmax(logits)
     block = next((b for b in (128, 64, 32, 16) if vocab % b == 0), 0)
     if not block or bs == 0:
