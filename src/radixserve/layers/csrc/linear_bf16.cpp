@@ -66,25 +66,30 @@ void gemv_blocks(const uint32_t* x_pairs, const uint16_t* weight, const c10::BFl
   }
 }
 
-// x: [1, K] bf16 contiguous; weight: blocked [N/16, K/2, 16, 2] bf16; bias: [N] bf16 or None.
-at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight,
-                     const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
-              "gemv_bf16 takes bfloat16 inputs");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "x must be [1, K], contiguous");
+// Checks what both kernels take (bf16, a blocked weight matching x's features, an optional [N]
+// bias) and returns the bias pointer (null without one).
+const c10::BFloat16* check_blocked(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                                   const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, op,
+              " takes bfloat16 inputs");
   TORCH_CHECK(weight.dim() == 4 && weight.size(2) == kRows && weight.size(3) == 2 &&
                   weight.is_contiguous(),
               "weight must be blocked [N/16, K/2, 16, 2]");
-  TORCH_CHECK(weight.size(1) * 2 == x.size(1), "x has ", x.size(1), " features, the weight ",
-              weight.size(1) * 2);
+  TORCH_CHECK(x.dim() == 2 && weight.size(1) * 2 == x.size(1), "x has ", x.size(-1),
+              " features, the weight ", weight.size(1) * 2);
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == weight.size(0) * kRows &&
+                  bias->is_contiguous(),
+              "bias must be [N] bfloat16, contiguous");
+  return bias->data_ptr<c10::BFloat16>();
+}
+
+// x: [1, K] bf16 contiguous; weight: blocked [N/16, K/2, 16, 2] bf16; bias: [N] bf16 or None.
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "x must be [1, K], contiguous");
+  const c10::BFloat16* bias_ptr = check_blocked("gemv_bf16", x, weight, bias);
   const int64_t blocks = weight.size(0), pairs = weight.size(1), n = blocks * kRows;
-  const c10::BFloat16* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == n &&
-                    bias->is_contiguous(),
-                "bias must be [N] bfloat16, contiguous");
-    bias_ptr = bias->data_ptr<c10::BFloat16>();
-  }
   at::Tensor out = at::empty({1, n}, x.options());
   const auto* x_pairs = reinterpret_cast<const uint32_t*>(x.data_ptr());
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
@@ -242,24 +247,11 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_blocks(
 at::Tensor small_gemm_amx_bf16(const at::Tensor& x, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(amx_permitted(), "AMX is not available to this process");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
-              "small_gemm_amx_bf16 takes bfloat16 inputs");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kAmxMaxRows && x.is_contiguous(),
               "x must be [M, K] with 1 <= M <= ", kAmxMaxRows, ", contiguous");
+  const c10::BFloat16* bias_ptr = check_blocked("small_gemm_amx_bf16", x, weight, bias);
   TORCH_CHECK(x.size(1) % kTileK == 0, "K must be a multiple of ", kTileK, ", got ", x.size(1));
-  TORCH_CHECK(weight.dim() == 4 && weight.size(2) == kRows && weight.size(3) == 2 &&
-                  weight.is_contiguous(),
-              "weight must be blocked [N/16, K/2, 16, 2]");
-  TORCH_CHECK(weight.size(1) * 2 == x.size(1), "x has ", x.size(1), " features, the weight ",
-              weight.size(1) * 2);
   const int64_t m = x.size(0), k = x.size(1), blocks = weight.size(0), n = blocks * kRows;
-  const c10::BFloat16* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == n &&
-                    bias->is_contiguous(),
-                "bias must be [N] bfloat16, contiguous");
-    bias_ptr = bias->data_ptr<c10::BFloat16>();
-  }
   at::Tensor out = at::empty({m, n}, x.options());
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
