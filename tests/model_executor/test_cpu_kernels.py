@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from radixserve import envs
 from radixserve.layers import activation, layernorm
 from radixserve.layers.activation import SiluAndMul
+from radixserve.layers.attention import torch_native_backend
 from radixserve.layers.cpu_kernels import (
     AMX_MAX_ROWS,
     BlockedWeight,
@@ -34,6 +35,7 @@ from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import QKVParallelLinear, RowParallelLinear, mkldnn_linear
 from radixserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from radixserve.model_executor import model_runner
+from tests.checkpoints import build_checkpoint
 from tests.model_executor.harness import ManualSlots, make_runner
 
 # the kernels run here: the CPU has the instructions and RADIXSERVE_DISABLE_CPU_KERNELS is unset
@@ -457,3 +459,25 @@ def test_rotary_kernel_equals_torchs_four_bf16_ops_bit_for_bit(heads, head_dim):
         rotary(x, cos.float(), sin)
     with pytest.raises(RuntimeError, match="cos and sin must be contiguous"):
         rotary(x, cos[:3], sin[:3])
+
+
+def test_bf16_decode_through_the_attention_kernel_matches_the_torch_path(tmp_path, monkeypatch):
+    # head_dim 64 with 7 query heads per KV head: the shape the kernel takes (the shared test
+    # checkpoints have head_dim 16, which keeps to the torch path)
+    path = build_checkpoint(tmp_path / "llama", "llama", hidden_size=112, num_attention_heads=14,
+                            num_key_value_heads=2, head_dim=64)
+
+    def logits() -> torch.Tensor:
+        runner = make_runner(path, dtype="bfloat16")
+        slots = ManualSlots(runner)
+        seqs = [slots.new_seq() for _ in range(3)]
+        runner.forward(slots.extend(seqs, [list(range(5, 45)), [8, 2, 77], [9] * 17]))
+        steps = [runner.forward(slots.decode(seqs, [3, 11, 6])).float()]
+        steps.append(runner.forward(slots.decode(seqs, [12, 4, 30])).float())
+        return torch.stack(steps)
+
+    calls = count_calls(monkeypatch, torch_native_backend, "decode_attention")
+    with_kernel = logits()
+    assert (calls[0] > 0) == kernels_here()
+    monkeypatch.setattr(torch_native_backend, "decode_attention_supported", lambda *a: False)
+    torch.testing.assert_close(with_kernel, logits(), atol=0.05, rtol=0.05)
