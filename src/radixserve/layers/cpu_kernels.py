@@ -5,10 +5,10 @@
   reaches 60-70% of it (RESULTS.md). They share one blocked copy of the weight: a GEMV for one
   row (AVX512-BF16) and an AMX kernel for up to 32 rows (where the CPU has AMX and K is a
   multiple of 32);
-- fused bf16 RMSNorm, residual add + RMSNorm, SiluAndMul and the rotary embedding
-  (``csrc/elementwise_bf16.cpp``): one kernel each where torch runs up to nine, whose start-up
-  costs dominate a decode step's small tensors. They round to bf16 where transformers' bf16
-  modules do;
+- fused bf16 RMSNorm, residual add + RMSNorm, SiluAndMul and the rotary embedding, and the
+  greedy argmax of bf16 logits (``csrc/elementwise_bf16.cpp``): one kernel each where torch runs
+  up to nine, whose start-up costs dominate a decode step's small tensors. They round to bf16
+  where transformers' bf16 modules do;
 - decode attention straight from the paged KV pool (``csrc/decode_attention.cpp``, float32 and
   bf16): one call per layer writes the new K/V and attends, where the torch path runs two
   index_puts, two gathers, a mask and SDPA.
