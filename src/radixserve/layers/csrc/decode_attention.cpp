@@ -28,14 +28,13 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // float32 values per AVX-512 register
+using namespace radixserve_cpu;
+
 constexpr int64_t kMaxRegs = 128;  // registers' worth of scratch: head_dim * group <= 2048
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
-  // bf16 -> float32 is a 16-bit shift of each value
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return load_bf16(reinterpret_cast<const uint16_t*>(p));
 }
 constexpr int64_t kAhead = 8;  // rows prefetched ahead: slots are scattered, the prefetcher blind
 
@@ -49,7 +48,7 @@ inline void prefetch_row(const T* row, int64_t head_dim) {
 
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(c10::BFloat16* p, __m512 v) {
-  for (int i = 0; i < kLanes; ++i) p[i] = c10::BFloat16(v[i]);  // round to nearest even
+  store_bf16(reinterpret_cast<uint16_t*>(p), round_to_bf16(v));
 }
 
 template <typename T, int64_t kRegs>
@@ -110,7 +109,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
         __m512 total_v = _mm512_setzero_ps();
         int64_t t = 0;
         for (; t + kLanes <= len; t += kLanes) {
-          __m512 e = radixserve_cpu::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), top_v));
+          __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), top_v));
           _mm512_storeu_ps(s + t, e);
           total_v = _mm512_add_ps(total_v, e);
         }

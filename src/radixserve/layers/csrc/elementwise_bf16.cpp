@@ -34,40 +34,13 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // float32 values per register
+using namespace radixserve_cpu;
+
 // Elements a thread should get before a call is split over threads: below it, starting the
 // OpenMP region costs more than the work (decode batches stay on one thread).
 constexpr int64_t kElementsPerThread = 1 << 15;
 
 int64_t row_grain(int64_t row_size) { return std::max<int64_t>(1, kElementsPerThread / row_size); }
-
-// Lanes [0, left) of a register, for the tail of a row.
-__mmask16 lanes(int64_t left) {
-  return left >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-}
-
-__m512 load_bf16(const uint16_t* p, __mmask16 m) {
-  // bf16 -> float32 is a 16-bit shift of each value
-  __m256i raw = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// float32 -> the nearest bf16 (ties to even), still in float32 lanes: c10::BFloat16's rounding
-// bit for bit, denormals kept (vcvtneps2bf16 would flush them to zero) and NaN made 0x7FC0.
-__m512 round_to_bf16(__m512 v) {
-  __m512i bits = _mm512_castps_si512(v);
-  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
-  __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, bias), _mm512_set1_epi32(~0xFFFF));
-  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_mask_mov_ps(_mm512_castsi512_ps(rounded), nan, _mm512_set1_ps(NAN));
-}
-
-// Stores lanes that hold bf16 values (round_to_bf16's results): their high halves.
-void store_bf16(uint16_t* p, __m512 rounded, __mmask16 m) {
-  __m512i high = _mm512_srli_epi32(_mm512_castps_si512(rounded), 16);
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(high));
-}
 
 // Sum of squares of a row, in double: the square of a bf16 value is exact in float32 (8-bit
 // significands), and the double sum is the exact sum rounded once. A float32 sum strays by ulps
@@ -137,7 +110,7 @@ void silu_and_mul_rows(const uint16_t* x, uint16_t* out, int64_t d, int64_t firs
     for (int64_t i = 0; i < d; i += kLanes) {
       __mmask16 m = lanes(d - i);
       __m512 g = load_bf16(gate + i, m);
-      __m512 e = radixserve_cpu::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
       __m512 silu = round_to_bf16(_mm512_div_ps(g, _mm512_add_ps(one, e)));
       store_bf16(out + row * d + i, round_to_bf16(_mm512_mul_ps(silu, load_bf16(up + i, m))), m);
     }

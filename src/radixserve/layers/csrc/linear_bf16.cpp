@@ -25,15 +25,17 @@
 #include <cstdint>
 #include <optional>
 
+#include "vec_math.h"
+
 namespace {
+
+using namespace radixserve_cpu;
 
 constexpr int64_t kRows = 16;     // output rows per block: one register of float32 sums
 constexpr int64_t kAhead = 1024;  // bytes of the block prefetched ahead of the loads
 
 __m512 load_bias(const c10::BFloat16* bias) {
-  // bf16 -> float32 is a 16-bit shift of each value
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return load_bf16(reinterpret_cast<const uint16_t*>(bias));
 }
 
 void gemv_blocks(const uint32_t* x_pairs, const uint16_t* weight, const c10::BFloat16* bias,

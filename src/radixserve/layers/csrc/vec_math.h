@@ -1,11 +1,44 @@
-// Vectorised float32 math shared by radixserve's AVX-512 kernels.
+// bf16 loads, rounding and stores, and vectorised float32 math, shared by radixserve's AVX-512
+// kernels.
 #pragma once
 
 #include <immintrin.h>
 
+#include <cmath>
+#include <cstdint>
 #include <initializer_list>
 
 namespace radixserve_cpu {
+
+constexpr int64_t kLanes = 16;  // float32 values per AVX-512 register
+
+// Lanes [0, left) of a register, for the tail of a row.
+inline __mmask16 lanes(int64_t left) {
+  return left >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+}
+
+inline __m512 load_bf16(const uint16_t* p, __mmask16 m = 0xFFFF) {
+  // bf16 -> float32 is a 16-bit shift of each value
+  __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// float32 -> the nearest bf16 (ties to even), still in float32 lanes: c10::BFloat16's rounding
+// bit for bit, denormals kept (vcvtneps2bf16 would flush them to zero) and NaN made 0x7FC0.
+inline __m512 round_to_bf16(__m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
+  __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, bias), _mm512_set1_epi32(~0xFFFF));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_ps(_mm512_castsi512_ps(rounded), nan, _mm512_set1_ps(NAN));
+}
+
+// Stores lanes that hold bf16 values (round_to_bf16's results): their high halves.
+inline void store_bf16(uint16_t* p, __m512 rounded, __mmask16 m = 0xFFFF) {
+  __m512i high = _mm512_srli_epi32(_mm512_castps_si512(rounded), 16);
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(high));
+}
 
 // e^x within about one float32 ulp: x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor series to
 // r^7 (truncation error under 0.05 ulp), then scaled by 2^n, which also gives inf and 0 (and the
