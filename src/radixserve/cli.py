@@ -51,6 +51,8 @@ HELP: dict[str, str] = {
     "schedule_policy": "Order of waiting requests (lpm: longest cached prefix first).",
     "schedule_conservativeness": "Scale of the decode-token reservation when admitting requests.",
     "enable_streaming_session": "Keep a streaming session's KV between turns.",
+    "enable_overlap_schedule": "Run the model on a thread of its own and plan each decode step "
+    "while the previous one computes (same greedy outputs).",
     "stream_interval": "Stream a request's tokens every this many steps (the first and the last "
     "token at once); larger values cost less per token.",
     "enable_metrics": "Serve Prometheus metrics on GET /metrics.",

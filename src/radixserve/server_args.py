@@ -41,6 +41,7 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     enable_streaming_session: bool = False
+    enable_overlap_schedule: bool = False
     # serving
     stream_interval: int = 1
     enable_metrics: bool = False

@@ -4,6 +4,10 @@ For every request of the batch:
 
 - a prefill chunk that is not the last only hands its KV to the cache (``cache_unfinished_req``)
   and samples nothing;
+- a request that finished in the previous step samples nothing either: under the overlap
+  schedule (``scheduler.py``) it was planned into this step before its end was known. The step
+  wrote the KV of its last token (already counted in ``kv_len`` when it finished, and handed to
+  the cache with the rest); the token it sampled is discarded;
 - otherwise the sampled token (and its logprobs) is appended and ``check_finished`` runs; a
   finished request gives its KV to the cache (``cache_finished_req``); a request that just
   finished its prefill inserts its prompt into the cache so that others can share it while it
@@ -75,7 +79,10 @@ class OutputProcessor:
             result.logprobs.tolist() if result.logprobs is not None else None
         )
         is_extend = batch.forward_mode.is_extend
+        reports: list[Req] = []
         for i, req in enumerate(batch.reqs):
+            if req.finished():
+                continue
             if req.is_chunked:
                 self.tree_cache.cache_unfinished_req(req, req.fill_ids)
                 continue
@@ -90,7 +97,9 @@ class OutputProcessor:
                 release_kv(req, self.tree_cache)
             elif is_extend:
                 self.tree_cache.cache_unfinished_req(req, req.fill_ids)
-        self.send_outputs([r for r in batch.reqs if r.finished() or self._stream_due(r)])
+            if req.finished() or self._stream_due(req):
+                reports.append(req)
+        self.send_outputs(reports)
 
     def _stream_due(self, req: Req) -> bool:
         """Whether a running stream request reports this step: its first token (time to first

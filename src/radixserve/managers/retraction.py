@@ -52,6 +52,13 @@ class RetractResult:
     cannot_fit: list[Req] = field(default_factory=list)  # the pool cannot hold these alone
 
 
+def decode_fits(batch: ScheduleBatch) -> bool:
+    """Whether the next decode step of ``batch`` can allocate (evicting from the cache)."""
+    res = batch.res
+    capacity = res.allocator.available_size() + res.tree_cache.reclaimable_size()
+    return batch.decode_tokens_needed() <= capacity
+
+
 def retract_for_decode(batch: ScheduleBatch, ratio: NewTokenRatio) -> RetractResult:
     """Retract requests from ``batch`` until its next decode step can allocate.
 
@@ -61,15 +68,10 @@ def retract_for_decode(batch: ScheduleBatch, ratio: NewTokenRatio) -> RetractRes
     """
     res = batch.res
     result = RetractResult()
-
-    def short() -> bool:
-        capacity = res.allocator.available_size() + res.tree_cache.reclaimable_size()
-        return batch.decode_tokens_needed() > capacity
-
-    if not short():
+    if decode_fits(batch):
         return result
     batch.reqs.sort(key=lambda r: (r.remaining_new_tokens(), -len(r.output_ids)))
-    while short():
+    while not decode_fits(batch):
         victim = batch.reqs.pop()
         release_kv(victim, res.tree_cache)
         if batch.reqs:

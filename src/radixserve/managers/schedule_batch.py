@@ -30,9 +30,11 @@ Token accounting of one request (``all_ids = origin_input_ids + output_ids``):
     | len(fill_ids)           | tokens whose KV exists after the current prefill (chunk)       |
     | extend_input_len        | tokens computed by the current prefill: fill - prefix          |
 
-``len(prefix_indices) <= kv_len <= len(all_ids)`` always (asserted). Between steps a running
-request has ``kv_len == len(all_ids) - 1``: its newest token's KV is written by the next decode
-step.
+``len(prefix_indices) <= kv_len <= len(all_ids) + tokens_in_flight`` always (asserted). Between
+steps a running request has ``kv_len == len(all_ids) - 1``: its newest token's KV is written by
+the next decode step. Under the overlap schedule (``scheduler.py``) the next step may be planned
+while the current one still runs: its token is then in flight, not yet in ``output_ids``, and
+``kv_len == len(all_ids)`` until the token arrives.
 """
 
 from __future__ import annotations
@@ -92,6 +94,9 @@ class Req:
         self.fill_ids: list[int] = []
         self.extend_input_len = 0
         self._kv_len = 0
+        # Decode steps launched for this request whose token is not appended yet (overlap
+        # schedule: at most 2, the step running and the one planned behind it).
+        self.tokens_in_flight = 0
         # True while a prefill of this request is cut short (the rest comes in later chunks).
         self.is_chunked = False
         # True once retracted: its next prefill recomputes origin_input_ids + output_ids.
@@ -122,9 +127,9 @@ class Req:
 
     @kv_len.setter
     def kv_len(self, value: int) -> None:
-        assert len(self.prefix_indices) <= value <= self.seqlen, (
+        assert len(self.prefix_indices) <= value <= self.seqlen + self.tokens_in_flight, (
             f"{self.rid}: kv_len {value} outside [prefix {len(self.prefix_indices)}, "
-            f"seqlen {self.seqlen}]"
+            f"seqlen {self.seqlen} + in flight {self.tokens_in_flight}]"
         )
         self._kv_len = value
 
@@ -219,6 +224,8 @@ class ScheduleBatch:
         self.forward_mode = ForwardMode.DECODE
         # Step tensors (device), filled by prepare_for_extend / prepare_for_decode.
         self.input_ids: torch.Tensor = _EMPTY
+        # Overlap schedule: rows of the step in flight whose tokens are this step's inputs.
+        self.input_rows: torch.Tensor | None = None
         self.positions: torch.Tensor = _EMPTY
         self.req_pool_indices: torch.Tensor = _EMPTY
         self.seq_lens: torch.Tensor = _EMPTY
@@ -333,8 +340,13 @@ class ScheduleBatch:
         page = self.res.page_size
         return sum(page for r in self.reqs if r.kv_len % page == 0)
 
-    def prepare_for_decode(self) -> None:
-        """One new KV slot per request for its newest token (``output_ids[-1]``)."""
+    def prepare_for_decode(self, behind: ScheduleBatch | None = None) -> None:
+        """One new KV slot per request for its newest token (``output_ids[-1]``).
+
+        ``behind`` (overlap schedule): the step in flight, still sampling those newest tokens.
+        ``input_ids`` then stays empty and ``input_rows`` says where each request's token is in
+        that step's output; the worker fills ``input_ids`` from it before this step runs.
+        """
         res = self.res
         self.forward_mode = ForwardMode.DECODE
         rows = [r.req_pool_idx for r in self.reqs]
@@ -347,7 +359,13 @@ class ScheduleBatch:
             self.decode_tokens_needed(),
             lambda: res.allocator.alloc_decode(self.seq_lens_cpu, last_locs),
         )
-        self.input_ids = self._to_device([r.output_ids[-1] for r in self.reqs])
+        if behind is None:
+            self.input_ids = self._to_device([r.output_ids[-1] for r in self.reqs])
+            self.input_rows = None
+        else:
+            row_of = {id(r): i for i, r in enumerate(behind.reqs)}
+            self.input_ids = _EMPTY
+            self.input_rows = self._to_device([row_of[id(r)] for r in self.reqs])
         self.positions = self._to_device(kv_lens)
         self.req_pool_indices = self._to_device(rows)
         self.seq_lens = self._to_device(self.seq_lens_cpu)
@@ -365,6 +383,13 @@ class ScheduleBatch:
 
     def merge_batch(self, other: ScheduleBatch) -> None:
         self.reqs.extend(other.reqs)
+
+    def snapshot(self) -> ScheduleBatch:
+        """This step's requests and mode, kept apart from later changes of ``self`` (the
+        overlap schedule processes a step's result after the running batch moved on)."""
+        copy = ScheduleBatch(list(self.reqs), self.res)
+        copy.forward_mode = self.forward_mode
+        return copy
 
     # ------------------------------------------------------------------ the seam
     def to_forward_batch(self) -> ForwardBatch:

@@ -6,6 +6,9 @@
                  run it, process its result      # output_processor.py
                  or, idle: self_check_during_idle() and block on the socket
 
+With ``--enable-overlap-schedule`` the model runs on a thread of its own (``OverlapWorker``) and
+a decode step N+1 is launched before step N's tokens are processed (``_step_overlapped``).
+
 The single-job objects it composes: ``SchedulePolicy`` + ``PrefillAdder`` (admission),
 ``retract_for_decode`` (memory pressure), ``OutputProcessor`` (results), ``TpModelWorker``
 (the model) and the prefix cache (``mem_cache``).
@@ -19,6 +22,8 @@ import os
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -26,6 +31,7 @@ import torch
 import zmq
 
 from radixserve import envs
+from radixserve.layers.sampler import SampleOutput
 from radixserve.managers import ipc
 from radixserve.managers.child_process import install_exit_handlers
 from radixserve.managers.dispatcher import TypeBasedDispatcher
@@ -41,13 +47,15 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from radixserve.managers.output_processor import OutputProcessor
-from radixserve.managers.retraction import NewTokenRatio, retract_for_decode
+from radixserve.managers.overlap_worker import OverlapWorker
+from radixserve.managers.retraction import NewTokenRatio, decode_fits, retract_for_decode
 from radixserve.managers.schedule_batch import BatchResources, Req, ScheduleBatch, pages_to_alloc
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
 from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.mem_cache import create_prefix_cache
 from radixserve.mem_cache.session_aware_cache import SessionAwareCache
 from radixserve.model_config import ModelConfig, resolve_device
+from radixserve.sampling.sampling_batch_info import reads_output_ids
 from radixserve.server_args import ServerArgs
 from radixserve.sessions.session_controller import SessionController
 
@@ -55,6 +63,14 @@ logger = logging.getLogger(__name__)
 
 # How long an idle loop blocks on its socket before looking around again.
 _IDLE_POLL_MS = 1000
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched on the overlap worker whose result is not processed yet."""
+
+    batch: ScheduleBatch  # a snapshot: the running batch moves on meanwhile
+    result: Future[SampleOutput]
 
 
 class Scheduler:
@@ -136,6 +152,11 @@ class Scheduler:
         self.last_leak_check: dict[str, Any] = {}
         self._idle_checked = False
         self._last_was_prefill = False
+        self.overlap: OverlapWorker | None = None
+        if server_args.enable_overlap_schedule:
+            self.overlap = OverlapWorker(self.tp_worker)
+        self._in_flight: _InFlight | None = None
+        self.num_overlapped_steps = 0  # decode steps launched before the previous one's result
 
         self.dispatcher = TypeBasedDispatcher(
             [
@@ -175,15 +196,24 @@ class Scheduler:
 
     def step(self) -> bool:
         """Run one batch; False when there was nothing to run."""
+        if self.overlap is not None:
+            return self._step_overlapped(self.overlap)
         self.sessions.close_expired()
         batch = self.get_next_batch_to_run()
         if batch is None:
-            if not self._idle_checked:
-                self.self_check_during_idle()
-                self._idle_checked = True
+            self._on_idle()
             return False
         self._idle_checked = False
         result = self.tp_worker.forward_batch_generation(batch.to_forward_batch())
+        self._process_result(batch, result)
+        return True
+
+    def _on_idle(self) -> None:
+        if not self._idle_checked:
+            self.self_check_during_idle()
+            self._idle_checked = True
+
+    def _process_result(self, batch: ScheduleBatch, result: SampleOutput) -> None:
         self.output_processor.process_batch_result(batch, result)
         self._last_was_prefill = batch.forward_mode.is_extend
         if batch.forward_mode.is_extend:
@@ -191,7 +221,71 @@ class Scheduler:
             self.running_batch.merge_batch(batch)
         else:
             self.running_batch.filter_batch()
+
+    # ------------------------------------------------------------------ overlap schedule
+    def _step_overlapped(self, worker: OverlapWorker) -> bool:
+        """``step`` with the model on ``worker``'s thread: while decode step N computes, step
+        N+1 is planned and launched, then N's tokens are processed, so the scheduler's work
+        hides behind the forward. Whatever needs step N's outcome first (an admission, an
+        abort, a retraction, sampling that reads the outputs: ``_can_decode_ahead``) waits for
+        it and then goes as ``step`` would; prefills run one at a time, waited for at once.
+
+        A request that finishes at step N is already in step N+1: that step writes the KV of
+        its last token and samples one token more, which ``process_batch_result`` discards.
+        Greedy outputs are those of ``step``.
+        """
+        self.sessions.close_expired()
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and self._can_decode_ahead():
+            self.new_token_ratio.step()
+            self.running_batch.prepare_for_decode(behind=previous.batch)
+            self._in_flight = self._launch_decode(worker)
+            self.num_overlapped_steps += 1
+            self._finish_in_flight(previous)
+            return True
+        if previous is not None:
+            self._finish_in_flight(previous)
+        batch = self.get_next_batch_to_run()
+        if batch is None:
+            if previous is None:
+                self._on_idle()
+            return previous is not None
+        self._idle_checked = False
+        if batch.forward_mode.is_extend:
+            self._process_result(batch, worker.launch(batch.to_forward_batch()).result())
+        else:
+            self._in_flight = self._launch_decode(worker)
         return True
+
+    def _can_decode_ahead(self) -> bool:
+        """Whether the running batch's next step can be planned before the tokens of the step
+        in flight are known: nothing waits to be admitted, aborted or retracted, no streaming
+        session turn (its slot takes the turn's KV when it finishes) and no sampler that reads
+        the outputs so far."""
+        batch = self.running_batch
+        if batch.is_empty() or self.waiting_queue or self.chunked_req is not None:
+            return False
+        for req in batch.reqs:
+            if req.to_abort is not None or req.streaming_session_id is not None:
+                return False
+            if reads_output_ids(req.sampling_params, len(req.output_ids)):
+                return False
+        return decode_fits(batch)
+
+    def _launch_decode(self, worker: OverlapWorker) -> _InFlight:
+        """Launch the running batch's prepared decode step."""
+        batch = self.running_batch
+        for req in batch.reqs:
+            req.tokens_in_flight += 1
+        forward_batch = batch.to_forward_batch()
+        return _InFlight(batch.snapshot(), worker.launch(forward_batch, batch.input_rows))
+
+    def _finish_in_flight(self, step: _InFlight) -> None:
+        """Wait for the step and process its tokens."""
+        result = step.result.result()
+        self._process_result(step.batch, result)
+        for req in step.batch.reqs:
+            req.tokens_in_flight -= 1
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         """A prefill batch when one can be admitted, else a decode step of the running batch.
@@ -404,7 +498,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ memory invariant
     def _is_idle(self) -> bool:
-        return not self.waiting_queue and self.running_batch.is_empty() and not self.chunked_req
+        return (
+            not self.waiting_queue
+            and self.running_batch.is_empty()
+            and not self.chunked_req
+            and self._in_flight is None
+        )
 
     def _num_running(self) -> int:
         return len(self.running_batch) + (self.chunked_req is not None)

@@ -96,12 +96,7 @@ class SamplingBatchInfo:
         need_top_p_top_k = need_min_p = uses_bias = uses_penalty = False
         for i, (p, out) in enumerate(zip(params, output_ids, strict=True)):
             uses_bias = uses_bias or bool(p.logit_bias)
-            uses_penalty = uses_penalty or (
-                p.frequency_penalty != 0.0
-                or p.presence_penalty != 0.0
-                or p.repetition_penalty != 1.0
-                or len(out) < p.min_new_tokens
-            )
+            uses_penalty = uses_penalty or _penalizes(p, len(out))
             if p.is_greedy:
                 temperatures.append(1.0)
                 top_ks.append(1)
@@ -132,6 +127,22 @@ class SamplingBatchInfo:
             penalties=penalties,
             seeded_rows=tuple(seeded),
         )
+
+
+def _penalizes(params: SamplingParams, num_output_ids: int) -> bool:
+    return (
+        params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+        or params.repetition_penalty != 1.0
+        or num_output_ids < params.min_new_tokens
+    )
+
+
+def reads_output_ids(params: SamplingParams, num_output_ids: int) -> bool:
+    """Whether sampling the next token depends on the tokens generated so far: the penalties
+    and the ``min_new_tokens`` ban count them, a seeded generator's stream is indexed by their
+    number. (The overlap schedule plans a step before the previous step's token is known.)"""
+    return _penalizes(params, num_output_ids) or params.sampling_seed is not None
 
 
 def _dense_logit_bias(

@@ -1,0 +1,161 @@
+"""The overlap schedule (``enable_overlap_schedule``) gives the outputs of the plain schedule.
+
+Each test runs the same requests through a plain and an overlapped in-process scheduler and
+checks that steps really were launched ahead (``num_overlapped_steps``), that greedy tokens,
+finish reasons and logprobs agree (and match transformers), and, through the shared leak check,
+that every KV slot and request row comes back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from radixserve.managers.io_struct import (
+    AbortReq,
+    OpenSessionReqInput,
+    SessionParams,
+    TokenizedGenerateReqInput,
+)
+from radixserve.sampling.sampling_params import SamplingParams
+from tests.managers.conftest import (
+    assert_matches_reference,
+    hf_reference,
+    make_prompts,
+    new_driver,
+)
+
+LENS = (3, 9, 17, 26, 40, 55)
+# Finishes spread over the run: every step but the last ends some request while the next step,
+# planned before that was known, is already running.
+MAX_NEW = (4, 7, 11, 16, 20, 13)
+
+CONFIGS = {
+    "default": {},
+    "page16": {"page_size": 16},
+    "no_radix": {"disable_radix_cache": True},
+    # Decode runs out of KV: the overlapped loop must stop planning ahead and retract.
+    "retract": {"max_total_tokens": 160, "schedule_conservativeness": 0.01},
+}
+
+
+def run_both(path, prompts: dict[str, list[int]], per_request: dict[str, dict[str, Any]],
+             **overrides: Any):
+    """Results of the plain and the overlapped scheduler, and the overlapped one itself."""
+    results = []
+    for overlap in (False, True):
+        driver = new_driver(path, enable_overlap_schedule=overlap, **overrides)
+        for rid, ids in prompts.items():
+            driver.submit(rid, ids, return_logprob=True, **per_request.get(rid, {}))
+        driver.run()
+        results.append(driver.results())
+    return results[0], results[1], driver.scheduler
+
+
+def assert_same_outputs(plain, overlapped) -> None:
+    assert plain.keys() == overlapped.keys()
+    for rid, want in plain.items():
+        got = overlapped[rid]
+        assert got.tokens == want.tokens, rid
+        assert got.finished_reason == want.finished_reason, rid
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5), rid
+        assert got.completion_tokens == len(got.tokens)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_greedy_outputs_equal_the_plain_schedule_and_transformers(llama_path, config):
+    vocab = 512
+    prompts = make_prompts(vocab, LENS, seed=3)
+    refs = hf_reference(llama_path, prompts, max_new_tokens=max(MAX_NEW))
+    named = {f"p{i}": ids for i, ids in enumerate(prompts)}
+    per_request: dict[str, dict[str, Any]] = {
+        f"p{i}": {"max_new_tokens": n} for i, n in enumerate(MAX_NEW)
+    }
+    # One request stops on a token it generates (a stop finish, not a length one), at step 6.
+    per_request["p5"]["stop_token_ids"] = [refs[5].tokens[5]]
+    plain, overlapped, scheduler = run_both(llama_path, named, per_request, **CONFIGS[config])
+
+    assert scheduler.num_overlapped_steps > 0
+    if config == "retract":
+        assert scheduler.num_retracted_reqs > 0
+    assert_same_outputs(plain, overlapped)
+    assert overlapped["p5"].finished_reason["type"] == "stop"
+    assert len(overlapped["p5"].tokens) <= 6
+    for i, ref in enumerate(refs):
+        result = overlapped[f"p{i}"]
+        ref.tokens = ref.tokens[: len(result.tokens)]
+        assert_matches_reference(result, ref)
+
+
+def test_arrivals_aborts_and_output_reading_samplers_wait_for_the_step_in_flight(llama_path):
+    """A request arriving mid-decode, an abort of a running request and a penalised request
+    (its sampler reads the outputs) each make the overlapped loop process the step in flight
+    first; the tokens are still those of the plain schedule."""
+    prompts = make_prompts(512, (8, 21, 34, 13), seed=4)
+    finals = []
+    for overlap in (False, True):
+        driver = new_driver(llama_path, enable_overlap_schedule=overlap)
+        driver.submit("a", prompts[0], ignore_eos=True)
+        driver.submit("b", prompts[1], ignore_eos=True)
+        driver.submit("doomed", prompts[2], ignore_eos=True)
+        for _ in range(5):
+            assert driver.scheduler.step()
+        driver.submit("late", prompts[3], ignore_eos=True, frequency_penalty=0.7)
+        for _ in range(3):
+            assert driver.scheduler.step()
+        driver.send(AbortReq(rid="doomed"))
+        driver.run()
+        finals.append((driver.results(), driver.scheduler))
+    (plain, _), (overlapped, scheduler) = finals
+    assert scheduler.num_overlapped_steps > 0
+    assert overlapped["doomed"].finished_reason["type"] == "abort"
+    assert plain["doomed"].finished_reason["type"] == "abort"
+    for rid in ("a", "b", "late"):
+        assert overlapped[rid].tokens == plain[rid].tokens, rid
+        assert overlapped[rid].finished_reason == plain[rid].finished_reason
+        assert len(overlapped[rid].tokens) == 20
+
+
+def test_streamed_reports_are_those_of_the_plain_schedule(llama_path):
+    """Stream reports go out when a step's tokens are processed, one step later than planned;
+    their split into first token, every ``stream_interval`` tokens and the end is unchanged."""
+    prompt = make_prompts(512, (12,), seed=2)[0]
+    reports = []
+    for overlap in (False, True):
+        driver = new_driver(llama_path, enable_overlap_schedule=overlap, stream_interval=3)
+        driver.submit("s", prompt, stream=True, ignore_eos=True, max_new_tokens=10)
+        driver.run()
+        reports.append([o.new_token_ids for batch in driver.outputs for o in batch.outputs])
+    assert reports[1] == reports[0]
+    assert [len(r) for r in reports[1]] == [1, 3, 3, 3]
+
+
+def test_streaming_session_turns_and_plain_requests_share_the_overlapped_loop(llama_path):
+    """Turns of streaming sessions (their KV stays in the session's slot) run next to a plain
+    request; the overlapped loop waits for each step of a turn, and every turn continues its
+    history as in the plain schedule."""
+    turns = make_prompts(512, (11, 5, 7), seed=5)
+    long_prompt = make_prompts(512, (30,), seed=6)[0]
+    runs = []
+    for overlap in (False, True):
+        driver = new_driver(llama_path, enable_overlap_schedule=overlap,
+                            enable_streaming_session=True)
+        driver.send(OpenSessionReqInput(capacity_of_str_len=1000, session_id="chat",
+                                        streaming=True))
+        tokens = {}
+        for i, ids in enumerate(turns):
+            driver.submit(f"plain{i}", long_prompt, ignore_eos=True, max_new_tokens=12)
+            driver.send(TokenizedGenerateReqInput(
+                rid=f"turn{i}", input_ids=ids,
+                sampling_params=SamplingParams(temperature=0.0, max_new_tokens=6,
+                                               ignore_eos=True),
+                session_params=SessionParams(id="chat"),
+            ))
+            driver.run()
+            tokens.update({rid: r.tokens for rid, r in driver.results().items()})
+        runs.append((tokens, driver.scheduler))
+    (plain, _), (overlapped, scheduler) = runs
+    assert scheduler.num_overlapped_steps > 0
+    assert overlapped == plain
+    assert all(len(overlapped[f"turn{i}"]) == 6 for i in range(3))
