@@ -49,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--backends", default="radixserve,transformers")
     p.add_argument("--step-overhead", action="store_true",
                    help="also time scheduler steps with the model forward stubbed out")
+    p.add_argument("--overlap-schedule", action="store_true",
+                   help="run radixserve with --enable-overlap-schedule")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int,
                    help="torch threads of both backends (default: one per CPU)")
@@ -149,7 +151,8 @@ def radixserve_backend(args: argparse.Namespace, model_path: str) -> Iterator[Ge
     """``generate(prompts, n) -> (outputs, wall_s)`` on a running Engine (cache flushed first)."""
     params = {"temperature": 0.0, "ignore_eos": True}
     with start_engine(args.threads, model_path=model_path, dtype=args.dtype,
-                      max_running_requests=max(args.batch_sizes, default=1)) as engine:
+                      max_running_requests=max(args.batch_sizes, default=1),
+                      enable_overlap_schedule=args.overlap_schedule) as engine:
 
         def generate(prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
             engine.flush_cache()  # nothing may start cached

@@ -19,9 +19,11 @@ MEMORY_KEYS = {
 }
 
 
-@pytest.fixture(scope="module")
-def engine(llama_path, strict_env):
-    with Engine(model_path=str(llama_path), **ENGINE_KWARGS) as eng:
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "overlap"])
+def engine(request, llama_path, strict_env):
+    """Every test runs on the plain schedule and on the overlap schedule."""
+    with Engine(model_path=str(llama_path), enable_overlap_schedule=request.param,
+                **ENGINE_KWARGS) as eng:
         yield eng
 
 
@@ -262,3 +264,5 @@ def test_server_info_reports_memory_and_the_invariant_holds_after_all_tests(engi
             == memory["total_kv_tokens"])
     assert memory["protected_kv_tokens"] == 0
     assert memory["free_req_slots"] == memory["total_req_slots"]
+    overlapped = state["num_overlapped_steps"]
+    assert overlapped > 0 if engine.server_args.enable_overlap_schedule else overlapped == 0

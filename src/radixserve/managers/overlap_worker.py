@@ -6,6 +6,13 @@ tokens (``Scheduler._step_overlapped``). Step N+1 is planned before those tokens
 (``prev_rows[i]``: the row of request i in step N). Steps run one at a time in launch order, so a
 step sees every KV write of the steps launched before it. The torch ops release the GIL, so the
 scheduler's Python work proceeds while a step computes.
+
+This pays where the forward leaves the CPU free (an accelerator computes it asynchronously). On a
+CPU the forward's OpenMP threads already fill every core, so the scheduler's work only takes turns
+with them; worse, libgomp stops spin-waiting once OpenMP regions also run on a thread other than
+the process's first (it then manages more threads than there are CPUs), and the forward's threads
+sleep between regions. Measured on 2 CPUs (benchmarks/RESULTS.md): 0.5-0.9x the plain schedule's
+throughput, hence off by default.
 """
 
 from __future__ import annotations
