@@ -159,3 +159,23 @@ def test_streaming_session_turns_and_plain_requests_share_the_overlapped_loop(ll
     assert scheduler.num_overlapped_steps > 0
     assert overlapped == plain
     assert all(len(overlapped[f"turn{i}"]) == 6 for i in range(3))
+
+
+def test_seeded_sampling_is_reproduced_exactly(llama_path):
+    """A seeded sampler's stream is indexed by the number of tokens generated so far, which a
+    step planned ahead does not know yet: such batches wait for the step in flight, and the
+    samples equal the plain schedule's."""
+    prompts = make_prompts(512, (6, 19, 31), seed=7)
+    runs = []
+    for overlap in (False, True):
+        driver = new_driver(llama_path, enable_overlap_schedule=overlap)
+        for i, ids in enumerate(prompts):
+            driver.submit(f"s{i}", ids, temperature=1.0, top_p=0.9, sampling_seed=100 + i,
+                          ignore_eos=True, max_new_tokens=12)
+        driver.submit("greedy", prompts[0], ignore_eos=True, max_new_tokens=30)
+        driver.run()
+        runs.append(({rid: r.tokens for rid, r in driver.results().items()}, driver.scheduler))
+    (plain, _), (overlapped, scheduler) = runs
+    assert overlapped == plain
+    # Once the seeded requests are done, the greedy one decodes ahead.
+    assert scheduler.num_overlapped_steps > 0
