@@ -101,7 +101,10 @@ def test_arrivals_aborts_and_output_reading_samplers_wait_for_the_step_in_flight
         driver.submit("doomed", prompts[2], ignore_eos=True)
         for _ in range(5):
             assert driver.scheduler.step()
-        driver.submit("late", prompts[3], ignore_eos=True, frequency_penalty=0.7)
+        # A strong bias toward two tokens and a frequency penalty make them alternate with
+        # others in a pattern set by exact counts: one token missing from the count changes it.
+        driver.submit("late", prompts[3], ignore_eos=True, frequency_penalty=2.0,
+                      logit_bias={7: 9.0, 8: 9.0})
         for _ in range(3):
             assert driver.scheduler.step()
         driver.send(AbortReq(rid="doomed"))
@@ -111,6 +114,7 @@ def test_arrivals_aborts_and_output_reading_samplers_wait_for_the_step_in_flight
     assert scheduler.num_overlapped_steps > 0
     assert overlapped["doomed"].finished_reason["type"] == "abort"
     assert plain["doomed"].finished_reason["type"] == "abort"
+    assert plain["late"].tokens.count(7) > 1 and plain["late"].tokens.count(8) > 1
     for rid in ("a", "b", "late"):
         assert overlapped[rid].tokens == plain[rid].tokens, rid
         assert overlapped[rid].finished_reason == plain[rid].finished_reason
