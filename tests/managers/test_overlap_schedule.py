@@ -8,6 +8,7 @@ that every KV slot and request row comes back.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from radixserve.sampling.sampling_params import SamplingParams
+from tests.checkpoints import VOCAB_SIZE
 from tests.managers.conftest import (
     assert_matches_reference,
     hf_reference,
@@ -65,8 +67,7 @@ def assert_same_outputs(plain, overlapped) -> None:
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_greedy_outputs_equal_the_plain_schedule_and_transformers(llama_path, config):
-    vocab = 512
-    prompts = make_prompts(vocab, LENS, seed=3)
+    prompts = make_prompts(VOCAB_SIZE, LENS, seed=3)
     refs = hf_reference(llama_path, prompts, max_new_tokens=max(MAX_NEW))
     named = {f"p{i}": ids for i, ids in enumerate(prompts)}
     per_request: dict[str, dict[str, Any]] = {
@@ -84,15 +85,14 @@ def test_greedy_outputs_equal_the_plain_schedule_and_transformers(llama_path, co
     assert len(overlapped["p5"].tokens) <= 6
     for i, ref in enumerate(refs):
         result = overlapped[f"p{i}"]
-        ref.tokens = ref.tokens[: len(result.tokens)]
-        assert_matches_reference(result, ref)
+        assert_matches_reference(result, replace(ref, tokens=ref.tokens[: len(result.tokens)]))
 
 
 def test_arrivals_aborts_and_output_reading_samplers_wait_for_the_step_in_flight(llama_path):
     """A request arriving mid-decode, an abort of a running request and a penalised request
     (its sampler reads the outputs) each make the overlapped loop process the step in flight
     first; the tokens are still those of the plain schedule."""
-    prompts = make_prompts(512, (8, 21, 34, 13), seed=4)
+    prompts = make_prompts(VOCAB_SIZE, (8, 21, 34, 13), seed=4)
     finals = []
     for overlap in (False, True):
         driver = new_driver(llama_path, enable_overlap_schedule=overlap)
@@ -124,7 +124,7 @@ def test_arrivals_aborts_and_output_reading_samplers_wait_for_the_step_in_flight
 def test_streamed_reports_are_those_of_the_plain_schedule(llama_path):
     """Stream reports go out when a step's tokens are processed, one step later than planned;
     their split into first token, every ``stream_interval`` tokens and the end is unchanged."""
-    prompt = make_prompts(512, (12,), seed=2)[0]
+    prompt = make_prompts(VOCAB_SIZE, (12,), seed=2)[0]
     reports = []
     for overlap in (False, True):
         driver = new_driver(llama_path, enable_overlap_schedule=overlap, stream_interval=3)
@@ -139,8 +139,8 @@ def test_streaming_session_turns_and_plain_requests_share_the_overlapped_loop(ll
     """Turns of streaming sessions (their KV stays in the session's slot) run next to a plain
     request; the overlapped loop waits for each step of a turn, and every turn continues its
     history as in the plain schedule."""
-    turns = make_prompts(512, (11, 5, 7), seed=5)
-    long_prompt = make_prompts(512, (30,), seed=6)[0]
+    turns = make_prompts(VOCAB_SIZE, (11, 5, 7), seed=5)
+    long_prompt = make_prompts(VOCAB_SIZE, (30,), seed=6)[0]
     runs = []
     for overlap in (False, True):
         driver = new_driver(llama_path, enable_overlap_schedule=overlap,
@@ -169,7 +169,7 @@ def test_seeded_sampling_is_reproduced_exactly(llama_path):
     """A seeded sampler's stream is indexed by the number of tokens generated so far, which a
     step planned ahead does not know yet: such batches wait for the step in flight, and the
     samples equal the plain schedule's."""
-    prompts = make_prompts(512, (6, 19, 31), seed=7)
+    prompts = make_prompts(VOCAB_SIZE, (6, 19, 31), seed=7)
     runs = []
     for overlap in (False, True):
         driver = new_driver(llama_path, enable_overlap_schedule=overlap)
