@@ -183,3 +183,22 @@ def test_seeded_sampling_is_reproduced_exactly(llama_path):
     assert overlapped == plain
     # Once the seeded requests are done, the greedy one decodes ahead.
     assert scheduler.num_overlapped_steps > 0
+
+
+def test_requests_waiting_for_a_row_let_the_running_batch_decode_ahead(llama_path):
+    """With every request row taken, the waiting requests can only start after a finish, so
+    the running batch keeps decoding ahead; each waiting request starts one step after the
+    finish that frees its row, and every output equals the plain schedule's."""
+    prompts = make_prompts(VOCAB_SIZE, (7, 15, 23, 31, 12), seed=8)
+    runs = []
+    for overlap in (False, True):
+        driver = new_driver(llama_path, enable_overlap_schedule=overlap, max_running_requests=2)
+        for i, ids in enumerate(prompts):
+            driver.submit(f"q{i}", ids, ignore_eos=True, max_new_tokens=6 + 3 * i)
+        steps = driver.run()
+        runs.append(({rid: r.tokens for rid, r in driver.results().items()}, driver.scheduler,
+                     steps))
+    (plain, _, plain_steps), (overlapped, scheduler, _) = runs
+    assert overlapped == plain
+    # Only the prefills and the steps right after a finish frees a row wait.
+    assert scheduler.num_overlapped_steps >= plain_steps * 3 // 4

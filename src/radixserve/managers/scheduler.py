@@ -259,11 +259,14 @@ class Scheduler:
 
     def _can_decode_ahead(self) -> bool:
         """Whether the running batch's next step can be planned before the tokens of the step
-        in flight are known: nothing waits to be admitted, aborted or retracted, no streaming
-        session turn (its slot takes the turn's KV when it finishes) and no sampler that reads
-        the outputs so far."""
+        in flight are known: nothing could be admitted now (the waiting requests wait for a
+        request slot, which only a finish frees), nothing waits to be aborted or retracted, no
+        streaming session turn (its slot takes the turn's KV when it finishes) and no sampler
+        that reads the outputs so far."""
         batch = self.running_batch
-        if batch.is_empty() or self.waiting_queue or self.chunked_req is not None:
+        if batch.is_empty() or self.chunked_req is not None:
+            return False
+        if self.waiting_queue and self._could_admit_now():
             return False
         for req in batch.reqs:
             if req.to_abort is not None or req.streaming_session_id is not None:
@@ -271,6 +274,13 @@ class Scheduler:
             if reads_output_ids(req.sampling_params, len(req.output_ids)):
                 return False
         return decode_fits(batch)
+
+    def _could_admit_now(self) -> bool:
+        """Whether a waiting request may find a request row: one is free below
+        ``max_running_requests``, or an idle streaming session's row could be released."""
+        if len(self.running_batch) >= self.max_running_requests:
+            return False
+        return self.req_to_token_pool.available_size() > 0 or self.session_cache is not None
 
     def _launch_decode(self, worker: OverlapWorker) -> _InFlight:
         """Launch the running batch's prepared decode step."""
