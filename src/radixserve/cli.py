@@ -16,7 +16,13 @@ from typing import Any
 
 from radixserve import __version__
 from radixserve.layers.attention import ATTENTION_BACKENDS
-from radixserve.server_args import DEVICES, DTYPES, SCHEDULE_POLICIES, ServerArgs
+from radixserve.server_args import (
+    DEVICES,
+    DTYPES,
+    LOAD_BALANCE_METHODS,
+    SCHEDULE_POLICIES,
+    ServerArgs,
+)
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -25,6 +31,7 @@ CHOICES: dict[str, Sequence[str]] = {
     "device": DEVICES,
     "attention_backend": ATTENTION_BACKENDS,
     "schedule_policy": SCHEDULE_POLICIES,
+    "load_balance_method": LOAD_BALANCE_METHODS,
     "log_level": LOG_LEVELS,
 }
 
@@ -40,8 +47,17 @@ HELP: dict[str, str] = {
     "device": "Device to run on ('auto': CUDA if available, else CPU).",
     "context_length": "Override the context length (at most the model's).",
     "random_seed": "Seed of the sampling random generators.",
-    "tp_size": "Tensor-parallel size (only 1 in this build).",
-    "dp_size": "Data-parallel size (only 1 in this build).",
+    "tp_size": "Tensor-parallel size: ranks that split every layer (a scheduler process each).",
+    "pp_size": "Pipeline-parallel size: stages that split the layers (a scheduler process per "
+    "rank of each stage).",
+    "dp_size": "Data-parallel size: model replicas behind one data-parallel controller.",
+    "load_balance_method": "How the data-parallel controller picks a replica for a request "
+    "(sessions always stay on the replica that holds them).",
+    "nnodes": "Machines one replica's ranks run on.",
+    "node_rank": "This machine's index among --nnodes (0 runs the HTTP server).",
+    "dist_init_addr": "HOST:PORT where rank 0 meets the other ranks (torch.distributed; "
+    "default: a free local port, one machine only).",
+    "dist_timeout": "Seconds a rank waits for the others in torch.distributed.",
     "attention_backend": "Attention kernels: torch_native (plain torch, the reference) or cpu "
     "(radixserve's CPU kernels; the default on CPU where they take the model's shape).",
     "mem_fraction_static": "Fraction of free memory for the KV cache (default 0.3 on CPU, "

@@ -24,9 +24,11 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from functools import partial
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -38,7 +40,6 @@ from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-_CHILDREN = ("scheduler", "detokenizer")
 _WATCH_POLL_S = 0.5
 
 
@@ -54,7 +55,7 @@ def port_args_to_json(port_args: PortArgs) -> str:
 
 # ---------------------------------------------------------------------- child processes
 def _child_main(name: str, server_args_json: str, port_args_json: str,
-                ready_conn: Connection) -> None:
+                ready_conn: Connection, child_args_json: str) -> None:
     """Spawn target: import the named entry point here, so the parent never loads it.
 
     Ctrl-C in a terminal signals the whole process group; the children ignore it and are stopped
@@ -62,10 +63,16 @@ def _child_main(name: str, server_args_json: str, port_args_json: str,
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        if name == "scheduler":
-            from radixserve.managers.scheduler import run_scheduler_process as entry
-        else:
+        if name.startswith("scheduler"):
+            from radixserve.managers.scheduler import run_scheduler_process
+
+            entry = partial(run_scheduler_process, rank_args_json=child_args_json)
+        elif name == "detokenizer":
             from radixserve.managers.detokenizer_manager import run_detokenizer_process as entry
+        else:
+            from radixserve.managers.data_parallel_controller import (
+                run_data_parallel_controller_process as entry,
+            )
     except Exception as e:
         error = {"status": "error", "message": f"{type(e).__name__}: {e}"}
         ready_conn.send_bytes(json.dumps(error).encode())
@@ -124,18 +131,58 @@ def terminate_processes(processes: list[mp.process.BaseProcess], timeout: float 
             proc.join()
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def child_processes(server_args: ServerArgs) -> dict[str, str]:
+    """Name → JSON arguments of every child this machine starts, schedulers first.
+
+    One scheduler per rank this machine holds, for each data-parallel replica (the replicas'
+    rank-0 processes are named ``scheduler`` / ``scheduler dpN``); machine 0 also runs the
+    detokenizer and, with several replicas, the data-parallel controller. Each multi-rank replica
+    meets at its own ``tcp://`` address: ``--dist-init-addr`` (port + replica index), or a free
+    local port.
+    """
+    from radixserve.managers.scheduler import RankArgs
+
+    sa = server_args
+    children: dict[str, str] = {}
+    first = sa.node_rank * sa.ranks_per_node
+    for dp_rank in range(sa.dp_size):
+        init = None
+        if sa.ranks_per_replica > 1:
+            if sa.dist_init_addr is not None:
+                host, _, port = sa.dist_init_addr.rpartition(":")
+                init = f"tcp://{host}:{int(port) + dp_rank}"
+            else:
+                init = f"tcp://127.0.0.1:{free_port()}"
+        for rank in range(first, first + sa.ranks_per_node):
+            name = "scheduler" + (f" dp{dp_rank}" if sa.dp_size > 1 else "")
+            name += f" rank{rank}" if rank else ""
+            args = RankArgs(rank=rank, dp_rank=dp_rank, dist_init_method=init)
+            children[name] = json.dumps(dataclasses.asdict(args))
+    if sa.node_rank == 0:
+        children["detokenizer"] = "{}"
+        if sa.dp_size > 1:
+            children["data parallel controller"] = "{}"
+    return children
+
+
 def start_subprocesses(
     server_args: ServerArgs,
     port_args: PortArgs | None = None,
     ready_timeout: float | None = None,
 ) -> tuple[PortArgs, list[mp.process.BaseProcess], dict[str, Any]]:
-    """Spawn the scheduler and detokenizer; return once both are ready.
+    """Spawn this machine's children (``child_processes``); return once all are ready.
 
     Returns the endpoints (``port_args`` if given, else a fresh IPC directory), the processes
-    (scheduler first) and the scheduler's ready message (``max_total_num_tokens``,
-    ``max_running_requests``, ``context_len``, ``page_size``). On any failure the children are
-    killed, the IPC directory removed and ``RuntimeError`` raised. ``ready_timeout`` defaults to
-    ``server_args.watchdog_timeout``.
+    (schedulers first) and the first replica's rank-0 ready message (``max_total_num_tokens``,
+    ``max_running_requests``, ``context_len``, ``page_size``; empty on a machine other than
+    the first). On any failure the children are killed, the IPC directory removed and
+    ``RuntimeError`` raised. ``ready_timeout`` defaults to ``server_args.watchdog_timeout``.
     """
     timeout = server_args.watchdog_timeout if ready_timeout is None else ready_timeout
     port_args = port_args or PortArgs.create()
@@ -143,12 +190,12 @@ def start_subprocesses(
     args_json = (server_args_to_json(server_args), port_args_to_json(port_args))
     children: dict[str, tuple[mp.process.BaseProcess, Connection]] = {}
     try:
-        for name in _CHILDREN:
+        for name, child_args in child_processes(server_args).items():
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_child_main,
-                args=(name, *args_json, writer),
-                name=f"radixserve-{name}",
+                args=(name, *args_json, writer, child_args),
+                name=f"radixserve-{name.replace(' ', '-')}",
                 daemon=True,
             )
             proc.start()
@@ -162,7 +209,8 @@ def start_subprocesses(
     finally:
         for _, conn in children.values():
             conn.close()
-    scheduler_info = {k: v for k, v in infos["scheduler"].items() if k != "status"}
+    entry = infos.get("scheduler", infos.get("scheduler dp0", {}))
+    scheduler_info = {k: v for k, v in entry.items() if k != "status"}
     return port_args, [proc for proc, _ in children.values()], scheduler_info
 
 
@@ -219,6 +267,11 @@ class Engine:
         if unknown:
             raise TypeError(f"unknown Engine argument(s): {', '.join(unknown)}")
         self.server_args = ServerArgs(model_path=os.fspath(model_path), **kwargs)
+        if self.server_args.node_rank != 0:
+            raise ValueError(
+                "an Engine runs on machine 0; start the other machines' ranks with "
+                "`radixserve serve --node-rank N`"
+            )
         from radixserve.model_config import ModelConfig
 
         sa = self.server_args
@@ -374,12 +427,13 @@ class Engine:
         return {"success": reply.success, "message": reply.message}
 
     def get_server_info(self) -> dict[str, Any]:
-        state = self._run(self._tm.get_internal_state())
+        """The arguments, the sizes the scheduler chose, and each replica's internal state."""
+        states = self._run(self._tm.get_internal_states())
         return {
             **dataclasses.asdict(self.server_args),
             "max_total_num_tokens": self.scheduler_info["max_total_num_tokens"],
             "context_length": self.scheduler_info["context_len"],
-            "internal_states": [state],
+            "internal_states": states,
         }
 
     def open_session(

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -27,8 +28,15 @@ class ServerArgs:
     device: str = "auto"
     context_length: int | None = None
     random_seed: int = 0
+    # parallelism (see distributed/ and managers/data_parallel_controller.py)
     tp_size: int = 1
+    pp_size: int = 1
     dp_size: int = 1
+    load_balance_method: str = "round_robin"
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port of rank 0's rendezvous; chosen when one node
+    dist_timeout: float = 600.0
     attention_backend: str | None = None  # None: cpu on CPUs whose kernels take the model
     # memory
     mem_fraction_static: float | None = None
@@ -74,8 +82,7 @@ class ServerArgs:
                 )
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.tp_size != 1 or self.dp_size != 1:
-            raise ValueError("only tp_size=1 and dp_size=1 are supported in this build")
+        self._check_parallelism()
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
@@ -95,6 +102,58 @@ class ServerArgs:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+
+    def _check_parallelism(self) -> None:
+        for name in ("tp_size", "pp_size", "dp_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(
+                f"load_balance_method must be one of {LOAD_BALANCE_METHODS}, "
+                f"got {self.load_balance_method!r}"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1:
+            if self.dp_size > 1:
+                raise ValueError(
+                    "dp_size > 1 runs replicas on one machine; across machines put "
+                    "sglang-router in front of one server per machine"
+                )
+            if (self.tp_size * self.pp_size) % self.nnodes:
+                raise ValueError(
+                    f"tp_size * pp_size ({self.tp_size * self.pp_size}) must be divisible by "
+                    f"nnodes ({self.nnodes})"
+                )
+            if self.dist_init_addr is None:
+                raise ValueError("nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(
+                    f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}"
+                )
+        if self.pp_size > 1 and self.enable_overlap_schedule:
+            raise ValueError(
+                "the overlap schedule does not combine with pipeline parallelism (pp_size > 1): "
+                "the pipeline keeps its stages busy with micro-batches instead"
+            )
+        if self.dist_timeout <= 0:
+            raise ValueError(f"dist_timeout must be positive, got {self.dist_timeout}")
+
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Scheduler ranks of one replica that run on each machine."""
+        return self.ranks_per_replica // self.nnodes
+
+    @property
+    def processes_per_node(self) -> int:
+        """Scheduler processes on one machine (all replicas): they share its memory on CPU."""
+        return self.ranks_per_node * self.dp_size
 
     @property
     def model_name(self) -> str:

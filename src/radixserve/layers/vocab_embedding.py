@@ -1,6 +1,10 @@
-"""Token embedding and the output projection that may share its weight.
+"""Token embedding and the output projection that may share its weight, split over the vocabulary.
 
-Both are replicated on every rank (not vocab-parallel): only ``tp_size == 1`` runs.
+With tensor parallelism each rank holds a contiguous shard of the vocabulary's rows (the
+vocabulary is padded to a multiple of ``tp_size``; padding rows are zero and their logits are cut
+off). The embedding looks up the ids of its shard, zeroes the others and sums over the group; the
+LM head computes its shard's logits and gathers them. With ``tp_size == 1`` both are the plain
+layers, unpadded.
 """
 
 from __future__ import annotations
@@ -9,24 +13,54 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.distributed import RankGroup
 from radixserve.layers.custom_op import select_impl
-from radixserve.layers.linear import default_weight_loader
+from radixserve.layers.linear import WeightSource, default_weight_loader
 from radixserve.layers.packed_weight import NotPacked, PackedWeight, Prepackable, pack_float_weight
 
 
-def _vocab_weight(vocab_size: int, hidden_size: int) -> nn.Parameter:
-    weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-    weight.weight_loader = default_weight_loader
+class VocabShard:
+    """Rows ``[start, start + size)`` of the padded vocabulary belong to this rank."""
+
+    def __init__(self, vocab_size: int, tp: RankGroup) -> None:
+        self.vocab_size = vocab_size
+        self.size = -(-vocab_size // tp.size)
+        self.start = tp.rank_in_group * self.size
+        # rows of the checkpoint tensor that exist in this shard (the last may be short)
+        self.loaded = max(0, min(self.size, vocab_size - self.start))
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: WeightSource) -> None:
+        if loaded_weight.shape[0] != self.vocab_size:
+            raise ValueError(
+                f"shape mismatch: vocabulary of {self.vocab_size} vs checkpoint "
+                f"{tuple(loaded_weight.shape)}"
+            )
+        param.data[self.loaded :].zero_()
+        default_weight_loader(
+            param.data.narrow(0, 0, self.loaded), loaded_weight.narrow(0, self.start, self.loaded)
+        )
+
+
+def _vocab_weight(shard: VocabShard, hidden_size: int) -> nn.Parameter:
+    weight = nn.Parameter(torch.empty(shard.size, hidden_size), requires_grad=False)
+    weight.weight_loader = shard.weight_loader
     return weight
 
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp: RankGroup | None = None) -> None:
         super().__init__()
-        self.weight = _vocab_weight(vocab_size, hidden_size)
+        self.tp = tp or RankGroup.single()
+        self.shard = VocabShard(vocab_size, self.tp)
+        self.weight = _vocab_weight(self.shard, hidden_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.shard.start
+        outside = (local < 0) | (local >= self.shard.size)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
 
 
 class LMHead(Prepackable):
@@ -35,10 +69,12 @@ class LMHead(Prepackable):
 
     cpu_dtypes = (torch.bfloat16,)
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp: RankGroup | None = None) -> None:
         super().__init__()
         self.impl = select_impl(self.cpu_dtypes)
-        self.weight = _vocab_weight(vocab_size, hidden_size)
+        self.tp = tp or RankGroup.single()
+        self.shard = VocabShard(vocab_size, self.tp)
+        self.weight = _vocab_weight(self.shard, hidden_size)
         self.packed: PackedWeight = NotPacked()
 
     def prepack(self, small_batch_copy: bool) -> PackedWeight:
@@ -46,8 +82,12 @@ class LMHead(Prepackable):
         return self.packed
 
     def project(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``hidden_states @ weight.T`` in the weight's dtype."""
-        return self.packed.linear(hidden_states, None)
+        """``hidden_states @ weight.T`` in the weight's dtype, ``[rows, vocab_size]``."""
+        logits = self.packed.linear(hidden_states, None)
+        if self.tp.size == 1:
+            return logits
+        logits = self.tp.all_gather(logits, dim=-1)
+        return logits[:, : self.shard.vocab_size].contiguous()
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         """Share the embedding's weight (``tie_word_embeddings``)."""

@@ -1,8 +1,9 @@
 """How a spawned worker process (scheduler, detokenizer) ends.
 
 A worker exits at once with code 0 on SIGTERM (it holds nothing to flush: interpreter teardown
-would only cost seconds), and SIGTERMs itself when its parent dies, so it never outlives the
-server or Engine that started it.
+would only cost seconds), and exits the same way when its parent dies, so it never outlives the
+server or Engine that started it (the watch thread exits the process itself: a main thread
+blocked in a collective of torch.distributed would never run a signal handler).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def _exit_when_parent_dies() -> None:
     def watch() -> None:
         while os.getppid() == parent:  # reparented once the parent is gone
             time.sleep(_PARENT_POLL_S)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os._exit(0)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 

@@ -10,6 +10,9 @@ ever sent between processes (never pickle).
     DetokenizerManager ──▶ TokenizerManager: BatchStrOutput
     Scheduler ──▶ TokenizerManager:        FlushCacheReqOutput, GetInternalStateReqOutput,
                                            OpenSessionReqOutput
+    Scheduler ──▶ DataParallelController:  LoadReport
+    scheduler rank ──▶ scheduler rank:     a list of the tokenizer's messages (encode_batch),
+                                           StageResult (pipeline: sampled tokens of a step)
 """
 
 from __future__ import annotations
@@ -133,6 +136,31 @@ class OpenSessionReqOutput(_Msg):
     message: str = ""
 
 
+# ---------------------------------------------------------------- scheduler -> dp controller
+class LoadReport(_Msg):
+    """A replica's load, sent by its first rank whenever it changes (``shortest_queue``).
+
+    ``num_received`` counts the generate requests the replica has received so far: the
+    controller adds those it sent since then, which the report cannot know about yet.
+    """
+
+    dp_rank: int
+    num_reqs: int  # running + waiting
+    num_waiting_reqs: int
+    num_tokens: int  # KV tokens in use
+    num_received: int
+
+
+# ---------------------------------------------------------------- scheduler rank -> rank
+class StageResult(_Msg):
+    """Pipeline parallelism: what the last stage sampled for one micro-batch, handed round the
+    stages so that each processes the step's outcome (identically) before scheduling the next."""
+
+    next_token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
 Message = Union[  # noqa: UP007 - msgspec needs a real Union object here
     TokenizedGenerateReqInput,
     AbortReq,
@@ -145,10 +173,13 @@ Message = Union[  # noqa: UP007 - msgspec needs a real Union object here
     FlushCacheReqOutput,
     GetInternalStateReqOutput,
     OpenSessionReqOutput,
+    LoadReport,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+_batch_decoder = msgspec.msgpack.Decoder(list[Message])
+_stage_result_decoder = msgspec.msgpack.Decoder(StageResult)
 
 
 def encode(msg: _Msg) -> bytes:
@@ -157,3 +188,16 @@ def encode(msg: _Msg) -> bytes:
 
 def decode(data: bytes) -> Message:
     return _decoder.decode(data)
+
+
+def encode_batch(msgs: list[Message]) -> bytes:
+    """The messages one scheduler step received, for the other ranks (empty: no bytes)."""
+    return _encoder.encode(msgs) if msgs else b""
+
+
+def decode_batch(data: bytes) -> list[Message]:
+    return _batch_decoder.decode(data) if data else []
+
+
+def decode_stage_result(data: bytes) -> StageResult:
+    return _stage_result_decoder.decode(data)

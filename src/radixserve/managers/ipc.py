@@ -34,6 +34,13 @@ class PortArgs:
             tokenizer_input=f"ipc://{os.path.join(d, 'tokenizer')}",
         )
 
+    def replica_input(self, dp_rank: int, dp_size: int) -> str:
+        """Where a replica's rank 0 receives: the tokenizer's endpoint itself with one replica,
+        else one of its own, fed by the data-parallel controller (which binds the former)."""
+        if dp_size == 1:
+            return self.scheduler_input
+        return f"{self.scheduler_input}-dp{dp_rank}"
+
     @property
     def directory(self) -> str:
         return os.path.dirname(self.scheduler_input.removeprefix("ipc://"))

@@ -9,6 +9,12 @@
 With ``--enable-overlap-schedule`` the model runs on a thread of its own (``OverlapWorker``) and
 a decode step N+1 is launched before step N's tokens are processed (``_step_overlapped``).
 
+Parallel ranks: every rank of a replica runs this scheduler on the same messages
+(``RequestReceiver``) and so takes the same decisions; only rank 0 sends outputs and replies.
+With pipeline parallelism the running requests form ``pp_size`` micro-batches, each with its own
+running batch, driven by ``PipelineLoop`` (``pipeline_loop.py``); ``select_micro_batch`` makes
+one of them the ``running_batch`` the rest of this class works on.
+
 The single-job objects it composes: ``SchedulePolicy`` + ``PrefillAdder`` (admission),
 ``retract_for_decode`` (memory pressure), ``OutputProcessor`` (results), ``TpModelWorker``
 (the model) and the prefix cache (``mem_cache``).
@@ -31,6 +37,7 @@ import torch
 import zmq
 
 from radixserve import envs
+from radixserve.distributed import ParallelState, RankInfo, init_parallel_state
 from radixserve.layers.sampler import SampleOutput
 from radixserve.managers import ipc
 from radixserve.managers.child_process import install_exit_handlers
@@ -42,12 +49,14 @@ from radixserve.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    LoadReport,
     OpenSessionReqInput,
     OpenSessionReqOutput,
     TokenizedGenerateReqInput,
 )
 from radixserve.managers.output_processor import OutputProcessor
 from radixserve.managers.overlap_worker import OverlapWorker
+from radixserve.managers.request_receiver import RequestReceiver
 from radixserve.managers.retraction import NewTokenRatio, decode_fits, retract_for_decode
 from radixserve.managers.schedule_batch import BatchResources, Req, ScheduleBatch, pages_to_alloc
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
@@ -73,6 +82,16 @@ class _InFlight:
     result: Future[SampleOutput]
 
 
+@dataclass
+class MicroBatch:
+    """One pipeline micro-batch's running requests (the only one without pipelining)."""
+
+    running: ScheduleBatch
+    last_was_prefill: bool = False
+    # A step of this micro-batch still in the pipeline (its result not processed yet).
+    in_flight: ScheduleBatch | None = None
+
+
 class Scheduler:
     """Owns the waiting queue, the running batch and the chunked request; runs one step at a time.
 
@@ -85,16 +104,27 @@ class Scheduler:
         server_args: ServerArgs,
         send_to_detokenizer: Callable[[Any], None],
         send_to_tokenizer: Callable[[Any], None],
+        parallel: ParallelState | None = None,
+        device: torch.device | None = None,
+        dp_rank: int = 0,
+        send_load: Callable[[LoadReport], None] | None = None,
     ) -> None:
+        """``parallel``: this rank's place (default: the only rank); ``device``: default
+        ``server_args.device``; ``dp_rank``: the data-parallel replica this rank belongs to;
+        ``send_load``: where changes of its load go (the data-parallel controller)."""
         from transformers import AutoTokenizer
 
         self.server_args = server_args
         self.send_to_tokenizer = send_to_tokenizer
-        device = resolve_device(server_args.device)
+        self.send_load = send_load
+        self._last_load: LoadReport | None = None
+        self.parallel = parallel or ParallelState.single()
+        self.dp_rank = dp_rank
+        device = device or resolve_device(server_args.device)
         self.model_config = ModelConfig.from_path(
             server_args.model_path, server_args.dtype, device, server_args.context_length
         )
-        self.tp_worker = TpModelWorker(self.model_config, server_args, device)
+        self.tp_worker = TpModelWorker(self.model_config, server_args, device, self.parallel)
         runner = self.tp_worker.model_runner
         self.req_to_token_pool = runner.req_to_token_pool
         self.allocator = runner.token_to_kv_pool_allocator
@@ -145,13 +175,16 @@ class Scheduler:
         )
 
         self.waiting_queue: list[Req] = []
-        self.running_batch = ScheduleBatch([], self.res)
+        self.micro_batches = [
+            MicroBatch(ScheduleBatch([], self.res)) for _ in range(self.parallel.info.pp_size)
+        ]
+        self._mb = self.micro_batches[0]  # the micro-batch running_batch refers to
         self.chunked_req: Req | None = None  # holds KV between its prefill chunks
+        self.num_received_reqs = 0  # generate requests received (the load reports count them)
         self.num_retracted_reqs = 0
         self.num_aborted_reqs = 0  # running or waiting requests ended by an abort
         self.last_leak_check: dict[str, Any] = {}
         self._idle_checked = False
-        self._last_was_prefill = False
         self.overlap: OverlapWorker | None = None
         if server_args.enable_overlap_schedule:
             self.overlap = OverlapWorker(self.tp_worker)
@@ -178,15 +211,53 @@ class Scheduler:
             "page_size": self.page_size,
         }
 
+    # ------------------------------------------------------------------ micro-batches
+    @property
+    def running_batch(self) -> ScheduleBatch:
+        return self._mb.running
+
+    @property
+    def _last_was_prefill(self) -> bool:
+        return self._mb.last_was_prefill
+
+    @_last_was_prefill.setter
+    def _last_was_prefill(self, value: bool) -> None:
+        self._mb.last_was_prefill = value
+
+    def select_micro_batch(self, index: int) -> MicroBatch:
+        """Make micro-batch ``index`` the one ``running_batch`` refers to (pipeline loop)."""
+        self._mb = self.micro_batches[index]
+        return self._mb
+
+    def _in_flight_reqs(self) -> list[Req]:
+        return [r for mb in self.micro_batches if mb.in_flight for r in mb.in_flight.reqs]
+
     # ------------------------------------------------------------------ the loop
-    def event_loop(self, recv_socket: zmq.Socket) -> None:
-        """Run forever; an idle scheduler blocks on ``recv_socket`` instead of spinning."""
-        poller = zmq.Poller()
-        poller.register(recv_socket, zmq.POLLIN)
+    def event_loop(self, receiver: RequestReceiver) -> None:
+        """Run forever; an idle scheduler blocks on its input instead of spinning."""
         while True:
-            self.process_input_requests(ipc.recv_nowait(recv_socket))
-            if not self.step():
-                poller.poll(_IDLE_POLL_MS)
+            self.process_input_requests(receiver.recv())
+            busy = self.step()
+            self.report_load()
+            if not busy:
+                receiver.wait(_IDLE_POLL_MS)
+
+    def report_load(self) -> None:
+        """Tell the data-parallel controller this replica's load, when it changed."""
+        if self.send_load is None:
+            return
+        m = self._memory_state()
+        load = LoadReport(
+            dp_rank=self.dp_rank,
+            num_reqs=self._num_running() + len(self.waiting_queue),
+            num_waiting_reqs=len(self.waiting_queue),
+            num_tokens=m["total_kv_tokens"] - m["available_kv_tokens"]
+            - m["evictable_kv_tokens"],
+            num_received=self.num_received_reqs,
+        )
+        if load != self._last_load:
+            self._last_load = load
+            self.send_load(load)
 
     def process_input_requests(self, msgs: list[Any]) -> None:
         for msg in msgs:
@@ -198,22 +269,27 @@ class Scheduler:
         """Run one batch; False when there was nothing to run."""
         if self.overlap is not None:
             return self._step_overlapped(self.overlap)
-        self.sessions.close_expired()
         batch = self.get_next_batch_to_run()
         if batch is None:
-            self._on_idle()
+            self.on_idle()
             return False
-        self._idle_checked = False
-        result = self.tp_worker.forward_batch_generation(batch.to_forward_batch())
-        self._process_result(batch, result)
+        result = self.run_batch(batch)
+        assert result is not None, "without pipelining every rank samples"
+        self.process_batch_result(batch, result)
         return True
 
-    def _on_idle(self) -> None:
+    def run_batch(self, batch: ScheduleBatch) -> SampleOutput | None:
+        """The model step of ``batch``: its tokens, or None on a pipeline stage that does not
+        sample (the tokens come round the pipeline later)."""
+        self._idle_checked = False
+        return self.tp_worker.forward_batch_generation(batch.to_forward_batch())
+
+    def on_idle(self) -> None:
         if not self._idle_checked:
             self.self_check_during_idle()
             self._idle_checked = True
 
-    def _process_result(self, batch: ScheduleBatch, result: SampleOutput) -> None:
+    def process_batch_result(self, batch: ScheduleBatch, result: SampleOutput) -> None:
         self.output_processor.process_batch_result(batch, result)
         self._last_was_prefill = batch.forward_mode.is_extend
         if batch.forward_mode.is_extend:
@@ -234,7 +310,6 @@ class Scheduler:
         its last token and samples one token more, which ``process_batch_result`` discards.
         Greedy outputs are those of ``step``.
         """
-        self.sessions.close_expired()
         previous, self._in_flight = self._in_flight, None
         if previous is not None and self._can_decode_ahead():
             self.new_token_ratio.step()
@@ -248,11 +323,11 @@ class Scheduler:
         batch = self.get_next_batch_to_run()
         if batch is None:
             if previous is None:
-                self._on_idle()
+                self.on_idle()
             return previous is not None
         self._idle_checked = False
         if batch.forward_mode.is_extend:
-            self._process_result(batch, worker.launch(batch.to_forward_batch()).result())
+            self.process_batch_result(batch, worker.launch(batch.to_forward_batch()).result())
         else:
             self._in_flight = self._launch_decode(worker)
         return True
@@ -293,7 +368,7 @@ class Scheduler:
     def _finish_in_flight(self, step: _InFlight) -> None:
         """Wait for the step and process its tokens."""
         result = step.result.result()
-        self._process_result(step.batch, result)
+        self.process_batch_result(step.batch, result)
         for req in step.batch.reqs:
             req.tokens_in_flight -= 1
 
@@ -316,8 +391,9 @@ class Scheduler:
     def _finish_aborted(self) -> None:
         """Requests marked by an abort leave (and free their KV) before the next batch forms."""
         aborted = [r for r in self.running_batch.reqs if r.to_abort is not None]
-        if self.chunked_req is not None and self.chunked_req.to_abort is not None:
-            aborted.append(self.chunked_req)
+        chunked = self.chunked_req
+        if chunked is not None and chunked.to_abort is not None and not self._chunk_in_flight():
+            aborted.append(chunked)
             self.chunked_req = None
         for req in aborted:
             self.output_processor.finish_now([req], {"type": "abort", "message": req.to_abort})
@@ -325,10 +401,19 @@ class Scheduler:
         if aborted:
             self.running_batch.filter_batch()
 
+    def _chunk_in_flight(self) -> bool:
+        """Whether the chunked request's last chunk is still in the pipeline: its next chunk
+        needs that one's KV in the cache (never true without pipelining)."""
+        return self.chunked_req is not None and any(
+            r is self.chunked_req for r in self._in_flight_reqs()
+        )
+
     def _get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting_queue and self.chunked_req is None:
             return None
-        running = self.running_batch.reqs
+        if self._chunk_in_flight():
+            return None
+        running = [r for r in self._holding_reqs() if r is not self.chunked_req]
         holding = len(running) + (self.chunked_req is not None)
         if self.session_cache is not None and self.req_to_token_pool.available_size() == 0:
             # Idle sessions must not starve new requests of rows: their next turn re-prefills.
@@ -391,6 +476,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ handlers
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
+        self.num_received_reqs += 1
         created = None
         if msg.session_params is not None:
             created = self.sessions.create_req(msg)
@@ -463,10 +549,7 @@ class Scheduler:
         self.waiting_queue = [r for r in self.waiting_queue if not hit(r)]
         self.output_processor.finish_now(waiting, reason)
         self.num_aborted_reqs += len(waiting)
-        holding = list(self.running_batch.reqs)
-        if self.chunked_req is not None:
-            holding.append(self.chunked_req)
-        for req in holding:
+        for req in self._holding_reqs():
             if hit(req):
                 req.to_abort = reason["message"]
 
@@ -498,6 +581,9 @@ class Scheduler:
                 "num_overlapped_steps": self.num_overlapped_steps,
                 "new_token_ratio": self.new_token_ratio.value,
                 "last_leak_check": self.last_leak_check,
+                "dp_rank": self.dp_rank,
+                "num_received_reqs": self.num_received_reqs,
+                "session_ids": sorted(self.sessions.sessions),
             }
         )
 
@@ -511,13 +597,26 @@ class Scheduler:
     def _is_idle(self) -> bool:
         return (
             not self.waiting_queue
-            and self.running_batch.is_empty()
+            and all(mb.running.is_empty() and mb.in_flight is None for mb in self.micro_batches)
             and not self.chunked_req
             and self._in_flight is None
         )
 
+    def _holding_reqs(self) -> list[Req]:
+        """Every admitted unfinished request: the running batches of all micro-batches, the
+        prefills still in the pipeline and the chunked request, each once."""
+        seen: dict[int, Req] = {}
+        for mb in self.micro_batches:
+            for req in mb.running.reqs:
+                seen[id(req)] = req
+        for req in self._in_flight_reqs():
+            seen.setdefault(id(req), req)
+        if self.chunked_req is not None:
+            seen.setdefault(id(self.chunked_req), self.chunked_req)
+        return list(seen.values())
+
     def _num_running(self) -> int:
-        return len(self.running_batch) + (self.chunked_req is not None)
+        return len(self._holding_reqs())
 
     def _memory_state(self) -> dict[str, int]:
         return {
@@ -563,10 +662,20 @@ class Scheduler:
 
 
 # ---------------------------------------------------------------------- process entry point
-def scheduler_threads() -> int:
-    """Torch threads of the scheduler: ``OMP_NUM_THREADS`` when set, else one per allowed CPU
-    (the model forward is the only CPU-heavy work of the process)."""
-    allowed = len(os.sched_getaffinity(0))
+@dataclass(frozen=True)
+class RankArgs:
+    """What tells one scheduler process of a launch from the others (passed as JSON)."""
+
+    rank: int = 0  # in its replica: pp_rank * tp_size + tp_rank
+    dp_rank: int = 0
+    dist_init_method: str | None = None  # tcp://HOST:PORT of the replica's rank 0
+
+
+def scheduler_threads(processes_per_node: int = 1) -> int:
+    """Torch threads of the scheduler: ``OMP_NUM_THREADS`` when set, else this process's share
+    of the allowed CPUs (the model forward is the only CPU-heavy work of the process, and the
+    ranks and replicas of one machine split its cores)."""
+    allowed = max(1, len(os.sched_getaffinity(0)) // processes_per_node)
     value = os.environ.get("OMP_NUM_THREADS", "")
     if not value:
         return allowed
@@ -576,26 +685,68 @@ def scheduler_threads() -> int:
     return int(value)
 
 
-def run_scheduler_process(server_args_json: str, port_args_json: str, ready_conn: Any) -> None:
+def rank_device(server_args: ServerArgs, info: RankInfo, dp_rank: int) -> torch.device:
+    """The device of one rank: on CUDA one GPU per rank of the machine, in launch order."""
+    device = resolve_device(server_args.device)
+    if device.type != "cuda":
+        return device
+    return torch.device(
+        "cuda", dp_rank * server_args.ranks_per_node + info.rank % server_args.ranks_per_node
+    )
+
+
+def _discard(msg: Any) -> None:
+    """Outputs of a rank other than 0: rank 0 sends the same ones."""
+
+
+def run_scheduler_process(
+    server_args_json: str, port_args_json: str, ready_conn: Any, rank_args_json: str = "{}"
+) -> None:
     """Entry point of the spawned scheduler process (arguments arrive as JSON, never pickled)."""
     server_args = ServerArgs(**json.loads(server_args_json))
+    rank_args = RankArgs(**json.loads(rank_args_json))
+    info = RankInfo.of_rank(rank_args.rank, server_args.tp_size, server_args.pp_size)
+    name = "scheduler"
+    if server_args.dp_size > 1:
+        name += f" dp{rank_args.dp_rank}"
+    if info.world_size > 1:
+        name += f" rank{info.rank}"
     logging.basicConfig(
         level=server_args.log_level.upper(),
-        format="%(asctime)s scheduler %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
     )
     install_exit_handlers()
-    torch.set_num_threads(scheduler_threads())
+    torch.set_num_threads(scheduler_threads(server_args.processes_per_node))
     random.seed(server_args.random_seed)
     torch.manual_seed(server_args.random_seed)
     ctx = zmq.Context()
     try:
         try:
+            device = rank_device(server_args, info, rank_args.dp_rank)
+            parallel = (
+                init_parallel_state(
+                    info, rank_args.dist_init_method, device, server_args.dist_timeout
+                )
+                if rank_args.dist_init_method is not None
+                else ParallelState.single()
+            )
             port_args = ipc.PortArgs(**json.loads(port_args_json))
-            recv = ipc.pull_socket(ctx, port_args.scheduler_input)
-            to_detokenizer = ipc.push_socket(ctx, port_args.detokenizer_input)
-            to_tokenizer = ipc.push_socket(ctx, port_args.tokenizer_input)
+            recv, send_load = None, None
+            to_detokenizer: Callable[[Any], None] = _discard
+            to_tokenizer: Callable[[Any], None] = _discard
+            if info.is_entry:
+                recv = ipc.pull_socket(
+                    ctx, port_args.replica_input(rank_args.dp_rank, server_args.dp_size)
+                )
+                to_detokenizer = partial(
+                    ipc.send, ipc.push_socket(ctx, port_args.detokenizer_input)
+                )
+                to_tokenizer = partial(ipc.send, ipc.push_socket(ctx, port_args.tokenizer_input))
+                if server_args.dp_size > 1:
+                    send_load = partial(ipc.send, ipc.push_socket(ctx, port_args.scheduler_input))
             scheduler = Scheduler(
-                server_args, partial(ipc.send, to_detokenizer), partial(ipc.send, to_tokenizer)
+                server_args, to_detokenizer, to_tokenizer, parallel=parallel, device=device,
+                dp_rank=rank_args.dp_rank, send_load=send_load,
             )
         except Exception as e:
             logger.exception("scheduler failed to start")
@@ -606,6 +757,12 @@ def run_scheduler_process(server_args_json: str, port_args_json: str, ready_conn
         ready_conn.send_bytes(json.dumps(scheduler.ready_info()).encode())
         ready_conn.close()
         logger.info("scheduler ready: %s", scheduler.ready_info())
-        scheduler.event_loop(recv)
+        receiver = RequestReceiver(parallel, recv, scheduler.sessions.expired_ids)
+        if info.pp_size > 1:
+            from radixserve.managers.pipeline_loop import PipelineLoop
+
+            PipelineLoop(scheduler, receiver).run()
+        else:
+            scheduler.event_loop(receiver)
     finally:
         ctx.destroy(linger=0)

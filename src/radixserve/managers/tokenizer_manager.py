@@ -8,6 +8,8 @@ Flow of a generate call::
     handle_loop (task reading the PULL socket)
         BatchStrOutput (from the detokenizer) → append to the rid's state → wake its generate call
         FlushCacheReqOutput / GetInternalStateReqOutput / OpenSessionReqOutput → waiting future
+        (with ``--dp-size N`` a control request goes to every replica and its future completes
+        with the N replies; a session's open goes to one replica)
     generate_request yields SGLang-shaped dicts built from the state; when its consumer stops
     early (generator closed, task cancelled: a client disconnect) it sends AbortReq for every
     request of the call that has not finished.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,9 +134,10 @@ class TokenizerManager:
         self._states: dict[str, _ReqState] = {}
         self._task: asyncio.Task | None = None
         self._dead_message: str | None = None
-        # Control requests: one in flight per reply type, answered in order by the scheduler.
+        # Control requests: one in flight per reply type, answered in order by the scheduler
+        # (by every data-parallel replica: the future gets the list of their replies).
         self._control_locks: dict[type, asyncio.Lock] = {}
-        self._control_futures: dict[type, asyncio.Future] = {}
+        self._control_futures: dict[type, _Replies] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -158,9 +162,9 @@ class TokenizerManager:
         self._dead_message = message
         for state in list(self._states.values()):
             state.notify.set()
-        for fut in self._control_futures.values():
-            if not fut.done():
-                fut.set_exception(RuntimeError(message))
+        for replies in self._control_futures.values():
+            if not replies.future.done():
+                replies.future.set_exception(RuntimeError(message))
 
     @property
     def num_inflight(self) -> int:
@@ -300,9 +304,9 @@ class TokenizerManager:
             for out in msg.outputs:
                 self._handle_output(out)
         elif isinstance(msg, _CONTROL_REPLIES):
-            fut = self._control_futures.get(type(msg))
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+            replies = self._control_futures.get(type(msg))
+            if replies is not None and not replies.future.done():
+                replies.add(msg)
             else:
                 logger.warning("unexpected %s without a waiting caller", type(msg).__name__)
         else:
@@ -360,20 +364,32 @@ class TokenizerManager:
         ipc.send(self._send_sock, AbortReq(rid=rid, abort_all=abort_all))
 
     async def flush_cache(self) -> FlushCacheReqOutput:
-        """Flush the prefix cache; the scheduler refuses (success False) while requests run."""
-        return await self._control(FlushCacheReq(), FlushCacheReqOutput)
+        """Flush the prefix cache; the scheduler refuses (success False) while requests run
+        (with several replicas: the first refusal, else the first success)."""
+        replies = await self._control_all(FlushCacheReq(), FlushCacheReqOutput)
+        return next((r for r in replies if not r.success), replies[0])
 
     async def get_internal_state(self) -> dict[str, Any]:
-        reply = await self._control(GetInternalStateReq(), GetInternalStateReqOutput)
-        return reply.state
+        """The first (or only) replica's internal state."""
+        return (await self.get_internal_states())[0]
+
+    async def get_internal_states(self) -> list[dict[str, Any]]:
+        """Every data-parallel replica's internal state, in replica order."""
+        replies = await self._control_all(GetInternalStateReq(), GetInternalStateReqOutput)
+        return [r.state for r in sorted(replies, key=lambda r: r.state.get("dp_rank", 0))]
 
     async def open_session(self, req: OpenSessionReqInput) -> str:
-        """Open a session and return its id; ``ValueError`` with the scheduler's reason."""
+        """Open a session and return its id; ``ValueError`` with the scheduler's reason.
+
+        A session without an id gets one here, so that every rank and the data-parallel
+        controller know it by the same name."""
         if req.capacity_of_str_len <= 0:
             raise ValueError(
                 f"capacity_of_str_len must be positive, got {req.capacity_of_str_len}"
             )
-        reply = await self._control(req, OpenSessionReqOutput)
+        if req.session_id is None:
+            req = msgspec.structs.replace(req, session_id=uuid.uuid4().hex)
+        [reply] = await self._control_all(req, OpenSessionReqOutput, fan_out=1)
         if not reply.success or reply.session_id is None:
             raise ValueError(reply.message or "failed to open the session")
         return reply.session_id
@@ -382,17 +398,38 @@ class TokenizerManager:
         self._check_alive()
         ipc.send(self._send_sock, CloseSessionReqInput(session_id=session_id))
 
-    async def _control(self, req: io_struct._Msg, reply_type: type) -> Any:
+    async def _control_all(
+        self, req: io_struct._Msg, reply_type: type, fan_out: int | None = None
+    ) -> list[Any]:
+        """Send a control request; its replies, one per replica that answers (``fan_out``,
+        default every data-parallel replica)."""
         self._check_alive()
         lock = self._control_locks.setdefault(reply_type, asyncio.Lock())
         async with lock:
-            fut = asyncio.get_running_loop().create_future()
-            self._control_futures[reply_type] = fut
+            replies = _Replies(
+                asyncio.get_running_loop().create_future(),
+                fan_out or self.server_args.dp_size,
+            )
+            self._control_futures[reply_type] = replies
             try:
                 ipc.send(self._send_sock, req)
-                return await asyncio.wait_for(fut, self.server_args.watchdog_timeout)
+                return await asyncio.wait_for(replies.future, self.server_args.watchdog_timeout)
             finally:
                 del self._control_futures[reply_type]
+
+
+@dataclass
+class _Replies:
+    """The replies of one control request so far; the future completes with all of them."""
+
+    future: asyncio.Future
+    expected: int
+    received: list[Any] = field(default_factory=list)
+
+    def add(self, reply: Any) -> None:
+        self.received.append(reply)
+        if len(self.received) == self.expected:
+            self.future.set_result(self.received)
 
 
 def _raise_if_rejected(states: list[_ReqState], is_single: bool) -> None:

@@ -5,6 +5,10 @@ fused layer (``q_proj`` → ``qkv_proj`` shard ``"q"``, ``gate_proj`` → ``gate
 are routed through the model's ``packed_modules_mapping``. After loading, every parameter (and
 every shard of a fused one) must have been filled, or loading fails naming what is missing.
 
+A loader receives a ``SafetensorsSlice``: a view of the tensor in the file that reads only what
+the loader narrowed it to, so a tensor-parallel rank reads its own shard from disk and never
+holds the whole tensor. Tensors of other pipeline stages are not read at all.
+
 The model is built inside ``build_context`` (its ops pick their device implementation then, see
 ``layers/custom_op.py``) and packed by ``prepack_model`` once loading is done: the layouts a
 device's kernels read are made from the loaded (per-rank) parameters.
@@ -23,6 +27,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from radixserve.distributed import ParallelState
 from radixserve.layers.attention import AttentionBackend
 from radixserve.layers.custom_op import build_context
 from radixserve.layers.linear import default_weight_loader
@@ -35,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 _INDEX_FILE = "model.safetensors.index.json"
 _LM_HEAD = "lm_head.weight"
+_EMBED = "model.embed_tokens.weight"
 
 
 def checkpoint_files(model_path: str | Path) -> list[Path]:
@@ -52,6 +58,34 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
     if not files:
         raise ValueError(f"no safetensors weights in {model_dir}")
     return files
+
+
+class SafetensorsSlice:
+    """A tensor of an open safetensors file, narrowed lazily: ``load`` reads only the slice."""
+
+    def __init__(self, handle: safe_open, name: str) -> None:
+        self._slice = handle.get_slice(name)
+        self._ranges = [(0, n) for n in self._slice.get_shape()]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(stop - start for start, stop in self._ranges)
+
+    def narrow(self, dim: int, start: int, length: int) -> SafetensorsSlice:
+        lo, hi = self._ranges[dim]
+        if start < 0 or length < 0 or lo + start + length > hi:
+            raise ValueError(
+                f"slice [{start}, {start + length}) out of range for dimension {dim} of size "
+                f"{hi - lo}"
+            )
+        out = object.__new__(SafetensorsSlice)
+        out._slice = self._slice
+        out._ranges = list(self._ranges)
+        out._ranges[dim] = (lo + start, lo + start + length)
+        return out
+
+    def load(self) -> torch.Tensor:
+        return self._slice[tuple(slice(start, stop) for start, stop in self._ranges)]
 
 
 def _skipped(name: str) -> bool:
@@ -83,13 +117,16 @@ def checkpoint_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def load_model(
-    config: ModelConfig, attn_backend: AttentionBackend, device: torch.device
+    config: ModelConfig,
+    attn_backend: AttentionBackend,
+    device: torch.device,
+    parallel: ParallelState | None = None,
 ) -> LlamaForCausalLM:
-    """Build ``config.architecture`` on ``device`` in ``config.torch_dtype``, load its weights
-    and pack them for the device's kernels."""
+    """Build ``config.architecture`` on ``device`` in ``config.torch_dtype`` (this rank's part
+    of it), load its weights and pack them for the device's kernels."""
     model_cls = get_model_class(config.architecture)
     with build_context(device, config.torch_dtype):
-        model = model_cls(config, attn_backend)
+        model = model_cls(config, attn_backend, parallel)
     load_weights(model, config.model_path)
     prepack_model(model, psutil.virtual_memory().total)
     return model.eval()
@@ -99,7 +136,8 @@ def load_weights(model: LlamaForCausalLM, model_path: str | Path) -> None:
     """Fill every parameter of ``model`` from the checkpoint at ``model_path``.
 
     ``lm_head`` is tied to the input embedding when the model is tied or the checkpoint has no
-    ``lm_head.weight``; unknown tensors are skipped with a warning.
+    ``lm_head.weight``; unknown tensors are skipped with a warning, tensors of other pipeline
+    stages silently.
     """
     params = dict(model.named_parameters())  # a tied lm_head.weight is listed once, as embed
     fused_shards: dict[str, set[str | int]] = {}
@@ -110,7 +148,9 @@ def load_weights(model: LlamaForCausalLM, model_path: str | Path) -> None:
     if _LM_HEAD in params and all(name != _LM_HEAD for _, name in tensors):
         logger.info("checkpoint has no %s: tying it to the input embedding", _LM_HEAD)
         model.tie_word_embeddings()
-        params.pop(_LM_HEAD)
+        if not model.lm_head_from_embedding:
+            params.pop(_LM_HEAD)
+    tensors = [(path, name) for path, name in tensors if model.holds_weight(name)]
 
     unexpected: list[str] = []
     handles: dict[Path, safe_open] = {}
@@ -119,19 +159,23 @@ def load_weights(model: LlamaForCausalLM, model_path: str | Path) -> None:
             if path not in handles:
                 handles[path] = stack.enter_context(safe_open(path, framework="pt"))
             target, shard_id = _route(name, model.packed_modules_mapping)
-            param = params.get(target)
-            if param is None:
+            targets = [target]
+            if name == _EMBED and model.lm_head_from_embedding:
+                targets = [t for t in (target, _LM_HEAD) if t in params]
+            elif target not in params:
                 if name != _LM_HEAD:  # a tied checkpoint may still store lm_head
                     unexpected.append(name)
                 continue
-            tensor = handles[path].get_tensor(name)
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            with torch.no_grad():
-                if shard_id is None:
-                    loader(param, tensor)
-                else:
-                    loader(param, tensor, shard_id)
-            loaded.setdefault(target, set()).add(shard_id)
+            tensor = SafetensorsSlice(handles[path], name)
+            for target in targets:
+                param = params[target]
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                with torch.no_grad():
+                    if shard_id is None:
+                        loader(param, tensor)
+                    else:
+                        loader(param, tensor, shard_id)
+                loaded.setdefault(target, set()).add(shard_id)
 
     if unexpected:
         logger.warning("ignored %d checkpoint tensors: %s", len(unexpected), unexpected[:10])

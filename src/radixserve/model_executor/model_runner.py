@@ -5,6 +5,11 @@ size read from the checkpoint headers), the pools and the attention backend are 
 model is built around that backend and loaded. ``forward`` then runs one ``ForwardBatch`` and
 returns the logits (model dtype) of the last token of each request; ``sample`` turns them into
 tokens.
+
+With tensor or pipeline parallelism a runner holds one rank's part: its KV pool stores this
+rank's KV heads of this stage's layers, and every rank of the replica agrees on the number of KV
+slots (the smallest any rank can afford), because their schedulers take identical decisions.
+A stage that is not the last returns its ``StageActivations`` from ``forward``.
 """
 
 from __future__ import annotations
@@ -16,14 +21,17 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
+from radixserve.distributed import ParallelState
 from radixserve.layers.attention import create_attention_backend, default_attention_backend
 from radixserve.layers.custom_op import build_context
+from radixserve.layers.linear import kv_heads_per_rank
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_config import ModelConfig, resolve_device
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixserve.model_executor.model_loader import checkpoint_weight_bytes, load_model
+from radixserve.model_executor.models.llama import StageActivations
 from radixserve.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -45,13 +53,22 @@ def available_memory_bytes(device: torch.device) -> int:
 
 class ModelRunner:
     def __init__(
-        self, model_config: ModelConfig, server_args: ServerArgs, device: torch.device | str
+        self,
+        model_config: ModelConfig,
+        server_args: ServerArgs,
+        device: torch.device | str,
+        parallel: ParallelState | None = None,
     ) -> None:
+        """``parallel``: this rank's place and groups (one process: ``ParallelState.single``)."""
         self.model_config = model_config
         self.device = resolve_device(device)
         self.dtype = model_config.torch_dtype
         self.page_size = server_args.page_size
         self.vocab_size = model_config.vocab_size
+        self.parallel = parallel or ParallelState.single()
+        info = self.parallel.info
+        self.num_kv_heads = kv_heads_per_rank(model_config.num_key_value_heads, info.tp_size)
+        self.num_layers = len(info.stage_layers(model_config.num_hidden_layers))
 
         self.max_total_num_tokens = self._plan_kv_tokens(server_args)
         self.max_running_requests = server_args.max_running_requests or min(
@@ -64,9 +81,9 @@ class ModelRunner:
             size=self.max_total_num_tokens,
             page_size=self.page_size,
             dtype=self.dtype,
-            head_num=model_config.num_key_value_heads,
+            head_num=self.num_kv_heads,
             head_dim=model_config.head_dim,
-            layer_num=model_config.num_hidden_layers,
+            layer_num=self.num_layers,
             device=self.device,
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
@@ -87,13 +104,15 @@ class ModelRunner:
             self.attention_backend, self.req_to_token_pool, self.token_to_kv_pool
         )
         logger.info("attention backend: %s", self.attention_backend)
-        self.model = load_model(model_config, self.attn_backend, self.device)
+        self.model = load_model(model_config, self.attn_backend, self.device, self.parallel)
 
     def _plan_kv_tokens(self, server_args: ServerArgs) -> int:
-        """KV slots to allocate, rounded down to whole pages.
+        """KV slots to allocate, rounded down to whole pages; the same on every rank.
 
         ``max_total_tokens`` wins when set; otherwise ``mem_fraction_static`` (default 0.3 on
-        CPU, 0.85 on CUDA) of the memory left after the weights, divided by one token's KV bytes.
+        CPU, 0.85 on CUDA) of the memory left after the weights, divided by one token's KV bytes
+        on this rank. On a CPU the ranks and replicas of a machine share its memory
+        (``server_args.processes_per_node``); each plans with its share.
         """
         cfg = self.model_config
         if server_args.max_total_tokens is not None:
@@ -102,12 +121,16 @@ class ModelRunner:
             fraction = server_args.mem_fraction_static or _DEFAULT_MEM_FRACTION.get(
                 self.device.type, _DEFAULT_MEM_FRACTION["cuda"]
             )
-            weight_bytes = checkpoint_weight_bytes(cfg, self.dtype)
-            budget = (available_memory_bytes(self.device) - weight_bytes) * fraction
+            sharing = server_args.processes_per_node if self.device.type == "cpu" else 1
+            world = self.parallel.info.world_size
+            weight_bytes = checkpoint_weight_bytes(cfg, self.dtype) * sharing // world
+            budget = (available_memory_bytes(self.device) - weight_bytes) * fraction / sharing
             per_token = MHATokenToKVPool.bytes_per_token(
-                cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers, self.dtype
+                self.num_kv_heads, cfg.head_dim, self.num_layers, self.dtype
             )
             tokens = int(budget) // per_token
+            agreed = torch.tensor([tokens], dtype=torch.int64)
+            tokens = int(self.parallel.world.all_reduce(agreed, torch.distributed.ReduceOp.MIN))
         tokens = tokens // self.page_size * self.page_size
         if tokens <= 0:
             raise ValueError(
@@ -125,13 +148,18 @@ class ModelRunner:
             return Sampler()
 
     @torch.inference_mode()
-    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Next-token logits ``[batch_size, vocab_size]`` in the model's dtype; KV of the new
-        tokens is stored at ``forward_batch.out_cache_loc``."""
+    def forward(
+        self, forward_batch: ForwardBatch, previous_stage: StageActivations | None = None
+    ) -> torch.Tensor | StageActivations:
+        """Next-token logits ``[batch_size, vocab_size]`` in the model's dtype (a pipeline stage
+        other than the last: its activations, from the previous stage's ``previous_stage``); KV
+        of the new tokens is stored at ``forward_batch.out_cache_loc``."""
         if forward_batch.forward_mode is ForwardMode.IDLE or forward_batch.batch_size == 0:
             return torch.empty((0, self.vocab_size), dtype=self.dtype, device=self.device)
         self.attn_backend.init_forward_metadata(forward_batch)
-        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        return self.model(
+            forward_batch.input_ids, forward_batch.positions, forward_batch, previous_stage
+        )
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, forward_batch: ForwardBatch) -> SampleOutput:

@@ -10,6 +10,10 @@ Lifecycle::
 
 The ready line ``radixserve ready: http://HOST:PORT (model NAME)`` is the only thing written to
 stdout; logs go to stderr.
+
+A machine other than the first (``--node-rank N``) serves no HTTP: it runs its scheduler ranks
+until they exit (rank 0's machine ends, and they with it) or until SIGTERM, and prints
+``radixserve node N ready`` once they joined.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ def launch_server(server_args: ServerArgs) -> int:
         device=server_args.device,
         context_length=server_args.context_length,
     )
+    if server_args.node_rank > 0:
+        return _run_worker_node(server_args)
     sock = bind_socket(server_args.host, server_args.port)
     previous_term = signal.signal(signal.SIGTERM, _raise_stop)
     try:
@@ -95,6 +101,28 @@ def _run(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the clean-up finish
         terminate_processes(processes)
         shutil.rmtree(port_args.directory, ignore_errors=True)
+
+
+def _run_worker_node(server_args: ServerArgs) -> int:
+    """Machine N > 0: start this machine's ranks and wait for them (or for SIGTERM)."""
+    previous_term = signal.signal(signal.SIGTERM, _raise_stop)
+    port_args, processes = None, []
+    try:
+        port_args, processes, _ = start_subprocesses(server_args)
+        print(f"radixserve node {server_args.node_rank} ready", flush=True)
+        for proc in processes:
+            proc.join()
+        codes = [proc.exitcode for proc in processes]
+        logger.info("the ranks of node %d exited (codes %s)", server_args.node_rank, codes)
+        return EXIT_OK if all(code == 0 for code in codes) else EXIT_FAILURE
+    except _StopRequested:
+        return EXIT_OK
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        terminate_processes(processes)
+        if port_args is not None:
+            shutil.rmtree(port_args.directory, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous_term)
 
 
 def load_chat_template(value: str | None) -> str | None:

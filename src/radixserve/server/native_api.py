@@ -158,7 +158,7 @@ async def get_server_info(request: Request) -> dict[str, Any]:
         max_total_num_tokens=ctx.scheduler_info.get("max_total_num_tokens"),
         max_running_requests=ctx.scheduler_info.get("max_running_requests"),
         page_size=ctx.scheduler_info.get("page_size", ctx.server_args.page_size),
-        internal_states=[await ctx.tokenizer_manager.get_internal_state()],
+        internal_states=await ctx.tokenizer_manager.get_internal_states(),
         version=__version__,
     )
     return info

@@ -104,12 +104,18 @@ class SessionController:
             self.session_cache.release_slot(session.session_id)
         logger.info("session %s closed", session.session_id)
 
+    def expired_ids(self) -> list[str]:
+        """Sessions idle for longer than their timeout. The scheduler's first rank closes them
+        with ``CloseSessionReqInput`` messages, so that every rank closes them at the same step
+        (each rank's clock would decide differently)."""
+        now = self.clock()
+        return [s.session_id for s in self.sessions.values() if s.is_expired(now)]
+
     def close_expired(self) -> None:
         """Close sessions idle for longer than their timeout."""
-        now = self.clock()
-        for session in [s for s in self.sessions.values() if s.is_expired(now)]:
-            logger.info("session %s timed out", session.session_id)
-            self._drop(session)
+        for session_id in self.expired_ids():
+            logger.info("session %s timed out", session_id)
+            self._drop(self.sessions[session_id])
 
     # ------------------------------------------------------------------ requests
     def create_req(self, msg: TokenizedGenerateReqInput) -> CreatedReq:

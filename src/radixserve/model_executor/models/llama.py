@@ -4,13 +4,22 @@ Parameter names match the Hugging Face checkpoints (``model.layers.N.self_attn.q
 except that q/k/v and gate/up are fused; ``packed_modules_mapping`` tells the loader which
 checkpoint tensor fills which shard of a fused layer. The variants differ only in two switches:
 ``qkv_bias`` (Qwen2) and ``qk_norm`` (Qwen3: RMSNorm per head on q and k before RoPE).
+
+Parallelism (``ParallelState``): linear layers and the vocabulary are split over the stage's
+tensor-parallel group; a pipeline stage builds only its own decoder layers (the others are
+``MissingLayer`` placeholders, so parameter names keep the checkpoint's layer numbers), the first
+stage the embedding, the last the final norm and the LM head. A stage that is not the last
+returns its ``StageActivations`` instead of logits; one that is not the first takes them in.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from radixserve.distributed import ParallelState, RankGroup
 from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.attention import Attention, AttentionBackend
 from radixserve.layers.layernorm import RMSNorm
@@ -28,14 +37,31 @@ from radixserve.model_executor.forward_batch import ForwardBatch
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, signed sin) of RotaryEmbedding.forward
 
 
+@dataclass
+class StageActivations:
+    """What a pipeline stage hands to the next: the residual stream as ``hidden_states +
+    residual`` (the add is left to the next layer's norm, see ``LlamaDecoderLayer.forward``)."""
+
+    hidden_states: torch.Tensor  # [num_tokens, hidden]
+    residual: torch.Tensor  # [num_tokens, hidden]
+
+
+class MissingLayer(nn.Module):
+    """A decoder layer held by another pipeline stage: no parameters, never called."""
+
+    def forward(self, *args: object) -> None:
+        raise RuntimeError("this decoder layer lives on another pipeline stage")
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        layer_id: int,
+        kv_layer: int,
         attn_backend: AttentionBackend,
         qkv_bias: bool,
         qk_norm: bool,
+        tp: RankGroup,
     ) -> None:
         super().__init__()
         head_dim = config.head_dim
@@ -45,11 +71,13 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads,
             config.num_key_value_heads,
             bias=qkv_bias,
+            tp=tp,
         )
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * head_dim,
             config.hidden_size,
             bias=bool(config.hf_config.get("attention_bias", False)),
+            tp=tp,
         )
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
@@ -59,7 +87,7 @@ class LlamaAttention(nn.Module):
             head_dim=head_dim,
             scaling=head_dim**-0.5,
             num_kv_heads=self.qkv_proj.num_kv_heads,
-            layer_id=layer_id,
+            layer_id=kv_layer,
             backend=attn_backend,
         )
 
@@ -84,12 +112,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool, tp: RankGroup
+    ) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], bias=bias
+            hidden_size, [intermediate_size, intermediate_size], bias=bias, tp=tp
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,17 +130,20 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        layer_id: int,
+        kv_layer: int,
         attn_backend: AttentionBackend,
         qkv_bias: bool,
         qk_norm: bool,
+        tp: RankGroup,
     ) -> None:
+        """``kv_layer``: this layer's index in the rank's KV pool (its stage's layers only)."""
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, attn_backend, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, kv_layer, attn_backend, qkv_bias, qk_norm, tp)
         self.mlp = LlamaMLP(
             config.hidden_size,
             config.intermediate_size,
             bias=bool(config.hf_config.get("mlp_bias", False)),
+            tp=tp,
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -142,33 +175,56 @@ class LlamaModel(nn.Module):
         attn_backend: AttentionBackend,
         qkv_bias: bool,
         qk_norm: bool,
+        parallel: ParallelState,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        info, tp = parallel.info, parallel.tp
+        self.stage_layers = info.stage_layers(config.num_hidden_layers)
+        self.embed_tokens = (
+            VocabEmbedding(config.vocab_size, config.hidden_size, tp)
+            if info.is_first_stage
+            else None
+        )
         # One cos/sin table for all layers, covering every position a request can reach.
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.context_len, config.rope_theta, config.rope_scaling
         )
+        start = self.stage_layers.start
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attn_backend, qkv_bias, qk_norm)
+            LlamaDecoderLayer(config, i - start, attn_backend, qkv_bias, qk_norm, tp)
+            if i in self.stage_layers
+            else MissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if info.is_last_stage else None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        previous_stage: StageActivations | None = None,
+    ) -> torch.Tensor | StageActivations:
+        """The final hidden states on the last stage, else this stage's ``StageActivations``."""
+        residual: torch.Tensor | None
+        if self.embed_tokens is not None:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            assert previous_stage is not None, "a later pipeline stage needs activations"
+            hidden_states, residual = previous_stage.hidden_states, previous_stage.residual
         rope = self.rotary_emb(positions, hidden_states.dtype)  # looked up once for all layers
-        residual = None
-        for layer in self.layers:
+        for layer in self.layers[self.stage_layers.start : self.stage_layers.stop]:
             hidden_states, residual = layer(rope, hidden_states, forward_batch, residual)
+        assert residual is not None
+        if self.norm is None:
+            return StageActivations(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
 
 class LlamaForCausalLM(nn.Module):
-    """Causal LM: returns float32 logits of the last token of each request in the batch."""
+    """Causal LM: returns the logits (model dtype) of the last token of each request in the
+    batch; a pipeline stage other than the last returns its ``StageActivations``."""
 
     # checkpoint module name → (fused module name, shard id)
     packed_modules_mapping: dict[str, tuple[str, str | int]] = {
@@ -180,13 +236,26 @@ class LlamaForCausalLM(nn.Module):
     }
     qk_norm: bool = False
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        attn_backend: AttentionBackend,
+        parallel: ParallelState | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
+        self.parallel = parallel or ParallelState.single()
+        info = self.parallel.info
         self.model = LlamaModel(
-            config, attn_backend, qkv_bias=self.qkv_bias(config), qk_norm=self.qk_norm
+            config, attn_backend, qkv_bias=self.qkv_bias(config), qk_norm=self.qk_norm,
+            parallel=self.parallel,
         )
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = (
+            LMHead(config.vocab_size, config.hidden_size, self.parallel.tp)
+            if info.is_last_stage
+            else None
+        )
+        self.tied = False
         if config.tie_word_embeddings:
             self.tie_word_embeddings()
         self.logits_processor = LogitsProcessor()
@@ -196,12 +265,38 @@ class LlamaForCausalLM(nn.Module):
         """Whether q/k/v projections have a bias (Llama: the ``attention_bias`` flag)."""
         return bool(config.hf_config.get("attention_bias", False))
 
+    @property
+    def lm_head_from_embedding(self) -> bool:
+        """A tied LM head on a last stage that has no embedding of its own: it loads the
+        checkpoint's embedding tensor into a weight of its own."""
+        return self.lm_head is not None and self.model.embed_tokens is None and self.tied
+
     def tie_word_embeddings(self) -> None:
-        """Make ``lm_head`` share the input embedding's weight."""
-        self.lm_head.tie_to(self.model.embed_tokens)
+        """Make ``lm_head`` share the input embedding's weight (or, on a last pipeline stage
+        without the embedding, load it from the embedding's checkpoint tensor)."""
+        self.tied = True
+        if self.lm_head is not None and self.model.embed_tokens is not None:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def holds_weight(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to this pipeline stage."""
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) in self.model.stage_layers
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is not None or self.lm_head_from_embedding
+        if name.startswith(("model.norm.", "lm_head.")):
+            return self.lm_head is not None
+        return True
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        hidden_states = self.model(input_ids, positions, forward_batch)
-        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        previous_stage: StageActivations | None = None,
+    ) -> torch.Tensor | StageActivations:
+        out = self.model(input_ids, positions, forward_batch, previous_stage)
+        if isinstance(out, StageActivations):
+            return out
+        assert self.lm_head is not None
+        return self.logits_processor(out, self.lm_head, forward_batch)
