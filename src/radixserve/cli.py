@@ -40,6 +40,8 @@ HELP: dict[str, str] = {
     "random_seed": "Seed of the sampling random generators.",
     "tp_size": "Tensor-parallel size (only 1 in this build).",
     "dp_size": "Data-parallel size (only 1 in this build).",
+    "is_embedding": "Serve a decoder checkpoint as an embedding model (last-token pooling, "
+    "normalised): /encode and /v1/embeddings instead of generation.",
     "mem_fraction_static": "Fraction of free memory for the KV cache (default 0.3 on CPU, "
     "0.85 on CUDA).",
     "max_total_tokens": "KV cache size in tokens (overrides --mem-fraction-static).",
@@ -61,7 +63,7 @@ HELP: dict[str, str] = {
     "log_requests": "Log every request and HTTP access.",
     "log_level": "Logging level.",
     "skip_warmup": "Skip the warm-up generation before the server reports ready.",
-    "watchdog_timeout": "Seconds to wait for a child process to start or answer a control call.",
+    "watchdog_timeout": "Seconds to wait for the scheduler to answer a control call.",
 }
 
 

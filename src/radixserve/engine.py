@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 _CHILDREN = ("scheduler", "detokenizer")
 _WATCH_POLL_S = 0.5
+# How long the children may take to load the weights and report ready.
+READY_TIMEOUT_S = 600.0
 
 
 def server_args_to_json(server_args: ServerArgs) -> str:
@@ -135,9 +137,9 @@ def start_subprocesses(
     (scheduler first) and the scheduler's ready message (``max_total_num_tokens``,
     ``max_running_requests``, ``context_len``, ``page_size``). On any failure the children are
     killed, the IPC directory removed and ``RuntimeError`` raised. ``ready_timeout`` defaults to
-    ``server_args.watchdog_timeout``.
+    ``READY_TIMEOUT_S``.
     """
-    timeout = server_args.watchdog_timeout if ready_timeout is None else ready_timeout
+    timeout = READY_TIMEOUT_S if ready_timeout is None else ready_timeout
     port_args = port_args or PortArgs.create()
     ctx = mp.get_context("spawn")
     args_json = (server_args_to_json(server_args), port_args_to_json(port_args))
@@ -358,6 +360,29 @@ class Engine:
         finally:
             if not self._closed:
                 await asyncio.wrap_future(self._submit(agen.aclose()))
+
+    # ------------------------------------------------------------------ embeddings
+    def encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Embed one input (→ dict) or a batch (→ list): ``{"embedding": [...], "meta_info"}``.
+
+        Needs an embedding model: an encoder checkpoint (BERT) or ``is_embedding=True``.
+        """
+        return self._run(self._tm.encode_request(text=prompt, input_ids=input_ids, rid=rid))
+
+    async def async_encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """``encode`` for the caller's own asyncio loop."""
+        coro = self._tm.encode_request(text=prompt, input_ids=input_ids, rid=rid)
+        return await asyncio.wrap_future(self._submit(coro))
 
     # ------------------------------------------------------------------ control
     def abort(self, rid: str = "", abort_all: bool = False) -> None:

@@ -29,6 +29,7 @@ class ServerArgs:
     random_seed: int = 0
     tp_size: int = 1
     dp_size: int = 1
+    is_embedding: bool = False
     # memory
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
@@ -84,6 +85,8 @@ class ServerArgs:
             )
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if self.watchdog_timeout <= 0:
+            raise ValueError(f"watchdog_timeout must be positive, got {self.watchdog_timeout}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
 

@@ -3,13 +3,14 @@
 Messages are ``msgspec`` structs tagged by class name and encoded with msgpack. Nothing else is
 ever sent between processes (never pickle).
 
-    TokenizerManager ──▶ Scheduler:        TokenizedGenerateReqInput, AbortReq, FlushCacheReq,
-                                           GetInternalStateReq, OpenSessionReqInput,
-                                           CloseSessionReqInput
+    TokenizerManager ──▶ Scheduler:        TokenizedGenerateReqInput, TokenizedEmbeddingReqInput,
+                                           AbortReq, FlushCacheReq, GetInternalStateReq,
+                                           OpenSessionReqInput, CloseSessionReqInput
     Scheduler ──▶ DetokenizerManager:      BatchTokenIDOutput
     DetokenizerManager ──▶ TokenizerManager: BatchStrOutput
-    Scheduler ──▶ TokenizerManager:        FlushCacheReqOutput, GetInternalStateReqOutput,
-                                           OpenSessionReqOutput
+    Scheduler ──▶ TokenizerManager:        BatchEmbeddingOutput (embeddings need no
+                                           detokenizing), FlushCacheReqOutput,
+                                           GetInternalStateReqOutput, OpenSessionReqOutput
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ class TokenizedGenerateReqInput(_Msg):
     top_logprobs_num: int = 0
     stream: bool = False
     session_params: SessionParams | None = None
+
+
+class TokenizedEmbeddingReqInput(_Msg):
+    """One input of an embedding model (an encoder, or a decoder run with --is-embedding)."""
+
+    rid: str
+    input_ids: list[int]
+    input_text: str | None = None
 
 
 class AbortReq(_Msg):
@@ -118,6 +127,20 @@ class BatchStrOutput(_Msg):
 
 
 # ---------------------------------------------------------------- scheduler -> tokenizer
+class ReqEmbeddingOutput(msgspec.Struct, kw_only=True):
+    """A finished embedding request: its pooled, normalised embedding (float32 values)."""
+
+    rid: str
+    embedding: list[float]
+    finished_reason: dict[str, Any]
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class BatchEmbeddingOutput(_Msg):
+    outputs: list[ReqEmbeddingOutput]
+
+
 class FlushCacheReqOutput(_Msg):
     success: bool
     message: str = ""
@@ -135,6 +158,7 @@ class OpenSessionReqOutput(_Msg):
 
 Message = Union[  # noqa: UP007 - msgspec needs a real Union object here
     TokenizedGenerateReqInput,
+    TokenizedEmbeddingReqInput,
     AbortReq,
     FlushCacheReq,
     GetInternalStateReq,
@@ -142,6 +166,7 @@ Message = Union[  # noqa: UP007 - msgspec needs a real Union object here
     CloseSessionReqInput,
     BatchTokenIDOutput,
     BatchStrOutput,
+    BatchEmbeddingOutput,
     FlushCacheReqOutput,
     GetInternalStateReqOutput,
     OpenSessionReqOutput,

@@ -17,6 +17,9 @@ Then one ``BatchTokenIDOutput`` goes to the detokenizer: stream requests report 
 at once, then every ``stream_interval`` tokens (``--stream-interval``; 1: every step) and at
 finish; non-stream requests report once, at finish, with all their tokens. Each report carries
 every token since the previous one.
+
+An embedding model's batch (``process_embedding_result``) samples nothing: each request whose
+input is complete finishes at once and its embedding goes to the tokenizer manager directly.
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from radixserve.managers.io_struct import BatchTokenIDOutput, ReqTokenOutput
+import torch
+
+from radixserve.managers.io_struct import (
+    BatchEmbeddingOutput,
+    BatchTokenIDOutput,
+    ReqEmbeddingOutput,
+    ReqTokenOutput,
+)
 from radixserve.managers.schedule_batch import Req, ScheduleBatch, release_kv
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 
@@ -64,6 +74,7 @@ class OutputProcessor:
         send_to_detokenizer: Callable[[BatchTokenIDOutput], None],
         on_finish: Callable[[Req], None] | None = None,
         stream_interval: int = 1,
+        send_to_tokenizer: Callable[[BatchEmbeddingOutput], None] | None = None,
     ) -> None:
         self.tree_cache = tree_cache
         self.stream_interval = stream_interval
@@ -71,6 +82,7 @@ class OutputProcessor:
         self.eos_token_ids = set(eos_token_ids)
         self.tokenizer = tokenizer
         self.send_to_detokenizer = send_to_detokenizer
+        self.send_to_tokenizer = send_to_tokenizer
 
     def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
         """``result`` is the runner's ``SampleOutput`` for ``batch``."""
@@ -100,6 +112,29 @@ class OutputProcessor:
             if req.finished() or self._stream_due(req):
                 reports.append(req)
         self.send_outputs(reports)
+
+    def process_embedding_result(self, batch: ScheduleBatch, embeddings: torch.Tensor) -> None:
+        """An embedding model's prefill: each request whose whole input is now computed is
+        finished with its pooled embedding, which goes straight to the tokenizer manager."""
+        assert self.send_to_tokenizer is not None, "embedding models send to the tokenizer"
+        done: list[ReqEmbeddingOutput] = []
+        for req, embedding in zip(batch.reqs, embeddings.tolist(), strict=True):
+            if req.is_chunked:
+                self.tree_cache.cache_unfinished_req(req, req.fill_ids)
+                continue
+            req.finished_reason = {"type": "length", "length": 0}
+            release_kv(req, self.tree_cache)
+            done.append(
+                ReqEmbeddingOutput(
+                    rid=req.rid,
+                    embedding=embedding,
+                    finished_reason=req.finished_reason,
+                    prompt_tokens=len(req.origin_input_ids),
+                    cached_tokens=req.cached_tokens,
+                )
+            )
+        if done:
+            self.send_to_tokenizer(BatchEmbeddingOutput(outputs=done))
 
     def _stream_due(self, req: Req) -> bool:
         """Whether a running stream request reports this step: its first token (time to first

@@ -44,6 +44,7 @@ from radixserve.managers.io_struct import (
     GetInternalStateReqOutput,
     OpenSessionReqInput,
     OpenSessionReqOutput,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
 from radixserve.managers.output_processor import OutputProcessor
@@ -56,6 +57,7 @@ from radixserve.mem_cache import create_prefix_cache
 from radixserve.mem_cache.session_aware_cache import SessionAwareCache
 from radixserve.model_config import ModelConfig, resolve_device
 from radixserve.sampling.sampling_batch_info import reads_output_ids
+from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 from radixserve.sessions.session_controller import SessionController
 
@@ -94,6 +96,8 @@ class Scheduler:
         self.model_config = ModelConfig.from_path(
             server_args.model_path, server_args.dtype, device, server_args.context_length
         )
+        # Embedding models (an encoder, or a decoder run with --is-embedding) only prefill.
+        self.is_generation = not (server_args.is_embedding or self.model_config.is_encoder)
         self.tp_worker = TpModelWorker(self.model_config, server_args, device)
         runner = self.tp_worker.model_runner
         self.req_to_token_pool = runner.req_to_token_pool
@@ -106,8 +110,10 @@ class Scheduler:
                 f"chunked_prefill_size ({server_args.chunked_prefill_size}) must be at least "
                 f"page_size ({self.page_size})"
             )
+        # An encoder's tokens attend to what follows them: no prefix can be reused.
+        self.radix_enabled = not (server_args.disable_radix_cache or self.model_config.is_encoder)
         self.tree_cache = create_prefix_cache(
-            server_args.disable_radix_cache, self.req_to_token_pool, self.allocator, self.page_size
+            not self.radix_enabled, self.req_to_token_pool, self.allocator, self.page_size
         )
         # Streaming sessions keep their KV in per-session slots around the prefix cache.
         self.session_cache: SessionAwareCache | None = None
@@ -130,7 +136,7 @@ class Scheduler:
         # Only for stop strings; the detokenizer makes the text.
         tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer, local_files_only=True)
         self.policy = SchedulePolicy(
-            server_args.schedule_policy, self.tree_cache, not server_args.disable_radix_cache
+            server_args.schedule_policy, self.tree_cache, self.radix_enabled
         )
         self.new_token_ratio = NewTokenRatio.from_conservativeness(
             server_args.schedule_conservativeness
@@ -142,6 +148,7 @@ class Scheduler:
             send_to_detokenizer,
             on_finish=self.sessions.on_req_finished,
             stream_interval=server_args.stream_interval,
+            send_to_tokenizer=send_to_tokenizer,
         )
 
         self.waiting_queue: list[Req] = []
@@ -153,7 +160,7 @@ class Scheduler:
         self._idle_checked = False
         self._last_was_prefill = False
         self.overlap: OverlapWorker | None = None
-        if server_args.enable_overlap_schedule:
+        if server_args.enable_overlap_schedule and self.is_generation:
             self.overlap = OverlapWorker(self.tp_worker)
         self._in_flight: _InFlight | None = None
         self.num_overlapped_steps = 0  # decode steps launched before the previous one's result
@@ -161,6 +168,7 @@ class Scheduler:
         self.dispatcher = TypeBasedDispatcher(
             [
                 (TokenizedGenerateReqInput, self.handle_generate_request),
+                (TokenizedEmbeddingReqInput, self.handle_embedding_request),
                 (AbortReq, self.handle_abort),
                 (FlushCacheReq, self.handle_flush_cache),
                 (GetInternalStateReq, self.handle_get_internal_state),
@@ -204,7 +212,10 @@ class Scheduler:
             self._on_idle()
             return False
         self._idle_checked = False
-        result = self.tp_worker.forward_batch_generation(batch.to_forward_batch())
+        if self.is_generation:
+            result = self.tp_worker.forward_batch_generation(batch.to_forward_batch())
+        else:
+            result = self.tp_worker.forward_batch_embedding(batch.to_forward_batch())
         self._process_result(batch, result)
         return True
 
@@ -213,8 +224,11 @@ class Scheduler:
             self.self_check_during_idle()
             self._idle_checked = True
 
-    def _process_result(self, batch: ScheduleBatch, result: SampleOutput) -> None:
-        self.output_processor.process_batch_result(batch, result)
+    def _process_result(self, batch: ScheduleBatch, result: SampleOutput | torch.Tensor) -> None:
+        if self.is_generation:
+            self.output_processor.process_batch_result(batch, result)
+        else:
+            self.output_processor.process_embedding_result(batch, result)
         self._last_was_prefill = batch.forward_mode.is_extend
         if batch.forward_mode.is_extend:
             batch.filter_batch()
@@ -344,6 +358,7 @@ class Scheduler:
             new_token_ratio=self.new_token_ratio.value,
             max_prefill_tokens=self.server_args.max_prefill_tokens,
             chunked_prefill_size=self.server_args.chunked_prefill_size,
+            allow_chunking=not self.model_config.is_encoder,
             free_req_slots=min(
                 self.req_to_token_pool.available_size(), self.max_running_requests - holding
             ),
@@ -392,6 +407,12 @@ class Scheduler:
     # ------------------------------------------------------------------ handlers
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
         created = None
+        if not self.is_generation:
+            req = Req(msg.rid, list(msg.input_ids), msg.sampling_params)
+            self._reject(
+                req, "this server serves an embedding model: use /encode or /v1/embeddings"
+            )
+            return
         if msg.session_params is not None:
             created = self.sessions.create_req(msg)
             req, error = created.req, created.error
@@ -407,10 +428,7 @@ class Scheduler:
             error = None
         error = error or self._validate(req.origin_input_ids, msg)
         if error is not None:
-            logger.info("request %s rejected: %s", msg.rid, error)
-            # status_code 400: bad input, raised to the caller as a ValueError.
-            reason = {"type": "abort", "message": error, "status_code": 400}
-            self.output_processor.finish_now([req], reason)
+            self._reject(req, error)
             return
         if created is not None:
             for replaced in self.sessions.admit(created):
@@ -419,6 +437,47 @@ class Scheduler:
             self.output_processor.finish_now([req], {"type": "length", "length": 0})
         else:
             self.waiting_queue.append(req)
+
+    def handle_embedding_request(self, msg: TokenizedEmbeddingReqInput) -> None:
+        """Queue an embedding: a prefill that samples nothing (``max_new_tokens`` 0)."""
+        req = Req(msg.rid, list(msg.input_ids), SamplingParams(max_new_tokens=0))
+        if self.is_generation:
+            error = "this server serves a generation model: start it with --is-embedding"
+        else:
+            error = self._validate_embedding(req.origin_input_ids)
+        if error is not None:
+            self._reject(req, error)
+            return
+        self.waiting_queue.append(req)
+
+    def _validate_embedding(self, ids: list[int]) -> str | None:
+        vocab, context_len = self.model_config.vocab_size, self.model_config.context_len
+        if not ids:
+            return "the input is empty: an embedding needs at least one token"
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            return f"input token ids out of the vocabulary range [0, {vocab}): {bad[:8]}"
+        if len(ids) > context_len:
+            return (
+                f"the input ({len(ids)} tokens) exceeds the model's context length "
+                f"({context_len} tokens)"
+            )
+        # An encoder's input is encoded in one step: it must fit one prefill batch.
+        budget = min(self.server_args.max_prefill_tokens, self.server_args.chunked_prefill_size)
+        if self.model_config.is_encoder and len(ids) > budget:
+            return f"the input ({len(ids)} tokens) exceeds the prefill budget ({budget} tokens)"
+        if pages_to_alloc(0, len(ids), self.page_size) > self.max_total_num_tokens:
+            return (
+                f"the input ({len(ids)} tokens) does not fit in the KV cache "
+                f"({self.max_total_num_tokens} tokens)"
+            )
+        return None
+
+    def _reject(self, req: Req, error: str) -> None:
+        logger.info("request %s rejected: %s", req.rid, error)
+        # status_code 400: bad input, raised to the caller as a ValueError.
+        reason = {"type": "abort", "message": error, "status_code": 400}
+        self.output_processor.finish_now([req], reason)
 
     def _validate(self, ids: list[int], msg: TokenizedGenerateReqInput) -> str | None:
         """Why the request cannot run, or None. It never reaches the model when rejected.

@@ -12,6 +12,10 @@ Flow of a generate call::
     early (generator closed, task cancelled: a client disconnect) it sends AbortReq for every
     request of the call that has not finished.
 
+An embedding model (encoder, or ``--is-embedding``) takes ``encode_request`` instead: the same
+validation and abort handling, TokenizedEmbeddingReqInput to the scheduler, and one
+BatchEmbeddingOutput back from the scheduler directly (no detokenizer on that path).
+
 All methods must be called on the loop that runs ``handle_loop``; the ``Engine`` bridges threads.
 """
 
@@ -32,6 +36,7 @@ from radixserve.managers import io_struct, ipc
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.io_struct import (
     AbortReq,
+    BatchEmbeddingOutput,
     BatchStrOutput,
     CloseSessionReqInput,
     FlushCacheReq,
@@ -40,8 +45,10 @@ from radixserve.managers.io_struct import (
     GetInternalStateReqOutput,
     OpenSessionReqInput,
     OpenSessionReqOutput,
+    ReqEmbeddingOutput,
     ReqStrOutput,
     SessionParams,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
 from radixserve.sampling.sampling_params import SamplingParams
@@ -87,6 +94,7 @@ class _ReqState:
     finished_reason: dict[str, Any] | None = None
     finished: bool = False
     dirty: bool = False  # received something the consumer has not yielded yet
+    embedding: list[float] | None = None  # embedding requests only
 
     def to_dict(self) -> dict[str, Any]:
         """SGLang's output shape; lists are copied so cumulative chunks stay immutable."""
@@ -102,6 +110,16 @@ class _ReqState:
             if self.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = list(self.top_logprobs)
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+
+    def to_embedding_dict(self) -> dict[str, Any]:
+        """SGLang's ``/encode`` output shape."""
+        meta = {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finished_reason,
+        }
+        return {"embedding": self.embedding, "meta_info": meta}
 
 
 class TokenizerManager:
@@ -131,6 +149,8 @@ class TokenizerManager:
         self._states: dict[str, _ReqState] = {}
         self._task: asyncio.Task | None = None
         self._dead_message: str | None = None
+        # Embedding models (an encoder, or a decoder served with --is-embedding) only encode.
+        self.is_generation = not (server_args.is_embedding or model_config.is_encoder)
         # Control requests: one in flight per reply type, answered in order by the scheduler.
         self._control_locks: dict[type, asyncio.Lock] = {}
         self._control_futures: dict[type, asyncio.Future] = {}
@@ -178,28 +198,15 @@ class TokenizerManager:
         cumulative dicts with an ``"index"`` key into the batch.
         """
         self._check_alive()
+        if not self.is_generation:
+            raise ValueError(
+                "this server serves an embedding model: use /encode or /v1/embeddings"
+            )
         obj.normalize()
         reqs = [self._tokenize(obj[i], i if not obj.is_single else None)
                 for i in range(obj.batch_size)]
-        for req in reqs:
-            if req.rid in self._states:
-                raise ValueError(f"request id {req.rid!r} is already in flight")
-
-        notify = asyncio.Event()
-        now = time.perf_counter()
-        states = [
-            _ReqState(
-                rid=req.rid,
-                notify=notify,
-                return_logprob=obj.return_logprob,
-                top_logprobs_num=obj.top_logprobs_num,
-                metrics=RequestMetrics(rid=req.rid, arrival_time=now),
-            )
-            for req in reqs
-        ]
-        for state, req in zip(states, reqs, strict=True):
-            self._states[state.rid] = state
-            ipc.send(self._send_sock, req)
+        states = self._send(reqs, obj.return_logprob, obj.top_logprobs_num)
+        notify = states[0].notify
         try:
             while True:
                 await notify.wait()
@@ -221,11 +228,99 @@ class TokenizerManager:
                 if done:
                     return
         finally:
-            for state in states:
-                if not state.finished and self._states.pop(state.rid, None) is state:
-                    if self._dead_message is None:
-                        ipc.send(self._send_sock, AbortReq(rid=state.rid))
-                    self._report(state, {"type": "abort", "message": "the caller stopped reading"})
+            self._abort_unfinished(states)
+
+    def _send(
+        self, reqs: list[Any], return_logprob: bool = False, top_logprobs_num: int = 0
+    ) -> list[_ReqState]:
+        """Register one state per request (sharing one notify event) and send them all."""
+        for req in reqs:
+            if req.rid in self._states:
+                raise ValueError(f"request id {req.rid!r} is already in flight")
+        notify = asyncio.Event()
+        now = time.perf_counter()
+        states = [
+            _ReqState(
+                rid=req.rid,
+                notify=notify,
+                return_logprob=return_logprob,
+                top_logprobs_num=top_logprobs_num,
+                metrics=RequestMetrics(rid=req.rid, arrival_time=now),
+            )
+            for req in reqs
+        ]
+        for state, req in zip(states, reqs, strict=True):
+            self._states[state.rid] = state
+            ipc.send(self._send_sock, req)
+        return states
+
+    # ------------------------------------------------------------------ embeddings
+    async def encode_request(
+        self,
+        text: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Embed one input (→ dict) or a batch (→ list, in input order).
+
+        Each output is ``{"embedding": [float, ...], "meta_info": {"id", "prompt_tokens",
+        "cached_tokens", "finish_reason"}}``. Invalid input raises ``ValueError`` before anything
+        is sent; cancelling the call aborts its unfinished requests.
+        """
+        self._check_alive()
+        if self.is_generation:
+            raise ValueError(
+                "this server serves a generation model: start it with --is-embedding to embed "
+                "with a decoder checkpoint"
+            )
+        obj = GenerateReqInput(text=text, input_ids=input_ids, rid=rid)
+        obj.normalize()
+        reqs = []
+        for i in range(obj.batch_size):
+            try:
+                reqs.append(self._tokenize_embedding(obj[i]))
+            except ValueError as e:
+                raise ValueError(f"input {i}: {e}" if not obj.is_single else str(e)) from e
+        states = self._send(reqs)
+        try:
+            while not all(s.finished for s in states):
+                await states[0].notify.wait()
+                states[0].notify.clear()
+                self._check_alive()
+            _raise_if_rejected(states, obj.is_single)
+            outs = [s.to_embedding_dict() for s in states]
+            return outs[0] if obj.is_single else outs
+        finally:
+            self._abort_unfinished(states)
+
+    def _tokenize_embedding(self, obj: GenerateReqInput) -> TokenizedEmbeddingReqInput:
+        if obj.input_ids is not None:
+            input_ids = list(obj.input_ids)
+        else:
+            input_ids = self.tokenizer.encode(obj.text)
+        if not input_ids:
+            raise ValueError("the input is empty")
+        vocab_size = self.model_config.vocab_size
+        bad = sorted({t for t in input_ids if not 0 <= t < vocab_size})
+        if bad:
+            raise ValueError(
+                f"input_ids contain token ids outside the vocabulary [0, {vocab_size}): {bad[:10]}"
+            )
+        context_len = self.model_config.context_len
+        if len(input_ids) > context_len:
+            raise ValueError(
+                f"the input is too long: it has {len(input_ids)} tokens and the model's context "
+                f"length is {context_len} tokens"
+            )
+        return TokenizedEmbeddingReqInput(rid=obj.rid, input_ids=input_ids, input_text=obj.text)
+
+    def _abort_unfinished(self, states: list[_ReqState]) -> None:
+        """The caller stopped waiting: abort (and report) its requests that have not finished."""
+        for state in states:
+            if not state.finished and self._states.pop(state.rid, None) is state:
+                if self._dead_message is None:
+                    ipc.send(self._send_sock, AbortReq(rid=state.rid))
+                self._report(state, {"type": "abort", "message": "the caller stopped reading"})
 
     def _tokenize(self, obj: GenerateReqInput, index: int | None) -> TokenizedGenerateReqInput:
         """Build the scheduler message of one prompt; ``ValueError`` names the batch index."""
@@ -299,6 +394,9 @@ class TokenizerManager:
         if isinstance(msg, BatchStrOutput):
             for out in msg.outputs:
                 self._handle_output(out)
+        elif isinstance(msg, BatchEmbeddingOutput):
+            for emb in msg.outputs:
+                self._handle_embedding(emb)
         elif isinstance(msg, _CONTROL_REPLIES):
             fut = self._control_futures.get(type(msg))
             if fut is not None and not fut.done():
@@ -337,6 +435,18 @@ class TokenizerManager:
             del self._states[out.rid]
             self._report(state, out.finished_reason)
         state.dirty = True
+        state.notify.set()
+
+    def _handle_embedding(self, out: ReqEmbeddingOutput) -> None:
+        state = self._states.pop(out.rid, None)
+        if state is None:  # aborted by its caller
+            return
+        state.embedding = out.embedding
+        state.prompt_tokens = out.prompt_tokens
+        state.cached_tokens = out.cached_tokens
+        state.finished = True
+        state.finished_reason = out.finished_reason
+        self._report(state, out.finished_reason)
         state.notify.set()
 
     def _report(self, state: _ReqState, reason: dict[str, Any]) -> None:

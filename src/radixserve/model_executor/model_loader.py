@@ -49,8 +49,8 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
 
 
 def _skipped(name: str) -> bool:
-    # Old checkpoints store RoPE frequencies; we compute them from the config.
-    return name.endswith("rotary_emb.inv_freq")
+    # Old checkpoints store RoPE frequencies and BERT's position ids: we derive both.
+    return name.endswith(("rotary_emb.inv_freq", "embeddings.position_ids"))
 
 
 def _checkpoint_tensors(files: list[Path]) -> list[tuple[Path, str]]:

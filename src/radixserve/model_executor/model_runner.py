@@ -65,34 +65,46 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests, model_config.context_len, self.device
         )
-        self.token_to_kv_pool = MHATokenToKVPool(
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
+            self.max_total_num_tokens, self.page_size, self.device
+        )
+        # An encoder keeps no KV: its allocator only meters the tokens admitted per step.
+        self.token_to_kv_pool: MHATokenToKVPool | None = None
+        self.attn_backend = None
+        if not model_config.is_encoder:
+            self.token_to_kv_pool = self._create_kv_pool()
+            self.attn_backend = create_attention_backend(
+                "torch_native", self.req_to_token_pool, self.token_to_kv_pool
+            )
+        self.model = load_model(model_config, self.attn_backend, self.device)
+        self._prepack(self.model)
+
+    def _create_kv_pool(self) -> MHATokenToKVPool:
+        cfg = self.model_config
+        pool = MHATokenToKVPool(
             size=self.max_total_num_tokens,
             page_size=self.page_size,
             dtype=self.dtype,
-            head_num=model_config.num_key_value_heads,
-            head_dim=model_config.head_dim,
-            layer_num=model_config.num_hidden_layers,
+            head_num=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            layer_num=cfg.num_hidden_layers,
             device=self.device,
-        )
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
-            self.max_total_num_tokens, self.page_size, self.device
         )
         logger.info(
             "KV cache: %d tokens, %.4g GiB (%s, page size %d); %d request slots",
             self.max_total_num_tokens,
-            self.token_to_kv_pool.size_bytes() / _GIB,
+            pool.size_bytes() / _GIB,
             str(self.dtype).removeprefix("torch."),
             self.page_size,
             self.max_running_requests,
         )
-        self.attn_backend = create_attention_backend(
-            "torch_native", self.req_to_token_pool, self.token_to_kv_pool
-        )
-        self.model = load_model(model_config, self.attn_backend, self.device)
+        return pool
+
+    def _prepack(self, model: torch.nn.Module) -> None:
         if mkldnn_prepack_supported(self.device, self.dtype):
             # bf16 on CPU: oneDNN's blocked weight layout streams about twice as fast, and the
             # small-batch kernels' own copy faster again, where memory allows the extra copy.
-            layers = [m for m in self.model.modules() if isinstance(m, (LinearBase, LMHead))]
+            layers = [m for m in model.modules() if isinstance(m, (LinearBase, LMHead))]
             extra = sum(m.weight.numel() * m.weight.element_size() for m in layers)
             blocked = extra <= BLOCKED_COPY_MAX_RAM_FRACTION * psutil.virtual_memory().total
             for module in layers:
@@ -146,6 +158,14 @@ class ModelRunner:
             return torch.empty((0, self.vocab_size), dtype=self.dtype, device=self.device)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    @torch.inference_mode()
+    def embed(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """One float32 embedding per request ``[batch_size, hidden]`` of an EXTEND batch
+        (embedding models: an encoder, or a decoder served with ``--is-embedding``)."""
+        if self.attn_backend is not None:
+            self.attn_backend.init_forward_metadata(forward_batch)
+        return self.model.embed(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, forward_batch: ForwardBatch) -> SampleOutput:

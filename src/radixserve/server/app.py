@@ -37,8 +37,10 @@ from radixserve.server_args import ServerArgs
 T = TypeVar("T")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-# Routes that start generations: they count as in flight (drain, --max-queued-requests).
-GENERATION_PATHS = frozenset({"/generate", "/v1/chat/completions", "/v1/completions"})
+# Routes that run the model: they count as in flight (drain, --max-queued-requests).
+GENERATION_PATHS = frozenset(
+    {"/generate", "/v1/chat/completions", "/v1/completions", "/encode", "/v1/embeddings"}
+)
 # Reachable without an API key and in every state (it reports the state itself).
 HEALTH_PATH = "/health"
 RETRY_AFTER_S = 1
@@ -319,6 +321,7 @@ def create_app(ctx: ServerContext, max_body_bytes: int = MAX_BODY_BYTES) -> Fast
     from radixserve.server.native_api import router as native_router
     from radixserve.server.openai.serving_chat import router as chat_router
     from radixserve.server.openai.serving_completions import router as completions_router
+    from radixserve.server.openai.serving_embedding import router as embedding_router
     from radixserve.server.openai.serving_models import router as models_router
 
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -327,6 +330,7 @@ def create_app(ctx: ServerContext, max_body_bytes: int = MAX_BODY_BYTES) -> Fast
     app.include_router(native_router)
     app.include_router(chat_router)
     app.include_router(completions_router)
+    app.include_router(embedding_router)
     app.include_router(models_router)
     app.add_middleware(RequestGuard, ctx=ctx, max_body_bytes=max_body_bytes)
     return app

@@ -115,17 +115,18 @@ async def health(request: Request) -> Response:
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
-    """Generate one token end to end (scheduler and detokenizer alive), within a timeout."""
-    ctx = get_ctx(request)
-    obj = GenerateReqInput(
-        text="Hello",
-        sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-        rid=f"health-generate-{uuid.uuid4().hex}",
-    )
-    try:
-        await asyncio.wait_for(
-            first_item(ctx.tokenizer_manager.generate_request(obj)), HEALTH_GENERATE_TIMEOUT_S
+    """Generate one token (embedding models: embed one input) end to end, within a timeout."""
+    tm = get_ctx(request).tokenizer_manager
+    rid = f"health-generate-{uuid.uuid4().hex}"
+    if tm.is_generation:
+        obj = GenerateReqInput(
+            text="Hello", sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=rid
         )
+        work = first_item(tm.generate_request(obj))
+    else:
+        work = tm.encode_request(text="Hello", rid=rid)
+    try:
+        await asyncio.wait_for(work, HEALTH_GENERATE_TIMEOUT_S)
     except (asyncio.TimeoutError, RuntimeError) as exc:
         raise APIError(503, f"health generation failed: {exc or 'timeout'}") from exc
     return Response(status_code=200)
@@ -143,7 +144,7 @@ async def get_model_info(request: Request) -> dict[str, Any]:
         "architecture": config.architecture,
         "context_length": ctx.context_len,
         "vocab_size": ctx.vocab_size,
-        "is_generation": True,
+        "is_generation": ctx.tokenizer_manager.is_generation,
     }
 
 
