@@ -50,7 +50,8 @@ def test_chunked_prefill_gives_the_same_embedding(llama_path, strict_env):
     prompts = make_prompts(500, lens=(70, 45), seed=3)
     kwargs = {**ENGINE_KWARGS, "chunked_prefill_size": 16, "disable_radix_cache": True}
     with Engine(llama_path, dtype="float32", is_embedding=True, **kwargs) as engine:
-        assert_close(engine.encode(input_ids=prompts), hf_last_token_embeddings(llama_path, prompts))
+        ref = hf_last_token_embeddings(llama_path, prompts)
+        assert_close(engine.encode(input_ids=prompts), ref)
         with pytest.raises(ValueError, match="embedding model"):
             engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 1})
         wait_idle(engine)
