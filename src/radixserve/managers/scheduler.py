@@ -38,6 +38,7 @@ from radixserve.managers.dispatcher import TypeBasedDispatcher
 from radixserve.managers.io_struct import (
     AbortReq,
     CloseSessionReqInput,
+    ControlErrorOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
@@ -52,7 +53,10 @@ from radixserve.managers.overlap_worker import OverlapWorker
 from radixserve.managers.retraction import NewTokenRatio, decode_fits, retract_for_decode
 from radixserve.managers.schedule_batch import BatchResources, Req, ScheduleBatch, pages_to_alloc
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
+from radixserve.managers.scheduler_control import SchedulerControl
+from radixserve.managers.scheduler_stats import SchedulerStats
 from radixserve.managers.tp_worker import TpModelWorker
+from radixserve.managers.watchdog import Watchdog
 from radixserve.mem_cache import create_prefix_cache
 from radixserve.mem_cache.session_aware_cache import SessionAwareCache
 from radixserve.model_config import ModelConfig, resolve_device
@@ -164,6 +168,10 @@ class Scheduler:
             self.overlap = OverlapWorker(self.tp_worker)
         self._in_flight: _InFlight | None = None
         self.num_overlapped_steps = 0  # decode steps launched before the previous one's result
+        self.stats = SchedulerStats()
+        self.control = SchedulerControl(self)
+        self._step_start = time.perf_counter()
+        self._inject_faults = envs.RADIXSERVE_TEST_INJECT_FAULTS.get()
 
         self.dispatcher = TypeBasedDispatcher(
             [
@@ -174,6 +182,7 @@ class Scheduler:
                 (GetInternalStateReq, self.handle_get_internal_state),
                 (OpenSessionReqInput, self.handle_open_session),
                 (CloseSessionReqInput, self.handle_close_session),
+                *self.control.handlers(),
             ]
         )
 
@@ -188,25 +197,49 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the loop
     def event_loop(self, recv_socket: zmq.Socket) -> None:
-        """Run forever; an idle scheduler blocks on ``recv_socket`` instead of spinning."""
+        """Run forever; an idle scheduler blocks on ``recv_socket`` instead of spinning. The
+        watchdog ends the process if one step hangs for ``--watchdog-timeout`` seconds."""
         poller = zmq.Poller()
         poller.register(recv_socket, zmq.POLLIN)
+        watchdog = Watchdog(self.server_args.watchdog_timeout)
+        watchdog.start()
         while True:
             self.process_input_requests(ipc.recv_nowait(recv_socket))
-            if not self.step():
+            watchdog.step_started()
+            busy = self.step()
+            watchdog.step_finished()
+            if not busy:
                 poller.poll(_IDLE_POLL_MS)
 
     def process_input_requests(self, msgs: list[Any]) -> None:
+        """Dispatch each message; one that raises fails alone (its request gets a 500, a
+        control caller its error) and the loop goes on with the rest."""
         for msg in msgs:
-            reply = self.dispatcher(msg)
+            try:
+                if self._inject_faults and getattr(msg, "rid", "").startswith("inject-fault-"):
+                    raise RuntimeError(f"injected fault while handling {msg.rid}")
+                reply = self.dispatcher(msg)
+            except Exception as e:
+                logger.exception("failed to handle %s", type(msg).__name__)
+                reply = self._failure_reply(msg, e)
             if reply is not None:
                 self.send_to_tokenizer(reply)
+
+    def _failure_reply(self, msg: Any, error: Exception) -> ControlErrorOutput | None:
+        message = f"internal error in the scheduler: {type(error).__name__}: {error}"
+        if isinstance(msg, (TokenizedGenerateReqInput, TokenizedEmbeddingReqInput)):
+            req = Req(msg.rid, [], SamplingParams(max_new_tokens=0))
+            reason = {"type": "abort", "message": message, "status_code": 500}
+            self.output_processor.finish_now([req], reason)
+            return None
+        return ControlErrorOutput(request=type(msg).__name__, message=message)
 
     def step(self) -> bool:
         """Run one batch; False when there was nothing to run."""
         if self.overlap is not None:
             return self._step_overlapped(self.overlap)
         self.sessions.close_expired()
+        self._step_start = time.perf_counter()
         batch = self.get_next_batch_to_run()
         if batch is None:
             self._on_idle()
@@ -217,6 +250,7 @@ class Scheduler:
         else:
             result = self.tp_worker.forward_batch_embedding(batch.to_forward_batch())
         self._process_result(batch, result)
+        self.control.after_step()
         return True
 
     def _on_idle(self) -> None:
@@ -225,6 +259,11 @@ class Scheduler:
             self._idle_checked = True
 
     def _process_result(self, batch: ScheduleBatch, result: SampleOutput | torch.Tensor) -> None:
+        running = len(self.running_batch) if batch.forward_mode.is_extend else len(batch)
+        self.stats.record(
+            batch, time.perf_counter() - self._step_start, self.memory_state(), running,
+            len(self.waiting_queue),
+        )
         if self.is_generation:
             self.output_processor.process_batch_result(batch, result)
         else:
@@ -249,6 +288,7 @@ class Scheduler:
         Greedy outputs are those of ``step``.
         """
         self.sessions.close_expired()
+        self._step_start = time.perf_counter()
         previous, self._in_flight = self._in_flight, None
         if previous is not None and self._can_decode_ahead():
             self.new_token_ratio.step()
@@ -256,9 +296,11 @@ class Scheduler:
             self._in_flight = self._launch_decode(worker)
             self.num_overlapped_steps += 1
             self._finish_in_flight(previous)
+            self.control.after_step()
             return True
         if previous is not None:
             self._finish_in_flight(previous)
+            self.control.after_step()
         batch = self.get_next_batch_to_run()
         if batch is None:
             if previous is None:
@@ -267,6 +309,7 @@ class Scheduler:
         self._idle_checked = False
         if batch.forward_mode.is_extend:
             self._process_result(batch, worker.launch(batch.to_forward_batch()).result())
+            self.control.after_step()
         else:
             self._in_flight = self._launch_decode(worker)
         return True
@@ -407,11 +450,14 @@ class Scheduler:
     # ------------------------------------------------------------------ handlers
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
         created = None
-        if not self.is_generation:
+        if not self.is_generation or self.control.released:
             req = Req(msg.rid, list(msg.input_ids), msg.sampling_params)
-            self._reject(
-                req, "this server serves an embedding model: use /encode or /v1/embeddings"
-            )
+            if self.control.released:
+                self._reject(req, self._released_message(), status_code=503)
+            else:
+                self._reject(
+                    req, "this server serves an embedding model: use /encode or /v1/embeddings"
+                )
             return
         if msg.session_params is not None:
             created = self.sessions.create_req(msg)
@@ -441,6 +487,9 @@ class Scheduler:
     def handle_embedding_request(self, msg: TokenizedEmbeddingReqInput) -> None:
         """Queue an embedding: a prefill that samples nothing (``max_new_tokens`` 0)."""
         req = Req(msg.rid, list(msg.input_ids), SamplingParams(max_new_tokens=0))
+        if self.control.released:
+            self._reject(req, self._released_message(), status_code=503)
+            return
         if self.is_generation:
             error = "this server serves a generation model: start it with --is-embedding"
         else:
@@ -449,6 +498,12 @@ class Scheduler:
             self._reject(req, error)
             return
         self.waiting_queue.append(req)
+
+    def _released_message(self) -> str:
+        return (
+            f"the server's memory is released ({sorted(self.control.released)}): "
+            "resume_memory_occupation first"
+        )
 
     def _validate_embedding(self, ids: list[int]) -> str | None:
         vocab, context_len = self.model_config.vocab_size, self.model_config.context_len
@@ -473,10 +528,10 @@ class Scheduler:
             )
         return None
 
-    def _reject(self, req: Req, error: str) -> None:
+    def _reject(self, req: Req, error: str, status_code: int = 400) -> None:
         logger.info("request %s rejected: %s", req.rid, error)
-        # status_code 400: bad input, raised to the caller as a ValueError.
-        reason = {"type": "abort", "message": error, "status_code": 400}
+        # status_code 400: bad input, raised to the caller as a ValueError; 503: unavailable.
+        reason = {"type": "abort", "message": error, "status_code": status_code}
         self.output_processor.finish_now([req], reason)
 
     def _validate(self, ids: list[int], msg: TokenizedGenerateReqInput) -> str | None:
@@ -530,31 +585,38 @@ class Scheduler:
                 req.to_abort = reason["message"]
 
     def handle_flush_cache(self, msg: FlushCacheReq) -> FlushCacheReqOutput:
-        if not self._is_idle():
+        if not self.is_idle():
             return FlushCacheReqOutput(
                 success=False,
                 message=(
                     f"cannot flush the cache while requests run or wait "
-                    f"({self._num_running()} running, {len(self.waiting_queue)} waiting)"
+                    f"({self.num_running()} running, {len(self.waiting_queue)} waiting)"
                 ),
             )
+        self.flush()
+        return FlushCacheReqOutput(success=True)
+
+    def flush(self) -> None:
+        """Drop the prefix cache, session slots and every allocation (idle only)."""
+        assert self.is_idle(), "flush while requests hold memory"
         self.tree_cache.reset()
         self.allocator.clear()
         self.req_to_token_pool.clear()
         logger.info("cache flushed")
-        return FlushCacheReqOutput(success=True)
 
     def handle_get_internal_state(self, msg: GetInternalStateReq) -> GetInternalStateReqOutput:
         self.self_check_during_idle()  # fresh when idle, else the last idle check
         return GetInternalStateReqOutput(
             state={
-                "memory": self._memory_state(),
-                "num_running_reqs": self._num_running(),
+                "memory": self.memory_state(),
+                "num_running_reqs": self.num_running(),
                 "num_waiting_reqs": len(self.waiting_queue),
                 "max_total_num_tokens": self.max_total_num_tokens,
                 "num_retracted_reqs": self.num_retracted_reqs,
                 "num_aborted_reqs": self.num_aborted_reqs,
                 "num_overlapped_steps": self.num_overlapped_steps,
+                "max_running_requests": self.max_running_requests,
+                **self.stats.summary(),
                 "new_token_ratio": self.new_token_ratio.value,
                 "last_leak_check": self.last_leak_check,
             }
@@ -567,7 +629,7 @@ class Scheduler:
         self.sessions.close(msg.session_id)
 
     # ------------------------------------------------------------------ memory invariant
-    def _is_idle(self) -> bool:
+    def is_idle(self) -> bool:
         return (
             not self.waiting_queue
             and self.running_batch.is_empty()
@@ -575,10 +637,10 @@ class Scheduler:
             and self._in_flight is None
         )
 
-    def _num_running(self) -> int:
+    def num_running(self) -> int:
         return len(self.running_batch) + (self.chunked_req is not None)
 
-    def _memory_state(self) -> dict[str, int]:
+    def memory_state(self) -> dict[str, int]:
         return {
             "available_kv_tokens": self.allocator.available_size(),
             "evictable_kv_tokens": self.tree_cache.evictable_size(),
@@ -599,9 +661,9 @@ class Scheduler:
         and every request slot is free or held by a session. A violation is a bug: logged, and
         raised in tests.
         """
-        if not self._is_idle():
+        if not self.is_idle():
             return
-        m = self._memory_state()
+        m = self.memory_state()
         accounted = (
             m["available_kv_tokens"]
             + m["evictable_kv_tokens"]

@@ -22,6 +22,8 @@ All methods must be called on the loop that runs ``handle_loop``; the ``Engine``
 from __future__ import annotations
 
 import asyncio
+import gc
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -39,24 +41,61 @@ from radixserve.managers.io_struct import (
     BatchEmbeddingOutput,
     BatchStrOutput,
     CloseSessionReqInput,
+    ControlErrorOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
+    FreezeGCReq,
+    FreezeGCReqOutput,
+    GetInspectorStateReq,
+    GetInspectorStateReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    GetLoadReqInput,
+    GetLoadReqOutput,
+    GetWeightsByNameReqInput,
+    GetWeightsByNameReqOutput,
+    HealthCheckReq,
+    HealthCheckReqOutput,
     OpenSessionReqInput,
     OpenSessionReqOutput,
+    ProfileReq,
+    ProfileReqOutput,
+    ReleaseMemoryOccupationReqInput,
+    ReleaseMemoryOccupationReqOutput,
     ReqEmbeddingOutput,
     ReqStrOutput,
+    ResumeMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqOutput,
     SessionParams,
+    SetInternalStateReq,
+    SetInternalStateReqOutput,
+    SlowDownReqInput,
+    SlowDownReqOutput,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
 )
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-_CONTROL_REPLIES = (FlushCacheReqOutput, GetInternalStateReqOutput, OpenSessionReqOutput)
+_CONTROL_REPLIES = (
+    FlushCacheReqOutput, GetInternalStateReqOutput, OpenSessionReqOutput,
+    UpdateWeightFromDiskReqOutput, GetWeightsByNameReqOutput, ReleaseMemoryOccupationReqOutput,
+    ResumeMemoryOccupationReqOutput, ProfileReqOutput, SetInternalStateReqOutput,
+    SlowDownReqOutput, FreezeGCReqOutput, GetLoadReqOutput, GetInspectorStateReqOutput,
+)
+
+
+class ServiceUnavailableError(RuntimeError):
+    """The engine cannot take requests now (its memory is released): HTTP 503."""
+
+
+class SchedulerError(RuntimeError):
+    """The scheduler failed while handling this request (a bug): HTTP 500 with the message.
+    The scheduler and the other requests go on."""
 
 
 @dataclass
@@ -154,6 +193,17 @@ class TokenizerManager:
         # Control requests: one in flight per reply type, answered in order by the scheduler.
         self._control_locks: dict[type, asyncio.Lock] = {}
         self._control_futures: dict[type, asyncio.Future] = {}
+        self._reply_type_of: dict[str, type] = {}  # request type name → its reply type
+        # Admission: closed while weights are swapped or memory released (requests wait);
+        # while memory is released, requests get ServiceUnavailableError.
+        self._admission = asyncio.Event()
+        self._admission.set()
+        self._exclusive = asyncio.Lock()  # one weights/memory operation at a time
+        self.memory_released: set[str] = set()
+        # Liveness pings: the highest sequence number the scheduler has answered.
+        self._ping_seq = itertools.count(1)
+        self._pong_seq = 0
+        self._pong = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -202,6 +252,7 @@ class TokenizerManager:
             raise ValueError(
                 "this server serves an embedding model: use /encode or /v1/embeddings"
             )
+        await self._admit()  # the last await before the requests are sent
         obj.normalize()
         reqs = [self._tokenize(obj[i], i if not obj.is_single else None)
                 for i in range(obj.batch_size)]
@@ -274,6 +325,7 @@ class TokenizerManager:
                 "with a decoder checkpoint"
             )
         obj = GenerateReqInput(text=text, input_ids=input_ids, rid=rid)
+        await self._admit()  # the last await before the requests are sent
         obj.normalize()
         reqs = []
         for i in range(obj.batch_size):
@@ -397,12 +449,22 @@ class TokenizerManager:
         elif isinstance(msg, BatchEmbeddingOutput):
             for emb in msg.outputs:
                 self._handle_embedding(emb)
+        elif isinstance(msg, HealthCheckReqOutput):
+            self._pong_seq = max(self._pong_seq, msg.seq)
+            self._pong.set()
         elif isinstance(msg, _CONTROL_REPLIES):
             fut = self._control_futures.get(type(msg))
             if fut is not None and not fut.done():
                 fut.set_result(msg)
             else:
                 logger.warning("unexpected %s without a waiting caller", type(msg).__name__)
+        elif isinstance(msg, ControlErrorOutput):
+            reply_type = self._reply_type_of.get(msg.request)
+            fut = self._control_futures.get(reply_type) if reply_type else None
+            if fut is not None and not fut.done():
+                fut.set_exception(SchedulerError(msg.message))
+            else:
+                logger.error("the scheduler failed on %s: %s", msg.request, msg.message)
         else:
             logger.warning("tokenizer manager ignores message %s", type(msg).__name__)
 
@@ -492,8 +554,147 @@ class TokenizerManager:
         self._check_alive()
         ipc.send(self._send_sock, CloseSessionReqInput(session_id=session_id))
 
+    # ------------------------------------------------------------------ operations
+    async def _admit(self) -> None:
+        """Wait while a weight update or a memory release holds admission closed."""
+        if self.memory_released:
+            raise ServiceUnavailableError(self._released_message())
+        await self._admission.wait()
+        if self.memory_released:
+            raise ServiceUnavailableError(self._released_message())
+
+    def _released_message(self) -> str:
+        return (
+            f"the server's memory is released ({sorted(self.memory_released)}); "
+            "resume_memory_occupation first"
+        )
+
+    async def _drain(self, abort: bool) -> None:
+        """Close admission (new requests wait) and wait until no request is in flight."""
+        self._admission.clear()
+        if abort and self._states:
+            self.abort_request(abort_all=True)
+        while self._states:
+            await asyncio.sleep(0.01)
+            self._check_alive()
+
+    async def update_weights_from_disk(
+        self, model_path: str, load_format: str | None = None, abort_all_requests: bool = False
+    ) -> str:
+        """Swap in the weights at ``model_path``: admission pauses, running requests finish (or
+        are aborted), the weights change, the cache is flushed, admission resumes. A refusal
+        (bad path, other shapes) raises ``ValueError`` and the old weights keep serving."""
+        async with self._exclusive:
+            try:
+                await self._drain(abort_all_requests)
+                reply = await self._control(
+                    UpdateWeightFromDiskReqInput(model_path=model_path, load_format=load_format),
+                    UpdateWeightFromDiskReqOutput,
+                )
+            finally:
+                self._admission.set()
+        if not reply.success:
+            raise ValueError(reply.message)
+        return reply.message
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        reply = await self._control(
+            GetWeightsByNameReqInput(name=name, truncate_size=truncate_size),
+            GetWeightsByNameReqOutput,
+        )
+        if reply.parameter is None:
+            raise ValueError(reply.message)
+        return reply.parameter
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> str:
+        """Free the KV pool and/or the weights; requests get ``ServiceUnavailableError`` until
+        ``resume_memory_occupation``. Running requests finish first."""
+        async with self._exclusive:
+            try:
+                await self._drain(abort=False)
+                reply = await self._control(
+                    ReleaseMemoryOccupationReqInput(tags=tags), ReleaseMemoryOccupationReqOutput
+                )
+                if reply.success:
+                    self.memory_released |= set(tags or ("kv_cache", "weights"))
+            finally:
+                self._admission.set()
+        if not reply.success:
+            raise ValueError(reply.message)
+        return reply.message
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> str:
+        async with self._exclusive:
+            reply = await self._control(
+                ResumeMemoryOccupationReqInput(tags=tags), ResumeMemoryOccupationReqOutput
+            )
+            if reply.success:
+                self.memory_released -= set(tags or ("kv_cache", "weights"))
+        if not reply.success:
+            raise ValueError(reply.message)
+        return reply.message
+
+    async def profile(self, req: ProfileReq) -> ProfileReqOutput:
+        reply = await self._control(req, ProfileReqOutput)
+        if not reply.success:
+            raise ValueError(reply.message)
+        return reply
+
+    async def set_internal_state(self, server_args: dict[str, Any]) -> dict[str, Any]:
+        reply = await self._control(
+            SetInternalStateReq(server_args=server_args), SetInternalStateReqOutput
+        )
+        if not reply.updated:
+            raise ValueError(reply.message)
+        return reply.server_args
+
+    async def slow_down(self, forward_sleep_time: float | None) -> float | None:
+        if forward_sleep_time is not None and forward_sleep_time < 0:
+            raise ValueError(f"forward_sleep_time must be >= 0, got {forward_sleep_time}")
+        reply = await self._control(
+            SlowDownReqInput(forward_sleep_time=forward_sleep_time), SlowDownReqOutput
+        )
+        return reply.forward_sleep_time
+
+    async def freeze_gc(self) -> dict[str, int]:
+        """``gc.freeze()`` in the scheduler and in this process; the objects each froze."""
+        reply = await self._control(FreezeGCReq(), FreezeGCReqOutput)
+        gc.collect()
+        gc.freeze()
+        return {"scheduler": reply.frozen_objects, "tokenizer_manager": gc.get_freeze_count()}
+
+    async def get_load(self) -> list[dict[str, Any]]:
+        """One entry per data-parallel replica (SGLang's ``/get_load`` shape)."""
+        reply = await self._control(GetLoadReqInput(), GetLoadReqOutput)
+        return [msgspec.structs.asdict(reply)]
+
+    async def get_inspector_state(self) -> dict[str, Any]:
+        reply = await self._control(GetInspectorStateReq(), GetInspectorStateReqOutput)
+        return reply.state
+
+    async def check_health(self, timeout: float) -> bool:
+        """Whether the scheduler answers a liveness ping within ``timeout`` seconds (it answers
+        between steps, so a step stuck for longer fails it). Concurrent checks share pings."""
+        self._check_alive()
+        seq = next(self._ping_seq)
+        ipc.send(self._send_sock, HealthCheckReq(seq=seq))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._pong_seq < seq:
+            self._pong.clear()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._pong.wait(), remaining)
+            except asyncio.TimeoutError:
+                return False
+            self._check_alive()
+        return True
+
     async def _control(self, req: io_struct._Msg, reply_type: type) -> Any:
         self._check_alive()
+        self._reply_type_of[type(req).__name__] = reply_type
         lock = self._control_locks.setdefault(reply_type, asyncio.Lock())
         async with lock:
             fut = asyncio.get_running_loop().create_future()
@@ -505,13 +706,20 @@ class TokenizerManager:
                 del self._control_futures[reply_type]
 
 
-def _raise_if_rejected(states: list[_ReqState], is_single: bool) -> None:
-    """Bad input the scheduler found (e.g. an invalid session) is a ``ValueError`` like ours.
+_REJECTIONS: dict[int, type[Exception]] = {
+    400: ValueError, 500: SchedulerError, 503: ServiceUnavailableError
+}
 
-    The scheduler marks such a rejection with ``status_code`` 400 on its abort reason.
+
+def _raise_if_rejected(states: list[_ReqState], is_single: bool) -> None:
+    """A request the scheduler refused or failed raises like our own checks do.
+
+    The scheduler marks such an end with a ``status_code`` on its abort reason: 400 bad input
+    (e.g. an invalid session: ``ValueError``), 500 its own failure, 503 memory released.
     """
     for i, state in enumerate(states):
         reason = state.finished_reason
-        if state.finished and reason and reason.get("status_code") == 400:
+        if state.finished and reason and reason.get("status_code") in _REJECTIONS:
             message = reason.get("message", "invalid request")
-            raise ValueError(message if is_single else f"prompt {i}: {message}")
+            error = _REJECTIONS[reason["status_code"]]
+            raise error(message if is_single else f"prompt {i}: {message}")

@@ -121,7 +121,7 @@ def load_weights(model: LlamaForCausalLM, model_path: str | Path) -> None:
         for path, name in tqdm(tensors, desc="Loading weights", unit="tensor", leave=False):
             if path not in handles:
                 handles[path] = stack.enter_context(safe_open(path, framework="pt"))
-            target, shard_id = _route(name, model.packed_modules_mapping)
+            target, shard_id = route_checkpoint_name(name, model.packed_modules_mapping)
             param = params.get(target)
             if param is None:
                 if name != _LM_HEAD:  # a tied checkpoint may still store lm_head
@@ -148,7 +148,7 @@ def load_weights(model: LlamaForCausalLM, model_path: str | Path) -> None:
         raise ValueError(f"checkpoint {model_path} lacks parameters: {', '.join(missing)}")
 
 
-def _route(
+def route_checkpoint_name(
     name: str, packed_modules_mapping: dict[str, tuple[str, str | int]]
 ) -> tuple[str, str | int | None]:
     """Checkpoint tensor name → (model parameter name, shard id or None)."""

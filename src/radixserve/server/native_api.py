@@ -106,10 +106,22 @@ async def _stream_events(outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
 # ---------------------------------------------------------------------------- health
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 once warmed up; 503 while starting or draining (load balancers stop sending)."""
-    state = get_ctx(request).state
-    if state is not ServerState.READY:
-        raise APIError(503, f"The server is {state.value}.", headers={"Retry-After": "1"})
+    """200 once warmed up and while the scheduler answers a liveness ping within
+    ``--health-timeout``; 503 while starting or draining, or when the scheduler is stuck in a
+    step (load balancers stop sending)."""
+    ctx = get_ctx(request)
+    if ctx.state is not ServerState.READY:
+        raise APIError(503, f"The server is {ctx.state.value}.", headers={"Retry-After": "1"})
+    timeout = ctx.server_args.health_timeout
+    try:
+        alive = await ctx.tokenizer_manager.check_health(timeout)
+    except RuntimeError as exc:  # the scheduler is gone
+        raise APIError(503, f"The scheduler is not running: {exc}") from exc
+    if not alive:
+        raise APIError(
+            503, f"The scheduler did not answer a liveness ping within {timeout:g}s.",
+            headers={"Retry-After": "1"},
+        )
     return Response(status_code=200)
 
 
