@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import torch
 
-from radixserve.layers.attention import create_attention_backend
-from radixserve.layers.linear import LinearBase, mkldnn_prepack_supported
-from radixserve.layers.vocab_embedding import LMHead
+from radixserve.layers.attention import create_attention_backend, default_attention_backend
+from radixserve.layers.custom_op import build_context
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -37,10 +36,6 @@ if TYPE_CHECKING:
     from radixserve.layers.sampler import SampleOutput, Sampler
 
 logger = logging.getLogger(__name__)
-
-# The small-batch kernels keep a second copy of every linear weight: only when that copy is
-# small next to the machine's memory.
-BLOCKED_COPY_MAX_RAM_FRACTION = 0.1
 
 _GIB = 1 << 30
 # What a checkpoint must share with the served model to replace its weights in place.
@@ -83,11 +78,14 @@ class ModelRunner:
         self.attn_backend = None
         if not model_config.is_encoder:
             self.token_to_kv_pool = self._create_kv_pool()
-            self.attn_backend = create_attention_backend(
-                "torch_native", self.req_to_token_pool, self.token_to_kv_pool
+            self.attention_backend = server_args.attention_backend or default_attention_backend(
+                self.device, self.dtype, model_config.head_dim
             )
+            self.attn_backend = create_attention_backend(
+                self.attention_backend, self.req_to_token_pool, self.token_to_kv_pool
+            )
+            logger.info("attention backend: %s", self.attention_backend)
         self.model: Any = load_model(model_config, self.attn_backend, self.device)
-        self._prepack(self.model)
         self.released: set[str] = set()  # memory given back by release_memory (MEMORY_TAGS)
 
     def _create_kv_pool(self) -> MHATokenToKVPool:
@@ -110,22 +108,6 @@ class ModelRunner:
             self.max_running_requests,
         )
         return pool
-
-    def _prepack(self, model: torch.nn.Module) -> None:
-        if mkldnn_prepack_supported(self.device, self.dtype):
-            # bf16 on CPU: oneDNN's blocked weight layout streams about twice as fast, and the
-            # small-batch kernels' own copy faster again, where memory allows the extra copy.
-            layers = [m for m in model.modules() if isinstance(m, (LinearBase, LMHead))]
-            extra = sum(m.weight.numel() * m.weight.element_size() for m in layers)
-            blocked = extra <= BLOCKED_COPY_MAX_RAM_FRACTION * psutil.virtual_memory().total
-            for module in layers:
-                module.prepack(blocked=blocked)
-            rows = max((m.blocked.max_rows for m in layers if m.blocked is not None), default=0)
-            if rows:
-                logger.info(
-                    "small-batch kernels on for up to %d rows: +%.2f GiB of weight copies",
-                    rows, extra / _GIB,
-                )
 
     def _plan_kv_tokens(self, server_args: ServerArgs) -> int:
         """KV slots to allocate, rounded down to whole pages.
@@ -159,7 +141,8 @@ class ModelRunner:
         # Imported on first use: the runner's forward path does not depend on sampling code.
         from radixserve.layers.sampler import Sampler
 
-        return Sampler()
+        with build_context(self.device, self.dtype):  # its argmax op, for the model's logits
+            return Sampler()
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -192,7 +175,6 @@ class ModelRunner:
                 )
         config = dataclasses.replace(self.model_config, model_path=new.model_path)
         model = load_model(config, self.attn_backend, self.device)
-        self._prepack(model)
         self.model, self.model_config = model, config
         logger.info("weights updated from %s", model_path)
 
@@ -208,11 +190,6 @@ class ModelRunner:
         if target not in params:
             raise ValueError(f"the model has no parameter {name!r}")
         module = self.model.get_submodule(target.rsplit(".", 1)[0])
-        if getattr(module, "prepacked", False) and target.endswith(".weight"):
-            raise ValueError(
-                f"{name!r} is held in oneDNN's prepacked layout (bf16 on a CPU) and cannot be "
-                "read back; serve with dtype float32 to read weights"
-            )
         tensor = params[target].detach()
         if shard_id is not None:
             offset, size = module.shard_range(shard_id)
@@ -237,7 +214,6 @@ class ModelRunner:
         tags = tags & self.released
         if "weights" in tags:
             self.model = load_model(self.model_config, self.attn_backend, self.device)
-            self._prepack(self.model)
         if "kv_cache" in tags and self.token_to_kv_pool is not None:
             self.token_to_kv_pool.allocate()
         self.released -= tags
