@@ -232,6 +232,7 @@ def test_slow_down_and_get_load_show_a_running_request(ops):
 def test_freeze_gc_and_sglang_metric_names(ops):
     frozen = ops.post("/freeze_gc").json()["frozen_objects"]
     assert frozen["scheduler"] > 0 and frozen["tokenizer_manager"] > 0
+    assert "generation" in error(ops.post("/freeze_gc", json={"generation": 2}), 400)
     greedy(ops, 4)
     text = ops.get("/metrics").text
     for name in ("num_running_reqs", "num_queue_reqs", "num_used_tokens", "token_usage",
