@@ -188,7 +188,7 @@ def test_set_internal_state_limits_the_running_batch(ops):
 
     def run() -> None:
         with httpx.Client(base_url=str(ops.base_url), headers=ADMIN, timeout=120) as c:
-            done.append(greedy(c, 10))
+            done.append(greedy(c, 20))
 
     threads = [threading.Thread(target=run) for _ in range(3)]
     for t in threads:
@@ -215,18 +215,21 @@ def test_slow_down_and_get_load_show_a_running_request(ops):
     assert ops.post("/slow_down", json={"forward_sleep_time": 0.1}).json()["forward_sleep_time"]
     t = threading.Thread(target=greedy, args=(ops, 12))
     t.start()
-    while True:  # the slowed steps leave the request visible
+    running = None
+    while t.is_alive() and running is None:  # the slowed steps leave the request visible
         load = ops.get("/get_load").json()
         assert len(load) == 1 and load[0]["dp_rank"] == 0
         if load[0]["num_running_reqs"] == 1:
-            break
-    assert load[0]["num_tokens"] > 0 and 0 < load[0]["token_usage"] < 1
+            running = load[0]
+    assert running is not None, "the request was never seen running"
+    assert running["num_tokens"] > 0 and 0 < running["token_usage"] < 1
     assert ops.post("/slow_down", json={"forward_sleep_time": None}).json()[
         "forward_sleep_time"] is None
     t.join(60)
     assert "forward_sleep_time" in error(ops.post("/slow_down", json={
         "forward_sleep_time": -1}), 400)
-    assert ops.get("/get_load").json()[0]["num_reqs"] == 0 or assert_no_leak(ops)
+    assert_no_leak(ops)
+    assert ops.get("/get_load").json()[0]["num_reqs"] == 0
 
 
 def test_freeze_gc_and_sglang_metric_names(ops):
