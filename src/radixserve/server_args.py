@@ -23,6 +23,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    admin_api_key: str | None = None
     # model execution
     dtype: str = "auto"
     device: str = "auto"
@@ -37,6 +38,7 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of rank 0's rendezvous; chosen when one node
     dist_timeout: float = 600.0
+    is_embedding: bool = False
     attention_backend: str | None = None  # None: cpu on CPUs whose kernels take the model
     # memory
     mem_fraction_static: float | None = None
@@ -60,6 +62,7 @@ class ServerArgs:
     log_level: str = "info"
     skip_warmup: bool = False
     watchdog_timeout: float = 300.0
+    health_timeout: float = 20.0
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -100,6 +103,9 @@ class ServerArgs:
             )
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        for name in ("watchdog_timeout", "health_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
 
@@ -138,6 +144,8 @@ class ServerArgs:
                 "the overlap schedule does not combine with pipeline parallelism (pp_size > 1): "
                 "the pipeline keeps its stages busy with micro-batches instead"
             )
+        if self.is_embedding and self.pp_size > 1:
+            raise ValueError("an embedding model (--is-embedding) runs without pipeline stages")
         if self.dist_timeout <= 0:
             raise ValueError(f"dist_timeout must be positive, got {self.dist_timeout}")
 

@@ -145,11 +145,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, tp)
 
+    def shard_range(self, shard_id: int) -> tuple[int, int]:
+        """``(offset, size)`` of shard ``shard_id``'s rows on this rank."""
+        size = divide(self.output_sizes[shard_id], self.tp_size)
+        return divide(sum(self.output_sizes[:shard_id]), self.tp_size), size
+
     def weight_loader(  # type: ignore[override]
         self, param: nn.Parameter, loaded_weight: WeightSource, shard_id: int
     ) -> None:
-        size = divide(self.output_sizes[shard_id], self.tp_size)
-        offset = divide(sum(self.output_sizes[:shard_id]), self.tp_size)
+        offset, size = self.shard_range(shard_id)
         shard = loaded_weight.narrow(0, self.tp_rank * size, size)
         default_weight_loader(param.data.narrow(0, offset, size), shard)
 
@@ -186,14 +190,20 @@ class QKVParallelLinear(LinearBase):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def shard_range(self, shard_id: str) -> tuple[int, int]:
+        """``(offset, size)`` of shard ``"q"``, ``"k"`` or ``"v"``'s rows on this rank."""
+        return {
+            "q": (0, self.q_size),
+            "k": (self.q_size, self.kv_size),
+            "v": (self.q_size + self.kv_size, self.kv_size),
+        }[shard_id]
+
     def weight_loader(  # type: ignore[override]
         self, param: nn.Parameter, loaded_weight: WeightSource, shard_id: str
     ) -> None:
-        offset, size, shard = {
-            "q": (0, self.q_size, self.tp_rank),
-            "k": (self.q_size, self.kv_size, self.tp_rank // self.kv_replicas),
-            "v": (self.q_size + self.kv_size, self.kv_size, self.tp_rank // self.kv_replicas),
-        }[shard_id]
+        offset, size = self.shard_range(shard_id)
+        # the rank's query heads, or the KV heads they read (replicated when tp > kv heads)
+        shard = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
         part = loaded_weight.narrow(0, shard * size, size)
         default_weight_loader(param.data.narrow(0, offset, size), part)
 

@@ -34,7 +34,8 @@ from radixserve.layers.sampler import SampleOutput
 from radixserve.managers import io_struct
 from radixserve.managers.io_struct import StageResult
 from radixserve.managers.request_receiver import RequestReceiver
-from radixserve.managers.scheduler import _IDLE_POLL_MS, Scheduler
+from radixserve.managers.scheduler import IDLE_POLL_MS, Scheduler
+from radixserve.managers.watchdog import Watchdog
 
 
 class PipelineLoop:
@@ -48,23 +49,32 @@ class PipelineLoop:
         self._own_results: dict[int, SampleOutput] = {}  # last stage: sampled, not processed
 
     def run(self) -> None:
-        """Run forever; an idle round blocks on the input (rank 0) instead of spinning."""
+        """Run forever; an idle round blocks on the input (rank 0) instead of spinning. The
+        watchdog ends the process if steps 2-3 of one iteration hang for
+        ``--watchdog-timeout`` seconds."""
+        watchdog = Watchdog(self.scheduler.server_args.watchdog_timeout)
+        watchdog.start()
         while True:
             busy = False
             for mb_id in range(self.info.pp_size):
+                self.scheduler.process_input_requests(self.receiver.recv())
+                watchdog.step_started()
                 busy |= self.iteration(mb_id)
+                watchdog.step_finished()
             self.scheduler.report_load()
             if not busy:
                 self.scheduler.on_idle()
-                self.receiver.wait(_IDLE_POLL_MS)
+                self.receiver.wait(IDLE_POLL_MS)
 
     def iteration(self, mb_id: int) -> bool:
-        """Steps 1-3 of the module docstring; whether a batch was launched."""
+        """Steps 2-3 of the module docstring; whether a batch was launched."""
         sched = self.scheduler
-        sched.process_input_requests(self.receiver.recv())
         mb = sched.select_micro_batch(mb_id)
+        sched.begin_step()
         batch = sched.get_next_batch_to_run()
         if batch is not None:
+            if any(other.in_flight is not None for other in sched.micro_batches):
+                sched.num_pipelined_steps += 1
             mb.in_flight = batch
             result = sched.run_batch(batch)
             if self.info.is_last_stage:

@@ -22,29 +22,23 @@ The single-job objects it composes: ``SchedulePolicy`` + ``PrefillAdder`` (admis
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import random
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
-import zmq
 
 from radixserve import envs
-from radixserve.distributed import ParallelState, RankInfo, init_parallel_state
+from radixserve.distributed import ParallelState
 from radixserve.layers.sampler import SampleOutput
-from radixserve.managers import ipc
-from radixserve.managers.child_process import install_exit_handlers
 from radixserve.managers.dispatcher import TypeBasedDispatcher
 from radixserve.managers.io_struct import (
     AbortReq,
     CloseSessionReqInput,
+    ControlErrorOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
@@ -52,6 +46,7 @@ from radixserve.managers.io_struct import (
     LoadReport,
     OpenSessionReqInput,
     OpenSessionReqOutput,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
 from radixserve.managers.output_processor import OutputProcessor
@@ -60,18 +55,22 @@ from radixserve.managers.request_receiver import RequestReceiver
 from radixserve.managers.retraction import NewTokenRatio, decode_fits, retract_for_decode
 from radixserve.managers.schedule_batch import BatchResources, Req, ScheduleBatch, pages_to_alloc
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
+from radixserve.managers.scheduler_control import SchedulerControl
+from radixserve.managers.scheduler_stats import SchedulerStats, token_usage
 from radixserve.managers.tp_worker import TpModelWorker
+from radixserve.managers.watchdog import Watchdog
 from radixserve.mem_cache import create_prefix_cache
 from radixserve.mem_cache.session_aware_cache import SessionAwareCache
 from radixserve.model_config import ModelConfig, resolve_device
 from radixserve.sampling.sampling_batch_info import reads_output_ids
+from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 from radixserve.sessions.session_controller import SessionController
 
 logger = logging.getLogger(__name__)
 
 # How long an idle loop blocks on its socket before looking around again.
-_IDLE_POLL_MS = 1000
+IDLE_POLL_MS = 1000
 
 
 @dataclass
@@ -124,6 +123,8 @@ class Scheduler:
         self.model_config = ModelConfig.from_path(
             server_args.model_path, server_args.dtype, device, server_args.context_length
         )
+        # Embedding models (an encoder, or a decoder run with --is-embedding) only prefill.
+        self.is_generation = not (server_args.is_embedding or self.model_config.is_encoder)
         self.tp_worker = TpModelWorker(self.model_config, server_args, device, self.parallel)
         runner = self.tp_worker.model_runner
         self.req_to_token_pool = runner.req_to_token_pool
@@ -136,8 +137,10 @@ class Scheduler:
                 f"chunked_prefill_size ({server_args.chunked_prefill_size}) must be at least "
                 f"page_size ({self.page_size})"
             )
+        # An encoder's tokens attend to what follows them: no prefix can be reused.
+        self.radix_enabled = not (server_args.disable_radix_cache or self.model_config.is_encoder)
         self.tree_cache = create_prefix_cache(
-            server_args.disable_radix_cache, self.req_to_token_pool, self.allocator, self.page_size
+            not self.radix_enabled, self.req_to_token_pool, self.allocator, self.page_size
         )
         # Streaming sessions keep their KV in per-session slots around the prefix cache.
         self.session_cache: SessionAwareCache | None = None
@@ -160,7 +163,7 @@ class Scheduler:
         # Only for stop strings; the detokenizer makes the text.
         tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer, local_files_only=True)
         self.policy = SchedulePolicy(
-            server_args.schedule_policy, self.tree_cache, not server_args.disable_radix_cache
+            server_args.schedule_policy, self.tree_cache, self.radix_enabled
         )
         self.new_token_ratio = NewTokenRatio.from_conservativeness(
             server_args.schedule_conservativeness
@@ -172,6 +175,7 @@ class Scheduler:
             send_to_detokenizer,
             on_finish=self.sessions.on_req_finished,
             stream_interval=server_args.stream_interval,
+            send_to_tokenizer=send_to_tokenizer,
         )
 
         self.waiting_queue: list[Req] = []
@@ -181,24 +185,32 @@ class Scheduler:
         self._mb = self.micro_batches[0]  # the micro-batch running_batch refers to
         self.chunked_req: Req | None = None  # holds KV between its prefill chunks
         self.num_received_reqs = 0  # generate requests received (the load reports count them)
+        # Pipeline: batches launched while another micro-batch's step was still in flight.
+        self.num_pipelined_steps = 0
         self.num_retracted_reqs = 0
         self.num_aborted_reqs = 0  # running or waiting requests ended by an abort
         self.last_leak_check: dict[str, Any] = {}
         self._idle_checked = False
         self.overlap: OverlapWorker | None = None
-        if server_args.enable_overlap_schedule:
+        if server_args.enable_overlap_schedule and self.is_generation:
             self.overlap = OverlapWorker(self.tp_worker)
         self._in_flight: _InFlight | None = None
         self.num_overlapped_steps = 0  # decode steps launched before the previous one's result
+        self.stats = SchedulerStats()
+        self.control = SchedulerControl(self)
+        self._step_start = time.perf_counter()
+        self._inject_faults = envs.RADIXSERVE_TEST_INJECT_FAULTS.get()
 
         self.dispatcher = TypeBasedDispatcher(
             [
                 (TokenizedGenerateReqInput, self.handle_generate_request),
+                (TokenizedEmbeddingReqInput, self.handle_embedding_request),
                 (AbortReq, self.handle_abort),
                 (FlushCacheReq, self.handle_flush_cache),
                 (GetInternalStateReq, self.handle_get_internal_state),
                 (OpenSessionReqInput, self.handle_open_session),
                 (CloseSessionReqInput, self.handle_close_session),
+                *self.control.handlers(),
             ]
         )
 
@@ -234,25 +246,29 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the loop
     def event_loop(self, receiver: RequestReceiver) -> None:
-        """Run forever; an idle scheduler blocks on its input instead of spinning."""
+        """Run forever; an idle scheduler blocks on its input instead of spinning. The
+        watchdog ends the process if one step hangs for ``--watchdog-timeout`` seconds."""
+        watchdog = Watchdog(self.server_args.watchdog_timeout)
+        watchdog.start()
         while True:
             self.process_input_requests(receiver.recv())
+            watchdog.step_started()
             busy = self.step()
+            watchdog.step_finished()
             self.report_load()
             if not busy:
-                receiver.wait(_IDLE_POLL_MS)
+                receiver.wait(IDLE_POLL_MS)
 
     def report_load(self) -> None:
         """Tell the data-parallel controller this replica's load, when it changed."""
         if self.send_load is None:
             return
-        m = self._memory_state()
+        used, _ = token_usage(self.memory_state())
         load = LoadReport(
             dp_rank=self.dp_rank,
-            num_reqs=self._num_running() + len(self.waiting_queue),
+            num_reqs=self.num_running() + len(self.waiting_queue),
             num_waiting_reqs=len(self.waiting_queue),
-            num_tokens=m["total_kv_tokens"] - m["available_kv_tokens"]
-            - m["evictable_kv_tokens"],
+            num_tokens=used,
             num_received=self.num_received_reqs,
         )
         if load != self._last_load:
@@ -260,37 +276,77 @@ class Scheduler:
             self.send_load(load)
 
     def process_input_requests(self, msgs: list[Any]) -> None:
+        """Dispatch each message; one that raises fails alone (its request gets a 500, a
+        control caller its error) and the loop goes on with the rest."""
         for msg in msgs:
-            reply = self.dispatcher(msg)
+            try:
+                if self._inject_faults and getattr(msg, "rid", "").startswith("inject-fault-"):
+                    raise RuntimeError(f"injected fault while handling {msg.rid}")
+                reply = self.dispatcher(msg)
+            except Exception as e:
+                logger.exception("failed to handle %s", type(msg).__name__)
+                reply = self._failure_reply(msg, e)
             if reply is not None:
                 self.send_to_tokenizer(reply)
+
+    def _failure_reply(self, msg: Any, error: Exception) -> ControlErrorOutput | None:
+        message = f"internal error in the scheduler: {type(error).__name__}: {error}"
+        if isinstance(msg, (TokenizedGenerateReqInput, TokenizedEmbeddingReqInput)):
+            req = Req(msg.rid, [], SamplingParams(max_new_tokens=0))
+            reason = {"type": "abort", "message": message, "status_code": 500}
+            self.output_processor.finish_now([req], reason)
+            return None
+        return ControlErrorOutput(request=type(msg).__name__, message=message)
 
     def step(self) -> bool:
         """Run one batch; False when there was nothing to run."""
         if self.overlap is not None:
             return self._step_overlapped(self.overlap)
+        self.begin_step()
         batch = self.get_next_batch_to_run()
         if batch is None:
             self.on_idle()
             return False
         result = self.run_batch(batch)
-        assert result is not None, "without pipelining every rank samples"
+        assert result is not None, "without pipelining every rank has the step's outcome"
         self.process_batch_result(batch, result)
         return True
 
-    def run_batch(self, batch: ScheduleBatch) -> SampleOutput | None:
-        """The model step of ``batch``: its tokens, or None on a pipeline stage that does not
-        sample (the tokens come round the pipeline later)."""
+    def begin_step(self) -> None:
+        """A step starts (its duration goes to the step statistics)."""
+        self._step_start = time.perf_counter()
+
+    def run_batch(self, batch: ScheduleBatch) -> SampleOutput | torch.Tensor | None:
+        """The model step of ``batch``: its tokens (an embedding model: its embeddings), or
+        None on a pipeline stage that does not sample (the tokens come round the pipeline)."""
         self._idle_checked = False
-        return self.tp_worker.forward_batch_generation(batch.to_forward_batch())
+        forward_batch = batch.to_forward_batch()
+        if self.is_generation:
+            result = self.tp_worker.forward_batch_generation(forward_batch)
+        else:
+            result = self.tp_worker.forward_batch_embedding(forward_batch)
+        self.control.after_step()
+        return result
 
     def on_idle(self) -> None:
         if not self._idle_checked:
             self.self_check_during_idle()
             self._idle_checked = True
 
-    def process_batch_result(self, batch: ScheduleBatch, result: SampleOutput) -> None:
-        self.output_processor.process_batch_result(batch, result)
+    def process_batch_result(
+        self, batch: ScheduleBatch, result: SampleOutput | torch.Tensor
+    ) -> None:
+        """Apply a step's tokens (embeddings) to its requests; the batch's survivors join (or
+        stay in) the running batch."""
+        running = len(self.running_batch) if batch.forward_mode.is_extend else len(batch)
+        self.stats.record(
+            batch, time.perf_counter() - self._step_start, self.memory_state(), running,
+            len(self.waiting_queue),
+        )
+        if self.is_generation:
+            self.output_processor.process_batch_result(batch, result)
+        else:
+            self.output_processor.process_embedding_result(batch, result)
         self._last_was_prefill = batch.forward_mode.is_extend
         if batch.forward_mode.is_extend:
             batch.filter_batch()
@@ -310,6 +366,7 @@ class Scheduler:
         its last token and samples one token more, which ``process_batch_result`` discards.
         Greedy outputs are those of ``step``.
         """
+        self.begin_step()
         previous, self._in_flight = self._in_flight, None
         if previous is not None and self._can_decode_ahead():
             self.new_token_ratio.step()
@@ -317,9 +374,11 @@ class Scheduler:
             self._in_flight = self._launch_decode(worker)
             self.num_overlapped_steps += 1
             self._finish_in_flight(previous)
+            self.control.after_step()
             return True
         if previous is not None:
             self._finish_in_flight(previous)
+            self.control.after_step()
         batch = self.get_next_batch_to_run()
         if batch is None:
             if previous is None:
@@ -328,6 +387,7 @@ class Scheduler:
         self._idle_checked = False
         if batch.forward_mode.is_extend:
             self.process_batch_result(batch, worker.launch(batch.to_forward_batch()).result())
+            self.control.after_step()
         else:
             self._in_flight = self._launch_decode(worker)
         return True
@@ -413,7 +473,7 @@ class Scheduler:
             return None
         if self._chunk_in_flight():
             return None
-        running = [r for r in self._holding_reqs() if r is not self.chunked_req]
+        running = [r for r in self.holding_reqs() if r is not self.chunked_req]
         holding = len(running) + (self.chunked_req is not None)
         if self.session_cache is not None and self.req_to_token_pool.available_size() == 0:
             # Idle sessions must not starve new requests of rows: their next turn re-prefills.
@@ -429,6 +489,7 @@ class Scheduler:
             new_token_ratio=self.new_token_ratio.value,
             max_prefill_tokens=self.server_args.max_prefill_tokens,
             chunked_prefill_size=self.server_args.chunked_prefill_size,
+            allow_chunking=not self.model_config.is_encoder,
             free_req_slots=min(
                 self.req_to_token_pool.available_size(), self.max_running_requests - holding
             ),
@@ -478,6 +539,15 @@ class Scheduler:
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
         self.num_received_reqs += 1
         created = None
+        if not self.is_generation or self.control.released:
+            req = Req(msg.rid, list(msg.input_ids), msg.sampling_params)
+            if self.control.released:
+                self._reject(req, self._released_message(), status_code=503)
+            else:
+                self._reject(
+                    req, "this server serves an embedding model: use /encode or /v1/embeddings"
+                )
+            return
         if msg.session_params is not None:
             created = self.sessions.create_req(msg)
             req, error = created.req, created.error
@@ -493,10 +563,7 @@ class Scheduler:
             error = None
         error = error or self._validate(req.origin_input_ids, msg)
         if error is not None:
-            logger.info("request %s rejected: %s", msg.rid, error)
-            # status_code 400: bad input, raised to the caller as a ValueError.
-            reason = {"type": "abort", "message": error, "status_code": 400}
-            self.output_processor.finish_now([req], reason)
+            self._reject(req, error)
             return
         if created is not None:
             for replaced in self.sessions.admit(created):
@@ -505,6 +572,56 @@ class Scheduler:
             self.output_processor.finish_now([req], {"type": "length", "length": 0})
         else:
             self.waiting_queue.append(req)
+
+    def handle_embedding_request(self, msg: TokenizedEmbeddingReqInput) -> None:
+        """Queue an embedding: a prefill that samples nothing (``max_new_tokens`` 0)."""
+        req = Req(msg.rid, list(msg.input_ids), SamplingParams(max_new_tokens=0))
+        if self.control.released:
+            self._reject(req, self._released_message(), status_code=503)
+            return
+        if self.is_generation:
+            error = "this server serves a generation model: start it with --is-embedding"
+        else:
+            error = self._validate_embedding(req.origin_input_ids)
+        if error is not None:
+            self._reject(req, error)
+            return
+        self.waiting_queue.append(req)
+
+    def _released_message(self) -> str:
+        return (
+            f"the server's memory is released ({sorted(self.control.released)}): "
+            "resume_memory_occupation first"
+        )
+
+    def _validate_embedding(self, ids: list[int]) -> str | None:
+        vocab, context_len = self.model_config.vocab_size, self.model_config.context_len
+        if not ids:
+            return "the input is empty: an embedding needs at least one token"
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            return f"input token ids out of the vocabulary range [0, {vocab}): {bad[:8]}"
+        if len(ids) > context_len:
+            return (
+                f"the input ({len(ids)} tokens) exceeds the model's context length "
+                f"({context_len} tokens)"
+            )
+        # An encoder's input is encoded in one step: it must fit one prefill batch.
+        budget = min(self.server_args.max_prefill_tokens, self.server_args.chunked_prefill_size)
+        if self.model_config.is_encoder and len(ids) > budget:
+            return f"the input ({len(ids)} tokens) exceeds the prefill budget ({budget} tokens)"
+        if pages_to_alloc(0, len(ids), self.page_size) > self.max_total_num_tokens:
+            return (
+                f"the input ({len(ids)} tokens) does not fit in the KV cache "
+                f"({self.max_total_num_tokens} tokens)"
+            )
+        return None
+
+    def _reject(self, req: Req, error: str, status_code: int = 400) -> None:
+        logger.info("request %s rejected: %s", req.rid, error)
+        # status_code 400: bad input, raised to the caller as a ValueError; 503: unavailable.
+        reason = {"type": "abort", "message": error, "status_code": status_code}
+        self.output_processor.finish_now([req], reason)
 
     def _validate(self, ids: list[int], msg: TokenizedGenerateReqInput) -> str | None:
         """Why the request cannot run, or None. It never reaches the model when rejected.
@@ -549,40 +666,48 @@ class Scheduler:
         self.waiting_queue = [r for r in self.waiting_queue if not hit(r)]
         self.output_processor.finish_now(waiting, reason)
         self.num_aborted_reqs += len(waiting)
-        for req in self._holding_reqs():
+        for req in self.holding_reqs():
             if hit(req):
                 req.to_abort = reason["message"]
 
     def handle_flush_cache(self, msg: FlushCacheReq) -> FlushCacheReqOutput:
-        if not self._is_idle():
+        if not self.is_idle():
             return FlushCacheReqOutput(
                 success=False,
                 message=(
                     f"cannot flush the cache while requests run or wait "
-                    f"({self._num_running()} running, {len(self.waiting_queue)} waiting)"
+                    f"({self.num_running()} running, {len(self.waiting_queue)} waiting)"
                 ),
             )
+        self.flush()
+        return FlushCacheReqOutput(success=True)
+
+    def flush(self) -> None:
+        """Drop the prefix cache, session slots and every allocation (idle only)."""
+        assert self.is_idle(), "flush while requests hold memory"
         self.tree_cache.reset()
         self.allocator.clear()
         self.req_to_token_pool.clear()
         logger.info("cache flushed")
-        return FlushCacheReqOutput(success=True)
 
     def handle_get_internal_state(self, msg: GetInternalStateReq) -> GetInternalStateReqOutput:
         self.self_check_during_idle()  # fresh when idle, else the last idle check
         return GetInternalStateReqOutput(
             state={
-                "memory": self._memory_state(),
-                "num_running_reqs": self._num_running(),
+                "memory": self.memory_state(),
+                "num_running_reqs": self.num_running(),
                 "num_waiting_reqs": len(self.waiting_queue),
                 "max_total_num_tokens": self.max_total_num_tokens,
                 "num_retracted_reqs": self.num_retracted_reqs,
                 "num_aborted_reqs": self.num_aborted_reqs,
                 "num_overlapped_steps": self.num_overlapped_steps,
+                "max_running_requests": self.max_running_requests,
+                **self.stats.summary(),
                 "new_token_ratio": self.new_token_ratio.value,
                 "last_leak_check": self.last_leak_check,
                 "dp_rank": self.dp_rank,
                 "num_received_reqs": self.num_received_reqs,
+                "num_pipelined_steps": self.num_pipelined_steps,
                 "session_ids": sorted(self.sessions.sessions),
             }
         )
@@ -594,7 +719,7 @@ class Scheduler:
         self.sessions.close(msg.session_id)
 
     # ------------------------------------------------------------------ memory invariant
-    def _is_idle(self) -> bool:
+    def is_idle(self) -> bool:
         return (
             not self.waiting_queue
             and all(mb.running.is_empty() and mb.in_flight is None for mb in self.micro_batches)
@@ -602,7 +727,7 @@ class Scheduler:
             and self._in_flight is None
         )
 
-    def _holding_reqs(self) -> list[Req]:
+    def holding_reqs(self) -> list[Req]:
         """Every admitted unfinished request: the running batches of all micro-batches, the
         prefills still in the pipeline and the chunked request, each once."""
         seen: dict[int, Req] = {}
@@ -615,10 +740,10 @@ class Scheduler:
             seen.setdefault(id(self.chunked_req), self.chunked_req)
         return list(seen.values())
 
-    def _num_running(self) -> int:
-        return len(self._holding_reqs())
+    def num_running(self) -> int:
+        return len(self.holding_reqs())
 
-    def _memory_state(self) -> dict[str, int]:
+    def memory_state(self) -> dict[str, int]:
         return {
             "available_kv_tokens": self.allocator.available_size(),
             "evictable_kv_tokens": self.tree_cache.evictable_size(),
@@ -639,9 +764,9 @@ class Scheduler:
         and every request slot is free or held by a session. A violation is a bug: logged, and
         raised in tests.
         """
-        if not self._is_idle():
+        if not self.is_idle():
             return
-        m = self._memory_state()
+        m = self.memory_state()
         accounted = (
             m["available_kv_tokens"]
             + m["evictable_kv_tokens"]
@@ -659,110 +784,3 @@ class Scheduler:
             logger.error(message)
             if envs.RADIXSERVE_TEST_STRICT.get():
                 raise RuntimeError(message)
-
-
-# ---------------------------------------------------------------------- process entry point
-@dataclass(frozen=True)
-class RankArgs:
-    """What tells one scheduler process of a launch from the others (passed as JSON)."""
-
-    rank: int = 0  # in its replica: pp_rank * tp_size + tp_rank
-    dp_rank: int = 0
-    dist_init_method: str | None = None  # tcp://HOST:PORT of the replica's rank 0
-
-
-def scheduler_threads(processes_per_node: int = 1) -> int:
-    """Torch threads of the scheduler: ``OMP_NUM_THREADS`` when set, else this process's share
-    of the allowed CPUs (the model forward is the only CPU-heavy work of the process, and the
-    ranks and replicas of one machine split its cores)."""
-    allowed = max(1, len(os.sched_getaffinity(0)) // processes_per_node)
-    value = os.environ.get("OMP_NUM_THREADS", "")
-    if not value:
-        return allowed
-    if not value.isdigit() or int(value) < 1:
-        logger.warning("ignoring OMP_NUM_THREADS=%r: not a positive integer", value)
-        return allowed
-    return int(value)
-
-
-def rank_device(server_args: ServerArgs, info: RankInfo, dp_rank: int) -> torch.device:
-    """The device of one rank: on CUDA one GPU per rank of the machine, in launch order."""
-    device = resolve_device(server_args.device)
-    if device.type != "cuda":
-        return device
-    return torch.device(
-        "cuda", dp_rank * server_args.ranks_per_node + info.rank % server_args.ranks_per_node
-    )
-
-
-def _discard(msg: Any) -> None:
-    """Outputs of a rank other than 0: rank 0 sends the same ones."""
-
-
-def run_scheduler_process(
-    server_args_json: str, port_args_json: str, ready_conn: Any, rank_args_json: str = "{}"
-) -> None:
-    """Entry point of the spawned scheduler process (arguments arrive as JSON, never pickled)."""
-    server_args = ServerArgs(**json.loads(server_args_json))
-    rank_args = RankArgs(**json.loads(rank_args_json))
-    info = RankInfo.of_rank(rank_args.rank, server_args.tp_size, server_args.pp_size)
-    name = "scheduler"
-    if server_args.dp_size > 1:
-        name += f" dp{rank_args.dp_rank}"
-    if info.world_size > 1:
-        name += f" rank{info.rank}"
-    logging.basicConfig(
-        level=server_args.log_level.upper(),
-        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
-    )
-    install_exit_handlers()
-    torch.set_num_threads(scheduler_threads(server_args.processes_per_node))
-    random.seed(server_args.random_seed)
-    torch.manual_seed(server_args.random_seed)
-    ctx = zmq.Context()
-    try:
-        try:
-            device = rank_device(server_args, info, rank_args.dp_rank)
-            parallel = (
-                init_parallel_state(
-                    info, rank_args.dist_init_method, device, server_args.dist_timeout
-                )
-                if rank_args.dist_init_method is not None
-                else ParallelState.single()
-            )
-            port_args = ipc.PortArgs(**json.loads(port_args_json))
-            recv, send_load = None, None
-            to_detokenizer: Callable[[Any], None] = _discard
-            to_tokenizer: Callable[[Any], None] = _discard
-            if info.is_entry:
-                recv = ipc.pull_socket(
-                    ctx, port_args.replica_input(rank_args.dp_rank, server_args.dp_size)
-                )
-                to_detokenizer = partial(
-                    ipc.send, ipc.push_socket(ctx, port_args.detokenizer_input)
-                )
-                to_tokenizer = partial(ipc.send, ipc.push_socket(ctx, port_args.tokenizer_input))
-                if server_args.dp_size > 1:
-                    send_load = partial(ipc.send, ipc.push_socket(ctx, port_args.scheduler_input))
-            scheduler = Scheduler(
-                server_args, to_detokenizer, to_tokenizer, parallel=parallel, device=device,
-                dp_rank=rank_args.dp_rank, send_load=send_load,
-            )
-        except Exception as e:
-            logger.exception("scheduler failed to start")
-            ready_conn.send_bytes(
-                json.dumps({"status": "error", "message": f"{type(e).__name__}: {e}"}).encode()
-            )
-            raise SystemExit(1) from e
-        ready_conn.send_bytes(json.dumps(scheduler.ready_info()).encode())
-        ready_conn.close()
-        logger.info("scheduler ready: %s", scheduler.ready_info())
-        receiver = RequestReceiver(parallel, recv, scheduler.sessions.expired_ids)
-        if info.pp_size > 1:
-            from radixserve.managers.pipeline_loop import PipelineLoop
-
-            PipelineLoop(scheduler, receiver).run()
-        else:
-            scheduler.event_loop(receiver)
-    finally:
-        ctx.destroy(linger=0)

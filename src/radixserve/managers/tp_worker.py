@@ -67,3 +67,8 @@ class TpModelWorker:
         if self.parallel.tp.size > 1:
             result.next_token_ids = self.parallel.tp.broadcast(result.next_token_ids.contiguous())
         return result
+
+    @torch.inference_mode()
+    def forward_batch_embedding(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """One embedding per request of an EXTEND batch, float32 ``[batch_size, hidden]``."""
+        return self.model_runner.embed(forward_batch)

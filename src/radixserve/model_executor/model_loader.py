@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 
 from radixserve.distributed import ParallelState
@@ -89,8 +90,8 @@ class SafetensorsSlice:
 
 
 def _skipped(name: str) -> bool:
-    # Old checkpoints store RoPE frequencies; we compute them from the config.
-    return name.endswith("rotary_emb.inv_freq")
+    # Old checkpoints store RoPE frequencies and BERT's position ids: we derive both.
+    return name.endswith(("rotary_emb.inv_freq", "embeddings.position_ids"))
 
 
 def _checkpoint_tensors(files: list[Path]) -> list[tuple[Path, str]]:
@@ -126,7 +127,14 @@ def load_model(
     of it), load its weights and pack them for the device's kernels."""
     model_cls = get_model_class(config.architecture)
     with build_context(device, config.torch_dtype):
-        model = model_cls(config, attn_backend, parallel)
+        if parallel is not None and parallel.distributed:
+            if not getattr(model_cls, "supports_parallel", False):
+                raise ValueError(
+                    f"{config.architecture} does not support tensor or pipeline parallelism"
+                )
+            model = model_cls(config, attn_backend, parallel)
+        else:
+            model = model_cls(config, attn_backend)
     load_weights(model, config.model_path)
     prepack_model(model, psutil.virtual_memory().total)
     return model.eval()
@@ -148,9 +156,11 @@ def load_weights(model: LlamaForCausalLM, model_path: str | Path) -> None:
     if _LM_HEAD in params and all(name != _LM_HEAD for _, name in tensors):
         logger.info("checkpoint has no %s: tying it to the input embedding", _LM_HEAD)
         model.tie_word_embeddings()
-        if not model.lm_head_from_embedding:
+        if not _lm_head_from_embedding(model):
             params.pop(_LM_HEAD)
-    tensors = [(path, name) for path, name in tensors if model.holds_weight(name)]
+    holds_weight = getattr(model, "holds_weight", None)  # pipeline stages: a part of the model
+    if holds_weight is not None:
+        tensors = [(path, name) for path, name in tensors if holds_weight(name)]
 
     unexpected: list[str] = []
     handles: dict[Path, safe_open] = {}
@@ -158,9 +168,9 @@ def load_weights(model: LlamaForCausalLM, model_path: str | Path) -> None:
         for path, name in tqdm(tensors, desc="Loading weights", unit="tensor", leave=False):
             if path not in handles:
                 handles[path] = stack.enter_context(safe_open(path, framework="pt"))
-            target, shard_id = _route(name, model.packed_modules_mapping)
+            target, shard_id = route_checkpoint_name(name, model.packed_modules_mapping)
             targets = [target]
-            if name == _EMBED and model.lm_head_from_embedding:
+            if name == _EMBED and _lm_head_from_embedding(model):
                 targets = [t for t in (target, _LM_HEAD) if t in params]
             elif target not in params:
                 if name != _LM_HEAD:  # a tied checkpoint may still store lm_head
@@ -189,7 +199,12 @@ def load_weights(model: LlamaForCausalLM, model_path: str | Path) -> None:
         raise ValueError(f"checkpoint {model_path} lacks parameters: {', '.join(missing)}")
 
 
-def _route(
+def _lm_head_from_embedding(model: nn.Module) -> bool:
+    """A tied LM head on a last pipeline stage without the embedding (``LlamaForCausalLM``)."""
+    return bool(getattr(model, "lm_head_from_embedding", False))
+
+
+def route_checkpoint_name(
     name: str, packed_modules_mapping: dict[str, tuple[str, str | int]]
 ) -> tuple[str, str | int | None]:
     """Checkpoint tensor name → (model parameter name, shard id or None)."""

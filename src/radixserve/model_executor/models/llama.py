@@ -29,6 +29,7 @@ from radixserve.layers.linear import (
     RowParallelLinear,
 )
 from radixserve.layers.logits_processor import LogitsProcessor
+from radixserve.layers.pooler import Pooler, PoolingType
 from radixserve.layers.rotary_embedding import ApplyRotaryEmbedding, RotaryEmbedding
 from radixserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from radixserve.model_config import ModelConfig
@@ -223,8 +224,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Causal LM: returns the logits (model dtype) of the last token of each request in the
-    batch; a pipeline stage other than the last returns its ``StageActivations``."""
+    """Causal LM: ``forward`` returns the logits (model dtype) of the last token of each request
+    in the batch (a pipeline stage other than the last: its ``StageActivations``); served as an
+    embedder (``--is-embedding``), ``embed`` returns that token's final hidden state,
+    L2-normalised (last-token pooling, as gte-Qwen and similar decoder embedders do)."""
 
     # checkpoint module name → (fused module name, shard id)
     packed_modules_mapping: dict[str, tuple[str, str | int]] = {
@@ -235,6 +238,7 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     qk_norm: bool = False
+    supports_parallel = True  # tensor and pipeline parallel (model_loader.load_model)
 
     def __init__(
         self,
@@ -259,6 +263,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.tie_word_embeddings()
         self.logits_processor = LogitsProcessor()
+        self.pooler = Pooler(PoolingType.LAST, normalize=True)
 
     @staticmethod
     def qkv_bias(config: ModelConfig) -> bool:
@@ -300,3 +305,9 @@ class LlamaForCausalLM(nn.Module):
             return out
         assert self.lm_head is not None
         return self.logits_processor(out, self.lm_head, forward_batch)
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """``[batch_size, hidden]`` float32 unit vectors (EXTEND batches only)."""
+        return self.pooler(self.model(input_ids, positions, forward_batch), forward_batch)
