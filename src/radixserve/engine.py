@@ -182,8 +182,8 @@ def start_subprocesses(
 
     Returns the endpoints (``port_args`` if given, else a fresh IPC directory), the processes
     (schedulers first) and the first replica's rank-0 ready message (``max_total_num_tokens``,
-    ``max_running_requests``, ``context_len``, ``page_size``; empty on a machine other than
-    the first). On any failure the children are killed, the IPC directory removed and
+    ``max_running_requests``, ``context_len``, ``page_size``; none on a machine other than
+    the first) with ``processes``: each child's name and pid. On any failure the children are killed, the IPC directory removed and
     ``RuntimeError`` raised. ``ready_timeout`` defaults to ``READY_TIMEOUT_S``.
     """
     timeout = READY_TIMEOUT_S if ready_timeout is None else ready_timeout
@@ -213,6 +213,7 @@ def start_subprocesses(
             conn.close()
     entry = infos.get("scheduler", infos.get("scheduler dp0", {}))
     scheduler_info = {k: v for k, v in entry.items() if k != "status"}
+    scheduler_info["processes"] = {name: proc.pid for name, (proc, _) in children.items()}
     return port_args, [proc for proc, _ in children.values()], scheduler_info
 
 

@@ -162,7 +162,8 @@ async def get_model_info(request: Request) -> dict[str, Any]:
 
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> dict[str, Any]:
-    """The server arguments, the sizes the scheduler chose, and its live internal state."""
+    """The server arguments, the sizes the scheduler chose, the live internal state of each
+    data-parallel replica, and the worker processes (name → pid)."""
     ctx = get_ctx(request)
     info = dataclasses.asdict(ctx.server_args)
     info.pop("api_key")  # never echo the secret
@@ -172,6 +173,7 @@ async def get_server_info(request: Request) -> dict[str, Any]:
         max_running_requests=ctx.scheduler_info.get("max_running_requests"),
         page_size=ctx.scheduler_info.get("page_size", ctx.server_args.page_size),
         internal_states=await ctx.tokenizer_manager.get_internal_states(),
+        processes=ctx.scheduler_info.get("processes", {}),
         version=__version__,
     )
     return info
