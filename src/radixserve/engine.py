@@ -183,8 +183,9 @@ def start_subprocesses(
     Returns the endpoints (``port_args`` if given, else a fresh IPC directory), the processes
     (schedulers first) and the first replica's rank-0 ready message (``max_total_num_tokens``,
     ``max_running_requests``, ``context_len``, ``page_size``; none on a machine other than
-    the first) with ``processes``: each child's name and pid. On any failure the children are killed, the IPC directory removed and
-    ``RuntimeError`` raised. ``ready_timeout`` defaults to ``READY_TIMEOUT_S``.
+    the first) with ``processes``: each child's name and pid. On any failure the children are
+    killed, the IPC directory removed and ``RuntimeError`` raised. ``ready_timeout`` defaults
+    to ``READY_TIMEOUT_S``.
     """
     timeout = READY_TIMEOUT_S if ready_timeout is None else ready_timeout
     port_args = port_args or PortArgs.create()

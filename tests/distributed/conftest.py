@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from tests.managers.conftest import (
-    MAX_NEW_TOKENS,
     MARGIN_TOLERANCE,
+    MAX_NEW_TOKENS,
     Reference,
     Result,
     SchedulerDriver,
@@ -24,6 +24,7 @@ from tests.managers.conftest import (
     hf_reference,
     make_prompts,
 )
+from tests.server.conftest import client  # noqa: F401 - the API suites' fixture, on our servers
 
 # One configuration that exercises every memory mechanism at once: prompts longer than a prefill
 # chunk, a KV pool far smaller than the batch needs with admission reserving almost nothing (so

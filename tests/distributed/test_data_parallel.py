@@ -1,0 +1,154 @@
+"""A ``--dp-size 2`` server (``shortest_queue``): the API suites, session affinity, load spread.
+
+A representative part of the OpenAI and native suites runs unchanged against the two replicas
+behind the data-parallel controller. ``get_server_info`` lists one internal state per replica:
+every request of a session (plain or streaming) lands on the replica that holds it, and
+concurrent requests spread over both.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server.conftest import start_server
+from tests.server.test_native_api import (  # noqa: F401 - run here on two replicas
+    test_abort_all_ends_every_request,
+    test_abort_request_ends_a_running_stream_with_abort,
+    test_generate_batch_keeps_input_order,
+    test_generate_batch_stream_tags_chunks_with_index,
+    test_generate_logprobs_match_output_ids,
+    test_generate_single_returns_text_ids_and_meta,
+    test_generate_stream_chunks_are_cumulative_and_end_equal_to_non_stream,
+    test_model_info_health_and_health_generate,
+)
+from tests.server.test_openai_api import (  # noqa: F401
+    oai,
+    test_chat_completion_has_openai_shape_and_usage,
+    test_chat_stream_text_equals_non_stream_text,
+    test_completion_logprobs_align_with_tokens,
+    test_completion_stream_equals_non_stream_with_usage_last,
+    test_models_list_and_retrieve,
+    test_unknown_model_is_404_and_bad_value_is_400,
+)
+from tests.sessions.conftest import random_ids
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(llama_path: Path):
+    srv = start_server(llama_path, "--dp-size", "2", "--load-balance-method", "shortest_queue",
+                       "--enable-streaming-session")
+    yield srv
+    srv.check_clean_stop()
+
+
+def states(http: httpx.Client) -> list[dict[str, Any]]:
+    return http.get("/get_server_info").json()["internal_states"]
+
+
+def wait_idle_and_accounted(http: httpx.Client, timeout: float = 60.0) -> list[dict[str, Any]]:
+    """Both replicas idle, every KV slot free, evictable or held by a session."""
+    deadline = time.monotonic() + timeout
+    while True:
+        replicas = states(http)
+        if all(s["num_running_reqs"] == 0 and s["num_waiting_reqs"] == 0 for s in replicas):
+            break
+        assert time.monotonic() < deadline, f"not idle after {timeout}s: {replicas}"
+        time.sleep(0.05)
+    for s in replicas:
+        m = s["memory"]
+        assert m["available_kv_tokens"] + m["evictable_kv_tokens"] + m[
+            "session_held_kv_tokens"] == m["total_kv_tokens"], m
+        assert m["protected_kv_tokens"] == 0 and s["last_leak_check"]["ok"], s
+    return replicas
+
+
+def test_server_info_has_one_internal_state_per_replica(client):
+    info = client.get("/get_server_info").json()
+    assert info["dp_size"] == 2
+    assert [s["dp_rank"] for s in info["internal_states"]] == [0, 1]
+    assert set(info["processes"]) == {"scheduler dp0", "scheduler dp1", "detokenizer",
+                                      "data parallel controller"}
+    load = client.get("/get_load").json()
+    assert [entry["dp_rank"] for entry in load] == [0, 1]
+
+
+def test_every_request_of_a_session_lands_on_its_replica(client):
+    rng = random.Random(7)
+    before = wait_idle_and_accounted(client)
+    sessions = []
+    for streaming in (False, True, False, True):
+        r = client.post("/open_session", json={"capacity_of_str_len": 4096,
+                                               "streaming": streaming})
+        assert r.status_code == 200, r.text
+        sessions.append(r.json())
+    turns = 3
+    for session in sessions:
+        rid = None
+        for _ in range(turns):
+            params = {"id": session, **({"rid": rid} if rid else {})}
+            r = client.post("/generate", json={
+                "input_ids": random_ids(rng, 5), "session_params": params,
+                "sampling_params": {"max_new_tokens": 4, **GREEDY}})
+            assert r.status_code == 200, r.text
+            rid = r.json()["meta_info"]["id"]
+    after = wait_idle_and_accounted(client)
+    home = {}
+    for session in sessions:
+        holders = [s["dp_rank"] for s in after if session in s["session_ids"]]
+        assert len(holders) == 1, (session, after)
+        home[session] = holders[0]
+    assert set(home.values()) == {0, 1}, "idle replicas take new sessions in turn"
+    for replica in (0, 1):
+        received = after[replica]["num_received_reqs"] - before[replica]["num_received_reqs"]
+        assert received == turns * sum(1 for h in home.values() if h == replica)
+    # A duplicate id goes to the replica holding it, which refuses it.
+    r = client.post("/open_session", json={"capacity_of_str_len": 64, "session_id": sessions[0]})
+    assert r.status_code == 400 and "already exists" in r.text
+    for session in sessions:
+        assert client.post("/close_session", json={"session_id": session}).status_code == 200
+    closed = wait_idle_and_accounted(client)
+    assert all(not s["session_ids"] for s in closed)
+    assert all(s["memory"]["session_held_kv_tokens"] == 0 for s in closed)
+
+
+def test_concurrent_requests_spread_over_both_replicas(client, server):
+    before = wait_idle_and_accounted(client)
+    n = 8
+    codes: list[int] = []
+
+    def run(i: int) -> None:
+        with httpx.Client(base_url=server.base_url, timeout=120) as c:
+            r = c.post("/generate", json={"text": f"request {i}",
+                                          "sampling_params": {"max_new_tokens": 24, **GREEDY}})
+            codes.append(r.status_code)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert codes == [200] * n
+    after = wait_idle_and_accounted(client)
+    spread = [a["num_received_reqs"] - b["num_received_reqs"] for a, b in zip(after, before,
+                                                                              strict=True)]
+    assert sum(spread) == n
+    assert min(spread) >= n // 2 - 2, f"requests per replica: {spread}"
+
+
+def test_flush_cache_empties_both_replicas(client):
+    for i in range(4):  # at least one request on each replica
+        client.post("/generate", json={"text": f"cache me {i} " * 8,
+                                       "sampling_params": {"max_new_tokens": 2, **GREEDY}})
+    assert all(s["memory"]["evictable_kv_tokens"] > 0 for s in wait_idle_and_accounted(client))
+    r = client.post("/flush_cache")
+    assert r.status_code == 200 and r.json()["success"] is True
+    assert all(s["memory"]["evictable_kv_tokens"] == 0 for s in wait_idle_and_accounted(client))
