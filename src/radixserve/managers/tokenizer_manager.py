@@ -208,6 +208,7 @@ class TokenizerManager:
         self._ping_seq = itertools.count(1)
         self._pong_seq = 0
         self._pong = asyncio.Event()
+        self._pongs: dict[int, int] = {}  # ping → replicas that answered it (data parallel)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -454,8 +455,12 @@ class TokenizerManager:
             for emb in msg.outputs:
                 self._handle_embedding(emb)
         elif isinstance(msg, HealthCheckReqOutput):
-            self._pong_seq = max(self._pong_seq, msg.seq)
-            self._pong.set()
+            answered = self._pongs.pop(msg.seq, 0) + 1
+            if answered < self.server_args.dp_size:
+                self._pongs[msg.seq] = answered
+            else:  # every replica answered this ping
+                self._pong_seq = max(self._pong_seq, msg.seq)
+                self._pong.set()
         elif isinstance(msg, _CONTROL_REPLIES):
             replies = self._control_futures.get(type(msg))
             if replies is not None and not replies.future.done():
@@ -540,10 +545,6 @@ class TokenizerManager:
         (with several replicas: the first refusal, else the first success)."""
         replies = await self._control_all(FlushCacheReq(), FlushCacheReqOutput)
         return next((r for r in replies if not r.success), replies[0])
-
-    async def get_internal_state(self) -> dict[str, Any]:
-        """The first (or only) replica's internal state."""
-        return (await self.get_internal_states())[0]
 
     async def get_internal_states(self) -> list[dict[str, Any]]:
         """Every data-parallel replica's internal state, in replica order."""

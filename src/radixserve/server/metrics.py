@@ -6,8 +6,9 @@ Two sources feed them:
   ``RequestMetrics`` (arrival, first token, per-message token times, finish): token counters and
   the TTFT / inter-token / end-to-end latency histograms (TTFT and inter-token latency are only
   seen for streamed requests, whose tokens arrive step by step);
-* per scrape, the scheduler's internal state (``get_internal_state``): running and queued requests
-  and KV-cache usage, set as gauges just before the text is rendered.
+* per scrape, the scheduler's internal state (``get_internal_states``, summed over the
+  data-parallel replicas): running and queued requests and KV-cache usage, set as gauges just
+  before the text is rendered.
 
 Every series exists twice: under our ``radixserve:`` prefix and under SGLang's ``sglang:`` name
 (``num_queue_reqs``, ``num_used_tokens``, ``gen_throughput``, ...), so that dashboards built for
@@ -139,15 +140,19 @@ class ServerMetrics:
         if m.finish_time is not None:
             self.e2e.observe(m.finish_time - m.arrival_time)
 
-    def update_scheduler_state(self, state: dict[str, Any]) -> None:
-        """Set the gauges from ``GetInternalStateReqOutput.state``."""
-        self.num_running_reqs.set(state.get("num_running_reqs", 0))
-        self.num_queued_reqs.set(state.get("num_waiting_reqs", 0))
-        self.gen_throughput.set(state.get("gen_throughput", 0.0))
-        memory = state.get("memory", {})
-        total = memory.get("total_kv_tokens", 0)
+    def update_scheduler_state(self, states: list[dict[str, Any]]) -> None:
+        """Set the gauges from the replicas' ``GetInternalStateReqOutput.state`` (one per
+        data-parallel replica: the server's totals)."""
+        self.num_running_reqs.set(sum(s.get("num_running_reqs", 0) for s in states))
+        self.num_queued_reqs.set(sum(s.get("num_waiting_reqs", 0) for s in states))
+        self.gen_throughput.set(sum(s.get("gen_throughput", 0.0) for s in states))
+        memories = [s.get("memory", {}) for s in states]
+        total = sum(m.get("total_kv_tokens", 0) for m in memories)
         if total:
-            free = memory.get("available_kv_tokens", 0) + memory.get("evictable_kv_tokens", 0)
+            free = sum(
+                m.get("available_kv_tokens", 0) + m.get("evictable_kv_tokens", 0)
+                for m in memories
+            )
             self.num_used_tokens.set(total - free)
             self.token_usage.set((total - free) / total)
         if self._prompt_total:

@@ -184,7 +184,7 @@ async def metrics(request: Request) -> Response:
     ctx = get_ctx(request)
     if ctx.metrics is None:
         raise APIError(404, "Metrics are disabled; start the server with --enable-metrics.")
-    ctx.metrics.update_scheduler_state(await ctx.tokenizer_manager.get_internal_state())
+    ctx.metrics.update_scheduler_state(await ctx.tokenizer_manager.get_internal_states())
     return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
 
