@@ -13,6 +13,7 @@ from radixserve.managers.io_struct import (
     LoadReport,
     OpenSessionReqInput,
     SessionParams,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
 from radixserve.sampling.sampling_params import SamplingParams
@@ -44,6 +45,13 @@ def test_round_robin_cycles_over_the_replicas():
     for i in range(7):
         ctrl.handle(generate(f"r{i}"))
     assert replicas(sent) == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_an_embedding_request_goes_to_one_replica_and_counts_as_load():
+    ctrl, sent = controller(2, "shortest_queue")
+    ctrl.handle(TokenizedEmbeddingReqInput(rid="e", input_ids=[6, 7]))
+    ctrl.handle(generate("g"))
+    assert replicas(sent) == [0, 1] and ctrl.sent == [1, 1]
 
 
 def test_shortest_queue_counts_the_requests_sent_since_each_report():

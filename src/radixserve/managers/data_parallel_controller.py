@@ -10,7 +10,8 @@ replica ``i`` listens on ``PortArgs.replica_input(i)``. Where a message goes:
 
     generate request of a session   the replica that holds the session (session affinity: a
                                     session's tree or streaming slot lives in one replica)
-    other generate request          the replica the policy picks
+    other generate or embedding     the replica the policy picks
+    request
     OpenSessionReqInput             the replica the policy picks, remembered for the session id
                                     (the TokenizerManager always names the id); a duplicate id
                                     goes to the replica holding it, which refuses it
@@ -37,6 +38,7 @@ from radixserve.managers.io_struct import (
     CloseSessionReqInput,
     LoadReport,
     OpenSessionReqInput,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
 from radixserve.server_args import ServerArgs
@@ -52,7 +54,7 @@ class DataParallelController:
         self.method = method
         self.send = send
         self.session_replica: dict[str, int] = {}
-        self.sent = [0] * dp_size  # generate requests sent to each replica
+        self.sent = [0] * dp_size  # generate and embedding requests sent to each replica
         self.reports: list[LoadReport | None] = [None] * dp_size
         self._next = 0  # round robin, and the tie-break of shortest_queue
 
@@ -63,6 +65,8 @@ class DataParallelController:
             session = msg.session_params.id if msg.session_params is not None else None
             replica = self.session_replica.get(session) if session is not None else None
             self._send_generate(self.pick() if replica is None else replica, msg)
+        elif isinstance(msg, TokenizedEmbeddingReqInput):
+            self._send_generate(self.pick(), msg)
         elif isinstance(msg, OpenSessionReqInput):
             assert msg.session_id is not None, "the TokenizerManager names every session"
             replica = self.session_replica.setdefault(msg.session_id, self.pick())
@@ -75,7 +79,9 @@ class DataParallelController:
             for i in range(self.dp_size):
                 self.send(i, msg)
 
-    def _send_generate(self, replica: int, msg: TokenizedGenerateReqInput) -> None:
+    def _send_generate(
+        self, replica: int, msg: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput
+    ) -> None:
         self.sent[replica] += 1
         self.send(replica, msg)
 

@@ -184,7 +184,8 @@ class Scheduler:
         ]
         self._mb = self.micro_batches[0]  # the micro-batch running_batch refers to
         self.chunked_req: Req | None = None  # holds KV between its prefill chunks
-        self.num_received_reqs = 0  # generate requests received (the load reports count them)
+        # Generate and embedding requests received (the load reports count them).
+        self.num_received_reqs = 0
         # Pipeline: batches launched while another micro-batch's step was still in flight.
         self.num_pipelined_steps = 0
         self.num_retracted_reqs = 0
@@ -574,6 +575,7 @@ class Scheduler:
             self.waiting_queue.append(req)
 
     def handle_embedding_request(self, msg: TokenizedEmbeddingReqInput) -> None:
+        self.num_received_reqs += 1
         """Queue an embedding: a prefill that samples nothing (``max_new_tokens`` 0)."""
         req = Req(msg.rid, list(msg.input_ids), SamplingParams(max_new_tokens=0))
         if self.control.released:
