@@ -146,6 +146,25 @@ def test_model_info_health_and_health_generate(client, server):
     assert client.get("/health_generate").status_code == 200
 
 
+def test_newer_sglang_info_routes_answer_like_the_get_routes(client):
+    assert client.get("/model_info").json() == client.get("/get_model_info").json()
+    info, old = client.get("/server_info").json(), client.get("/get_server_info").json()
+    assert info.keys() == old.keys() and info["model_path"] == old["model_path"]
+
+
+def test_generate_accepts_the_fields_sglang_router_forwards(client, server):
+    """sglang-router re-serialises /generate bodies with its defaults of SGLang's fields."""
+    params = {"max_new_tokens": 4, **GREEDY}
+    plain = _generate(client, text="Routed", sampling_params=params).json()
+    for model in (None, server.model):
+        routed = _generate(client, text="Routed", sampling_params=params, model=model,
+                           return_text_in_logprobs=False, log_metrics=True,
+                           return_hidden_states=False, background=False, no_logs=False,
+                           return_bytes=False, return_entropy=False)
+        assert routed.status_code == 200, routed.text
+        assert routed.json()["output_ids"] == plain["output_ids"]
+
+
 def test_tokenize_detokenize_round_trip(client):
     tok = client.post("/tokenize", json={"prompt": "round trip text"}).json()
     assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 1024

@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from radixserve import __version__
 from radixserve.managers.generate_request import GenerateReqInput
@@ -42,6 +42,19 @@ class _StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# The SGLang request fields radixserve accepts only at the value it always behaves as (SGLang's
+# defaults): sglang-router sends all of them; any other value is refused, never ignored.
+ROUTER_DEFAULTS: dict[str, bool] = {
+    "return_text_in_logprobs": False,
+    "log_metrics": True,
+    "return_hidden_states": False,
+    "background": False,
+    "no_logs": False,
+    "return_bytes": False,
+    "return_entropy": False,
+}
+
+
 class GenerateRequest(_StrictModel):
     """The body of ``POST /generate`` (the fields of ``GenerateReqInput``)."""
 
@@ -53,6 +66,23 @@ class GenerateRequest(_StrictModel):
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0)
     session_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
+    # SGLang's router forwards ``model`` and the fields of ``ROUTER_DEFAULTS`` with every request.
+    model: str | None = None
+    return_text_in_logprobs: bool = False
+    log_metrics: bool = True
+    return_hidden_states: bool = False
+    background: bool = False
+    no_logs: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
+
+    @model_validator(mode="after")
+    def _router_fields_at_their_defaults(self) -> GenerateRequest:
+        for name, default in ROUTER_DEFAULTS.items():
+            if getattr(self, name) != default:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported "
+                                 f"(only {default!r})")
+        return self
 
 
 class AbortRequest(_StrictModel):
@@ -85,7 +115,9 @@ class DetokenizeRequest(_StrictModel):
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> Response:
     ctx = get_ctx(request)
-    obj = GenerateReqInput(**body.model_dump(exclude_unset=True))
+    ctx.check_model(body.model)
+    obj = GenerateReqInput(**body.model_dump(exclude_unset=True,
+                                             exclude={"model", *ROUTER_DEFAULTS}))
     agen = ctx.tokenizer_manager.generate_request(obj)
     if not obj.stream:
         return JSONResponse(await cancel_on_disconnect(request, first_item(agen)))
@@ -146,6 +178,7 @@ async def health_generate(request: Request) -> Response:
 
 # ---------------------------------------------------------------------------- information
 @router.get("/get_model_info")
+@router.get("/model_info")  # SGLang's newer name, which sglang-router asks first
 async def get_model_info(request: Request) -> dict[str, Any]:
     ctx = get_ctx(request)
     config = ctx.tokenizer_manager.model_config
@@ -161,6 +194,7 @@ async def get_model_info(request: Request) -> dict[str, Any]:
 
 
 @router.get("/get_server_info")
+@router.get("/server_info")  # SGLang's newer name, which sglang-router asks first
 async def get_server_info(request: Request) -> dict[str, Any]:
     """The server arguments, the sizes the scheduler chose, the live internal state of each
     data-parallel replica, and the worker processes (name → pid)."""
