@@ -3,15 +3,16 @@
 The router registers each worker through the routes it calls (``/health``, ``/server_info``
 then ``/get_server_info``, ``/model_info`` then ``/get_model_info``), re-serialises ``/generate``
 bodies with SGLang's defaults of fields radixserve must accept, forwards ``/v1/*``, fans
-``/flush_cache`` out and polls ``/get_load``. The OpenAI and native tests that the router
-supports run unchanged through it (it routes one prompt per ``/generate``: batches and aborts
-are the workers' own business). ``cache_aware`` keeps a prefix tree of the text it routed per
-worker: a prompt that extends one sent before goes to the worker holding its KV, which shows
-as ``cached_tokens``.
+``/flush_cache`` out and polls ``/get_load`` (its ``/get_loads``). The OpenAI and native tests
+that the router supports run unchanged through it (it routes one prompt per ``/generate``:
+batches and aborts are the workers' own business). ``cache_aware`` keeps a prefix tree of the
+text it routed per worker: a prompt that extends one sent before goes to the worker holding its
+KV, which shows as ``cached_tokens``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -158,33 +159,44 @@ def generate_one(client: httpx.Client, text: str, **fields) -> dict:
     return r.json()["meta_info"]
 
 
+@contextlib.contextmanager
+def held_request(client: httpx.Client, workers, text: str) -> Iterator[None]:
+    """A streamed request through the router that keeps running until the block ends: every
+    worker sleeps 0.5 s per step (``/slow_down``) and it asks for 500 tokens; it is aborted on
+    leaving, and its stream read to the end."""
+    rid = f"held-{uuid.uuid4().hex}"
+    for worker in workers:
+        assert httpx.post(worker.base_url + "/slow_down", json={"forward_sleep_time": 0.5},
+                          timeout=30).status_code == 200
+    try:
+        with client.stream("POST", "/generate", json={
+            "text": text, "rid": rid, "stream": True,
+            "sampling_params": {"max_new_tokens": 500, **GREEDY},
+        }) as held:
+            lines = held.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # it runs
+            try:
+                yield
+            finally:
+                for worker in workers:
+                    httpx.post(worker.base_url + "/abort_request", json={"rid": rid}, timeout=30)
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+    finally:
+        for worker in workers:
+            httpx.post(worker.base_url + "/slow_down", json={"forward_sleep_time": 0}, timeout=30)
+
+
 def test_cache_aware_sends_a_repeated_prefix_to_the_worker_that_has_it(fresh_client, workers):
-    """Prefix A goes to some worker; while a request extending A runs there (held running by
-    ``/slow_down`` until it is aborted), a new prefix B goes to the idle worker (the router
-    picks the least loaded one for text it has not seen). Then each prefix, extended, returns to
-    the worker that holds its KV."""
+    """Prefix A goes to some worker; while a request extending A runs there, a new prefix B goes
+    to the idle worker (for text it has not seen the router picks the least loaded worker).
+    Then each prefix, extended, returns to the worker that holds its KV."""
     client = fresh_client
     before = received(workers)
     prefix_a, prefix_b = (f"{uuid.uuid4().hex} " * 6 for _ in range(2))
     first_a = generate_one(client, prefix_a)
     home_a = [a - b for a, b in zip(received(workers), before, strict=True)].index(1)
-    holder = workers[home_a].base_url
-    rid = f"held-{uuid.uuid4().hex}"
-    assert httpx.post(holder + "/slow_down", json={"forward_sleep_time": 0.5},
-                      timeout=30).status_code == 200
-    try:
-        with client.stream("POST", "/generate", json={
-            "text": prefix_a + "held", "rid": rid, "stream": True,
-            "sampling_params": {"max_new_tokens": 500, **GREEDY},
-        }) as held:
-            lines = held.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))  # it runs
-            first_b = generate_one(client, prefix_b)
-            for worker in workers:
-                httpx.post(worker.base_url + "/abort_request", json={"rid": rid}, timeout=30)
-            assert [line for line in lines if line][-1] == "data: [DONE]"
-    finally:
-        httpx.post(holder + "/slow_down", json={"forward_sleep_time": 0}, timeout=30)
+    with held_request(client, workers, prefix_a + "held"):
+        first_b = generate_one(client, prefix_b)
     spread = [a - b for a, b in zip(received(workers), before, strict=True)]
     assert spread[home_a] == 2 and spread[1 - home_a] == 1, spread
     for prefix, first in ((prefix_a, first_a), (prefix_b, first_b)):
@@ -193,6 +205,19 @@ def test_cache_aware_sends_a_repeated_prefix_to_the_worker_that_has_it(fresh_cli
         assert extended["cached_tokens"] >= first["prompt_tokens"] - 2, (first, extended)
     spread = [a - b for a, b in zip(received(workers), before, strict=True)]
     assert spread[home_a] == 3 and spread[1 - home_a] == 2, spread
+
+
+def test_router_reads_each_workers_load(client, workers):
+    """The router's ``/get_loads`` is what it polls from each worker's ``/get_load``."""
+    idle = {w["worker"]: w["load"] for w in client.get("/get_loads").json()["workers"]}
+    assert idle == {w.base_url: 0 for w in workers}
+    with held_request(client, workers, f"{uuid.uuid4().hex} is running"):
+        loads = {w["worker"]: w["load"] for w in client.get("/get_loads").json()["workers"]}
+        tokens = {w.base_url: httpx.get(w.base_url + "/get_load", timeout=30).json()[0]
+                  ["num_tokens"] for w in workers}
+    busy = max(tokens, key=tokens.get)
+    assert tokens[busy] > 0 and loads[busy] > 0, (loads, tokens)
+    assert [loads[u] for u in tokens if u != busy] == [0], loads
 
 
 def test_flush_cache_through_the_router_empties_both_workers(client, workers):
