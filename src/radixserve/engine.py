@@ -373,6 +373,18 @@ class Engine:
         reply = self._run(self._tm.flush_cache())
         return {"success": reply.success, "message": reply.message}
 
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Stop running batches until ``continue_generation``; returns once the pause holds.
+
+        ``abort``: every request ends with finish_reason abort; ``retract``: running requests
+        return to the queue and re-prefill later; ``in_place``: they keep their KV and resume.
+        New requests queue up meanwhile. ``ValueError`` for another mode.
+        """
+        self._run(self._tm.pause_generation(mode))
+
+    def continue_generation(self) -> None:
+        self._run(self._tm.continue_generation())
+
     def get_server_info(self) -> dict[str, Any]:
         state = self._run(self._tm.get_internal_state())
         return {

@@ -5,16 +5,18 @@ ever sent between processes (never pickle).
 
     TokenizerManager ──▶ Scheduler:        TokenizedGenerateReqInput, AbortReq, FlushCacheReq,
                                            GetInternalStateReq, OpenSessionReqInput,
-                                           CloseSessionReqInput
+                                           CloseSessionReqInput, PauseGenerationReqInput,
+                                           ContinueGenerationReqInput
     Scheduler ──▶ DetokenizerManager:      BatchTokenIDOutput
     DetokenizerManager ──▶ TokenizerManager: BatchStrOutput
     Scheduler ──▶ TokenizerManager:        FlushCacheReqOutput, GetInternalStateReqOutput,
-                                           OpenSessionReqOutput
+                                           OpenSessionReqOutput, PauseGenerationReqOutput,
+                                           ContinueGenerationReqOutput
 """
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Literal, Union, get_args
 
 import msgspec
 
@@ -67,6 +69,26 @@ class OpenSessionReqInput(_Msg):
 
 class CloseSessionReqInput(_Msg):
     session_id: str
+
+
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+
+
+class PauseGenerationReqInput(_Msg):
+    """Stop running batches until ``ContinueGenerationReqInput`` (SGLang's modes).
+
+    ``abort``: every waiting and running request is aborted. ``retract``: running requests go
+    back to the waiting queue (their KV to the prefix cache; they re-prefill after the
+    continue). ``in_place``: requests keep their KV and resume where they stopped. In every mode
+    new requests queue up, and aborts, sessions and internal state are still handled.
+    """
+
+    mode: PauseMode = "abort"
+
+
+class ContinueGenerationReqInput(_Msg):
+    pass
 
 
 # ---------------------------------------------------------------- scheduler -> detokenizer
@@ -133,6 +155,17 @@ class OpenSessionReqOutput(_Msg):
     message: str = ""
 
 
+class PauseGenerationReqOutput(_Msg):
+    """Sent once the pause holds: no step is in flight and the mode's work is done."""
+
+    num_aborted: int = 0
+    num_retracted: int = 0
+
+
+class ContinueGenerationReqOutput(_Msg):
+    pass
+
+
 Message = Union[  # noqa: UP007 - msgspec needs a real Union object here
     TokenizedGenerateReqInput,
     AbortReq,
@@ -140,11 +173,15 @@ Message = Union[  # noqa: UP007 - msgspec needs a real Union object here
     GetInternalStateReq,
     OpenSessionReqInput,
     CloseSessionReqInput,
+    PauseGenerationReqInput,
+    ContinueGenerationReqInput,
     BatchTokenIDOutput,
     BatchStrOutput,
     FlushCacheReqOutput,
     GetInternalStateReqOutput,
     OpenSessionReqOutput,
+    PauseGenerationReqOutput,
+    ContinueGenerationReqOutput,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

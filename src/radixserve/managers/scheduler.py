@@ -4,7 +4,10 @@
         process_input_requests(recv_nowait())   # TypeBasedDispatcher: type → handler
         step():  batch = get_next_batch_to_run() # a new prefill if one fits, else a decode step
                  run it, process its result      # output_processor.py
-                 or, idle: self_check_during_idle() and block on the socket
+                 or, idle or paused: self_check_during_idle() and block on the socket
+
+``PauseGenerationReqInput`` stops the steps (messages are still handled) until
+``ContinueGenerationReqInput``; see ``handle_pause_generation``.
 
 With ``--enable-overlap-schedule`` the model runs on a thread of its own (``OverlapWorker``) and
 a decode step N+1 is launched before step N's tokens are processed (``_step_overlapped``).
@@ -38,18 +41,28 @@ from radixserve.managers.dispatcher import TypeBasedDispatcher
 from radixserve.managers.io_struct import (
     AbortReq,
     CloseSessionReqInput,
+    ContinueGenerationReqInput,
+    ContinueGenerationReqOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
     OpenSessionReqInput,
     OpenSessionReqOutput,
+    PauseGenerationReqInput,
+    PauseGenerationReqOutput,
     TokenizedGenerateReqInput,
 )
 from radixserve.managers.output_processor import OutputProcessor
 from radixserve.managers.overlap_worker import OverlapWorker
 from radixserve.managers.retraction import NewTokenRatio, decode_fits, retract_for_decode
-from radixserve.managers.schedule_batch import BatchResources, Req, ScheduleBatch, pages_to_alloc
+from radixserve.managers.schedule_batch import (
+    BatchResources,
+    Req,
+    ScheduleBatch,
+    pages_to_alloc,
+    release_kv,
+)
 from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
 from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.mem_cache import create_prefix_cache
@@ -157,6 +170,7 @@ class Scheduler:
             self.overlap = OverlapWorker(self.tp_worker)
         self._in_flight: _InFlight | None = None
         self.num_overlapped_steps = 0  # decode steps launched before the previous one's result
+        self.paused = False  # by PauseGenerationReqInput: no step runs until continued
 
         self.dispatcher = TypeBasedDispatcher(
             [
@@ -166,6 +180,8 @@ class Scheduler:
                 (GetInternalStateReq, self.handle_get_internal_state),
                 (OpenSessionReqInput, self.handle_open_session),
                 (CloseSessionReqInput, self.handle_close_session),
+                (PauseGenerationReqInput, self.handle_pause_generation),
+                (ContinueGenerationReqInput, self.handle_continue_generation),
             ]
         )
 
@@ -195,7 +211,10 @@ class Scheduler:
                 self.send_to_tokenizer(reply)
 
     def step(self) -> bool:
-        """Run one batch; False when there was nothing to run."""
+        """Run one batch; False when there was nothing to run or generation is paused."""
+        if self.paused:
+            self.sessions.close_expired()
+            return False
         if self.overlap is not None:
             return self._step_overlapped(self.overlap)
         self.sessions.close_expired()
@@ -469,6 +488,8 @@ class Scheduler:
         for req in holding:
             if hit(req):
                 req.to_abort = reason["message"]
+        if self.paused:  # no step is in flight and none will come to finish them
+            self._finish_aborted()
 
     def handle_flush_cache(self, msg: FlushCacheReq) -> FlushCacheReqOutput:
         if not self._is_idle():
@@ -496,10 +517,56 @@ class Scheduler:
                 "num_retracted_reqs": self.num_retracted_reqs,
                 "num_aborted_reqs": self.num_aborted_reqs,
                 "num_overlapped_steps": self.num_overlapped_steps,
+                "paused": self.paused,
+                "num_open_sessions": len(self.sessions.sessions),
                 "new_token_ratio": self.new_token_ratio.value,
                 "last_leak_check": self.last_leak_check,
             }
         )
+
+    def handle_pause_generation(self, msg: PauseGenerationReqInput) -> PauseGenerationReqOutput:
+        """Stop running batches (see ``PauseGenerationReqInput`` for the modes).
+
+        The step in flight (overlap schedule) is finished and its tokens processed first, so the
+        reply means: nothing computes until ``handle_continue_generation``. Aborts arriving
+        while paused take effect at once, as no step will come to finish the marked requests.
+        Pausing a paused scheduler applies the new mode to what is there.
+        """
+        self.paused = True
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            self._finish_in_flight(step)
+        aborted_before = self.num_aborted_reqs
+        self._finish_aborted()
+        retracted: list[Req] = []
+        if msg.mode == "abort":
+            self.handle_abort(AbortReq(abort_all=True))
+        elif msg.mode == "retract":
+            retracted = list(self.running_batch.reqs)
+            if self.chunked_req is not None:
+                retracted.append(self.chunked_req)
+                self.chunked_req = None
+            for req in retracted:
+                release_kv(req, self.tree_cache)
+                req.reset_after_retract()
+            self.running_batch = ScheduleBatch([], self.res)
+            self.waiting_queue[:0] = retracted
+            self.num_retracted_reqs += len(retracted)
+        logger.info(
+            "generation paused (%s): %d request(s) aborted, %d retracted",
+            msg.mode, self.num_aborted_reqs - aborted_before, len(retracted),
+        )
+        return PauseGenerationReqOutput(
+            num_aborted=self.num_aborted_reqs - aborted_before, num_retracted=len(retracted)
+        )
+
+    def handle_continue_generation(
+        self, msg: ContinueGenerationReqInput
+    ) -> ContinueGenerationReqOutput:
+        if self.paused:
+            logger.info("generation continued")
+        self.paused = False
+        return ContinueGenerationReqOutput()
 
     def handle_open_session(self, msg: OpenSessionReqInput) -> OpenSessionReqOutput:
         return self.sessions.open(msg)

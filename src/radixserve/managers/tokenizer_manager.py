@@ -7,7 +7,7 @@ Flow of a generate call::
         → register one _ReqState per rid → TokenizedGenerateReqInput ──ZMQ──▶ scheduler
     handle_loop (task reading the PULL socket)
         BatchStrOutput (from the detokenizer) → append to the rid's state → wake its generate call
-        FlushCacheReqOutput / GetInternalStateReqOutput / OpenSessionReqOutput → waiting future
+        replies of control requests (flush, internal state, sessions, pause) → waiting future
     generate_request yields SGLang-shaped dicts built from the state; when its consumer stops
     early (generator closed, task cancelled: a client disconnect) it sends AbortReq for every
     request of the call that has not finished.
@@ -31,15 +31,20 @@ import zmq.asyncio
 from radixserve.managers import io_struct, ipc
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.io_struct import (
+    PAUSE_MODES,
     AbortReq,
     BatchStrOutput,
     CloseSessionReqInput,
+    ContinueGenerationReqInput,
+    ContinueGenerationReqOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
     OpenSessionReqInput,
     OpenSessionReqOutput,
+    PauseGenerationReqInput,
+    PauseGenerationReqOutput,
     ReqStrOutput,
     SessionParams,
     TokenizedGenerateReqInput,
@@ -49,7 +54,13 @@ from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-_CONTROL_REPLIES = (FlushCacheReqOutput, GetInternalStateReqOutput, OpenSessionReqOutput)
+_CONTROL_REPLIES = (
+    FlushCacheReqOutput,
+    GetInternalStateReqOutput,
+    OpenSessionReqOutput,
+    PauseGenerationReqOutput,
+    ContinueGenerationReqOutput,
+)
 
 
 @dataclass
@@ -134,6 +145,8 @@ class TokenizerManager:
         # Control requests: one in flight per reply type, answered in order by the scheduler.
         self._control_locks: dict[type, asyncio.Lock] = {}
         self._control_futures: dict[type, asyncio.Future] = {}
+        # Set whenever a request leaves ``_states`` (``pause_generation`` waits on it).
+        self._req_left = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -158,6 +171,7 @@ class TokenizerManager:
         self._dead_message = message
         for state in list(self._states.values()):
             state.notify.set()
+        self._req_left.set()
         for fut in self._control_futures.values():
             if not fut.done():
                 fut.set_exception(RuntimeError(message))
@@ -223,6 +237,7 @@ class TokenizerManager:
         finally:
             for state in states:
                 if not state.finished and self._states.pop(state.rid, None) is state:
+                    self._req_left.set()
                     if self._dead_message is None:
                         ipc.send(self._send_sock, AbortReq(rid=state.rid))
                     self._report(state, {"type": "abort", "message": "the caller stopped reading"})
@@ -335,6 +350,7 @@ class TokenizerManager:
             state.finished = True
             state.finished_reason = out.finished_reason
             del self._states[out.rid]
+            self._req_left.set()
             self._report(state, out.finished_reason)
         state.dirty = True
         state.notify.set()
@@ -381,6 +397,33 @@ class TokenizerManager:
     async def close_session(self, session_id: str) -> None:
         self._check_alive()
         ipc.send(self._send_sock, CloseSessionReqInput(session_id=session_id))
+
+    async def pause_generation(self, mode: str = "abort") -> PauseGenerationReqOutput:
+        """Pause the scheduler; returns once the pause holds (``ValueError`` for a bad mode).
+
+        New requests are still accepted and queue up in the scheduler. With ``abort``, the
+        call also waits until every request it aborted has returned to its caller.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        in_flight = set(self._states)
+        reply = await self._control(
+            PauseGenerationReqInput(mode=mode), PauseGenerationReqOutput  # type: ignore[arg-type]
+        )
+        if mode == "abort":
+            await asyncio.wait_for(self._until_gone(in_flight), self.server_args.watchdog_timeout)
+        return reply
+
+    async def continue_generation(self) -> None:
+        """Let a paused scheduler run batches again (a no-op when it is not paused)."""
+        await self._control(ContinueGenerationReqInput(), ContinueGenerationReqOutput)
+
+    async def _until_gone(self, rids: set[str]) -> None:
+        """Wait until none of ``rids`` is in flight any more."""
+        while not rids.isdisjoint(self._states):
+            self._req_left.clear()
+            await self._req_left.wait()
+            self._check_alive()
 
     async def _control(self, req: io_struct._Msg, reply_type: type) -> Any:
         self._check_alive()

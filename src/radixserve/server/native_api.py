@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from radixserve import __version__
 from radixserve.managers.generate_request import GenerateReqInput
-from radixserve.managers.io_struct import OpenSessionReqInput
+from radixserve.managers.io_struct import OpenSessionReqInput, PauseMode
 from radixserve.server.app import (
     ServerState,
     cancel_on_disconnect,
@@ -58,6 +58,14 @@ class GenerateRequest(_StrictModel):
 class AbortRequest(_StrictModel):
     rid: str = ""
     abort_all: bool = False
+
+
+class PauseGenerationRequest(_StrictModel):
+    mode: PauseMode = "abort"
+
+
+class ContinueGenerationRequest(_StrictModel):
+    pass
 
 
 class OpenSessionRequest(_StrictModel):
@@ -190,6 +198,27 @@ async def abort_request(body: AbortRequest, request: Request) -> dict[str, Any]:
         raise APIError(400, "Give a non-empty 'rid' or 'abort_all': true.", param="rid")
     get_ctx(request).tokenizer_manager.abort_request(rid=body.rid, abort_all=body.abort_all)
     return {"success": True}
+
+
+@router.post("/pause_generation")
+async def pause_generation(
+    request: Request, body: PauseGenerationRequest | None = None
+) -> dict[str, Any]:
+    """Stop running batches until /continue_generation (``mode``: abort, retract, in_place).
+
+    Returns once the pause holds; generation requests sent meanwhile wait in the queue.
+    """
+    mode = (body or PauseGenerationRequest()).mode
+    await get_ctx(request).tokenizer_manager.pause_generation(mode)
+    return {"status": "ok", "message": "Generation paused successfully."}
+
+
+@router.post("/continue_generation")
+async def continue_generation(
+    request: Request, body: ContinueGenerationRequest | None = None
+) -> dict[str, Any]:
+    await get_ctx(request).tokenizer_manager.continue_generation()
+    return {"status": "ok", "message": "Generation continued successfully."}
 
 
 # ---------------------------------------------------------------------------- sessions
