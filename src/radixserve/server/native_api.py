@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from radixserve import __version__
 from radixserve.managers.generate_request import GenerateReqInput
-from radixserve.managers.io_struct import OpenSessionReqInput, PauseMode
+from radixserve.managers.io_struct import OpenSessionReqInput
 from radixserve.server.app import (
     ServerState,
     cancel_on_disconnect,
@@ -58,14 +58,6 @@ class GenerateRequest(_StrictModel):
 class AbortRequest(_StrictModel):
     rid: str = ""
     abort_all: bool = False
-
-
-class PauseGenerationRequest(_StrictModel):
-    mode: PauseMode = "abort"
-
-
-class ContinueGenerationRequest(_StrictModel):
-    pass
 
 
 class OpenSessionRequest(_StrictModel):
@@ -114,26 +106,39 @@ async def _stream_events(outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
 # ---------------------------------------------------------------------------- health
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 once warmed up; 503 while starting or draining (load balancers stop sending)."""
-    state = get_ctx(request).state
-    if state is not ServerState.READY:
-        raise APIError(503, f"The server is {state.value}.", headers={"Retry-After": "1"})
+    """200 once warmed up and while the scheduler answers a liveness ping within
+    ``--health-timeout``; 503 while starting or draining, or when the scheduler is stuck in a
+    step (load balancers stop sending)."""
+    ctx = get_ctx(request)
+    if ctx.state is not ServerState.READY:
+        raise APIError(503, f"The server is {ctx.state.value}.", headers={"Retry-After": "1"})
+    timeout = ctx.server_args.health_timeout
+    try:
+        alive = await ctx.tokenizer_manager.check_health(timeout)
+    except RuntimeError as exc:  # the scheduler is gone
+        raise APIError(503, f"The scheduler is not running: {exc}") from exc
+    if not alive:
+        raise APIError(
+            503, f"The scheduler did not answer a liveness ping within {timeout:g}s.",
+            headers={"Retry-After": "1"},
+        )
     return Response(status_code=200)
 
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
-    """Generate one token end to end (scheduler and detokenizer alive), within a timeout."""
-    ctx = get_ctx(request)
-    obj = GenerateReqInput(
-        text="Hello",
-        sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-        rid=f"health-generate-{uuid.uuid4().hex}",
-    )
-    try:
-        await asyncio.wait_for(
-            first_item(ctx.tokenizer_manager.generate_request(obj)), HEALTH_GENERATE_TIMEOUT_S
+    """Generate one token (embedding models: embed one input) end to end, within a timeout."""
+    tm = get_ctx(request).tokenizer_manager
+    rid = f"health-generate-{uuid.uuid4().hex}"
+    if tm.is_generation:
+        obj = GenerateReqInput(
+            text="Hello", sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=rid
         )
+        work = first_item(tm.generate_request(obj))
+    else:
+        work = tm.encode_request(text="Hello", rid=rid)
+    try:
+        await asyncio.wait_for(work, HEALTH_GENERATE_TIMEOUT_S)
     except (asyncio.TimeoutError, RuntimeError) as exc:
         raise APIError(503, f"health generation failed: {exc or 'timeout'}") from exc
     return Response(status_code=200)
@@ -151,7 +156,7 @@ async def get_model_info(request: Request) -> dict[str, Any]:
         "architecture": config.architecture,
         "context_length": ctx.context_len,
         "vocab_size": ctx.vocab_size,
-        "is_generation": True,
+        "is_generation": ctx.tokenizer_manager.is_generation,
     }
 
 
@@ -198,27 +203,6 @@ async def abort_request(body: AbortRequest, request: Request) -> dict[str, Any]:
         raise APIError(400, "Give a non-empty 'rid' or 'abort_all': true.", param="rid")
     get_ctx(request).tokenizer_manager.abort_request(rid=body.rid, abort_all=body.abort_all)
     return {"success": True}
-
-
-@router.post("/pause_generation")
-async def pause_generation(
-    request: Request, body: PauseGenerationRequest | None = None
-) -> dict[str, Any]:
-    """Stop running batches until /continue_generation (``mode``: abort, retract, in_place).
-
-    Returns once the pause holds; generation requests sent meanwhile wait in the queue.
-    """
-    mode = (body or PauseGenerationRequest()).mode
-    await get_ctx(request).tokenizer_manager.pause_generation(mode)
-    return {"status": "ok", "message": "Generation paused successfully."}
-
-
-@router.post("/continue_generation")
-async def continue_generation(
-    request: Request, body: ContinueGenerationRequest | None = None
-) -> dict[str, Any]:
-    await get_ctx(request).tokenizer_manager.continue_generation()
-    return {"status": "ok", "message": "Generation continued successfully."}
 
 
 # ---------------------------------------------------------------------------- sessions
