@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-STATE_TIMEOUT_S = 120.0  # a failure bound only: long enough for a loaded machine
+STATE_TIMEOUT_S = 180.0  # a failure bound only: long enough for a loaded machine
 POLL_S = 0.02
 # max_new_tokens of a request the test ends itself (an abort, a disconnect, a pause): with the
 # prompt it stays within the tiny checkpoints' context of 1024 tokens.
