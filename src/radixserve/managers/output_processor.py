@@ -2,31 +2,57 @@
 
 For every request of the batch:
 
+- a prefill that asked for input logprobs collects those of the positions it computed (chunk by
+  chunk; the first report after the prompt carries them all);
 - a prefill chunk that is not the last only hands its KV to the cache (``cache_unfinished_req``)
   and samples nothing;
 - a request that finished in the previous step samples nothing either: under the overlap
   schedule (``scheduler.py``) it was planned into this step before its end was known. The step
   wrote the KV of its last token (already counted in ``kv_len`` when it finished, and handed to
   the cache with the rest); the token it sampled is discarded;
-- otherwise the sampled token (and its logprobs) is appended and ``check_finished`` runs; a
-  finished request gives its KV to the cache (``cache_finished_req``); a request that just
-  finished its prefill inserts its prompt into the cache so that others can share it while it
-  decodes (``cache_unfinished_req``).
+- a prefill-only request (``max_new_tokens`` 0: SGLang's ``cache_prefix`` and ``select``)
+  finishes with ``length`` and no token, its prompt cached;
+- otherwise the sampled token (and its logprobs) is appended, its grammar (if any) advances,
+  and ``check_finished`` runs; a finished request gives its KV to the cache
+  (``cache_finished_req``); a request that just finished its prefill inserts its prompt into the
+  cache so that others can share it while it decodes (``cache_unfinished_req``).
 
 Then one ``BatchTokenIDOutput`` goes to the detokenizer: stream requests report their first token
-at once, then every ``stream_interval`` tokens (``--stream-interval``; 1: every step) and at
-finish; non-stream requests report once, at finish, with all their tokens. Each report carries
-every token since the previous one.
+at once, then every ``stream_interval`` tokens (the request's, else ``--stream-interval``; 1:
+every step) and at finish; non-stream requests report once, at finish, with all their tokens.
+Each report carries every token since the previous one.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
-from radixserve.managers.io_struct import BatchTokenIDOutput, ReqTokenOutput
+from radixserve.layers.sampler import InputLogprobs
+from radixserve.managers.io_struct import BatchTokenIDOutput, LogprobsOutput, ReqTokenOutput
 from radixserve.managers.schedule_batch import Req, ScheduleBatch, release_kv
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
+
+logger = logging.getLogger(__name__)
+
+
+def _logprobs_output(req: Req, start: int) -> LogprobsOutput:
+    """The logprobs of output tokens ``start:`` and, once, of the prompt."""
+    out = LogprobsOutput(
+        output=req.output_logprobs[start:],
+        output_top=req.output_top_logprobs[start:] if req.top_logprobs_num else None,
+        output_token_ids=req.output_token_ids_logprobs[start:] if req.token_ids_logprob else None,
+    )
+    if req.logprob_start_len >= 0 and not req.input_logprobs_sent and req.input_logprobs_done:
+        req.input_logprobs_sent = True
+        out.input_token_ids = req.origin_input_ids[req.logprob_start_len :]
+        out.input = req.input_logprobs
+        out.input_top = req.input_top_logprobs if req.top_logprobs_num else None
+        out.input_token_ids_logprobs = (
+            req.input_token_ids_logprobs if req.token_ids_logprob else None
+        )
+    return out
 
 
 def make_output(req: Req) -> ReqTokenOutput:
@@ -43,13 +69,11 @@ def make_output(req: Req) -> ReqTokenOutput:
         cached_tokens=req.cached_tokens,
         stream=req.stream,
         stop=list(params.stop),
+        stop_regex=list(params.stop_regex),
         no_stop_trim=params.no_stop_trim,
         skip_special_tokens=params.skip_special_tokens,
         spaces_between_special_tokens=params.spaces_between_special_tokens,
-        output_logprobs=req.output_logprobs[start:] if req.return_logprob else None,
-        output_top_logprobs=(
-            req.output_top_logprobs[start:] if req.return_logprob and req.top_logprobs_num else None
-        ),
+        logprobs=_logprobs_output(req, start) if req.return_logprob else None,
     )
 
 
@@ -83,16 +107,15 @@ class OutputProcessor:
         for i, req in enumerate(batch.reqs):
             if req.finished():
                 continue
+            if is_extend and result.input_logprobs is not None and req.wants_input_logprobs:
+                _add_input_logprobs(req, result.input_logprobs[i])
             if req.is_chunked:
                 self.tree_cache.cache_unfinished_req(req, req.fill_ids)
                 continue
-            req.output_ids.append(next_ids[i])
-            if req.return_logprob:
-                assert logprobs is not None, "the sampler returns logprobs when asked"
-                req.output_logprobs.append(logprobs[i])
-                if req.top_logprobs_num:
-                    req.output_top_logprobs.append(result.top_logprobs[i])
-            req.check_finished(self.eos_token_ids, self.tokenizer)
+            if req.sampling_params.max_new_tokens == 0:
+                req.finished_reason = {"type": "length", "length": 0}
+            else:
+                self._append_token(req, i, next_ids[i], logprobs, result)
             if req.finished():
                 release_kv(req, self.tree_cache)
             elif is_extend:
@@ -101,13 +124,35 @@ class OutputProcessor:
                 reports.append(req)
         self.send_outputs(reports)
 
+    def _append_token(
+        self, req: Req, i: int, token: int, logprobs: list[float] | None, result: Any
+    ) -> None:
+        req.output_ids.append(token)
+        if req.return_logprob:
+            assert logprobs is not None, "the sampler returns logprobs when asked"
+            req.output_logprobs.append(logprobs[i])
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append(result.top_logprobs[i])
+            if req.token_ids_logprob:
+                req.output_token_ids_logprobs.append(result.token_ids_logprobs[i])
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            # The sampler applies the grammar's mask, so this is a bug: end the request, not
+            # the server.
+            logger.error("request %s: sampled token %d outside its grammar", req.rid, token)
+            req.finished_reason = {
+                "type": "abort", "message": f"internal error: token {token} violates the grammar"
+            }
+            return
+        req.check_finished(self.eos_token_ids, self.tokenizer)
+
     def _stream_due(self, req: Req) -> bool:
         """Whether a running stream request reports this step: its first token (time to first
         token never waits), then once ``stream_interval`` tokens are unsent."""
         if not req.stream or req.is_chunked:
             return False
         unsent = len(req.output_ids) - req.send_offset
-        return req.send_offset == 0 or unsent >= self.stream_interval
+        interval = req.sampling_params.stream_interval or self.stream_interval
+        return req.send_offset == 0 or unsent >= interval
 
     def finish_now(self, reqs: list[Req], reason: dict[str, Any]) -> None:
         """Finish requests outside a model step (aborted, rejected, out of memory)."""
@@ -124,3 +169,14 @@ class OutputProcessor:
                     self.on_finish(req)
         if reqs:
             self.send_to_detokenizer(BatchTokenIDOutput(outputs=[make_output(r) for r in reqs]))
+
+
+def _add_input_logprobs(req: Req, computed: InputLogprobs) -> None:
+    """Append what one extend computed; position 0 (nothing precedes it) gets None first."""
+    if not req.input_logprobs and req.logprob_start_len == 0:
+        req.input_logprobs.append(None)
+        req.input_top_logprobs.append(None)
+        req.input_token_ids_logprobs.append(None)
+    req.input_logprobs.extend(computed.values)
+    req.input_top_logprobs.extend(computed.top or [[] for _ in computed.values])
+    req.input_token_ids_logprobs.extend(computed.token_ids or [[] for _ in computed.values])

@@ -44,6 +44,7 @@ from radixserve.managers.io_struct import (
     SessionParams,
     TokenizedGenerateReqInput,
 )
+from radixserve.managers.logprob_meta import LogprobMeta
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
@@ -74,13 +75,10 @@ class _ReqState:
 
     rid: str
     notify: asyncio.Event
-    return_logprob: bool
-    top_logprobs_num: int
+    logprobs: LogprobMeta | None  # with return_logprob
     metrics: RequestMetrics
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
-    logprobs: list[list[float | int]] = field(default_factory=list)
-    top_logprobs: list[list[list[float | int]]] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -97,10 +95,8 @@ class _ReqState:
             "cached_tokens": self.cached_tokens,
             "finish_reason": self.finished_reason,
         }
-        if self.return_logprob:
-            meta["output_token_logprobs"] = list(self.logprobs)
-            if self.top_logprobs_num > 0:
-                meta["output_top_logprobs"] = list(self.top_logprobs)
+        if self.logprobs is not None:
+            meta.update(self.logprobs.to_meta())
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
 
@@ -191,8 +187,7 @@ class TokenizerManager:
             _ReqState(
                 rid=req.rid,
                 notify=notify,
-                return_logprob=obj.return_logprob,
-                top_logprobs_num=obj.top_logprobs_num,
+                logprobs=self._logprob_meta(req, obj.return_text_in_logprobs),
                 metrics=RequestMetrics(rid=req.rid, arrival_time=now),
             )
             for req in reqs
@@ -227,6 +222,15 @@ class TokenizerManager:
                         ipc.send(self._send_sock, AbortReq(rid=state.rid))
                     self._report(state, {"type": "abort", "message": "the caller stopped reading"})
 
+    def _logprob_meta(self, req: TokenizedGenerateReqInput, with_text: bool) -> LogprobMeta | None:
+        if not req.return_logprob:
+            return None
+        decode = None
+        if with_text:
+            def decode(ids: list[int]) -> list[str]:
+                return self.tokenizer.batch_decode([[t] for t in ids])
+        return LogprobMeta(req.top_logprobs_num, req.token_ids_logprob, decode)
+
     def _tokenize(self, obj: GenerateReqInput, index: int | None) -> TokenizedGenerateReqInput:
         """Build the scheduler message of one prompt; ``ValueError`` names the batch index."""
         try:
@@ -251,8 +255,19 @@ class TokenizerManager:
             )
         sampling_params = SamplingParams.from_dict(obj.sampling_params)
         sampling_params.validate(vocab_size)
+        bad = sorted({t for t in obj.token_ids_logprob or [] if not 0 <= t < vocab_size})
+        if bad:
+            raise ValueError(
+                f"token_ids_logprob contains token ids outside the vocabulary [0, {vocab_size}): "
+                f"{bad[:10]}"
+            )
         context_len = self.model_config.context_len
         prompt_len, max_new = len(input_ids), sampling_params.max_new_tokens
+        if obj.return_logprob and obj.logprob_start_len > prompt_len and not obj.session_params:
+            raise ValueError(
+                f"logprob_start_len ({obj.logprob_start_len}) is beyond the prompt "
+                f"({prompt_len} tokens)"
+            )
         if prompt_len >= context_len:
             raise ValueError(
                 f"the prompt is too long: it has {prompt_len} tokens and the model's context "
@@ -276,7 +291,9 @@ class TokenizerManager:
             sampling_params=sampling_params,
             input_text=obj.text,
             return_logprob=obj.return_logprob,
+            logprob_start_len=obj.logprob_start_len,
             top_logprobs_num=obj.top_logprobs_num,
+            token_ids_logprob=obj.token_ids_logprob,
             stream=obj.stream,
             session_params=session_params,
         )
@@ -318,14 +335,8 @@ class TokenizerManager:
         state.prompt_tokens = out.prompt_tokens
         state.completion_tokens = out.completion_tokens
         state.cached_tokens = out.cached_tokens
-        if state.return_logprob and out.output_logprobs is not None:
-            state.logprobs.extend(
-                [lp, tid] for lp, tid in zip(out.output_logprobs, out.new_token_ids, strict=True)
-            )
-        if state.top_logprobs_num > 0 and out.output_top_logprobs is not None:
-            state.top_logprobs.extend(
-                [[lp, tid] for tid, lp in tops] for tops in out.output_top_logprobs
-            )
+        if state.logprobs is not None and out.logprobs is not None:
+            state.logprobs.add(out.logprobs, out.new_token_ids)
         metrics = state.metrics
         if out.new_token_ids:
             if metrics.first_token_time is None:

@@ -102,11 +102,11 @@ def _logprobs(ctx: ServerContext, meta: dict[str, Any], start: int = 0) -> ChatC
     tokens = meta.get("output_token_logprobs", [])[start:]
     tops = meta.get("output_top_logprobs") or []
     content = []
-    for k, (lp, tid) in enumerate(tokens):
-        top = tops[start + k] if start + k < len(tops) else []
+    for k, (lp, tid, _) in enumerate(tokens):
+        top = (tops[start + k] if start + k < len(tops) else None) or []
         base = entry(lp, tid)
         content.append(
-            ChatTokenLogprob(**base.model_dump(), top_logprobs=[entry(*t) for t in top])
+            ChatTokenLogprob(**base.model_dump(), top_logprobs=[entry(lp, t) for lp, t, _ in top])
         )
     return ChatChoiceLogprobs(content=content)
 
