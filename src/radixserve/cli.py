@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixserve import __version__
+from radixserve.layers.attention import ATTENTION_BACKENDS
 from radixserve.server_args import DEVICES, DTYPES, SCHEDULE_POLICIES, ServerArgs
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -22,6 +23,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 CHOICES: dict[str, Sequence[str]] = {
     "dtype": DTYPES,
     "device": DEVICES,
+    "attention_backend": ATTENTION_BACKENDS,
     "schedule_policy": SCHEDULE_POLICIES,
     "log_level": LOG_LEVELS,
 }
@@ -40,6 +42,8 @@ HELP: dict[str, str] = {
     "random_seed": "Seed of the sampling random generators.",
     "tp_size": "Tensor-parallel size (only 1 in this build).",
     "dp_size": "Data-parallel size (only 1 in this build).",
+    "attention_backend": "Attention kernels: torch_native (plain torch, the reference) or cpu "
+    "(radixserve's CPU kernels; the default on CPU where they take the model's shape).",
     "mem_fraction_static": "Fraction of free memory for the KV cache (default 0.3 on CPU, "
     "0.85 on CUDA).",
     "max_total_tokens": "KV cache size in tokens (overrides --mem-fraction-static).",

@@ -29,6 +29,7 @@ class ServerArgs:
     random_seed: int = 0
     tp_size: int = 1
     dp_size: int = 1
+    attention_backend: str | None = None  # None: cpu on CPUs whose kernels take the model
     # memory
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
@@ -66,6 +67,14 @@ class ServerArgs:
             raise ValueError(
                 f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
             )
+        if self.attention_backend is not None:
+            from radixserve.layers.attention import ATTENTION_BACKENDS
+
+            if self.attention_backend not in ATTENTION_BACKENDS:
+                raise ValueError(
+                    f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                    f"got {self.attention_backend!r}"
+                )
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.tp_size != 1 or self.dp_size != 1:

@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
-from radixserve.layers.attention import create_attention_backend
-from radixserve.layers.linear import LinearBase, mkldnn_prepack_supported
-from radixserve.layers.vocab_embedding import LMHead
+from radixserve.layers.attention import create_attention_backend, default_attention_backend
+from radixserve.layers.custom_op import build_context
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -31,10 +30,6 @@ if TYPE_CHECKING:
     from radixserve.layers.sampler import SampleOutput, Sampler
 
 logger = logging.getLogger(__name__)
-
-# The small-batch kernels keep a second copy of every linear weight: only when that copy is
-# small next to the machine's memory.
-BLOCKED_COPY_MAX_RAM_FRACTION = 0.1
 
 _GIB = 1 << 30
 _DEFAULT_MEM_FRACTION = {"cpu": 0.3, "cuda": 0.85}
@@ -85,24 +80,14 @@ class ModelRunner:
             self.page_size,
             self.max_running_requests,
         )
-        self.attn_backend = create_attention_backend(
-            "torch_native", self.req_to_token_pool, self.token_to_kv_pool
+        self.attention_backend = server_args.attention_backend or default_attention_backend(
+            self.device, self.dtype, model_config.head_dim
         )
+        self.attn_backend = create_attention_backend(
+            self.attention_backend, self.req_to_token_pool, self.token_to_kv_pool
+        )
+        logger.info("attention backend: %s", self.attention_backend)
         self.model = load_model(model_config, self.attn_backend, self.device)
-        if mkldnn_prepack_supported(self.device, self.dtype):
-            # bf16 on CPU: oneDNN's blocked weight layout streams about twice as fast, and the
-            # small-batch kernels' own copy faster again, where memory allows the extra copy.
-            layers = [m for m in self.model.modules() if isinstance(m, (LinearBase, LMHead))]
-            extra = sum(m.weight.numel() * m.weight.element_size() for m in layers)
-            blocked = extra <= BLOCKED_COPY_MAX_RAM_FRACTION * psutil.virtual_memory().total
-            for module in layers:
-                module.prepack(blocked=blocked)
-            rows = max((m.blocked.max_rows for m in layers if m.blocked is not None), default=0)
-            if rows:
-                logger.info(
-                    "small-batch kernels on for up to %d rows: +%.2f GiB of weight copies",
-                    rows, extra / _GIB,
-                )
 
     def _plan_kv_tokens(self, server_args: ServerArgs) -> int:
         """KV slots to allocate, rounded down to whole pages.
@@ -136,7 +121,8 @@ class ModelRunner:
         # Imported on first use: the runner's forward path does not depend on sampling code.
         from radixserve.layers.sampler import Sampler
 
-        return Sampler()
+        with build_context(self.device, self.dtype):  # its argmax op, for the model's logits
+            return Sampler()
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
