@@ -4,6 +4,7 @@ Only the rows that are sampled go through ``lm_head``: for an EXTEND batch the l
 each request (the others are prompt tokens whose logits nobody reads, unless the batch asks for
 input logprobs: then their positions' rows follow, see ``forward_batch.py``), for DECODE every
 row.
+
 The logits stay in the model's dtype: the sampler upcasts them only when it needs more than an
 argmax (a float32 copy of ``[64, 151936]`` costs more than the argmax itself).
 """
@@ -23,7 +24,8 @@ class LogitsProcessor(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, lm_head: LMHead, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        """``hidden_states``: ``[num_tokens, hidden]`` → ``[batch_size, vocab]``."""
+        """``hidden_states``: ``[num_tokens, hidden]`` → ``[batch_size (+ input logprob rows),
+        vocab]``."""
         if forward_batch.forward_mode.is_extend:
             assert forward_batch.extend_seq_lens_cpu is not None
             ends = list(itertools.accumulate(forward_batch.extend_seq_lens_cpu))

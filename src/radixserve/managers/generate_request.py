@@ -44,6 +44,8 @@ class GenerateReqInput:
     # Logprob entries carry the token's text: [logprob, id, text].
     return_text_in_logprobs: bool = False
     session_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
+    # False leaves the request out of metrics and request logs (health checks).
+    log_metrics: bool = True
 
     is_single: bool = field(default=True, init=False)
     batch_size: int = field(default=1, init=False)
@@ -251,6 +253,7 @@ class GenerateReqInput:
             token_ids_logprob=self.token_ids_logprob[i],
             return_text_in_logprobs=self.return_text_in_logprobs,
             session_params=self.session_params[i] if self.session_params else None,
+            log_metrics=self.log_metrics,
         )
         sub.normalize()
         return sub

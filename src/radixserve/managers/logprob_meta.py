@@ -68,6 +68,8 @@ class LogprobMeta:
         return meta
 
     def _entries(self, values: list[float | None], ids: list[int]) -> list[Entry]:
+        if not ids:
+            return []
         texts = self.decode(ids) if self.decode is not None else [None] * len(ids)
         return [[v, t, text] for v, t, text in zip(values, ids, texts, strict=True)]
 

@@ -77,6 +77,7 @@ class _ReqState:
     notify: asyncio.Event
     logprobs: LogprobMeta | None  # with return_logprob
     metrics: RequestMetrics
+    log_metrics: bool = True
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
@@ -189,6 +190,7 @@ class TokenizerManager:
                 notify=notify,
                 logprobs=self._logprob_meta(req, obj.return_text_in_logprobs),
                 metrics=RequestMetrics(rid=req.rid, arrival_time=now),
+                log_metrics=obj.log_metrics,
             )
             for req in reqs
         ]
@@ -315,7 +317,11 @@ class TokenizerManager:
     def _dispatch(self, msg: io_struct.Message) -> None:
         if isinstance(msg, BatchStrOutput):
             for out in msg.outputs:
-                self._handle_output(out)
+                try:
+                    self._handle_output(out)
+                except Exception as e:  # end that request with the error, never leave it hanging
+                    logger.exception("failed to handle an output of request %s", out.rid)
+                    self._fail_request(out.rid, f"internal error: {type(e).__name__}: {e}")
         elif isinstance(msg, _CONTROL_REPLIES):
             fut = self._control_futures.get(type(msg))
             if fut is not None and not fut.done():
@@ -350,8 +356,22 @@ class TokenizerManager:
         state.dirty = True
         state.notify.set()
 
+    def _fail_request(self, rid: str, message: str) -> None:
+        """Finish ``rid`` as aborted here (the scheduler finishes it on its own)."""
+        state = self._states.pop(rid, None)
+        if state is None:
+            return
+        state.finished = True
+        state.finished_reason = {"type": "abort", "message": message}
+        state.dirty = True
+        state.notify.set()
+        self._report(state, state.finished_reason)
+
     def _report(self, state: _ReqState, reason: dict[str, Any]) -> None:
-        """Complete the request's metrics and hand them to the callback, if any."""
+        """Complete the request's metrics and hand them to the callback, if any (and the
+        request did not opt out with ``log_metrics`` false)."""
+        if not state.log_metrics:
+            return
         metrics = state.metrics
         metrics.prompt_tokens = state.prompt_tokens
         metrics.cached_tokens = state.cached_tokens
