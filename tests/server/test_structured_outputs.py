@@ -133,13 +133,16 @@ def test_stop_regex_ends_a_regex_constrained_generation_and_is_cut(client):
     assert out["text"] == "ab"
 
 
-def test_per_request_stream_interval(client):
+def test_per_request_stream_interval_reaches_the_scheduler(client):
+    """An interval longer than the output: only the first token and the end are sent. (The
+    split of a stream is tested in the scheduler: over HTTP a slow reader may get two reports
+    merged into one chunk, so only which lengths can appear is checked here.)"""
     body = {"text": "Go", "stream": True, "sampling_params": {
-        "max_new_tokens": 9, "ignore_eos": True, "stream_interval": 3}}
+        "max_new_tokens": 9, "ignore_eos": True, "stream_interval": 100}}
     with client.stream("POST", "/generate", json=body) as r:
         chunks = parse_sse(list(r.iter_lines()))
-    # The first token at once, then every 3, then the last.
-    assert [len(c["output_ids"]) for c in chunks] == [1, 4, 7, 9]
+    lengths = [len(c["output_ids"]) for c in chunks]
+    assert set(lengths) <= {1, 9} and lengths[-1] == 9, lengths
 
 
 def test_length_limit_mid_json_is_finish_reason_length(oai, server):
