@@ -61,6 +61,10 @@ HELP: dict[str, str] = {
     "enable_streaming_session": "Keep a streaming session's KV between turns.",
     "enable_overlap_schedule": "Run the model on a thread of its own and plan each decode step "
     "while the previous one computes (same greedy outputs).",
+    "constrained_json_disable_any_whitespace": "JSON-schema output uses the compact separators "
+    "', ' and ': ' instead of any whitespace between tokens.",
+    "constrained_json_max_whitespace_cnt": "Longest run of whitespace JSON-schema output may "
+    "have between tokens (default: unbounded).",
     "stream_interval": "Stream a request's tokens every this many steps (the first and the last "
     "token at once); larger values cost less per token.",
     "enable_metrics": "Serve Prometheus metrics on GET /metrics.",

@@ -297,10 +297,13 @@ class Engine:
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         stream: bool = False,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
+        return_logprob: bool | list[bool] = False,
+        top_logprobs_num: int | list[int] = 0,
         rid: str | list[str] | None = None,
         session_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        logprob_start_len: int | list[int] = -1,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
+        return_text_in_logprobs: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (→ dict) or a batch (→ list); ``stream`` → an iterator.
 
@@ -310,7 +313,8 @@ class Engine:
         obj = GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
             stream=stream, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-            session_params=session_params,
+            session_params=session_params, logprob_start_len=logprob_start_len,
+            token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
         )
         agen = self._tm.generate_request(obj)
         if not stream:
@@ -334,16 +338,20 @@ class Engine:
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         stream: bool = False,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
+        return_logprob: bool | list[bool] = False,
+        top_logprobs_num: int | list[int] = 0,
         rid: str | list[str] | None = None,
         session_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        logprob_start_len: int | list[int] = -1,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
+        return_text_in_logprobs: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """``generate`` for the caller's own asyncio loop; ``stream`` → an async iterator."""
         obj = GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
             stream=stream, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-            session_params=session_params,
+            session_params=session_params, logprob_start_len=logprob_start_len,
+            token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
         )
         agen = self._tm.generate_request(obj)
         if not stream:

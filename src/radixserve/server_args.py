@@ -45,6 +45,9 @@ class ServerArgs:
     schedule_conservativeness: float = 1.0
     enable_streaming_session: bool = False
     enable_overlap_schedule: bool = False
+    # constrained decoding (JSON schemas)
+    constrained_json_disable_any_whitespace: bool = False
+    constrained_json_max_whitespace_cnt: int | None = None
     # serving
     stream_interval: int = 1
     enable_metrics: bool = False
@@ -84,7 +87,7 @@ class ServerArgs:
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
             )
         for name in ("max_total_tokens", "max_running_requests", "context_length",
-                     "max_queued_requests"):
+                     "max_queued_requests", "constrained_json_max_whitespace_cnt"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")

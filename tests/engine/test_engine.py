@@ -108,8 +108,8 @@ def test_logprobs_have_one_entry_per_output_token(engine):
     meta = out["meta_info"]
     logprobs, tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
     assert len(logprobs) == len(tops) == len(out["output_ids"]) == 8
-    assert [tid for _, tid in logprobs] == out["output_ids"]
-    for (lp, tid), top in zip(logprobs, tops, strict=True):
+    assert [tid for _, tid, _ in logprobs] == out["output_ids"]
+    for (lp, tid, _), top in zip(logprobs, tops, strict=True):
         assert lp <= 0.0 and len(top) == 3
         # Greedy: the chosen token is the most likely one.
         assert top[0][1] == tid and top[0][0] == pytest.approx(lp, abs=1e-4)

@@ -191,10 +191,15 @@ def assert_no_leak(client: httpx.Client, timeout: float = STATE_TIMEOUT_S) -> di
         time.sleep(0.05)
 
 
+# A random-weight model may loop on whitespace inside JSON: bound each run (constrained tests).
+CONSTRAINED_FLAGS = ("--constrained-json-max-whitespace-cnt", "2")
+
+
 @pytest.fixture(scope="session")
 def server(llama_path: Path):
-    """The shared default server (tiny Llama, default flags) for the API test modules."""
-    srv = start_server(llama_path)
+    """The shared server (tiny Llama, default flags but bounded JSON whitespace) for the API
+    test modules."""
+    srv = start_server(llama_path, *CONSTRAINED_FLAGS)
     yield srv
     srv.check_clean_stop()
 

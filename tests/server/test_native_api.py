@@ -71,7 +71,7 @@ def test_generate_logprobs_match_output_ids(client):
     out = _generate(client, text="Hello", return_logprob=True, top_logprobs_num=3,
                     sampling_params={"max_new_tokens": 4, **GREEDY}).json()
     meta = out["meta_info"]
-    assert [tid for _, tid in meta["output_token_logprobs"]] == out["output_ids"]
+    assert [tid for _, tid, _ in meta["output_token_logprobs"]] == out["output_ids"]
     assert all(len(tops) == 3 for tops in meta["output_top_logprobs"])
     # Greedy: each chosen token is the top alternative.
     assert [tops[0][1] for tops in meta["output_top_logprobs"]] == out["output_ids"]

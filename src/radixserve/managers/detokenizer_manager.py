@@ -15,13 +15,16 @@ Two things are held back from ``new_text`` until they are safe to show:
   stop string completes, and the text is then cut where it begins, so it never leaks.
 
 At finish everything still held is flushed (cut at the stop string when it matched), and the
-request's state is dropped.
+request's state is dropped. A ``stop_regex`` match cuts the text where the match begins; text
+streamed before the match completed cannot be held back (a regex has no fixed prefixes), so a
+stream may already have shown its start.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,9 +57,11 @@ class IncrementalDetokenizer:
         decode: Callable[[list[int]], str],
         stop: Sequence[str] = (),
         no_stop_trim: bool = False,
+        stop_regex: Sequence[str] = (),
     ) -> None:
         self._decode = decode
         self._stop = [s for s in stop if s]
+        self._stop_regex = list(stop_regex)
         self._no_stop_trim = no_stop_trim
         self.ids: list[int] = []
         self.prefix_offset = 0
@@ -82,7 +87,7 @@ class IncrementalDetokenizer:
         else:
             end = len(self.text)
             if trim and isinstance(matched, str):
-                pos = self.text.find(matched)
+                pos = self._match_start(matched)
                 if pos != -1:
                     end = max(pos, self.sent)
         delta = self.text[self.sent : end]
@@ -98,6 +103,14 @@ class IncrementalDetokenizer:
             self.text += full[len(surrounding) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
+
+    def _match_start(self, matched: str) -> int:
+        """Where the stop string (or, failing that, the stop regex) ``matched`` begins."""
+        pos = self.text.find(matched)
+        if pos == -1 and matched in self._stop_regex:
+            found = re.search(matched, self.text)
+            pos = found.start() if found else -1
+        return pos
 
     def _safe_end(self) -> int:
         """End of the text that cannot be (the start of) a stop string."""
@@ -138,6 +151,7 @@ class DetokenizerManager:
                     self._decoder(out.skip_special_tokens, out.spaces_between_special_tokens),
                     stop=out.stop,
                     no_stop_trim=out.no_stop_trim,
+                    stop_regex=out.stop_regex,
                 )
                 self._states[out.rid] = state
             new_text = state.step(out.new_token_ids, out.finished_reason)
@@ -152,8 +166,7 @@ class DetokenizerManager:
                     prompt_tokens=out.prompt_tokens,
                     completion_tokens=out.completion_tokens,
                     cached_tokens=out.cached_tokens,
-                    output_logprobs=out.output_logprobs,
-                    output_top_logprobs=out.output_top_logprobs,
+                    logprobs=out.logprobs,
                 )
             )
         return BatchStrOutput(outputs=outputs)

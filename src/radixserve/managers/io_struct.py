@@ -46,7 +46,10 @@ class TokenizedGenerateReqInput(_Msg):
     sampling_params: SamplingParams
     input_text: str | None = None
     return_logprob: bool = False
+    # First prompt position with a returned logprob; -1: output logprobs only.
+    logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
     stream: bool = False
     session_params: SessionParams | None = None
 
@@ -156,6 +159,29 @@ class GetInspectorStateReq(_Msg):
 
 
 # ---------------------------------------------------------------- scheduler -> detokenizer
+TopLogprobs = list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+class LogprobsOutput(msgspec.Struct, kw_only=True):
+    """Logprobs of one report of a request that asked for them (``return_logprob``).
+
+    ``output_*`` have one entry per new output token of the report. ``input_*`` come once, in
+    the first report after the prompt was computed: one entry per prompt position from
+    ``logprob_start_len`` on (``input_token_ids``), each the logprob of that token given the
+    tokens before it, None for position 0 (nothing precedes it). ``*_top`` are present with
+    ``top_logprobs_num``; ``*_token_ids`` (the logprobs of the request's ``token_ids_logprob``
+    at each position) with that option.
+    """
+
+    output: list[float] = msgspec.field(default_factory=list)
+    output_top: list[TopLogprobs] | None = None
+    output_token_ids: list[list[float]] | None = None
+    input_token_ids: list[int] | None = None
+    input: list[float | None] | None = None
+    input_top: list[TopLogprobs | None] | None = None
+    input_token_ids_logprobs: list[list[float] | None] | None = None
+
+
 class ReqTokenOutput(msgspec.Struct, kw_only=True):
     """One request's progress since its previous output.
 
@@ -172,12 +198,11 @@ class ReqTokenOutput(msgspec.Struct, kw_only=True):
     cached_tokens: int
     stream: bool = False
     stop: list[str] = msgspec.field(default_factory=list)
+    stop_regex: list[str] = msgspec.field(default_factory=list)
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    # Present when the request asked for logprobs; one entry per new token.
-    output_logprobs: list[float] | None = None
-    output_top_logprobs: list[list[tuple[int, float]]] | None = None
+    logprobs: LogprobsOutput | None = None  # present when the request asked for logprobs
 
 
 class BatchTokenIDOutput(_Msg):
@@ -195,8 +220,7 @@ class ReqStrOutput(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    output_logprobs: list[float] | None = None
-    output_top_logprobs: list[list[tuple[int, float]]] | None = None
+    logprobs: LogprobsOutput | None = None
 
 
 class BatchStrOutput(_Msg):

@@ -112,8 +112,9 @@ class PrefillAdder:
         """Match ``req``'s cached prefix, lock it, then admit it if it still fits."""
         if self.free_req_slots == 0:
             return AddResult.STOP
-        # At least the last token is computed, so the step has logits to sample from.
-        match = self.tree_cache.match_req(req, req.all_ids[:-1])
+        # At least the last token is computed, so the step has logits to sample from (and
+        # every position whose logits give the request's input logprobs: ``max_prefix_len``).
+        match = self.tree_cache.match_req(req, req.all_ids[: req.max_prefix_len])
         # Lock first, then check capacity: the lock turns the prefix from evictable to
         # protected, so the check below cannot count on evicting it.
         self.tree_cache.inc_lock_ref(match.last_node)

@@ -2,19 +2,23 @@
 
     while True:
         process_input_requests(recv_nowait())   # TypeBasedDispatcher: type → handler
-        step():  batch = get_next_batch_to_run() # a new prefill if one fits, else a decode step
+        step():  requests whose grammar compiled join the waiting queue (grammar_queue.py)
+                 batch = get_next_batch_to_run() # a new prefill if one fits, else a decode step
                  run it, process its result      # output_processor.py
-                 or, idle or paused: self_check_during_idle() and block on the socket
+                 or, idle: wait briefly for a grammar that compiles, or
+                           self_check_during_idle() and block on the socket
+                 (paused: no steps; messages are still handled)
 
-``PauseGenerationReqInput`` stops the steps (messages are still handled) until
-``ContinueGenerationReqInput``; see ``handle_pause_generation``.
+``PauseGenerationReqInput`` stops the steps until ``ContinueGenerationReqInput``; see
+``handle_pause_generation``.
 
 With ``--enable-overlap-schedule`` the model runs on a thread of its own (``OverlapWorker``) and
 a decode step N+1 is launched before step N's tokens are processed (``_step_overlapped``).
 
 The single-job objects it composes: ``SchedulePolicy`` + ``PrefillAdder`` (admission),
 ``retract_for_decode`` (memory pressure), ``OutputProcessor`` (results), ``TpModelWorker``
-(the model) and the prefix cache (``mem_cache``).
+(the model), ``GrammarQueue`` (constrained requests until their grammar is compiled) and the
+prefix cache (``mem_cache``).
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ import torch
 import zmq
 
 from radixserve import envs
+from radixserve.constrained import GrammarCache, create_grammar_backend
 from radixserve.layers.sampler import SampleOutput
 from radixserve.managers import ipc
 from radixserve.managers.child_process import install_exit_handlers
 from radixserve.managers.dispatcher import TypeBasedDispatcher
+from radixserve.managers.grammar_queue import GrammarQueue
 from radixserve.managers.io_struct import (
     AbortReq,
     CloseSessionReqInput,
@@ -81,6 +87,8 @@ logger = logging.getLogger(__name__)
 
 # How long an idle loop blocks on its socket before looking around again.
 _IDLE_POLL_MS = 1000
+# How long a step with nothing to run waits for a grammar to compile (messages wait meanwhile).
+_GRAMMAR_WAIT_S = 0.01
 
 
 @dataclass
@@ -141,6 +149,19 @@ class Scheduler:
         self.sessions = SessionController(
             server_args.enable_streaming_session, self.session_cache, self.model_config.bos_token_id
         )
+        # For stop strings and grammars; the detokenizer makes the text.
+        tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer, local_files_only=True)
+        self.grammars = GrammarCache(
+            partial(
+                create_grammar_backend,
+                tokenizer,
+                self.model_config.vocab_size,
+                self.model_config.eos_token_ids,
+                any_whitespace=not server_args.constrained_json_disable_any_whitespace,
+                max_whitespace_cnt=server_args.constrained_json_max_whitespace_cnt,
+            )
+        )
+        self.grammar_queue = GrammarQueue(self.grammars)
         self.res = BatchResources(
             req_to_token_pool=self.req_to_token_pool,
             allocator=self.allocator,
@@ -148,9 +169,8 @@ class Scheduler:
             device=device,
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=self.model_config.eos_token_ids,
+            grammars=self.grammars,
         )
-        # Only for stop strings; the detokenizer makes the text.
-        tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer, local_files_only=True)
         self.policy = SchedulePolicy(
             server_args.schedule_policy, self.tree_cache, self.radix_enabled
         )
@@ -257,11 +277,11 @@ class Scheduler:
         if self.overlap is not None:
             return self._step_overlapped(self.overlap)
         self.sessions.close_expired()
+        self._admit_compiled_grammars()
         self._step_start = time.perf_counter()
         batch = self.get_next_batch_to_run()
         if batch is None:
-            self._on_idle()
-            return False
+            return self._on_idle()
         self._idle_checked = False
         if self.is_generation:
             result = self.tp_worker.forward_batch_generation(batch.to_forward_batch())
@@ -271,10 +291,27 @@ class Scheduler:
         self.control.after_step()
         return True
 
-    def _on_idle(self) -> None:
+    def _on_idle(self) -> bool:
+        """Nothing to run: wait a moment for a compiling grammar (True: not idle), else run
+        the idle self-check once (False: idle)."""
+        if self.grammar_queue:
+            self.grammar_queue.wait(_GRAMMAR_WAIT_S)
+            return True
         if not self._idle_checked:
             self.self_check_during_idle()
             self._idle_checked = True
+        return False
+
+    def _admit_compiled_grammars(self) -> None:
+        """Constrained requests whose grammar is ready join the waiting queue; those whose
+        grammar failed to compile finish with its error (status 400)."""
+        if not self.grammar_queue:
+            return
+        compiled = self.grammar_queue.pop_compiled()
+        self.waiting_queue.extend(compiled.ready)
+        for req, reason in compiled.failed:
+            logger.info("request %s rejected: %s", req.rid, reason["message"])
+            self.output_processor.finish_now([req], reason)
 
     def _process_result(self, batch: ScheduleBatch, result: SampleOutput | torch.Tensor) -> None:
         running = len(self.running_batch) if batch.forward_mode.is_extend else len(batch)
@@ -306,6 +343,7 @@ class Scheduler:
         Greedy outputs are those of ``step``.
         """
         self.sessions.close_expired()
+        self._admit_compiled_grammars()
         self._step_start = time.perf_counter()
         previous, self._in_flight = self._in_flight, None
         if previous is not None and self._can_decode_ahead():
@@ -321,9 +359,7 @@ class Scheduler:
             self.control.after_step()
         batch = self.get_next_batch_to_run()
         if batch is None:
-            if previous is None:
-                self._on_idle()
-            return previous is not None
+            return self._on_idle() if previous is None else True
         self._idle_checked = False
         if batch.forward_mode.is_extend:
             self._process_result(batch, worker.launch(batch.to_forward_batch()).result())
@@ -337,7 +373,7 @@ class Scheduler:
         in flight are known: nothing could be admitted now (the waiting requests wait for a
         request slot, which only a finish frees), nothing waits to be aborted or retracted, no
         streaming session turn (its slot takes the turn's KV when it finishes) and no sampler
-        that reads the outputs so far."""
+        that reads the outputs so far (penalties, seeds, a grammar's mask)."""
         batch = self.running_batch
         if batch.is_empty() or self.chunked_req is not None:
             return False
@@ -345,6 +381,8 @@ class Scheduler:
             return False
         for req in batch.reqs:
             if req.to_abort is not None or req.streaming_session_id is not None:
+                return False
+            if req.grammar is not None:
                 return False
             if reads_output_ids(req.sampling_params, len(req.output_ids)):
                 return False
@@ -487,6 +525,8 @@ class Scheduler:
                 msg.sampling_params,
                 return_logprob=msg.return_logprob,
                 top_logprobs_num=msg.top_logprobs_num,
+                logprob_start_len=msg.logprob_start_len,
+                token_ids_logprob=msg.token_ids_logprob,
                 stream=msg.stream,
             )
             error = None
@@ -497,8 +537,8 @@ class Scheduler:
         if created is not None:
             for replaced in self.sessions.admit(created):
                 self.handle_abort(AbortReq(rid=replaced.rid))
-        if msg.sampling_params.max_new_tokens == 0:
-            self.output_processor.finish_now([req], {"type": "length", "length": 0})
+        if msg.sampling_params.grammar is not None:
+            self.grammar_queue.add(req)
         else:
             self.waiting_queue.append(req)
 
@@ -577,6 +617,14 @@ class Scheduler:
             )
         if msg.top_logprobs_num < 0:
             return f"top_logprobs_num must be non-negative, got {msg.top_logprobs_num}"
+        if msg.return_logprob and msg.logprob_start_len > len(ids):
+            return (
+                f"logprob_start_len ({msg.logprob_start_len}) is beyond the input "
+                f"({len(ids)} tokens)"
+            )
+        bad = [t for t in msg.token_ids_logprob or [] if not 0 <= t < vocab]
+        if bad:
+            return f"token_ids_logprob out of the vocabulary range [0, {vocab}): {bad[:8]}"
         try:
             msg.sampling_params.validate(vocab)
         except ValueError as e:
@@ -591,7 +639,7 @@ class Scheduler:
             return msg.abort_all or req.rid == msg.rid
 
         reason = {"type": "abort", "message": "aborted by request"}
-        waiting = [r for r in self.waiting_queue if hit(r)]
+        waiting = [r for r in self.waiting_queue if hit(r)] + self.grammar_queue.remove(hit)
         self.waiting_queue = [r for r in self.waiting_queue if not hit(r)]
         self.output_processor.finish_now(waiting, reason)
         self.num_aborted_reqs += len(waiting)
@@ -610,7 +658,7 @@ class Scheduler:
                 success=False,
                 message=(
                     f"cannot flush the cache while requests run or wait "
-                    f"({self.num_running()} running, {len(self.waiting_queue)} waiting)"
+                    f"({self.num_running()} running, {self.num_waiting()} waiting)"
                 ),
             )
         self.flush()
@@ -622,6 +670,7 @@ class Scheduler:
         self.tree_cache.reset()
         self.allocator.clear()
         self.req_to_token_pool.clear()
+        self.grammars.clear()
         logger.info("cache flushed")
 
     def handle_get_internal_state(self, msg: GetInternalStateReq) -> GetInternalStateReqOutput:
@@ -630,7 +679,9 @@ class Scheduler:
             state={
                 "memory": self.memory_state(),
                 "num_running_reqs": self.num_running(),
-                "num_waiting_reqs": len(self.waiting_queue),
+                "num_waiting_reqs": self.num_waiting(),
+                "num_grammar_queue_reqs": len(self.grammar_queue),
+                "num_cached_grammars": len(self.grammars),
                 "max_total_num_tokens": self.max_total_num_tokens,
                 "num_retracted_reqs": self.num_retracted_reqs,
                 "num_aborted_reqs": self.num_aborted_reqs,
@@ -690,6 +741,7 @@ class Scheduler:
     def is_idle(self) -> bool:
         return (
             not self.waiting_queue
+            and not self.grammar_queue
             and self.running_batch.is_empty()
             and not self.chunked_req
             and self._in_flight is None
@@ -697,6 +749,10 @@ class Scheduler:
 
     def num_running(self) -> int:
         return len(self.running_batch) + (self.chunked_req is not None)
+
+    def num_waiting(self) -> int:
+        """Requests not yet admitted: waiting, or waiting for their grammar."""
+        return len(self.waiting_queue) + len(self.grammar_queue)
 
     def memory_state(self) -> dict[str, int]:
         return {

@@ -228,10 +228,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, forward_batch: ForwardBatch) -> SampleOutput:
-        """Next tokens (and logprobs when asked) for the logits ``forward`` returned."""
-        return self._sampler(
-            logits,
+        """Next tokens (and logprobs when asked) for the logits ``forward`` returned; the rows
+        after the first ``batch_size`` give the input logprobs (``ForwardBatch``)."""
+        bs = forward_batch.batch_size
+        out = self._sampler(
+            logits[:bs],
             forward_batch.sampling_info,
             forward_batch.return_logprob,
             forward_batch.top_logprobs_nums,
+            forward_batch.token_ids_logprobs,
         )
+        counts = forward_batch.input_logprob_counts
+        if counts is not None:
+            from radixserve.layers.sampler import input_logprobs
+
+            assert forward_batch.input_logprob_targets is not None
+            out.input_logprobs = input_logprobs(
+                logits[bs:],
+                forward_batch.input_logprob_targets,
+                counts,
+                forward_batch.top_logprobs_nums,
+                forward_batch.token_ids_logprobs,
+            )
+        return out
