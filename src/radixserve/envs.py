@@ -21,7 +21,19 @@ class EnvBool:
         return self.default if value is None else value.strip().lower() in _TRUE
 
 
+@dataclass(frozen=True)
+class EnvStr:
+    name: str
+    default: str = ""
+
+    def get(self) -> str:
+        return os.environ.get(self.name, self.default)
+
+
 # Raise instead of only logging when the idle memory self-check finds a leak (set in tests).
 RADIXSERVE_TEST_STRICT = EnvBool("RADIXSERVE_TEST_STRICT")
 # Do not build or use radixserve's own CPU kernels (layers/cpu_kernels.py): oneDNN only.
 RADIXSERVE_DISABLE_CPU_KERNELS = EnvBool("RADIXSERVE_DISABLE_CPU_KERNELS")
+# "busy": check the memory invariant after every scheduler step too (raising on a violation),
+# not only when the scheduler goes idle. Costs a little per step; the tests run with it.
+RADIXSERVE_STRICT_MEM_CHECK = EnvStr("RADIXSERVE_STRICT_MEM_CHECK")

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from tests.server.conftest import start_server
-from tests.sessions.conftest import BOS, new_rid, random_ids, sse_events
+from tests.sessions.conftest import BOS, BUSY_CHECK, new_rid, random_ids, sse_events
 
 N = 6  # new tokens of an ordinary turn
 
 
 @pytest.fixture(scope="module")
 def server(llama_path: Path):
-    srv = start_server(llama_path)
+    srv = start_server(llama_path, env=BUSY_CHECK)
     yield srv
     srv.check_clean_stop()
 
