@@ -305,8 +305,9 @@ class SessionAwareCache(BasePrefixCache):
                 return
             if not self._load(session_id, entry.token_ids, entry.kv_token_ids, waiting):
                 return
-            max_tokens -= need
-            max_rows -= 1
+            if session_id in self.slots:  # else its payload was refused: it re-prefills
+                max_tokens -= need
+                max_rows -= 1
 
     def resume_session(self, session_id: str) -> list[int]:
         if self.store is None or not self.store.survives_restart:
