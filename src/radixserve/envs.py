@@ -21,19 +21,26 @@ class EnvBool:
         return self.default if value is None else value.strip().lower() in _TRUE
 
 
-@dataclass(frozen=True)
-class EnvStr:
-    name: str
-    default: str = ""
-
-    def get(self) -> str:
-        return os.environ.get(self.name, self.default)
-
-
 # Raise instead of only logging when the idle memory self-check finds a leak (set in tests).
 RADIXSERVE_TEST_STRICT = EnvBool("RADIXSERVE_TEST_STRICT")
 # Do not build or use radixserve's own CPU kernels (layers/cpu_kernels.py): oneDNN only.
 RADIXSERVE_DISABLE_CPU_KERNELS = EnvBool("RADIXSERVE_DISABLE_CPU_KERNELS")
+
+
+@dataclass(frozen=True)
+class EnvStr:
+    name: str
+
+    def get(self, default: str) -> str:
+        return os.environ.get(self.name) or default
+
+
+# Where start_profile writes traces when the request names no output_dir (default: the temp dir).
+RADIXSERVE_TORCH_PROFILER_DIR = EnvStr("RADIXSERVE_TORCH_PROFILER_DIR")
+# Test hook: requests whose rid starts with "inject-fault-" raise inside the scheduler (while it
+# handles the message, or while it processes their output), to test that one failing request
+# gets a 500 and the others keep running.
+RADIXSERVE_TEST_INJECT_FAULTS = EnvBool("RADIXSERVE_TEST_INJECT_FAULTS")
 # "busy": check the memory invariant after every scheduler step too (raising on a violation),
-# not only when the scheduler goes idle. Costs a little per step; the tests run with it.
+# not only when the scheduler goes idle. Costs a little per step; the session tests run with it.
 RADIXSERVE_STRICT_MEM_CHECK = EnvStr("RADIXSERVE_STRICT_MEM_CHECK")

@@ -22,6 +22,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    admin_api_key: str | None = None
     # model execution
     dtype: str = "auto"
     device: str = "auto"
@@ -29,6 +30,8 @@ class ServerArgs:
     random_seed: int = 0
     tp_size: int = 1
     dp_size: int = 1
+    is_embedding: bool = False
+    attention_backend: str | None = None  # None: cpu on CPUs whose kernels take the model
     # memory
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
@@ -54,6 +57,7 @@ class ServerArgs:
     log_level: str = "info"
     skip_warmup: bool = False
     watchdog_timeout: float = 300.0
+    health_timeout: float = 20.0
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -66,6 +70,14 @@ class ServerArgs:
             raise ValueError(
                 f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
             )
+        if self.attention_backend is not None:
+            from radixserve.layers.attention import ATTENTION_BACKENDS
+
+            if self.attention_backend not in ATTENTION_BACKENDS:
+                raise ValueError(
+                    f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                    f"got {self.attention_backend!r}"
+                )
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.tp_size != 1 or self.dp_size != 1:
@@ -99,6 +111,9 @@ class ServerArgs:
             )
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        for name in ("watchdog_timeout", "health_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
 

@@ -1,5 +1,5 @@
-"""The torch-native paged attention backend and the KV pool, against a naive per-request
-attention over the same keys and values."""
+"""The paged attention backends (``torch_native``, the reference, and ``cpu``, radixserve's CPU
+kernels) and the KV pool, against a naive per-request attention over the same keys and values."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from radixserve.layers.attention import Attention, create_attention_backend
+from radixserve.layers.cpu_kernels import load_cpu_kernels
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 
-HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4, 2, 8, 2
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4, 2, 16, 2
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 
 
@@ -30,7 +31,7 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -
 
 
 def _run(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], page_size: int,
-         dtype: torch.dtype) -> None:
+         dtype: torch.dtype, backend_name: str) -> None:
     gen = torch.Generator().manual_seed(0)
     num_pages = 64
     pool = MHATokenToKVPool(num_pages * page_size, page_size, dtype, KV_HEADS, HEAD_DIM, LAYERS,
@@ -76,7 +77,7 @@ def _run(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], page
         extend_prefix_lens_cpu=prefix_lens if mode.is_extend else None,
         extend_seq_lens_cpu=extend_lens if mode.is_extend else None,
     )
-    backend = create_attention_backend("torch_native", req_pool, pool)
+    backend = create_attention_backend(backend_name, req_pool, pool)
     attn = Attention(HEADS, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, layer, backend)
     backend.init_forward_metadata(fb)
     new_k = torch.cat([k[p:] for k, p in zip(full_k, prefix_lens, strict=True)])
@@ -92,16 +93,24 @@ def _run(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], page
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
 
+def backends(dtype: torch.dtype) -> list[str]:
+    """The backends that run a pool of ``dtype`` here."""
+    cpu = load_cpu_kernels() and dtype in (torch.float32, torch.bfloat16)
+    return ["torch_native", "cpu"] if cpu else ["torch_native"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_extend_attends_over_cached_prefix_and_new_tokens(page_size, dtype):
-    _run(ForwardMode.EXTEND, [0, 7, 3, 12], [5, 3, 1, 9], page_size, dtype)
+    for backend in backends(dtype):
+        _run(ForwardMode.EXTEND, [0, 7, 3, 12], [5, 3, 1, 9], page_size, dtype, backend)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_decode_attends_over_the_whole_sequence(page_size, dtype):
-    _run(ForwardMode.DECODE, [0, 6, 11, 3], [1, 1, 1, 1], page_size, dtype)
+    for backend in backends(dtype):
+        _run(ForwardMode.DECODE, [0, 6, 11, 3], [1, 1, 1, 1], page_size, dtype, backend)
 
 
 def test_kv_pool_reserves_a_zeroed_padding_page():
@@ -126,5 +135,11 @@ def test_kv_pool_stores_in_its_own_dtype():
 
 def test_unknown_attention_backend_is_rejected():
     pool = MHATokenToKVPool(8, 1, torch.float32, KV_HEADS, HEAD_DIM, LAYERS, "cpu")
-    with pytest.raises(ValueError, match="unknown attention backend 'flash'.*torch_native"):
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'.*torch_native, cpu"):
         create_attention_backend("flash", ReqToTokenPool(1, 8, "cpu"), pool)
+
+
+def test_cpu_backend_refuses_a_pool_its_kernels_cannot_take():
+    pool = MHATokenToKVPool(8, 1, torch.float16, KV_HEADS, HEAD_DIM, LAYERS, "cpu")
+    with pytest.raises(ValueError, match="the cpu attention backend cannot run here"):
+        create_attention_backend("cpu", ReqToTokenPool(1, 8, "cpu"), pool)

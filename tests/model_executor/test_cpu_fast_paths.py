@@ -1,40 +1,74 @@
-"""bfloat16 on CPU runs the linear layers on oneDNN-prepacked weights: the products must match
-the plain weights' to bfloat16 rounding."""
+"""A model built with radixserve's CPU kernels (ops, packed weights, the ``cpu`` attention
+backend) computes what the same model built with every op's torch reference and the
+``torch_native`` backend computes: the same float32 logits to rounding, bf16 logits within bf16
+noise, over prefills with cached prefixes and decode steps."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from radixserve.layers.linear import QKVParallelLinear, mkldnn_prepack_supported
+from radixserve.layers import custom_op
+from radixserve.layers.custom_op import OpImpl
+from tests.checkpoints import build_checkpoint
+from tests.layers.helpers import kernels_here
+from tests.model_executor.harness import ManualSlots, make_runner
 
-pytestmark = pytest.mark.skipif(
-    not mkldnn_prepack_supported(torch.device("cpu"), torch.bfloat16),
-    reason="this torch build has no oneDNN",
-)
-
-
-@pytest.mark.parametrize("num_tokens", [1, 7, 64])
-def test_prepacked_linear_matches_plain_linear_in_bfloat16(num_tokens):
-    torch.manual_seed(0)
-    layer = QKVParallelLinear(64, 16, total_num_heads=4, total_num_kv_heads=2, bias=True)
-    layer = layer.to(torch.bfloat16)
-    with torch.no_grad():
-        layer.weight.normal_()
-        layer.bias.normal_()
-    x = torch.randn(num_tokens, 64, dtype=torch.bfloat16)
-    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
-    layer.prepack()
-    assert layer.prepacked
-    torch.testing.assert_close(layer(x), expected)  # bfloat16 tolerances
+TOLERANCE = {"float32": 1e-4, "bfloat16": 0.05}
 
 
-def test_bfloat16_runner_prepacks_its_linear_layers(llama_path):
-    from tests.model_executor.harness import make_runner
+def run_steps(path, dtype: str, attention_backend: str) -> torch.Tensor:
+    runner = make_runner(path, dtype=dtype, attention_backend=attention_backend)
+    slots = ManualSlots(runner)
+    seqs = [slots.new_seq() for _ in range(3)]
+    steps = [runner.forward(slots.extend(seqs, [list(range(5, 45)), [8, 2, 77], [9] * 17]))]
+    steps.append(runner.forward(slots.extend(seqs[:2], [[4, 5, 6], [7]])))  # cached prefixes
+    for tokens in ([3, 11, 6], [12, 4, 30]):
+        steps.append(runner.forward(slots.decode(seqs, tokens)))
+    return torch.cat([s.float() for s in steps])
 
-    runner = make_runner(llama_path, dtype="bfloat16")
-    layer = runner.model.model.layers[0]
-    assert layer.self_attn.qkv_proj.prepacked and layer.mlp.down_proj.prepacked
-    assert runner.model.lm_head.packed_weight is not None
-    fp32_runner = make_runner(llama_path, dtype="float32")
-    assert not fp32_runner.model.model.layers[0].mlp.down_proj.prepacked
+
+def native_runner_steps(path, dtype: str, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    with monkeypatch.context() as m:  # ops and weights built as if no kernel loaded
+        m.setattr(custom_op, "load_cpu_kernels", lambda: False)
+        return run_steps(path, dtype, "torch_native")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernels_model_equals_the_native_model(arch_path, dtype, monkeypatch):
+    if not kernels_here():
+        return
+    runner = make_runner(arch_path, dtype=dtype)
+    assert runner.attention_backend == "cpu"
+    assert runner.model.model.layers[0].mlp.act_fn.impl is (
+        OpImpl.CPU if dtype == "bfloat16" else OpImpl.NATIVE
+    )
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(
+        run_steps(arch_path, dtype, "cpu"), native_runner_steps(arch_path, dtype, monkeypatch),
+        atol=tol, rtol=tol,
+    )
+
+
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 14, 2), (128, 4, 4), (48, 8, 1)])
+def test_cpu_attention_backend_on_other_head_shapes_equals_the_native_model(
+    tmp_path, head_dim, heads, kv_heads, monkeypatch
+):
+    if not kernels_here():
+        return
+    path = build_checkpoint(tmp_path / "llama", "llama", hidden_size=112,
+                            num_attention_heads=heads, num_key_value_heads=kv_heads,
+                            head_dim=head_dim)
+    torch.testing.assert_close(
+        run_steps(path, "bfloat16", "cpu"), native_runner_steps(path, "bfloat16", monkeypatch),
+        atol=0.05, rtol=0.05,
+    )
+
+
+def test_the_cpu_attention_backend_refuses_a_shape_its_kernels_cannot_take(tmp_path):
+    if not kernels_here():
+        return
+    path = build_checkpoint(tmp_path / "llama", "llama", head_dim=40)
+    assert make_runner(path).attention_backend == "torch_native"  # the default falls back
+    with pytest.raises(ValueError, match="head_dim that is a multiple of 16 up to 256, not 40"):
+        make_runner(path, attention_backend="cpu")

@@ -36,6 +36,7 @@ def test_flags_parse_into_server_args():
 @pytest.mark.parametrize("argv", [
     ["serve", "--dtype", "float8"], ["serve", "--device", "tpu"],
     ["serve", "--schedule-policy", "random"], ["serve", "--port", "abc"], [],
+    ["serve", "--attention-backend", "flash"],
 ])
 def test_invalid_flags_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as e:
@@ -48,6 +49,13 @@ def test_out_of_range_flag_values_raise_value_error_naming_the_flag(flag, value)
     ns = build_parser().parse_args(["serve", "--model-path", "m", flag, value])
     with pytest.raises(ValueError, match=flag.removeprefix("--").replace("-", "_")):
         server_args_from_namespace(ns)
+
+
+def test_attention_backend_flag_and_engine_argument_take_the_registrys_names():
+    ns = build_parser().parse_args(["serve", "--model-path", "m", "--attention-backend", "cpu"])
+    assert server_args_from_namespace(ns).attention_backend == "cpu"
+    with pytest.raises(ValueError, match="attention_backend must be one of .*'flash'"):
+        ServerArgs(model_path="m", attention_backend="flash")
 
 
 def test_default_model_prefers_the_demo_checkpoint_in_the_working_directory(tmp_path,

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from radixserve.layers.cpu_kernels import bf16_kernels_supported, silu_and_mul
+from radixserve.layers import cpu_kernels
+from radixserve.layers.custom_op import CustomOp
 
 
-class SiluAndMul(nn.Module):
-    """``silu(gate) * up`` for the fused ``[..., 2 * d]`` output of ``gate_up_proj``; bf16 on CPU
-    takes radixserve's fused kernel (``layers/cpu_kernels.py``), which rounds as torch does."""
+class SiluAndMul(CustomOp):
+    """``silu(gate) * up`` for the fused ``[..., 2 * d]`` output of ``gate_up_proj``. The CPU
+    kernel is one pass (torch: two, and an intermediate as large as the output) and rounds as
+    torch does."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if bf16_kernels_supported(x):
-            return silu_and_mul(x)
+    cpu_dtypes = (torch.bfloat16,)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.silu_and_mul(x)

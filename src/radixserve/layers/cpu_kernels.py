@@ -6,19 +6,23 @@
   row (AVX512-BF16) and an AMX kernel for up to 32 rows (where the CPU has AMX and K is a
   multiple of 32);
 - fused bf16 RMSNorm, residual add + RMSNorm, SiluAndMul and the rotary embedding, and the
-  greedy argmax of bf16 logits (``csrc/elementwise_bf16.cpp``): one kernel each where torch runs
-  up to nine, whose start-up costs dominate a decode step's small tensors. They round to bf16
-  where transformers' bf16 modules do;
+  greedy argmax of bf16 or float32 logits (``csrc/elementwise_bf16.cpp``): one kernel each where
+  torch runs up to nine, whose start-up costs dominate a decode step's small tensors. They round
+  to bf16 where transformers' bf16 modules do;
 - decode attention straight from the paged KV pool (``csrc/decode_attention.cpp``, float32 and
   bf16): one call per layer writes the new K/V and attends, where the torch path runs two
   index_puts, two gathers, a mask and SDPA.
 
-They need AVX512-BF16. The build goes through ``torch.utils.cpp_extension`` (ninja and g++, about
-20 s) into ``~/.cache/radixserve/kernels/<key>``; the key covers the sources, the torch version
-and this CPU's flags (the code is built for the CPU it runs on), so later starts load the cached
-library at once. Without a compiler or the instruction set, or with
-``RADIXSERVE_DISABLE_CPU_KERNELS=1``, ``load_cpu_kernels`` returns False and layers keep to
-oneDNN and torch.
+Nothing asks on every call whether they run: each op picks them once, when the model is built
+(``layers/custom_op.py``), weights are packed for them once, after loading
+(``layers/packed_weight.py``), and the ``cpu`` attention backend calls the attention kernel.
+
+They need AVX512-BF16. The build goes through ``torch.utils.cpp_extension`` (ninja and g++,
+about 20 s) into ``~/.cache/radixserve/kernels/<key>``; the key covers the sources, the torch
+version and this CPU's flags (the code is built for the CPU it runs on), so later starts load
+the cached library at once. Without a compiler or the instruction set, or with
+``RADIXSERVE_DISABLE_CPU_KERNELS=1``, ``load_cpu_kernels`` returns False and ops are built with
+their torch implementations.
 """
 
 from __future__ import annotations
@@ -173,16 +177,6 @@ class BlockedWeight:
         return gemv(x, self.packed, bias)
 
 
-def bf16_kernels_supported(*tensors: torch.Tensor) -> bool:
-    """Whether ``tensors`` (bf16 on CPU) can take the element-wise kernels here (norms,
-    SiluAndMul, rotary, argmax). Asked on every call of those layers, so a plain loop (a
-    generator costs microseconds)."""
-    for t in tensors:
-        if not t.is_cpu or t.dtype != torch.bfloat16:
-            return False
-    return load_cpu_kernels()
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' bf16 RMSNorm over the last dimension of ``x`` in one pass per row (torch
     runs eight kernels); a non-contiguous ``x`` (Qwen3's per-head q/k views) is copied first."""
@@ -204,9 +198,9 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=-1)`` for ``[rows, vocab]`` bf16 logits (first maximum, NaN counting
-    as the maximum) in two vectorised passes per row."""
-    return torch.ops.radixserve_cpu.argmax_bf16(logits.contiguous())
+    """``logits.argmax(dim=-1)`` for ``[rows, vocab]`` logits (first maximum, NaN counting as the
+    maximum): two vectorised passes per row for bf16 and float32, torch's argmax otherwise."""
+    return torch.ops.radixserve_cpu.argmax(logits)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -215,21 +209,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.radixserve_cpu.silu_and_mul_bf16(x.contiguous())
 
 
-DECODE_ATTENTION_MAX_GROUP_DIM = 2048  # head_dim x query heads per KV head (its scratch)
+ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+ATTENTION_MAX_HEAD_DIM = 256
 
 
-def decode_attention_supported(
-    dtype: torch.dtype, device: torch.device, head_dim: int, group: int
-) -> bool:
-    """Whether a KV pool of ``dtype`` on ``device`` can take the decode attention kernel, for
-    ``group`` query heads per KV head of ``head_dim``."""
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and head_dim in (64, 128)
-        and head_dim * group <= DECODE_ATTENTION_MAX_GROUP_DIM
-        and load_cpu_kernels()
-    )
+def attention_kernels_support(dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the attention kernels cannot take a KV pool of ``dtype`` with ``head_dim``, or None
+    when they can (head_dim a multiple of 16 up to 256, float32 or bf16, any GQA group)."""
+    if not load_cpu_kernels():
+        return "radixserve's CPU kernels do not run on this machine"
+    if dtype not in ATTENTION_DTYPES:
+        return f"the CPU attention kernels take float32 or bfloat16, not {dtype}"
+    if head_dim % 16 or head_dim > ATTENTION_MAX_HEAD_DIM:
+        return (
+            "the CPU attention kernels take a head_dim that is a multiple of 16 up to 256, "
+            f"not {head_dim}"
+        )
+    return None
 
 
 def decode_attention(

@@ -1,7 +1,6 @@
 """RMSNorm computed in float32 and cast back, as transformers' Llama/Qwen implementations do.
 
-bf16 on CPU takes radixserve's fused kernels (``layers/cpu_kernels.py``), which round where this
-torch math does; every other dtype and device keeps the torch math.
+On CPU the fused kernels (``layers/cpu_kernels.py``) round where this torch math does.
 """
 
 from __future__ import annotations
@@ -9,36 +8,44 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixserve.layers.cpu_kernels import bf16_kernels_supported, fused_add_rms_norm, rms_norm
+from radixserve.layers import cpu_kernels
+from radixserve.layers.custom_op import CustomOp
+
+NormOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
+    """Normalise the last dimension of ``x`` (any leading shape).
+
+    With ``residual`` (vLLM/SGLang's convention), add it first and return
+    ``(norm(x + residual), x + residual)``: the decoder carries the sum as the next residual, and
+    the add fuses into the norm's kernel. The CPU kernel writes both results over ``x`` and
+    ``residual``, so callers pass tensors they are done with.
+    """
+
+    cpu_dtypes = (torch.bfloat16,)
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.eps = eps
 
-    def forward(
+    def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Normalise the last dimension of ``x`` (any leading shape).
+    ) -> NormOutput:
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
 
-        With ``residual`` (vLLM/SGLang's convention), add it first and return
-        ``(norm(x + residual), x + residual)``: the decoder carries the sum as the next residual,
-        and the add fuses into the norm's kernel. That kernel writes both results over ``x`` and
-        ``residual``, so callers pass tensors they are done with.
-        """
-        weight = self.weight
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> NormOutput:
         if residual is None:
-            if bf16_kernels_supported(x, weight):
-                return rms_norm(x, weight, self.eps)
-            return self._norm(x)
-        fusable = x.is_contiguous() and residual.is_contiguous()  # the kernel writes in place
-        if fusable and bf16_kernels_supported(x, residual, weight):
-            fused_add_rms_norm(x, residual, weight, self.eps)
-            return x, residual
-        residual = x + residual
-        return self._norm(residual), residual
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
+        # The decoder passes its own contiguous activations; a view is summed out of place.
+        if not (x.is_contiguous() and residual.is_contiguous()):
+            x, residual = x.contiguous(), residual.contiguous()
+        cpu_kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return x, residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

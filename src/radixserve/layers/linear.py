@@ -6,21 +6,20 @@ and places each at its offset; every layer narrows the full checkpoint tensor to
 slice. Column-parallel layers split the output dimension, row-parallel ones the input dimension.
 Only ``tp_size == 1`` runs today, but the shapes and loaders are already per rank.
 
-On CPU in bfloat16 the model runner calls ``prepack()`` once after loading: it reorders the weight
-into oneDNN's blocked layout, whose GEMM streams it about twice as fast as the stock path
-(``F.linear`` on the plain ``[out, in]`` tensor), at every batch size, with the same products.
-With ``blocked=True`` it also keeps the copy of radixserve's own small-batch kernels
-(``layers/cpu_kernels.py``), which inputs of up to 32 rows (one without AMX) then take: they
-stream the weight at memory speed.
+After loading, ``prepack_model`` (``layers/packed_weight.py``) calls every layer's ``prepack``
+once: it builds the ``PackedWeight`` of this rank's loaded shard for the kernels of the device
+the model was built for, and ``forward`` multiplies with it. A new linear type (another split,
+another loader) subclasses ``LinearBase``, creates its parameters there with ``weight_loader``s
+that narrow the checkpoint tensor to the rank's shard, and inherits packing and forward.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from radixserve.layers.cpu_kernels import BlockedWeight
+from radixserve.layers.custom_op import select_impl
+from radixserve.layers.packed_weight import NotPacked, PackedWeight, Prepackable, pack_float_weight
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -33,26 +32,17 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
     param.data.copy_(loaded_weight)
 
 
-def mkldnn_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether weights should be prepacked: bfloat16 on a CPU build with oneDNN."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-
-
-def mkldnn_linear(
-    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """``x @ weight.T (+ bias)``, the weight reordered by ``mkldnn._reorder_linear_weight``."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight, bias, "none", [], "")
-
-
 def _divide(numerator: int, denominator: int) -> int:
     if numerator % denominator:
         raise ValueError(f"{numerator} is not divisible by tp_size {denominator}")
     return numerator // denominator
 
 
-class LinearBase(nn.Module):
+class LinearBase(Prepackable):
     """``y = x @ weight.T (+ bias)`` with a per-rank weight of shape ``[out, in]``."""
+
+    # model dtypes whose weights the CPU kernels pack (layers/packed_weight.py)
+    cpu_dtypes = (torch.bfloat16,)
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool, tp_rank: int, tp_size: int
@@ -60,6 +50,7 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.impl = select_impl(self.cpu_dtypes)
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -67,33 +58,18 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.prepacked = False  # weight holds oneDNN's blocked layout (see prepack)
-        self.blocked: BlockedWeight | None = None  # the small-batch kernels' copy (see prepack)
+        self.packed: PackedWeight = NotPacked()
 
-    def prepack(self, blocked: bool = False) -> None:
-        """Replace the plain weight by its oneDNN-reordered copy (once, after loading): the
-        same bfloat16 products, with a faster kernel. ``blocked``: also keep the small-batch
-        kernels' copy, where this machine can run them (one more weight's worth of memory)."""
-        weight = self.weight.detach()
-        if blocked:
-            self.blocked = BlockedWeight.of(weight)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        self.weight = nn.Parameter(packed, requires_grad=False)
-        self.prepacked = True
-
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.blocked is not None and x.shape[0] <= self.blocked.max_rows:
-            return self.blocked.linear(x, bias)
-        if self.prepacked:
-            return mkldnn_linear(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
+    def prepack(self, small_batch_copy: bool) -> PackedWeight:
+        self.packed = pack_float_weight(self.weight.detach(), self.impl, small_batch_copy)
+        return self.packed
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copy this rank's slice of a checkpoint tensor; each subclass knows its split."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+        return self.packed.linear(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -131,11 +107,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
 
+    def shard_range(self, shard_id: int) -> tuple[int, int]:
+        """``(offset, size)`` of shard ``shard_id``'s rows on this rank."""
+        size = _divide(self.output_sizes[shard_id], self.tp_size)
+        return _divide(sum(self.output_sizes[:shard_id]), self.tp_size), size
+
     def weight_loader(  # type: ignore[override]
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int
     ) -> None:
-        size = _divide(self.output_sizes[shard_id], self.tp_size)
-        offset = _divide(sum(self.output_sizes[:shard_id]), self.tp_size)
+        offset, size = self.shard_range(shard_id)
         shard = loaded_weight.narrow(0, self.tp_rank * size, size)
         default_weight_loader(param.data.narrow(0, offset, size), shard)
 
@@ -167,14 +147,18 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def weight_loader(  # type: ignore[override]
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str
-    ) -> None:
-        offset, size = {
+    def shard_range(self, shard_id: str) -> tuple[int, int]:
+        """``(offset, size)`` of shard ``"q"``, ``"k"`` or ``"v"``'s rows on this rank."""
+        return {
             "q": (0, self.q_size),
             "k": (self.q_size, self.kv_size),
             "v": (self.q_size + self.kv_size, self.kv_size),
         }[shard_id]
+
+    def weight_loader(  # type: ignore[override]
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str
+    ) -> None:
+        offset, size = self.shard_range(shard_id)
         shard = loaded_weight.narrow(0, self.tp_rank * size, size)
         default_weight_loader(param.data.narrow(0, offset, size), shard)
 
@@ -201,7 +185,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self._matmul(x, self.bias)
-        out = self._matmul(x, None)
+            return self.packed.linear(x, self.bias)
+        out = self.packed.linear(x, None)
         torch.distributed.all_reduce(out)
         return out if self.bias is None else out + self.bias

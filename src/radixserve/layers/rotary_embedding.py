@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from radixserve.layers.cpu_kernels import bf16_kernels_supported, rotary
+from radixserve.layers import cpu_kernels
+from radixserve.layers.custom_op import CustomOp
 
 
 def compute_inv_freq(
@@ -53,12 +54,13 @@ def _llama3_inv_freq(
 
 
 class RotaryEmbedding(nn.Module):
-    """Looks up RoPE's cos/sin rows for a batch's positions, once per forward for all layers.
+    """Looks up RoPE's cos/sin rows for a batch's positions, once per forward for all layers;
+    each attention layer rotates its q and k with ``ApplyRotaryEmbedding``.
 
     The tables are stored as ``[cos, cos]`` and ``[-sin, sin]`` over the whole head, so rotating
-    is ``x * cos + swap_halves(x) * sin``: four kernels per call, and q and k heads can be rotated
-    in one call. The products and sums are the same as transformers' ``rotate_half`` form, so fp32
-    outputs stay bit for bit equal to it.
+    is ``x * cos + swap_halves(x) * sin``, and q and k heads can be rotated in one call. The
+    products and sums are the same as transformers' ``rotate_half`` form, so fp32 outputs stay
+    bit for bit equal to it.
     """
 
     def __init__(
@@ -81,18 +83,23 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions``: ``[n]`` → ``(cos, signed sin)``, each ``[n, 1, head_dim]`` in
-        ``dtype``, broadcasting over heads in ``apply_rotary``."""
+        ``dtype``, broadcasting over heads in ``ApplyRotaryEmbedding``."""
         cos = self.cos_cache[positions].to(dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(dtype).unsqueeze(1)
         return cos, sin
 
 
-def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate ``x``: ``[n, heads, head_dim]`` (neox halves) by ``rope`` from
-    ``RotaryEmbedding.forward``; returns a new tensor. bf16 on CPU takes radixserve's fused
-    kernel (``layers/cpu_kernels.py``), which computes and rounds exactly as these four ops."""
-    cos, sin = rope
-    if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and bf16_kernels_supported(x, cos, sin):
-        return rotary(x, cos, sin)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((x2, x1), dim=-1) * sin
+class ApplyRotaryEmbedding(CustomOp):
+    """Rotate ``x``: ``[n, heads, head_dim]`` (neox halves; heads contiguous, rows may be strided
+    views of the qkv output) by ``(cos, sin)`` from ``RotaryEmbedding.forward``; returns a new
+    contiguous tensor. The CPU kernel is one pass where torch runs four, and computes and rounds
+    exactly as these four ops."""
+
+    cpu_dtypes = (torch.bfloat16,)
+
+    def forward_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((x2, x1), dim=-1) * sin
+
+    def forward_cpu(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.rotary(x, cos, sin)

@@ -6,7 +6,7 @@ Pipeline of ``Sampler.__call__`` over ``[bs, vocab]`` logits in the model's dtyp
    cannot change which entry is largest); anything else is upcast to float32 first;
 1. logit bias, then penalties and the min_new_tokens ban (``SamplingBatchInfo.process_logits``),
    on a copy: the caller's logits are never modified;
-2. all rows greedy → argmax (blocked, see ``greedy_argmax``), no softmax;
+2. all rows greedy → argmax (``GreedyArgmax``), no softmax;
 3. otherwise divide by temperature, softmax, zero out what top_k / top_p / min_p filter, and
    draw by inverting each row's cumulative distribution at one uniform number per row (what
    ``torch.multinomial`` does, without its errors on degenerate rows or its cost on CPU); scaling
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.layers.cpu_kernels import argmax as cpu_argmax
-from radixserve.layers.cpu_kernels import bf16_kernels_supported
+from radixserve.layers import cpu_kernels
+from radixserve.layers.custom_op import CustomOp
 from radixserve.sampling.sampling_batch_info import SamplingBatchInfo, SeededRow
 
 _MASK64 = (1 << 64) - 1
@@ -37,8 +37,38 @@ class SampleOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per request: (token_id, logprob)
 
 
+class GreedyArgmax(CustomOp):
+    """``logits.argmax(dim=-1)``: the first maximum of each row, NaN counting as the maximum.
+
+    Native: a vectorised max over blocks of the vocabulary, then one argmax over the block maxima
+    and one inside the winning block: several times faster on CPU for a large vocabulary, where a
+    plain argmax does not vectorise. CPU: radixserve's kernel, which reads each row about once and
+    a half, for the model's dtype and the float32 logits the sampler computes.
+    """
+
+    cpu_dtypes = (torch.bfloat16, torch.float32)
+
+    def forward_native(self, logits: torch.Tensor) -> torch.Tensor:
+        bs, vocab = logits.shape
+        block = next((b for b in (128, 64, 32, 16) if vocab % b == 0), 0)
+        if not block or bs == 0:
+            return logits.argmax(dim=-1)
+        blocks = logits.reshape(bs, vocab // block, block)
+        best_block = blocks.amax(dim=-1).argmax(dim=-1)
+        rows = torch.arange(bs, device=logits.device)
+        return best_block * block + blocks[rows, best_block].argmax(dim=-1)
+
+    def forward_cpu(self, logits: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.argmax(logits)
+
+
 class Sampler:
-    """Stateless: everything per step comes from ``SamplingBatchInfo``."""
+    """Stateless but for the argmax op it builds, for the device and model dtype of the build
+    context it is created in (``layers/custom_op.py``): everything per step comes from
+    ``SamplingBatchInfo``."""
+
+    def __init__(self) -> None:
+        self.greedy_argmax = GreedyArgmax()
 
     def __call__(
         self,
@@ -50,13 +80,16 @@ class Sampler:
         """Sample one token per row; ``top_logprobs_nums[i]`` top entries for request ``i``."""
         assert logits.shape == (sampling_info.batch_size, sampling_info.vocab_size), logits.shape
         if sampling_info.is_all_greedy and not return_logprob and not sampling_info.modifies_logits:
-            return SampleOutput(greedy_argmax(logits))
+            return SampleOutput(self.greedy_argmax(logits))
         logits = logits.float()
         processed = sampling_info.process_logits(logits)
         if sampling_info.is_all_greedy:
-            next_token_ids = greedy_argmax(processed)
+            next_token_ids = self.greedy_argmax(processed)
         else:
-            next_token_ids = _sample(processed, sampling_info)
+            greedy = self.greedy_argmax(processed)
+            next_token_ids = torch.where(
+                sampling_info.top_ks == 1, greedy, _sample(processed, sampling_info)
+            )
 
         if not return_logprob:
             return SampleOutput(next_token_ids)
@@ -74,26 +107,7 @@ def _sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         probs = _filter_min_p(probs, info.min_ps)
 
     uniforms = _uniforms(info, probs.device)
-    sampled = _invert_cdf(probs, uniforms)
-    return torch.where(info.top_ks == 1, greedy_argmax(logits), sampled)
-
-
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=-1)`` (the first maximum of each row, NaN counting as the maximum),
-    computed as a vectorised max over blocks of the vocabulary, then one argmax over the block
-    maxima and one inside the winning block: several times faster on CPU for a large vocabulary,
-    where a plain argmax does not vectorise. bf16 on CPU takes radixserve's kernel
-    (``layers/cpu_kernels.py``), which reads each row about once and a half."""
-    bs, vocab = logits.shape
-    if bs and vocab and bf16_kernels_supported(logits):
-        return cpu_argmax(logits)
-    block = next((b for b in (128, 64, 32, 16) if vocab % b == 0), 0)
-    if not block or bs == 0:
-        return logits.argmax(dim=-1)
-    blocks = logits.reshape(bs, vocab // block, block)
-    best_block = blocks.amax(dim=-1).argmax(dim=-1)
-    rows = torch.arange(bs, device=logits.device)
-    return best_block * block + blocks[rows, best_block].argmax(dim=-1)
+    return _invert_cdf(probs, uniforms)
 
 
 def _uniforms(info: SamplingBatchInfo, device: torch.device) -> torch.Tensor:

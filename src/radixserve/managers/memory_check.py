@@ -34,7 +34,7 @@ _MODES = ("", "idle", BUSY)
 
 def busy_check_enabled() -> bool:
     """``RADIXSERVE_STRICT_MEM_CHECK``: unset or ``idle`` (checks when idle), or ``busy``."""
-    mode = envs.RADIXSERVE_STRICT_MEM_CHECK.get().strip().lower()
+    mode = envs.RADIXSERVE_STRICT_MEM_CHECK.get("").strip().lower()
     if mode not in _MODES:
         raise ValueError(f"RADIXSERVE_STRICT_MEM_CHECK must be 'idle' or 'busy', got {mode!r}")
     return mode == BUSY

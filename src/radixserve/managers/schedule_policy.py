@@ -79,6 +79,7 @@ class PrefillAdder:
         chunked_prefill_size: int,
         free_rows: int,
         free_running: int,
+        allow_chunking: bool = True,
     ) -> None:
         self.tree_cache = tree_cache
         self.allocator = allocator
@@ -87,6 +88,8 @@ class PrefillAdder:
         self.rem_batch_tokens = min(max_prefill_tokens, chunked_prefill_size)
         self.free_rows = free_rows  # free rows of the request pool
         self.free_running = free_running  # requests that may still join the running set
+        # False for encoders: a request is computed whole or waits for the next batch.
+        self.allow_chunking = allow_chunking
         self.nothing_running = not running_reqs
         # KV the admitted requests will allocate plus what everyone still decodes.
         self.committed_tokens = sum(decode_reservation(r, new_token_ratio) for r in running_reqs)
@@ -141,6 +144,8 @@ class PrefillAdder:
         if total_len - prefix_len <= self.rem_batch_tokens:
             seq_len, chunked = total_len, False
             reserve = decode_reservation(req, self.new_token_ratio)
+        elif not self.allow_chunking:
+            return None
         else:
             seq_len = prefix_len + self.rem_batch_tokens // self.page_size * self.page_size
             chunked, reserve = True, 0

@@ -215,3 +215,8 @@ class BasePrefixCache(ABC):
         """Write ``session_id`` (its history, and its KV where the pool holds it) to a store
         that outlives the process, so that a restarted server can resume it."""
         return None
+
+    def snapshot(self, max_nodes: int) -> dict[str, Any] | None:
+        """For the inspector page: the tree's nodes (at most ``max_nodes``, breadth first) and
+        its hit and eviction counters; ``None`` for a cache without a tree."""
+        return None

@@ -4,6 +4,10 @@ Each checkpoint tensor goes to the ``weight_loader`` of the parameter it belongs
 fused layer (``q_proj`` → ``qkv_proj`` shard ``"q"``, ``gate_proj`` → ``gate_up_proj`` shard 0)
 are routed through the model's ``packed_modules_mapping``. After loading, every parameter (and
 every shard of a fused one) must have been filled, or loading fails naming what is missing.
+
+The model is built inside ``build_context`` (its ops pick their device implementation then, see
+``layers/custom_op.py``) and packed by ``prepack_model`` once loading is done: the layouts a
+device's kernels read are made from the loaded (per-rank) parameters.
 """
 
 from __future__ import annotations
@@ -12,15 +16,17 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
 from radixserve.layers.attention import AttentionBackend
+from radixserve.layers.custom_op import build_context
 from radixserve.layers.linear import default_weight_loader
+from radixserve.layers.packed_weight import prepack_model
 from radixserve.model_config import ModelConfig
 from radixserve.model_executor.models import get_model_class
 from radixserve.model_executor.models.llama import LlamaForCausalLM
@@ -49,8 +55,8 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
 
 
 def _skipped(name: str) -> bool:
-    # Old checkpoints store RoPE frequencies; we compute them from the config.
-    return name.endswith("rotary_emb.inv_freq")
+    # Old checkpoints store RoPE frequencies and BERT's position ids: we derive both.
+    return name.endswith(("rotary_emb.inv_freq", "embeddings.position_ids"))
 
 
 def _checkpoint_tensors(files: list[Path]) -> list[tuple[Path, str]]:
@@ -76,25 +82,16 @@ def checkpoint_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     return numel * dtype.itemsize
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Create parameters directly in ``dtype`` (no float32 copy first)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def load_model(
     config: ModelConfig, attn_backend: AttentionBackend, device: torch.device
 ) -> LlamaForCausalLM:
-    """Build ``config.architecture`` on ``device`` in ``config.torch_dtype`` and load weights."""
+    """Build ``config.architecture`` on ``device`` in ``config.torch_dtype``, load its weights
+    and pack them for the device's kernels."""
     model_cls = get_model_class(config.architecture)
-    with torch.device(device), _default_dtype(config.torch_dtype):
+    with build_context(device, config.torch_dtype):
         model = model_cls(config, attn_backend)
     load_weights(model, config.model_path)
+    prepack_model(model, psutil.virtual_memory().total)
     return model.eval()
 
 
@@ -121,7 +118,7 @@ def load_weights(model: LlamaForCausalLM, model_path: str | Path) -> None:
         for path, name in tqdm(tensors, desc="Loading weights", unit="tensor", leave=False):
             if path not in handles:
                 handles[path] = stack.enter_context(safe_open(path, framework="pt"))
-            target, shard_id = _route(name, model.packed_modules_mapping)
+            target, shard_id = route_checkpoint_name(name, model.packed_modules_mapping)
             param = params.get(target)
             if param is None:
                 if name != _LM_HEAD:  # a tied checkpoint may still store lm_head
@@ -148,7 +145,7 @@ def load_weights(model: LlamaForCausalLM, model_path: str | Path) -> None:
         raise ValueError(f"checkpoint {model_path} lacks parameters: {', '.join(missing)}")
 
 
-def _route(
+def route_checkpoint_name(
     name: str, packed_modules_mapping: dict[str, tuple[str, str | int]]
 ) -> tuple[str, str | int | None]:
     """Checkpoint tensor name → (model parameter name, shard id or None)."""

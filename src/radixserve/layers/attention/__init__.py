@@ -1,29 +1,52 @@
 """Attention over the paged KV cache: the ``Attention`` layer models use, and its backends.
 
 Callers build backends with ``create_attention_backend``; backend modules are imported on demand.
+
+    torch_native  plain torch on any device and dtype: the reference the others are tested
+                  against
+    cpu           radixserve's CPU kernels (``cpu_backend.py``); the default on CPU where they
+                  take the model's KV pool
 """
 
 from __future__ import annotations
 
 import importlib
 
+import torch
+
+from radixserve.layers import cpu_kernels
 from radixserve.layers.attention.base_backend import Attention, AttentionBackend
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 
-__all__ = ["ATTENTION_BACKENDS", "Attention", "AttentionBackend", "create_attention_backend"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "Attention",
+    "AttentionBackend",
+    "create_attention_backend",
+    "default_attention_backend",
+]
 
 # name → (module under radixserve.layers.attention, class name)
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch_native": ("torch_native_backend", "TorchNativeAttnBackend"),
+    "cpu": ("cpu_backend", "CpuAttnBackend"),
 }
 ATTENTION_BACKENDS: tuple[str, ...] = tuple(_BACKENDS)
+
+
+def default_attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """``cpu`` on a CPU whose kernels take this KV pool, else ``torch_native``."""
+    if device.type == "cpu" and cpu_kernels.attention_kernels_support(dtype, head_dim) is None:
+        return "cpu"
+    return "torch_native"
 
 
 def create_attention_backend(
     name: str, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: MHATokenToKVPool
 ) -> AttentionBackend:
-    """Build the backend ``name`` over the given request-slot and KV pools."""
+    """Build the backend ``name`` over the given request-slot and KV pools; ValueError naming
+    the reason when it cannot run on them."""
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}"

@@ -23,9 +23,10 @@ their outputs are dropped.
 
 A batch of fresh prompts of equal length (no prefix, no padding: typically a single prompt)
 needs none of this: it attends over its own new K/V through SDPA's causal path, which also skips
-the blocks above the diagonal. Nor does a decode batch on CPU where radixserve's kernels load
-(``layers/cpu_kernels.py``): one kernel per layer writes the new K/V and attends over each
-request's slots in place.
+the blocks above the diagonal.
+
+This backend is the reference the others are tested against: plain torch, any device and dtype.
+The ``cpu`` backend (``cpu_backend.py``) replaces what it has kernels for.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.layers.attention.base_backend import Attention, AttentionBackend
-from radixserve.layers.cpu_kernels import decode_attention, decode_attention_supported
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_executor.forward_batch import ForwardBatch
@@ -61,7 +61,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         self._metadata: _Metadata | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        # Built by the first layer that needs it: a decode batch on the CPU kernel needs none.
+        # Built by the first layer that needs it (a subclass's kernels may need none).
         self._batch = forward_batch
         self._metadata = None
 
@@ -135,22 +135,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         num_tokens = q.shape[0]
         heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         pool = self.token_to_kv_pool
-        if forward_batch.forward_mode.is_decode and decode_attention_supported(
-            pool.dtype, q.device, head_dim, heads // kv_heads
-        ):
-            out = decode_attention(
-                q.view(num_tokens, heads, head_dim).to(pool.dtype),
-                k.view(num_tokens, kv_heads, head_dim).to(pool.dtype),
-                v.view(num_tokens, kv_heads, head_dim).to(pool.dtype),
-                forward_batch.out_cache_loc,
-                pool.get_key_buffer(layer.layer_id),
-                pool.get_value_buffer(layer.layer_id),
-                self.req_to_token_pool.req_to_token,
-                forward_batch.req_pool_indices,
-                forward_batch.seq_lens,
-                layer.scaling,
-            )
-            return out.view(num_tokens, heads * head_dim).to(q.dtype)
         if self._metadata is None:
             self._metadata = self._build_metadata(forward_batch)
         md = self._metadata

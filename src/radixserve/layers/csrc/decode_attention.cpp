@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 #include <vector>
 
 #include "vec_math.h"
@@ -30,7 +31,19 @@ namespace {
 
 using namespace radixserve_cpu;
 
-constexpr int64_t kMaxRegs = 128;  // registers' worth of scratch: head_dim * group <= 2048
+constexpr int64_t kMaxHeadRegs = 16;  // head_dim up to 256
+
+// Calls fn(std::integral_constant<int64_t, regs>{}) for regs in 1..16.
+template <int64_t R = 1, typename Fn>
+void with_head_regs(int64_t regs, Fn&& fn) {
+  if constexpr (R <= kMaxHeadRegs) {
+    if (regs == R) {
+      fn(std::integral_constant<int64_t, R>{});
+    } else {
+      with_head_regs<R + 1>(regs, fn);
+    }
+  }
+}
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
@@ -76,7 +89,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
 
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    __m512 query[kMaxRegs], acc[kMaxRegs];
+    // the group's scaled queries and output sums, head_dim / 16 registers per query head
+    std::vector<__m512> query(group * regs), acc(group * regs);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads, len = len_ptr[b];
       const int64_t* slots = table + pool_idx[b] * table_stride;
@@ -164,10 +178,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                   k_buffer.size(2) == q.size(2),
               "the new K/V and the KV buffers do not match q's batch or head_dim");
   TORCH_CHECK(q.size(1) % k_buffer.size(1) == 0, "heads must be a multiple of kv_heads");
-  TORCH_CHECK((q.size(2) == 64 || q.size(2) == 128) &&
-                  q.size(1) / k_buffer.size(1) * q.size(2) <= kMaxRegs * kLanes,
-              "head_dim must be 64 or 128, and head_dim * heads / kv_heads at most ",
-              kMaxRegs * kLanes);
+  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= kLanes * kMaxHeadRegs,
+              "head_dim must be a multiple of 16 up to 256, got ", q.size(2));
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &k_buffer,
                                                                      &v_buffer, &out}) {
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), "q, K/V and out must share a dtype");
@@ -184,16 +196,15 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.dim() == 2 &&
                   req_to_token.stride(1) == 1,
               "req_to_token must be int64 [requests, context] with contiguous rows");
-  // head_dim as a compile-time register count: the loops over it unroll into registers
+  // head_dim as a compile-time register count: the loops over it unroll into registers (a
+  // runtime count made the kernel 2x slower than SDPA)
   const auto run = [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
-    if (q.size(2) == 64) {
-      decode_attention_impl<T, 4>(q, k, v, loc, k_buffer, v_buffer, req_to_token,
-                                  req_pool_indices, seq_lens, scale, out);
-    } else {
-      decode_attention_impl<T, 8>(q, k, v, loc, k_buffer, v_buffer, req_to_token,
-                                  req_pool_indices, seq_lens, scale, out);
-    }
+    with_head_regs(q.size(2) / kLanes, [&](auto regs) {
+      decode_attention_impl<T, decltype(regs)::value>(q, k, v, loc, k_buffer, v_buffer,
+                                                      req_to_token, req_pool_indices, seq_lens,
+                                                      scale, out);
+    });
   };
   if (q.scalar_type() == at::kFloat) {
     run(float{});

@@ -1,5 +1,5 @@
 // Fused bf16 RMSNorm (alone or after the residual add), SwiGLU activation and rotary embedding
-// for AVX512 CPUs, and the greedy argmax of bf16 logits.
+// for AVX512 CPUs, and the greedy argmax of bf16 or float32 logits.
 //
 // A decode step has a few rows, so torch spends its time starting kernels, not computing: RMSNorm
 // is eight of them (cast, square, mean, + eps, rsqrt, scale, cast back, * weight), the residual add
@@ -227,44 +227,52 @@ at::Tensor rotary_bf16(const at::Tensor& x, const at::Tensor& cos, const at::Ten
   return out;
 }
 
-// logits: [rows, vocab] bf16, contiguous. Returns int64 [rows]: torch.argmax's answer, the first
-// maximum of each row with NaN counting as the maximum. One vectorised pass finds the maximum
-// (and whether there is a NaN), a second the first lane equal to it, usually early in the row.
-at::Tensor argmax_bf16(const at::Tensor& logits) {
-  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 && logits.dim() == 2 &&
-                  logits.is_contiguous() && logits.size(1) > 0,
-              "argmax_bf16 takes contiguous [rows, vocab] bfloat16 logits, got ",
-              logits.scalar_type(), " ", logits.sizes());
-  const int64_t rows = logits.size(0), vocab = logits.size(1);
-  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
-  const auto* xs = reinterpret_cast<const uint16_t*>(logits.data_ptr());
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) { return load_bf16(p, m); }
+
+// One row: one vectorised pass finds the maximum (and whether there is a NaN), a second the
+// first lane equal to it, usually early in the row.
+template <typename T>
+int64_t argmax_row(const T* x, int64_t vocab) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < vocab; i += kLanes) {
+    __mmask16 m = lanes(vocab - i);
+    __m512 v = load16(x + i, m);
+    nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+    top = _mm512_mask_max_ps(top, m, top, v);
+  }
+  const __m512 best_v = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  for (int64_t i = 0; i < vocab; i += kLanes) {
+    __mmask16 m = lanes(vocab - i);
+    __m512 v = load16(x + i, m);
+    // with a NaN in the row, the first NaN; else the first lane equal to the maximum
+    __mmask16 hit = nan ? _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q)
+                        : _mm512_mask_cmp_ps_mask(m, v, best_v, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  return 0;  // a row of -inf: its first entry, as torch
+}
+
+// logits: [rows, vocab]. Returns int64 [rows]: torch.argmax's answer, the first maximum of each
+// row with NaN counting as the maximum. bf16 and float32 take the vectorised two passes; other
+// dtypes (float16 logits of a float16 model) torch's argmax.
+at::Tensor argmax(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2, "argmax takes [rows, vocab] logits, got ", logits.sizes());
+  if ((logits.scalar_type() != at::kBFloat16 && logits.scalar_type() != at::kFloat) ||
+      logits.size(1) == 0) {
+    return logits.argmax(-1);
+  }
+  const at::Tensor x = logits.contiguous();
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   int64_t* ids = out.data_ptr<int64_t>();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const void* data = x.data_ptr();
   at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
-      const uint16_t* x = xs + r * vocab;
-      __m512 top = _mm512_set1_ps(-INFINITY);
-      __mmask16 nan = 0;
-      for (int64_t i = 0; i < vocab; i += kLanes) {
-        __mmask16 m = lanes(vocab - i);
-        __m512 v = load_bf16(x + i, m);
-        nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
-        top = _mm512_mask_max_ps(top, m, top, v);
-      }
-      const float best = _mm512_reduce_max_ps(top);
-      const __m512 best_v = _mm512_set1_ps(best);
-      int64_t found = 0;
-      for (int64_t i = 0; i < vocab; i += kLanes) {
-        __mmask16 m = lanes(vocab - i);
-        __m512 v = load_bf16(x + i, m);
-        // with a NaN in the row, the first NaN; else the first lane equal to the maximum
-        __mmask16 hit = nan ? _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q)
-                            : _mm512_mask_cmp_ps_mask(m, v, best_v, _CMP_EQ_OQ);
-        if (hit) {
-          found = i + __builtin_ctz(hit);
-          break;
-        }
-      }
-      ids[r] = found;
+      ids[r] = bf16 ? argmax_row(static_cast<const uint16_t*>(data) + r * vocab, vocab)
+                    : argmax_row(static_cast<const float*>(data) + r * vocab, vocab);
     }
   });
   return out;
@@ -278,10 +286,10 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
       "fused_add_rms_norm_bf16(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul_bf16(Tensor x) -> Tensor");
   m.def("rotary_bf16(Tensor x, Tensor cos, Tensor sin) -> Tensor");
-  m.def("argmax_bf16(Tensor logits) -> Tensor");
+  m.def("argmax(Tensor logits) -> Tensor");
   m.impl("rms_norm_bf16", c10::DispatchKey::CPU, &rms_norm_bf16);
   m.impl("fused_add_rms_norm_bf16", c10::DispatchKey::CPU, &fused_add_rms_norm_bf16);
   m.impl("silu_and_mul_bf16", c10::DispatchKey::CPU, &silu_and_mul_bf16);
   m.impl("rotary_bf16", c10::DispatchKey::CPU, &rotary_bf16);
-  m.impl("argmax_bf16", c10::DispatchKey::CPU, &argmax_bf16);
+  m.impl("argmax", c10::DispatchKey::CPU, &argmax);
 }

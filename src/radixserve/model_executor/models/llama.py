@@ -20,7 +20,8 @@ from radixserve.layers.linear import (
     RowParallelLinear,
 )
 from radixserve.layers.logits_processor import LogitsProcessor
-from radixserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from radixserve.layers.pooler import Pooler, PoolingType
+from radixserve.layers.rotary_embedding import ApplyRotaryEmbedding, RotaryEmbedding
 from radixserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from radixserve.model_config import ModelConfig
 from radixserve.model_executor.forward_batch import ForwardBatch
@@ -53,6 +54,7 @@ class LlamaAttention(nn.Module):
         )
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotate = ApplyRotaryEmbedding()
         self.attn = Attention(
             num_heads=self.qkv_proj.num_heads,
             head_dim=head_dim,
@@ -73,10 +75,10 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(qkv[:, :q_size].reshape(n, heads, head_dim))
             k = self.k_norm(qkv[:, q_size : q_size + kv_size].reshape(n, -1, head_dim))
-            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+            q, k = self.rotate(q, *rope), self.rotate(k, *rope)
         else:
             # q and k heads sit side by side in qkv: one rotation for both.
-            qk = apply_rotary(qkv[:, : q_size + kv_size].view(n, -1, head_dim), rope)
+            qk = self.rotate(qkv[:, : q_size + kv_size].view(n, -1, head_dim), *rope)
             q, k = qk[:, :heads], qk[:, heads:]
         out = self.attn(q.reshape(n, q_size), k.reshape(n, kv_size), v, forward_batch)
         return self.o_proj(out)
@@ -167,7 +169,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Causal LM: returns float32 logits of the last token of each request in the batch."""
+    """Causal LM: ``forward`` returns the logits of the last token of each request in the batch;
+    served as an embedder (``--is-embedding``), ``embed`` returns that token's final hidden state,
+    L2-normalised (last-token pooling, as gte-Qwen and similar decoder embedders do)."""
 
     # checkpoint module name → (fused module name, shard id)
     packed_modules_mapping: dict[str, tuple[str, str | int]] = {
@@ -189,6 +193,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.tie_word_embeddings()
         self.logits_processor = LogitsProcessor()
+        self.pooler = Pooler(PoolingType.LAST, normalize=True)
 
     @staticmethod
     def qkv_bias(config: ModelConfig) -> bool:
@@ -204,3 +209,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         hidden_states = self.model(input_ids, positions, forward_batch)
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """``[batch_size, hidden]`` float32 unit vectors (EXTEND batches only)."""
+        return self.pooler(self.model(input_ids, positions, forward_batch), forward_batch)

@@ -1,11 +1,11 @@
-"""radixserve's CPU kernels, built where the CPU has AVX512-BF16.
+"""radixserve's CPU kernels, built where the CPU has AVX512-BF16, against float64 references.
 
-The small-batch bf16 linear kernels equal a float64 reference up to bf16 rounding and are taken by
-linear layers and the LM head for the batches they cover (one row for the GEMV, up to 32 on AMX)
-and by nothing larger. The fused RMSNorm, add + RMSNorm and SiluAndMul equal float64 references
-that round to bf16 where transformers' bf16 modules do, and RMSNorm and SiluAndMul take them for
-bf16 only. On a CPU without the instruction sets every layer keeps to oneDNN and torch, which
-these tests check too."""
+The small-batch bf16 linear kernels equal a float64 reference up to bf16 rounding. The fused
+RMSNorm, add + RMSNorm and SiluAndMul equal float64 references that round to bf16 where
+transformers' bf16 modules do. The decode attention kernel writes the new K/V and equals a
+float64 attention. Bad input gets a clear error. (The ops and packed weights that call them are
+tested against their native references in ``test_custom_ops.py`` and ``test_packed_weight.py``.)
+"""
 
 from __future__ import annotations
 
@@ -13,16 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixserve import envs
-from radixserve.layers import activation, layernorm
-from radixserve.layers.activation import SiluAndMul
-from radixserve.layers.attention import torch_native_backend
 from radixserve.layers.cpu_kernels import (
     AMX_MAX_ROWS,
     BlockedWeight,
-    _cpu_flags,
+    attention_kernels_support,
     decode_attention,
-    decode_attention_supported,
     fused_add_rms_norm,
     gemv,
     load_cpu_kernels,
@@ -31,24 +26,15 @@ from radixserve.layers.cpu_kernels import (
     silu_and_mul,
     small_gemm_amx,
 )
-from radixserve.layers.layernorm import RMSNorm
-from radixserve.layers.linear import QKVParallelLinear, RowParallelLinear, mkldnn_linear
-from radixserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-from radixserve.model_executor import model_runner
-from tests.checkpoints import build_checkpoint
-from tests.model_executor.harness import ManualSlots, make_runner
-
-# the kernels run here: the CPU has the instructions and RADIXSERVE_DISABLE_CPU_KERNELS is unset
-HAS_BF16 = {"avx512f", "avx512bw", "avx512_bf16"} <= _cpu_flags() and (
-    not envs.RADIXSERVE_DISABLE_CPU_KERNELS.get()
+from radixserve.layers.rotary_embedding import RotaryEmbedding
+from tests.layers.helpers import (
+    HAS_AMX,
+    assert_bf16_equal_but_for_ties,
+    bf16_close,
+    bf16_inputs,
+    kernels_here,
 )
-HAS_AMX = HAS_BF16 and {"amx_tile", "amx_bf16"} <= _cpu_flags()
-
-
-def bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Within bf16 rounding of the output (and of float32 sums in another order)."""
-    scale = expected.abs().max().item()
-    torch.testing.assert_close(actual.double(), expected.double(), rtol=2**-7, atol=1e-3 * scale)
+from tests.layers.helpers import HAS_KERNELS as HAS_BF16
 
 
 def random_problem(n: int, k: int, m: int, bias: bool):
@@ -125,67 +111,8 @@ def test_amx_kernel_rejects_what_it_cannot_compute_with_a_clear_error():
                        torch.zeros(31, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("layer", [
-    RowParallelLinear(96, 48, bias=True),
-    QKVParallelLinear(64, 16, 4, 2, bias=True),
-])
-def test_linear_layer_takes_the_kernels_for_small_batches_and_onednn_beyond(layer):
-    gen = torch.Generator().manual_seed(0)
-    layer.weight.data = torch.randn(layer.weight.shape, generator=gen).to(torch.bfloat16)
-    layer.bias.data = torch.randn(layer.bias.shape, generator=gen).to(torch.bfloat16)
-    x = torch.randn(AMX_MAX_ROWS + 1, layer.weight.shape[1], generator=gen).to(torch.bfloat16)
-    reference = x.double() @ layer.weight.double().T + layer.bias.double()
-    layer.prepack(blocked=True)
-    assert (layer.blocked is not None) == HAS_BF16 and layer.prepacked
-    max_rows = layer.blocked.max_rows if layer.blocked is not None else 0
-    for rows in (1, 2, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
-        out = layer(x[:rows])
-        bf16_close(out, reference[:rows])
-        if rows <= max_rows:  # exactly the kernel's result
-            assert torch.equal(out, layer.blocked.linear(x[:rows], layer.bias))
-        else:  # exactly oneDNN's
-            assert torch.equal(out, mkldnn_linear(x[:rows], layer.weight, layer.bias))
-
-
-def test_bf16_runner_decodes_a_batch_alike_with_and_without_the_kernels(llama_path, monkeypatch):
-    def decode_logits() -> tuple[torch.Tensor, bool]:
-        runner = make_runner(llama_path, dtype="bfloat16")
-        slots = ManualSlots(runner)
-        seqs = [slots.new_seq() for _ in range(3)]
-        runner.forward(slots.extend(seqs, [[5, 9, 30, 41, 7, 100], [8, 2], [77, 3, 12, 50]]))
-        used = runner.model.lm_head.blocked is not None
-        one = runner.forward(slots.decode(seqs[:1], [3])).float()
-        three = runner.forward(slots.decode(seqs, [4, 11, 6])).float()
-        return torch.cat([one, three]), used
-
-    with_kernel, used = decode_logits()
-    assert used == HAS_BF16
-    monkeypatch.setattr(model_runner, "BLOCKED_COPY_MAX_RAM_FRACTION", 0.0)  # no room for copies
-    without, used = decode_logits()
-    assert not used
-    torch.testing.assert_close(with_kernel, without, atol=0.05, rtol=0.05)
-
-
 EPS = 1e-6
 SHAPES = [(rows, hidden) for rows in (1, 3, 64) for hidden in (70, 896, 4864)]
-
-
-def bf16_inputs(*shape: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Two bf16 activations of ``shape`` and a weight for its last dimension (around 1)."""
-    gen = torch.Generator().manual_seed(seed)
-    x, y = (3 * torch.randn(2, *shape, generator=gen)).to(torch.bfloat16)
-    weight = (0.5 + torch.rand(shape[-1], generator=gen)).to(torch.bfloat16)
-    return x, y, weight
-
-
-def assert_bf16_equal_but_for_ties(actual: torch.Tensor, expected: torch.Tensor,
-                                   steps: int = 1) -> None:
-    """Equal but for a rare element ``steps`` bf16 values away: a float32 result an ulp from the
-    reference's that rounds to the other side of a bf16 tie (one step before the norm's weight
-    is two after it). Same-sign bf16 values are as many steps apart as their bit patterns."""
-    assert actual.dtype == expected.dtype == torch.bfloat16 and actual.shape == expected.shape
-    apart = (actual.view(torch.int16).int() - expected.view(torch.int16).int()).abs()
-    assert apart.max() <= steps and apart.count_nonzero() <= max(1, actual.numel() // 1000)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -201,25 +128,6 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.double().chunk(2, dim=-1)
     silu = (gate / (1 + torch.exp(-gate))).to(torch.bfloat16)
     return (silu.double() * up).to(torch.bfloat16)
-
-
-def kernels_here() -> bool:
-    """Load the kernels (whichever test runs first); they load exactly where the CPU has
-    AVX512-BF16, and elsewhere the layers keep to torch."""
-    assert load_cpu_kernels() == HAS_BF16
-    return HAS_BF16
-
-
-def count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
-    """Patch ``module.name`` to count its calls; returns the one-element counter."""
-    calls, fn = [0], getattr(module, name)
-
-    def counted(*args: object) -> object:
-        calls[0] += 1
-        return fn(*args)
-
-    monkeypatch.setattr(module, name, counted)
-    return calls
 
 
 @pytest.mark.parametrize("rows, hidden", SHAPES)
@@ -268,58 +176,6 @@ def test_silu_and_mul_kernel_agrees_with_torch_on_every_bf16_gate():
     assert_bf16_equal_but_for_ties(out[~nan], expected[~nan])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_takes_the_kernel_for_bf16_and_torch_math_otherwise(dtype, monkeypatch):
-    kernel_calls = count_calls(monkeypatch, layernorm, "rms_norm")
-    fused_calls = count_calls(monkeypatch, layernorm, "fused_add_rms_norm")
-    x, residual, weight = (t.to(dtype) for t in bf16_inputs(5, 96, seed=0))
-    norm = RMSNorm(96, EPS)
-    norm.weight.data = weight
-
-    def torch_math(h: torch.Tensor) -> torch.Tensor:  # RMSNorm.forward before the kernels
-        f = h.float()
-        return norm.weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + EPS)).to(dtype)
-
-    total = x + residual
-    expected = torch_math(x), torch_math(total)
-    out = norm(x)
-    normed, new_residual = norm(x, residual)
-    kernel = dtype == torch.bfloat16 and HAS_BF16
-    assert kernel_calls == fused_calls == [int(kernel)]
-    assert torch.equal(new_residual, total)
-    if dtype == torch.float32:  # bit for bit: the parity tests compare float32 to transformers
-        assert torch.equal(out, expected[0]) and torch.equal(normed, expected[1])
-    else:
-        assert_bf16_equal_but_for_ties(out, expected[0], steps=2)
-        assert_bf16_equal_but_for_ties(normed, expected[1], steps=2)
-
-
-def test_rms_norm_kernel_takes_qwen3s_per_head_views():
-    # q of a fused qkv row, viewed as [tokens, heads, head_dim]: not contiguous
-    qkv, _, weight = bf16_inputs(3, 4 * 64 + 2 * 2 * 64, seed=1)
-    q = qkv[:, : 4 * 64].reshape(3, 4, 64)
-    norm = RMSNorm(64, EPS)
-    norm.weight.data = weight[:64]
-    out = norm(q)
-    assert out.shape == (3, 4, 64)
-    assert_bf16_equal_but_for_ties(out, rms_norm_reference(q, norm.weight), steps=2)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_and_mul_takes_the_kernel_for_bf16_and_torch_otherwise(dtype, monkeypatch):
-    kernel_calls = count_calls(monkeypatch, activation, "silu_and_mul")
-    x = bf16_inputs(2, 3, 2 * 70, seed=2)[0].to(dtype)
-    gate, up = x.chunk(2, dim=-1)
-    expected = F.silu(gate) * up
-    out = SiluAndMul()(x)
-    assert kernel_calls == [int(dtype == torch.bfloat16 and HAS_BF16)]
-    assert out.shape == (2, 3, 70)
-    if dtype == torch.float32:
-        assert torch.equal(out, expected)
-    else:
-        assert_bf16_equal_but_for_ties(out, expected)
-
-
 def test_kernels_reject_a_wrong_dtype_or_shape_with_a_clear_error():
     if not kernels_here():
         return
@@ -339,22 +195,6 @@ def test_kernels_reject_a_wrong_dtype_or_shape_with_a_clear_error():
         ops.silu_and_mul_bf16(x[:, :7].contiguous())
 
 
-def test_bf16_decoder_with_the_fused_kernels_matches_the_torch_math(arch_path, monkeypatch):
-    def logits() -> torch.Tensor:
-        runner = make_runner(arch_path, dtype="bfloat16")
-        slots = ManualSlots(runner)
-        seqs = [slots.new_seq(), slots.new_seq()]
-        runner.forward(slots.extend(seqs, [[5, 9, 30, 41, 7, 100], [8, 2, 77]]))
-        return runner.forward(slots.decode(seqs, [3, 11])).float()
-
-    calls = count_calls(monkeypatch, layernorm, "fused_add_rms_norm")
-    with_kernels = logits()
-    assert (calls[0] > 0) == HAS_BF16
-    for module in (layernorm, activation):
-        monkeypatch.setattr(module, "bf16_kernels_supported", lambda *tensors: False)
-    torch.testing.assert_close(with_kernels, logits(), atol=0.05, rtol=0.05)
-
-
 def decode_attention_reference(q, k_buffer, v_buffer, slots, scale):
     """Plain float64 attention of each request's one query over its slots' K/V."""
     heads, kv_heads = q.shape[1], k_buffer.shape[1]
@@ -368,14 +208,15 @@ def decode_attention_reference(q, k_buffer, v_buffer, slots, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 14, 2), (128, 4, 4), (64, 8, 2)])
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [
+    (64, 14, 2), (128, 4, 4), (64, 8, 2), (16, 4, 2), (80, 8, 1), (256, 16, 2), (32, 32, 1),
+])
 def test_decode_attention_kernel_writes_the_new_kv_and_equals_a_float64_reference(
     dtype, head_dim, heads, kv_heads
 ):
-    supported = decode_attention_supported(dtype, torch.device("cpu"), head_dim, heads // kv_heads)
-    assert supported == kernels_here()
-    if not supported:
+    if not kernels_here():
         return
+    assert attention_kernels_support(dtype, head_dim) is None
     gen = torch.Generator().manual_seed(head_dim + heads)
     lens = [1, 15, 17, 200]
     num_slots = 600
@@ -429,8 +270,8 @@ def test_decode_attention_kernel_rejects_bad_input_with_a_clear_error():
              k_buffer=buf.half())
     with pytest.raises(RuntimeError, match="share a dtype"):
         call(k_buffer=buf.bfloat16())
-    with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
-        call(torch.zeros(2, 4, 32), torch.zeros(2, 2, 32), k_buffer=torch.zeros(8, 2, 32))
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16 up to 256"):
+        call(torch.zeros(2, 4, 40), torch.zeros(2, 2, 40), k_buffer=torch.zeros(8, 2, 40))
     with pytest.raises(RuntimeError, match="do not match"):
         call(k=torch.zeros(3, 2, 64))
     with pytest.raises(RuntimeError, match="loc must be a contiguous int64"):
@@ -454,30 +295,9 @@ def test_rotary_kernel_equals_torchs_four_bf16_ops_bit_for_bit(heads, head_dim):
     torch_ops = x * cos + torch.cat((x2, x1), dim=-1) * sin
     out = rotary(x, cos, sin)
     assert out.is_contiguous() and torch.equal(out.view(torch.int16), torch_ops.view(torch.int16))
-    assert torch.equal(apply_rotary(x, (cos, sin)), out)  # the layer takes the kernel
     with pytest.raises(RuntimeError, match="rotary_bf16 takes bfloat16 tensors, cos is Float"):
         rotary(x, cos.float(), sin)
     with pytest.raises(RuntimeError, match="cos and sin must be contiguous"):
         rotary(x, cos[:3], sin[:3])
 
 
-def test_bf16_decode_through_the_attention_kernel_matches_the_torch_path(tmp_path, monkeypatch):
-    # head_dim 64 with 7 query heads per KV head: the shape the kernel takes (the shared test
-    # checkpoints have head_dim 16, which keeps to the torch path)
-    path = build_checkpoint(tmp_path / "llama", "llama", hidden_size=112, num_attention_heads=14,
-                            num_key_value_heads=2, head_dim=64)
-
-    def logits() -> torch.Tensor:
-        runner = make_runner(path, dtype="bfloat16")
-        slots = ManualSlots(runner)
-        seqs = [slots.new_seq() for _ in range(3)]
-        runner.forward(slots.extend(seqs, [list(range(5, 45)), [8, 2, 77], [9] * 17]))
-        steps = [runner.forward(slots.decode(seqs, [3, 11, 6])).float()]
-        steps.append(runner.forward(slots.decode(seqs, [12, 4, 30])).float())
-        return torch.stack(steps)
-
-    calls = count_calls(monkeypatch, torch_native_backend, "decode_attention")
-    with_kernel = logits()
-    assert (calls[0] > 0) == kernels_here()
-    monkeypatch.setattr(torch_native_backend, "decode_attention_supported", lambda *a: False)
-    torch.testing.assert_close(with_kernel, logits(), atol=0.05, rtol=0.05)
