@@ -119,6 +119,28 @@ def test_held_kv_is_reported_while_a_slot_is_held_and_freed_on_close(api, rng):
     assert out["meta_info"]["cached_tokens"] == 0
 
 
+def test_a_system_prompt_shared_by_sessions_is_computed_once_and_locked_once(api, rng):
+    system = random_ids(rng, 24)
+    chats = [Chat(api, rng) for _ in range(3)]
+    firsts = []
+    for chat in chats:
+        prompt = system + random_ids(rng, 4)
+        out = api.generate(prompt, N, chat.id)
+        firsts.append(out)
+        api.assert_turn(out, prompt, N)
+        chat.advance(out, prompt)
+    # The first turn of each later session found the system prompt in the tree.
+    assert cached(firsts[0]) == 0
+    assert all(cached(out) == 24 for out in firsts[1:])
+    # Each session keeps its first prompt locked in the tree; the shared part counts once.
+    memory = api.assert_accounted()
+    assert memory["protected_kv_tokens"] == 24 + 3 * 4
+    assert memory["session_held_kv_tokens"] == 3 * (N - 1)
+    for chat in chats:
+        expected = chat.expected_cached()
+        assert cached(chat.turn()) == expected
+
+
 def test_second_request_on_a_busy_session_gets_400_and_changes_nothing(api, rng):
     chat = Chat(api, rng)
     chat.turn()
