@@ -59,6 +59,13 @@ HELP: dict[str, str] = {
     "schedule_policy": "Order of waiting requests (lpm: longest cached prefix first).",
     "schedule_conservativeness": "Scale of the decode-token reservation when admitting requests.",
     "enable_streaming_session": "Keep a streaming session's KV between turns.",
+    "session_store": "Directory of the session store: an idle streaming session's KV is "
+    "offloaded to a file there instead of dropped, restored by its next turn, and sessions "
+    "survive a restart (open_session with resume).",
+    "session_store_max_gb": "Bound of the session store; the least recently used sessions go "
+    "first.",
+    "session_offload_after": "Offload a streaming session's KV to the store after this many "
+    "idle seconds (default: only when the KV pool runs short).",
     "enable_overlap_schedule": "Run the model on a thread of its own and plan each decode step "
     "while the previous one computes (same greedy outputs).",
     "constrained_json_disable_any_whitespace": "JSON-schema output uses the compact separators "

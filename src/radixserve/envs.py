@@ -41,3 +41,6 @@ RADIXSERVE_TORCH_PROFILER_DIR = EnvStr("RADIXSERVE_TORCH_PROFILER_DIR")
 # handles the message, or while it processes their output), to test that one failing request
 # gets a 500 and the others keep running.
 RADIXSERVE_TEST_INJECT_FAULTS = EnvBool("RADIXSERVE_TEST_INJECT_FAULTS")
+# "busy": check the memory invariant after every scheduler step too (raising on a violation),
+# not only when the scheduler goes idle. Costs a little per step; the session tests run with it.
+RADIXSERVE_STRICT_MEM_CHECK = EnvStr("RADIXSERVE_STRICT_MEM_CHECK")

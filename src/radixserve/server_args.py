@@ -44,6 +44,9 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     enable_streaming_session: bool = False
+    session_store: str | None = None
+    session_store_max_gb: float = 10.0
+    session_offload_after: float | None = None
     enable_overlap_schedule: bool = False
     # constrained decoding (JSON schemas)
     constrained_json_disable_any_whitespace: bool = False
@@ -96,6 +99,18 @@ class ServerArgs:
         if self.chunked_prefill_size <= 0:
             raise ValueError(
                 f"chunked_prefill_size must be positive, got {self.chunked_prefill_size}"
+            )
+        if not self.enable_streaming_session:
+            for name in ("session_store", "session_offload_after"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs enable_streaming_session")
+        if self.session_store_max_gb <= 0:
+            raise ValueError(
+                f"session_store_max_gb must be positive, got {self.session_store_max_gb}"
+            )
+        if self.session_offload_after is not None and self.session_offload_after < 0:
+            raise ValueError(
+                f"session_offload_after must be >= 0 seconds, got {self.session_offload_after}"
             )
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")

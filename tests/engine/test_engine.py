@@ -16,7 +16,8 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPT = "The quick brown fox jumps over the lazy dog"
 MEMORY_KEYS = {
     "available_kv_tokens", "evictable_kv_tokens", "protected_kv_tokens",
-    "session_held_kv_tokens", "total_kv_tokens", "free_req_slots", "total_req_slots",
+    "session_held_kv_tokens", "session_offloaded_tokens", "total_kv_tokens", "free_req_slots",
+    "total_req_slots",
 }
 
 

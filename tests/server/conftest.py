@@ -41,7 +41,9 @@ def free_port() -> int:
 class ServerProcess:
     """One server subprocess: its URL, stdout lines, stderr log, and a clean stop."""
 
-    def __init__(self, model_path: Path, extra_args: list[str]) -> None:
+    def __init__(
+        self, model_path: Path, extra_args: list[str], env: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_path)
@@ -61,7 +63,7 @@ class ServerProcess:
             "--log-level", "warning",
             *extra_args,
         ]
-        env = {**os.environ, "RADIXSERVE_TEST_STRICT": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "RADIXSERVE_TEST_STRICT": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env
         )
@@ -133,8 +135,11 @@ class ServerProcess:
         assert ready == [f"{READY_PREFIX}{self.base_url} (model {self.model})"], self.stdout_lines
 
 
-def start_server(model_path: Path, *extra_args: str) -> ServerProcess:
-    server = ServerProcess(model_path, list(extra_args))
+def start_server(
+    model_path: Path, *extra_args: str, env: dict[str, str] | None = None
+) -> ServerProcess:
+    """``env``: variables for the server on top of this process's environment."""
+    server = ServerProcess(model_path, list(extra_args), env)
     server.wait_ready()
     return server
 

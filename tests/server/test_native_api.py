@@ -13,7 +13,8 @@ from tests.sync import UNTIL_ABORTED
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 MEMORY_KEYS = {
     "available_kv_tokens", "evictable_kv_tokens", "protected_kv_tokens",
-    "session_held_kv_tokens", "total_kv_tokens", "free_req_slots", "total_req_slots",
+    "session_held_kv_tokens", "session_offloaded_tokens", "total_kv_tokens", "free_req_slots",
+    "total_req_slots",
 }
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.server.conftest import paused, start_server
-from tests.sessions.conftest import BOS, new_rid, random_ids, sse_events
+from tests.sessions.conftest import BOS, BUSY_CHECK, new_rid, random_ids, sse_events
 from tests.sync import UNTIL_ABORTED, wait_for
 
 N = 6  # new tokens of an ordinary turn
@@ -21,7 +21,7 @@ N = 6  # new tokens of an ordinary turn
 
 @pytest.fixture(scope="module")
 def server(llama_path: Path):
-    srv = start_server(llama_path)
+    srv = start_server(llama_path, env=BUSY_CHECK)
     yield srv
     srv.check_clean_stop()
 
@@ -209,6 +209,32 @@ def test_replace_aborts_a_running_descendant(api, rng):
     assert last["meta_info"]["completion_tokens"] < UNTIL_ABORTED
     api.assert_turn(replaced, prompt + root["output_ids"] + new, N)
     assert "Invalid request session id" in api.rejected([7], N, session, rid=running)
+
+
+def test_replace_naming_a_running_request_aborts_it_and_continues_what_it_generated(api, rng):
+    session = api.open()
+    root, prompt = turn(api, rng, session)
+    running = new_rid("running")
+    running_new = random_ids(rng, 4)
+    # As many new tokens as the context allows: it ends by the replace, not by finishing.
+    with api.stream(running_new, 960, session, req_rid=running, rid=rid_of(root)) as r:
+        events = sse_events(r)
+        first = next(events)
+        assert first["meta_info"]["finish_reason"] is None
+        new = random_ids(rng, 4)
+        replaced = api.generate(new, N, session, rid=running, replace=True)
+        last = [first, *events][-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    generated = last["output_ids"]  # everything the replaced request generated
+    assert 0 < len(generated) < 960
+    api.assert_turn(replaced, prompt + root["output_ids"] + running_new + generated + new, N)
+    # The new request hangs under the aborted one, which stays in the tree.
+    more = random_ids(rng, 3)
+    out = api.generate(more, N, session, rid=rid_of(replaced))
+    api.assert_turn(out, prompt + root["output_ids"] + running_new + generated + new
+                    + replaced["output_ids"] + more, N)
+    sibling = api.generate(more, N, session, rid=running)
+    api.assert_turn(sibling, prompt + root["output_ids"] + running_new + generated + more, N)
 
 
 def test_replace_without_rid_clears_the_whole_tree(api, rng):

@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import start_server
-from tests.sessions.conftest import BOS, random_ids, sampling
+from tests.sessions.conftest import BOS, BUSY_CHECK, random_ids, sampling
 from tests.sync import POLL_S, STATE_TIMEOUT_S
 
 SEED = 20240604
@@ -41,8 +41,6 @@ PLAIN_TOKENS = 48  # long decodes that admission under-reserves for: retraction
 KV_TOKENS = 256  # 64 pages of 4, for 16 histories of up to ~100 tokens plus running requests
 LONG_TOKENS = KV_TOKENS  # turns that get aborted or disconnected: more than the pool holds
 ROWS = 20  # request rows (= max running requests): 16 idle slots leave 4 for running turns
-RETRY_S = 0.05
-RETRIES = 400  # 20 s for an abort or a disconnect to reach the scheduler
 LIMITS = httpx.Limits(max_connections=64, max_keepalive_connections=64)
 
 
@@ -57,6 +55,7 @@ def server(llama_path: Path):
         "--chunked-prefill-size", "64",
         # Admission counts on little decode growth, so running requests get retracted.
         "--schedule-conservativeness", "0.3",
+        env=BUSY_CHECK,
     )
     yield srv
     srv.check_clean_stop()
@@ -129,18 +128,9 @@ class StressChat:
         await self.turn(random_ids(self.rng, 5))
         return self.outcome.turns[-1]
 
-    async def post_until_free(self, body: dict[str, Any]) -> httpx.Response:
-        """POST /generate; a 400 for the turn still in flight (an abort or a disconnect the
-        server has not processed yet) is retried."""
-        for _ in range(RETRIES):
-            r = await self.http.post("/generate", json=body)
-            if r.status_code != 400 or "in flight" not in r.text:
-                return r
-            await asyncio.sleep(RETRY_S)
-        raise AssertionError(f"session {self.index}: still busy after {RETRIES} retries")
-
     async def turn(self, new: list[int]) -> None:
-        r = await self.post_until_free(self.body(new, TURN_TOKENS))
+        # Sent at once, also right after a disconnect: the server orders the abort first.
+        r = await self.http.post("/generate", json=self.body(new, TURN_TOKENS))
         assert r.status_code == 200, r.text
         self.record(new, r.json())
 
@@ -171,27 +161,20 @@ class StressChat:
         if abort_rid is not None:
             extra["rid"] = abort_rid
         body = self.body(new, max_new_tokens, **extra)
-        for _ in range(RETRIES):
-            async with self.http.stream("POST", "/generate", json=body) as r:
-                if r.status_code == 400:
-                    text = (await r.aread()).decode()
-                    assert "in flight" in text, text
-                    await asyncio.sleep(RETRY_S)
+        async with self.http.stream("POST", "/generate", json=body) as r:
+            assert r.status_code == 200, (await r.aread()).decode()
+            events = 0
+            last = None
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                assert r.status_code == 200
-                events = 0
-                last = None
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    last = json.loads(line.removeprefix("data: "))
-                    events += 1
-                    if stop_after is not None and events >= stop_after:
-                        return None  # leaving the block closes the connection
-                    if abort_rid is not None and events == 1:
-                        await self.http.post("/abort_request", json={"rid": abort_rid})
-                return last
-        raise AssertionError(f"session {self.index}: still busy after {RETRIES} retries")
+                last = json.loads(line.removeprefix("data: "))
+                events += 1
+                if stop_after is not None and events >= stop_after:
+                    return None  # leaving the block closes the connection
+                if abort_rid is not None and events == 1:
+                    await self.http.post("/abort_request", json={"rid": abort_rid})
+            return last
 
     def record(self, new: list[int], out: dict[str, Any]) -> None:
         meta = out["meta_info"]

@@ -80,6 +80,7 @@ class OpenSessionReqInput(_Msg):
     session_id: str | None = None
     streaming: bool = False
     timeout: float | None = None
+    resume: bool = False  # continue the stored streaming session ``session_id`` (restart)
 
 
 class CloseSessionReqInput(_Msg):

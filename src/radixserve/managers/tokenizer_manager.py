@@ -87,6 +87,10 @@ from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+# Event loop rounds a session request waits for an earlier request of its session to be
+# cancelled by a disconnect the server has already read (``_let_disconnects_land``): two at
+# most were seen under the session stress test's load.
+_DISCONNECT_ROUNDS = 32
 _CONTROL_REPLIES = (
     FlushCacheReqOutput, GetInternalStateReqOutput, OpenSessionReqOutput,
     PauseGenerationReqOutput, ContinueGenerationReqOutput,
@@ -130,6 +134,7 @@ class _ReqState:
     logprobs: LogprobMeta | None  # with return_logprob
     metrics: RequestMetrics
     log_metrics: bool = True
+    session_id: str | None = None
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
@@ -255,6 +260,7 @@ class TokenizerManager:
             raise ValueError(
                 "this server serves an embedding model: use /encode or /v1/embeddings"
             )
+        await self._let_disconnects_land(_session_ids(obj))
         await self._admit()  # the last await before the requests are sent
         obj.normalize()
         reqs = [self._tokenize(obj[i], i if not obj.is_single else None)
@@ -308,6 +314,7 @@ class TokenizerManager:
                 logprobs=logprobs[i] if logprobs else None,
                 metrics=RequestMetrics(rid=req.rid, arrival_time=now),
                 log_metrics=log_metrics,
+                session_id=_session_id(req),
             )
             for i, req in enumerate(reqs)
         ]
@@ -393,6 +400,20 @@ class TokenizerManager:
             def decode(ids: list[int]) -> list[str]:
                 return self.tokenizer.batch_decode([[t] for t in ids])
         return LogprobMeta(req.top_logprobs_num, req.token_ids_logprob, decode)
+
+    async def _let_disconnects_land(self, sessions: set[str]) -> None:
+        """Before a session's request goes out while an earlier request of the same session
+        is still in flight here, let the loop run a few rounds: when that earlier request's
+        client has just gone away (the usual reason for a next turn to come at once), the
+        server has read the disconnect already and the earlier request's abort goes out first,
+        so that the scheduler sees the turn after the abort. Rounds of the loop, not time:
+        a client that is really still there is answered as before."""
+        if not sessions:
+            return
+        for _ in range(_DISCONNECT_ROUNDS):
+            if not any(s.session_id in sessions for s in self._states.values()):
+                return
+            await asyncio.sleep(0)
 
     def _tokenize(self, obj: GenerateReqInput, index: int | None) -> TokenizedGenerateReqInput:
         """Build the scheduler message of one prompt; ``ValueError`` names the batch index."""
@@ -789,3 +810,15 @@ def _raise_if_rejected(states: list[_ReqState], is_single: bool) -> None:
             message = reason.get("message", "invalid request")
             error = _REJECTIONS[reason["status_code"]]
             raise error(message if is_single else f"prompt {i}: {message}")
+
+
+def _session_ids(obj: GenerateReqInput) -> set[str]:
+    """The session ids a (not yet normalized) generate call names."""
+    params = obj.session_params
+    items = params if isinstance(params, list) else [params]
+    return {p["id"] for p in items if isinstance(p, dict) and isinstance(p.get("id"), str)}
+
+
+def _session_id(req: Any) -> str | None:
+    params = getattr(req, "session_params", None)
+    return params.id if params is not None else None
