@@ -23,5 +23,5 @@ class EnvBool:
 
 # Raise instead of only logging when the idle memory self-check finds a leak (set in tests).
 RADIXSERVE_TEST_STRICT = EnvBool("RADIXSERVE_TEST_STRICT")
-# Do not build or use radixserve's own CPU kernels (layers/cpu_kernels.py): oneDNN only.
+# Do not build or use radixserve's own CPU kernels (layers/cpu_kernels.py): torch only.
 RADIXSERVE_DISABLE_CPU_KERNELS = EnvBool("RADIXSERVE_DISABLE_CPU_KERNELS")

@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.layers.cpu_kernels import (
-    AMX_MAX_ROWS,
-    BlockedWeight,
+    amx_available,
     attention_kernels_support,
     decode_attention,
     fused_add_rms_norm,
-    gemv,
+    linear,
     load_cpu_kernels,
+    pack_linear_weight,
     rms_norm,
     rotary,
     silu_and_mul,
@@ -37,41 +37,75 @@ from tests.layers.helpers import (
 from tests.layers.helpers import HAS_KERNELS as HAS_BF16
 
 
-def random_problem(n: int, k: int, m: int, bias: bool):
+def random_problem(n: int, k: int, m: int, bias: bool, dtype: torch.dtype = torch.bfloat16):
     gen = torch.Generator().manual_seed(n + k + m)
-    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
     reference = x.double() @ w.double().T + (b.double() if bias else 0)
     return w, x, b, reference
 
 
 def test_kernels_build_exactly_where_the_cpu_supports_them():
     assert load_cpu_kernels() == HAS_BF16
-    blocked = BlockedWeight.of(torch.zeros(32, 64, dtype=torch.bfloat16))
-    if not HAS_BF16:
-        assert blocked is None
+    if HAS_BF16:
+        assert amx_available() == HAS_AMX
+
+
+def kernel_linear(x, w, b):
+    """What ``CpuPackedWeight`` calls: the blocked copy, x padded to its input size."""
+    blocked = pack_linear_weight(w)
+    pad = blocked.shape[1] * blocked.shape[3] - x.shape[1]
+    return linear(F.pad(x, (0, pad)) if pad else x, blocked, b, w.shape[0])
+
+
+# rows: one, a part of a tile, whole tiles and a remainder, many; columns: whole panels of four
+# blocks, a partial block (a vocabulary off 16), fewer blocks than a panel; odd K (bf16 pads it)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n, k, m, bias", [
+    (48, 70, 1, True), (1152, 896, 1, True), (896, 4864, 2, False), (1001, 64, 13, True),
+    (40, 71, 7, False), (17, 32, 6, True), (80, 128, 64, False), (7, 9, 100, True),
+])
+def test_linear_kernel_equals_a_float64_reference_up_to_rounding(dtype, n, k, m, bias):
+    if not kernels_here():
         return
-    assert blocked is not None and blocked.amx == HAS_AMX
-    assert blocked.max_rows == (AMX_MAX_ROWS if HAS_AMX else 1)
+    w, x, b, reference = random_problem(n, k, m, bias, dtype)
+    out = kernel_linear(x, w, b)
+    assert out.shape == (m, n) and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5 * k**0.5)
+    else:
+        bf16_close(out, reference)
 
 
-def test_blocked_copy_is_refused_for_weights_the_kernels_cannot_take():
-    assert BlockedWeight.of(torch.zeros(32, 64)) is None  # float32
-    assert BlockedWeight.of(torch.zeros(40, 64, dtype=torch.bfloat16)) is None  # N % 16
-    odd_k = BlockedWeight.of(torch.zeros(32, 70, dtype=torch.bfloat16))  # K % 32: GEMV only
-    assert odd_k is None if not HAS_BF16 else (odd_k.max_rows == 1 and not odd_k.amx)
-
-
-@pytest.mark.parametrize("n, k, bias", [(48, 70, True), (1152, 896, True), (896, 4864, False)])
-def test_gemv_equals_a_float64_reference_up_to_bf16_rounding(n, k, bias):
-    if not HAS_BF16:
-        assert not load_cpu_kernels()  # nothing to run here: layers use oneDNN
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_kernel_gives_a_row_the_same_bits_in_every_batch(dtype):
+    if not kernels_here():
         return
-    w, x, b, reference = random_problem(n, k, 1, bias)
-    out = gemv(x, BlockedWeight.of(w).packed, b)
-    assert out.shape == (1, n) and out.dtype == torch.bfloat16
-    bf16_close(out, reference)
+    w, x, b, _ = random_problem(1001, 896, 70, True, dtype)
+    full = kernel_linear(x, w, b)
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 16), slice(31, 70)):
+        assert torch.equal(kernel_linear(x[rows].contiguous(), w, b), full[rows])
+    # a row-strided view of a wider activation, as the model passes slices
+    wide = torch.cat([x, x], dim=1)
+    assert torch.equal(kernel_linear(wide[:, :896], w, b), full)
+
+
+def test_linear_kernel_rejects_bad_input_with_a_clear_error():
+    if not kernels_here():
+        return
+    blocked = pack_linear_weight(torch.zeros(40, 64, dtype=torch.bfloat16))
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="linear takes bfloat16 or float32, got Half"):
+        linear(x.half(), blocked, None, 40)
+    with pytest.raises(RuntimeError, match="linear: x is Float, the weight BFloat16"):
+        linear(x.float(), blocked, None, 40)
+    with pytest.raises(RuntimeError, match=r"K = 64 \(the weight's padded input size\)"):
+        linear(torch.zeros(2, 62, dtype=torch.bfloat16), blocked, None, 40)
+    with pytest.raises(RuntimeError, match="n = 30 does not fit the weight's 3 blocks"):
+        linear(x, blocked, None, 30)
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous \[40\] tensor"):
+        linear(x, blocked, torch.zeros(39, dtype=torch.bfloat16), 40)
 
 
 # rows: one, a part of a tile, a whole tile, one past it, two tiles; blocks of 16 outputs: whole
@@ -81,29 +115,25 @@ def test_gemv_equals_a_float64_reference_up_to_bf16_rounding(n, k, bias):
     (112, 96, 31, False), (48, 4864, 32, False), (1152, 896, 24, True),
 ])
 def test_amx_kernel_equals_a_float64_reference_up_to_bf16_rounding(n, k, m, bias):
-    w, x, b, reference = random_problem(n, k, m, bias)
-    blocked = BlockedWeight.of(w)
     if not HAS_AMX:
-        assert blocked is None or not blocked.amx  # layers use the GEMV or oneDNN here
-        return
-    out = small_gemm_amx(x, blocked.packed, b)
+        return  # layers use csrc/linear.cpp here (tested above)
+    w, x, b, reference = random_problem(n, k, m, bias)
+    out = small_gemm_amx(x, pack_linear_weight(w), b)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     bf16_close(out, reference)
 
 
 def test_amx_kernel_rejects_what_it_cannot_compute_with_a_clear_error():
-    blocked = BlockedWeight.of(torch.randn(32, 64).to(torch.bfloat16))
     if not HAS_AMX:
-        assert blocked is None or not blocked.amx  # no layer calls the AMX kernel here
         return
-    packed = blocked.packed
+    packed = pack_linear_weight(torch.randn(32, 64).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="1 <= M <= 32"):
         small_gemm_amx(torch.zeros(33, 64, dtype=torch.bfloat16), packed, None)
     with pytest.raises(RuntimeError, match="bfloat16"):
         small_gemm_amx(torch.zeros(2, 64), packed, None)
     with pytest.raises(RuntimeError, match="features"):
         small_gemm_amx(torch.zeros(2, 96, dtype=torch.bfloat16), packed, None)
-    odd_k = BlockedWeight.of(torch.zeros(32, 70, dtype=torch.bfloat16)).packed
+    odd_k = pack_linear_weight(torch.zeros(32, 70, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="multiple of 32"):
         small_gemm_amx(torch.zeros(2, 70, dtype=torch.bfloat16), odd_k, None)
     with pytest.raises(RuntimeError, match=r"bias must be \[N\]"):
@@ -181,18 +211,22 @@ def test_kernels_reject_a_wrong_dtype_or_shape_with_a_clear_error():
         return
     x, residual, weight = bf16_inputs(2, 8, seed=3)
     ops = torch.ops.radixserve_cpu
-    with pytest.raises(RuntimeError, match="rms_norm_bf16 takes bfloat16 tensors, x is Float"):
-        ops.rms_norm_bf16(x.float(), weight, EPS)
+    with pytest.raises(RuntimeError, match="rms_norm: weight is BFloat16, x is Float"):
+        ops.rms_norm(x.float(), weight, EPS)
+    with pytest.raises(RuntimeError, match="rms_norm takes bfloat16 or float32 tensors, got Half"):
+        ops.rms_norm(x.half(), weight.half(), EPS)
     with pytest.raises(RuntimeError, match=r"weight must be \[8\] for x of \[2, 8\], got \[7\]"):
-        ops.rms_norm_bf16(x, weight[:7], EPS)
+        ops.rms_norm(x, weight[:7], EPS)
     with pytest.raises(RuntimeError, match=r"residual is \[1, 8\], x is \[2, 8\]"):
-        ops.fused_add_rms_norm_bf16(x, residual[:1], weight, EPS)
+        ops.fused_add_rms_norm(x, residual[:1], weight, EPS)
     with pytest.raises(RuntimeError, match="x must be contiguous"):
-        ops.fused_add_rms_norm_bf16(x.T, residual.T, weight[:2], EPS)
-    with pytest.raises(RuntimeError, match="silu_and_mul_bf16 takes bfloat16 tensors, x is Half"):
-        ops.silu_and_mul_bf16(x.half())
+        ops.fused_add_rms_norm(x.T, residual.T, weight[:2], EPS)
+    with pytest.raises(RuntimeError, match="silu_and_mul takes bfloat16 or float32 tensors, got"):
+        ops.silu_and_mul(x.half())
     with pytest.raises(RuntimeError, match=r"x must be \[\.\.\., 2d\] \(gate then up\), got"):
-        ops.silu_and_mul_bf16(x[:, :7].contiguous())
+        ops.silu_and_mul(x[:, :7].contiguous())
+    with pytest.raises(RuntimeError, match="rotary: cos is Float, x is BFloat16"):
+        ops.rotary(x.view(2, 1, 8), x.view(2, 1, 8).float(), x.view(2, 1, 8))
 
 
 def decode_attention_reference(q, k_buffer, v_buffer, slots, scale):
@@ -295,7 +329,7 @@ def test_rotary_kernel_equals_torchs_four_bf16_ops_bit_for_bit(heads, head_dim):
     torch_ops = x * cos + torch.cat((x2, x1), dim=-1) * sin
     out = rotary(x, cos, sin)
     assert out.is_contiguous() and torch.equal(out.view(torch.int16), torch_ops.view(torch.int16))
-    with pytest.raises(RuntimeError, match="rotary_bf16 takes bfloat16 tensors, cos is Float"):
+    with pytest.raises(RuntimeError, match="rotary: cos is Float, x is BFloat16"):
         rotary(x, cos.float(), sin)
     with pytest.raises(RuntimeError, match="cos and sin must be contiguous"):
         rotary(x, cos[:3], sin[:3])

@@ -1,17 +1,18 @@
 """radixserve's own CPU kernels (``layers/csrc``), compiled on first use, once per machine.
 
-- linear layers for small batches (``csrc/linear_bf16.cpp``): decode steps of up to 32 requests
-  read each weight once for a few rows, and these kernels stream it at memory speed where oneDNN
-  reaches 60-70% of it (RESULTS.md). They share one blocked copy of the weight: a GEMV for one
-  row (AVX512-BF16) and an AMX kernel for up to 32 rows (where the CPU has AMX and K is a
-  multiple of 32);
-- fused bf16 RMSNorm, residual add + RMSNorm, SiluAndMul and the rotary embedding, and the
-  greedy argmax of bf16 or float32 logits (``csrc/elementwise_bf16.cpp``): one kernel each where
+- linear layers at every batch size, bf16 and float32 (``csrc/linear.cpp``): one blocked copy of
+  each weight, ``[N/16][K/2][16][2]`` (bf16) or ``[N/16][K][16]``, multiplied with AVX512-BF16
+  or FMA in register tiles. Decode steps stream the weight at memory speed (oneDNN's GEMV
+  reaches about half of it), prefills run near the GEMM peak, and a row's output does not
+  depend on the batch it is in. On CPUs with AMX, bf16 batches of up to 32 rows take an AMX
+  kernel on the same copy (``csrc/linear_amx.cpp``);
+- fused RMSNorm, residual add + RMSNorm, SiluAndMul and the rotary embedding in bf16 and
+  float32, and the greedy argmax of the logits (``csrc/elementwise.cpp``): one kernel each where
   torch runs up to nine, whose start-up costs dominate a decode step's small tensors. They round
-  to bf16 where transformers' bf16 modules do;
+  where transformers' modules do;
 - decode attention straight from the paged KV pool (``csrc/decode_attention.cpp``, float32 and
-  bf16): one call per layer writes the new K/V and attends, where the torch path runs two
-  index_puts, two gathers, a mask and SDPA.
+  bf16, head_dim a multiple of 16 up to 256, any GQA group): one call per layer writes the new
+  K/V and attends, where the torch path runs two index_puts, two gathers, a mask and SDPA.
 
 Nothing asks on every call whether they run: each op picks them once, when the model is built
 (``layers/custom_op.py``), weights are packed for them once, after loading
@@ -33,7 +34,6 @@ import hashlib
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
-BLOCK_ROWS = 16  # output rows per weight block (csrc/linear_bf16.cpp)
+BLOCK_ROWS = 16  # output rows per weight block (csrc/linear.cpp)
 AMX_MAX_ROWS = 32  # input rows the AMX kernel takes (two tiles of 16)
 AMX_K_MULTIPLE = 32  # inputs per AMX tile row
 
@@ -101,28 +101,17 @@ def load_cpu_kernels() -> bool:
             load(
                 name="radixserve_cpu_kernels",
                 sources=[str(s) for s in SOURCES],
-                # -fopenmp: at::parallel_for runs on torch's own OpenMP threads (same libgomp)
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                # -fopenmp: at::parallel_for runs on torch's own OpenMP threads (same libgomp);
+                # no contraction: a product and a sum round separately, as torch's kernels do
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
                 is_python_module=False,
             )
-    except Exception as e:  # no compiler, no ninja, a failed build: oneDNN still works
-        logger.warning("radixserve's CPU kernels are unavailable, using oneDNN only: %s", e)
+    except Exception as e:  # no compiler, no ninja, a failed build: torch still works
+        logger.warning("radixserve's CPU kernels are unavailable, using torch's: %s", e)
         return False
     return True
-
-
-def blocked_weight_supported(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` ([N, K] bf16 on CPU) can take the small-batch kernels here."""
-    n, k = weight.shape
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and n % BLOCK_ROWS == 0
-        and k % 2 == 0
-        and load_cpu_kernels()
-    )
 
 
 @functools.cache
@@ -136,51 +125,42 @@ def amx_available() -> bool:
     )
 
 
-def gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for one row ``x`` ([1, K] bf16) and a blocked weight."""
-    return torch.ops.radixserve_cpu.gemv_bf16(x.contiguous(), packed, bias)
+# the activation dtypes every kernel takes
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The blocked copy of an ``[N, K]`` bf16 or float32 weight that ``linear`` multiplies
+    with: ``[ceil(N/16), K/2, 16, 2]`` (bf16, K padded to even) or ``[ceil(N/16), K, 16, 1]``,
+    the padding zero."""
+    n, k = weight.shape
+    step = 2 if weight.dtype == torch.bfloat16 else 1
+    blocks, padded_k = -(-n // BLOCK_ROWS), -(-k // step) * step
+    padded = torch.zeros(blocks * BLOCK_ROWS, padded_k, dtype=weight.dtype, device=weight.device)
+    padded[:n, :k] = weight.detach()
+    blocked = padded.view(blocks, BLOCK_ROWS, padded_k // step, step).permute(0, 2, 1, 3)
+    return blocked.contiguous()
+
+
+def linear(
+    x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``: ``x`` ``[M, K]`` with K the weight's padded input size and
+    rows contiguous, ``blocked`` from ``pack_linear_weight``, ``n`` the weight's rows."""
+    return torch.ops.radixserve_cpu.linear(x, blocked, bias, n)
 
 
 def small_gemm_amx(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for up to 32 rows on AMX (K a multiple of 32)."""
-    return torch.ops.radixserve_cpu.small_gemm_amx_bf16(x.contiguous(), packed, bias)
-
-
-@dataclass(frozen=True)
-class BlockedWeight:
-    """A linear weight's blocked copy for the small-batch kernels. ``max_rows``: the most input
-    rows they take for it (32 on AMX, else 1 for the GEMV); larger batches go to oneDNN."""
-
-    packed: torch.Tensor
-    max_rows: int
-    amx: bool
-
-    @classmethod
-    def of(cls, weight: torch.Tensor) -> BlockedWeight | None:
-        """The copy of ``weight`` ([N, K]), or None where the kernels cannot take it."""
-        if not blocked_weight_supported(weight):
-            return None
-        n, k = weight.shape
-        packed = weight.detach().view(n // BLOCK_ROWS, BLOCK_ROWS, k // 2, 2).permute(0, 2, 1, 3)
-        amx = amx_available() and k % AMX_K_MULTIPLE == 0
-        return cls(
-            packed.clone(memory_format=torch.contiguous_format), AMX_MAX_ROWS if amx else 1, amx
-        )
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weight.T (+ bias)`` for at most ``max_rows`` rows of ``x``. AMX takes even
-        one row where it runs: with its prefetch it streams faster than the GEMV."""
-        if self.amx:
-            return small_gemm_amx(x, self.packed, bias)
-        return gemv(x, self.packed, bias)
+    """``x @ weight.T (+ bias)`` for up to 32 bf16 rows on AMX (N a multiple of 16, K of 32)."""
+    return torch.ops.radixserve_cpu.small_gemm_amx_bf16(x.contiguous(), blocked, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' bf16 RMSNorm over the last dimension of ``x`` in one pass per row (torch
-    runs eight kernels); a non-contiguous ``x`` (Qwen3's per-head q/k views) is copied first."""
-    return torch.ops.radixserve_cpu.rms_norm_bf16(x.contiguous(), weight, eps)
+    """transformers' RMSNorm over the last dimension of ``x`` in one pass per row (torch runs
+    eight kernels); a non-contiguous ``x`` (Qwen3's per-head q/k views) is copied first."""
+    return torch.ops.radixserve_cpu.rms_norm(x.contiguous(), weight, eps)
 
 
 def fused_add_rms_norm(
@@ -188,13 +168,13 @@ def fused_add_rms_norm(
 ) -> None:
     """In place: ``residual = x + residual``, then ``x = rms_norm(residual)``: one kernel for the
     residual add and the next norm (torch: nine). Both must be contiguous, of one shape."""
-    torch.ops.radixserve_cpu.fused_add_rms_norm_bf16(x, residual, weight, eps)
+    torch.ops.radixserve_cpu.fused_add_rms_norm(x, residual, weight, eps)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` in one kernel (torch: four), rounding as torch's bf16
-    ops do; ``x`` ``[n, heads, head_dim]`` may be a row-strided view of the qkv output."""
-    return torch.ops.radixserve_cpu.rotary_bf16(x, cos, sin)
+    """``x * cos + rotate_half(x) * sin`` in one kernel (torch: four), rounding as torch's ops
+    do; ``x`` ``[n, heads, head_dim]`` may be a row-strided view of the qkv output."""
+    return torch.ops.radixserve_cpu.rotary(x, cos, sin)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -206,10 +186,9 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [..., gate | up]``, in one kernel (torch: two, and an
     intermediate as large as the output)."""
-    return torch.ops.radixserve_cpu.silu_and_mul_bf16(x.contiguous())
+    return torch.ops.radixserve_cpu.silu_and_mul(x.contiguous())
 
 
-ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 ATTENTION_MAX_HEAD_DIM = 256
 
 
@@ -218,7 +197,7 @@ def attention_kernels_support(dtype: torch.dtype, head_dim: int) -> str | None:
     when they can (head_dim a multiple of 16 up to 256, float32 or bf16, any GQA group)."""
     if not load_cpu_kernels():
         return "radixserve's CPU kernels do not run on this machine"
-    if dtype not in ATTENTION_DTYPES:
+    if dtype not in KERNEL_DTYPES:
         return f"the CPU attention kernels take float32 or bfloat16, not {dtype}"
     if head_dim % 16 or head_dim > ATTENTION_MAX_HEAD_DIM:
         return (

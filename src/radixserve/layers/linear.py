@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from radixserve.layers import cpu_kernels
 from radixserve.layers.custom_op import select_impl
 from radixserve.layers.packed_weight import NotPacked, PackedWeight, Prepackable, pack_float_weight
 
@@ -42,7 +43,7 @@ class LinearBase(Prepackable):
     """``y = x @ weight.T (+ bias)`` with a per-rank weight of shape ``[out, in]``."""
 
     # model dtypes whose weights the CPU kernels pack (layers/packed_weight.py)
-    cpu_dtypes = (torch.bfloat16,)
+    cpu_dtypes = cpu_kernels.KERNEL_DTYPES
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool, tp_rank: int, tp_size: int
@@ -60,8 +61,8 @@ class LinearBase(Prepackable):
             self.register_parameter("bias", None)
         self.packed: PackedWeight = NotPacked()
 
-    def prepack(self, small_batch_copy: bool) -> PackedWeight:
-        self.packed = pack_float_weight(self.weight.detach(), self.impl, small_batch_copy)
+    def prepack(self, room_for_copy: bool) -> PackedWeight:
+        self.packed = pack_float_weight(self.weight.detach(), self.impl, room_for_copy)
         return self.packed
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.layers import cpu_kernels
 from radixserve.layers.custom_op import select_impl
 from radixserve.layers.linear import default_weight_loader
 from radixserve.layers.packed_weight import NotPacked, PackedWeight, Prepackable, pack_float_weight
@@ -33,7 +34,7 @@ class LMHead(Prepackable):
     """``[vocab, hidden]`` output projection; ``LogitsProcessor`` applies it (no forward). Its
     ``PackedWeight`` keeps the plain weight, which a tied model shares with the embedding."""
 
-    cpu_dtypes = (torch.bfloat16,)
+    cpu_dtypes = cpu_kernels.KERNEL_DTYPES
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
@@ -41,8 +42,8 @@ class LMHead(Prepackable):
         self.weight = _vocab_weight(vocab_size, hidden_size)
         self.packed: PackedWeight = NotPacked()
 
-    def prepack(self, small_batch_copy: bool) -> PackedWeight:
-        self.packed = pack_float_weight(self.weight.detach(), self.impl, small_batch_copy)
+    def prepack(self, room_for_copy: bool) -> PackedWeight:
+        self.packed = pack_float_weight(self.weight.detach(), self.impl, room_for_copy)
         return self.packed
 
     def project(self, hidden_states: torch.Tensor) -> torch.Tensor:

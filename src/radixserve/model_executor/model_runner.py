@@ -18,6 +18,7 @@ import torch
 
 from radixserve.layers.attention import create_attention_backend, default_attention_backend
 from radixserve.layers.custom_op import build_context
+from radixserve.layers.packed_weight import planned_copy_bytes
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -93,7 +94,8 @@ class ModelRunner:
         """KV slots to allocate, rounded down to whole pages.
 
         ``max_total_tokens`` wins when set; otherwise ``mem_fraction_static`` (default 0.3 on
-        CPU, 0.85 on CUDA) of the memory left after the weights, divided by one token's KV bytes.
+        CPU, 0.85 on CUDA) of the memory left after the weights (and the kernels' packed copies
+        of them), divided by one token's KV bytes.
         """
         cfg = self.model_config
         if server_args.max_total_tokens is not None:
@@ -103,6 +105,9 @@ class ModelRunner:
                 self.device.type, _DEFAULT_MEM_FRACTION["cuda"]
             )
             weight_bytes = checkpoint_weight_bytes(cfg, self.dtype)
+            weight_bytes += planned_copy_bytes(
+                weight_bytes, self.device, self.dtype, psutil.virtual_memory().total
+            )
             budget = (available_memory_bytes(self.device) - weight_bytes) * fraction
             per_token = MHATokenToKVPool.bytes_per_token(
                 cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers, self.dtype
