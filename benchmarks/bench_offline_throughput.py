@@ -13,6 +13,11 @@ With ``--step-overhead`` the scheduler runs in this process with the model's for
 stub returning zero logits: ``ms_per_step`` is then what the scheduler + runner + sampler cost per
 decode step without any model compute (the Python overhead a faster model cannot hide).
 
+``--shape-sweep`` runs the decode scenarios on ``--model`` (the reference) and on every shape of
+``make_bench_models.SWEEP`` (other head_dims, hidden sizes, GQA ratios, architectures, an odd
+vocabulary), in bf16 and float32, and prints each one's speedup over transformers next to the
+reference's at the same batch size and dtype.
+
 Prints JSON lines; ``--plot out.png`` draws them (needs matplotlib, the ``bench`` extra).
 See benchmarks/README.md.
 """
@@ -33,15 +38,15 @@ from typing import Any
 
 import torch
 
-BENCH_MODELS = ("tiny", "small")
-
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny",
-                   help="tiny, small (built when missing) or a checkpoint directory")
-    p.add_argument("--batch-sizes", default="1,8,16,32,64",
-                   help="comma-separated decode batch sizes ('' to skip decode)")
+                   help="tiny, small, a sweep-* shape (built when missing) or a checkpoint "
+                        "directory")
+    p.add_argument("--batch-sizes",
+                   help="comma-separated decode batch sizes ('' to skip decode; default "
+                        "1,8,16,32,64, with --shape-sweep 1,32)")
     p.add_argument("--min-input-len", type=int, default=64)
     p.add_argument("--max-input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -58,7 +63,12 @@ def parse_args() -> argparse.Namespace:
                    help="best of this many runs per scenario (the backends take turns)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", type=Path, help="write a PNG of the results (needs matplotlib)")
+    p.add_argument("--shape-sweep", action="store_true",
+                   help="decode on --model and every make_bench_models.SWEEP shape, in bf16 and "
+                        "float32; compares each shape's speedup with --model's")
     args = p.parse_args()
+    if args.batch_sizes is None:
+        args.batch_sizes = "1,32" if args.shape_sweep else "1,8,16,32,64"
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     args.backends = [b for b in args.backends.split(",") if b]
     unknown = set(args.backends) - {"radixserve", "transformers"}
@@ -99,10 +109,11 @@ def start_engine(threads: int | None, **kwargs: Any) -> Any:
 
 def resolve_model(name: str) -> tuple[str, str]:
     """``(label, checkpoint dir)``; the benchmark models are built on first use."""
-    if name not in BENCH_MODELS:
-        return Path(name).name, name
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from make_bench_models import DEFAULT_OUT, build
+    from make_bench_models import DEFAULT_OUT, MODELS, build
+
+    if name not in MODELS:
+        return Path(name).name, name
 
     path = DEFAULT_OUT / name
     if not (path / "config.json").is_file():
@@ -313,13 +324,15 @@ def plot(records: list[dict[str, Any]], label: str, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main() -> None:
-    args = parse_args()
+def run_model(args: argparse.Namespace, name: str, dtype: str,
+              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every scenario of ``args`` on model ``name`` in ``dtype``: (records, comparisons)."""
     from transformers import AutoTokenizer
 
     from radixserve.model_config import ModelConfig
 
-    label, model_path = resolve_model(args.model)
+    args = argparse.Namespace(**{**vars(args), "dtype": dtype})
+    label, model_path = resolve_model(name)
     config = ModelConfig.from_path(model_path, dtype=args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     special = set(tokenizer.all_special_ids) | set(config.eos_token_ids)
@@ -332,6 +345,7 @@ def main() -> None:
                       "input_len": [args.min_input_len, args.max_input_len]}), flush=True)
 
     records: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     with torch_threads(args.threads), contextlib.ExitStack() as stack:
         if args.step_overhead and args.batch_sizes:
             records += run_step_overhead(args, model_path, work)
@@ -345,10 +359,51 @@ def main() -> None:
         measured, outputs = measure(backends, work, args.repeats)
     records += measured
     if len(backends) == 2:
-        for row in comparisons(measured, outputs["radixserve"], outputs["transformers"]):
+        rows = comparisons(measured, outputs["radixserve"], outputs["transformers"])
+        for row in rows:
+            row.update(model=label, dtype=str(config.torch_dtype).removeprefix("torch."))
             print(json.dumps(row), flush=True)
+    return records, rows
+
+
+SWEEP_TOLERANCE = 0.2  # a shape's speedup within 20% of the reference model's (issue 17)
+SWEEP_BATCH32_TARGET = 2.0
+
+
+def shape_sweep(args: argparse.Namespace) -> None:
+    """Decode speedups over transformers of every sweep shape against ``--model``'s."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from make_bench_models import SWEEP
+
+    args.prefill_len = 0
+    for dtype in ("bfloat16", "float32"):
+        speedups: dict[str, dict[int, float]] = {}
+        for name in (args.model, *SWEEP):
+            _, rows = run_model(args, name, dtype)
+            speedups[name] = {r["batch_size"]: r["speedup_decode"] for r in rows}
+        reference = speedups.pop(args.model)
+        for batch, ref in reference.items():
+            shapes = {name: s[batch] for name, s in speedups.items()}
+            worst = min(shapes.values())
+            summary = {
+                "comparison": "shape_sweep", "dtype": dtype, "batch_size": batch,
+                "reference": args.model, "reference_speedup": ref, "speedups": shapes,
+                "worst_over_reference": round(worst / ref, 2),
+                "within_20pct": worst >= (1 - SWEEP_TOLERANCE) * ref,
+            }
+            if batch == 32:
+                summary["every_shape_at_least_2x"] = min(worst, ref) >= SWEEP_BATCH32_TARGET
+            print(json.dumps(summary), flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.shape_sweep:
+        shape_sweep(args)
+        return
+    records, _ = run_model(args, args.model, args.dtype)
     if args.plot:
-        plot(records, label, args.plot)
+        plot(records, Path(args.model).name, args.plot)
 
 
 if __name__ == "__main__":
