@@ -16,6 +16,7 @@ from typing import Any
 
 from radixserve import __version__
 from radixserve.layers.attention import ATTENTION_BACKENDS
+from radixserve.layers.quantization import QUANTIZATION_METHODS
 from radixserve.server_args import DEVICES, DTYPES, SCHEDULE_POLICIES, ServerArgs
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -24,6 +25,7 @@ CHOICES: dict[str, Sequence[str]] = {
     "dtype": DTYPES,
     "device": DEVICES,
     "attention_backend": ATTENTION_BACKENDS,
+    "quantization": QUANTIZATION_METHODS,
     "schedule_policy": SCHEDULE_POLICIES,
     "log_level": LOG_LEVELS,
 }
@@ -42,6 +44,9 @@ HELP: dict[str, str] = {
     "random_seed": "Seed of the sampling random generators.",
     "tp_size": "Tensor-parallel size (only 1 in this build).",
     "dp_size": "Data-parallel size (only 1 in this build).",
+    "quantization": "int8: quantise a float checkpoint's linear layers and LM head to int8 at "
+    "load (per output channel, symmetric; half the weight bytes). Checkpoints already "
+    "quantised with compressed-tensors W8A16 load as such without it.",
     "attention_backend": "Attention kernels: torch_native (plain torch, the reference) or cpu "
     "(radixserve's CPU kernels; the default on CPU where they take the model's shape).",
     "mem_fraction_static": "Fraction of free memory for the KV cache (default 0.3 on CPU, "

@@ -133,8 +133,12 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """The blocked copy of an ``[N, K]`` bf16 or float32 weight that ``linear`` multiplies
     with: ``[ceil(N/16), K/2, 16, 2]`` (bf16, K padded to even) or ``[ceil(N/16), K, 16, 1]``,
     the padding zero."""
+    return pack_linear_weight_as(weight, step=2 if weight.dtype == torch.bfloat16 else 1)
+
+
+def pack_linear_weight_as(weight: torch.Tensor, step: int) -> torch.Tensor:
+    """``weight`` ``[N, K]`` blocked as ``[ceil(N/16), K/step, 16, step]``, zero-padded."""
     n, k = weight.shape
-    step = 2 if weight.dtype == torch.bfloat16 else 1
     blocks, padded_k = -(-n // BLOCK_ROWS), -(-k // step) * step
     padded = torch.zeros(blocks * BLOCK_ROWS, padded_k, dtype=weight.dtype, device=weight.device)
     padded[:n, :k] = weight.detach()
@@ -148,6 +152,32 @@ def linear(
     """``x @ weight.T (+ bias)``: ``x`` ``[M, K]`` with K the weight's padded input size and
     rows contiguous, ``blocked`` from ``pack_linear_weight``, ``n`` the weight's rows."""
     return torch.ops.radixserve_cpu.linear(x, blocked, bias, n)
+
+
+def pack_int8_weight(
+    weight: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocked copies of an int8 ``[N, K]`` weight and its float32 ``[N, groups]`` scales
+    that ``linear_int8`` reads: ``[ceil(N/16), K/2, 16, 2]`` (K padded to even) and
+    ``[ceil(N/16), groups, 16]``, the padding zero."""
+    n, groups = scales.shape
+    blocks = -(-n // BLOCK_ROWS)
+    padded = torch.zeros(blocks * BLOCK_ROWS, groups, dtype=torch.float32)
+    padded[:n] = scales
+    blocked_scales = padded.view(blocks, BLOCK_ROWS, groups).permute(0, 2, 1).contiguous()
+    return pack_linear_weight_as(weight, step=2), blocked_scales
+
+
+def linear_int8(
+    x: torch.Tensor,
+    blocked: torch.Tensor,
+    blocked_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    n: int,
+) -> torch.Tensor:
+    """``x @ (q * scale).T (+ bias)`` for bf16 or float32 ``x`` ``[M, K]`` (rows contiguous)
+    and the copies of ``pack_int8_weight``; ``n`` the weight's rows."""
+    return torch.ops.radixserve_cpu.linear_int8(x, blocked, blocked_scales, bias, n)
 
 
 def small_gemm_amx(

@@ -92,7 +92,8 @@ class Scheduler:
         self.send_to_tokenizer = send_to_tokenizer
         device = resolve_device(server_args.device)
         self.model_config = ModelConfig.from_path(
-            server_args.model_path, server_args.dtype, device, server_args.context_length
+            server_args.model_path, server_args.dtype, device, server_args.context_length,
+            server_args.quantization,
         )
         self.tp_worker = TpModelWorker(self.model_config, server_args, device)
         runner = self.tp_worker.model_runner

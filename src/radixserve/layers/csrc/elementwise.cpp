@@ -45,20 +45,6 @@ constexpr int64_t kElementsPerThread = 1 << 15;
 
 int64_t row_grain(int64_t row_size) { return std::max<int64_t>(1, kElementsPerThread / row_size); }
 
-// Loads, stores and the rounding to the storage type, for bf16 (uint16_t) and float32.
-inline __m512 load16(const float* p, __mmask16 m = 0xFFFF) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 m = 0xFFFF) { return load_bf16(p, m); }
-inline void store16(float* p, __m512 v, __mmask16 m = 0xFFFF) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16(uint16_t* p, __m512 v, __mmask16 m = 0xFFFF) { store_bf16(p, v, m); }
-template <typename T>
-inline __m512 round_to(__m512 v) {
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    return round_to_bf16(v);
-  } else {
-    return v;
-  }
-}
-
 // Sum of squares of a row, in double: the square of a bf16 value is exact in float32 (8-bit
 // significands), and the double sum is the exact sum rounded once. A float32 sum strays by ulps
 // over a long row, enough to move the row's scale and flip dozens of its bf16 roundings at once.
