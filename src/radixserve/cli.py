@@ -38,6 +38,8 @@ HELP: dict[str, str] = {
     "host": "Address to listen on.",
     "port": "Port to listen on.",
     "api_key": "Require 'Authorization: Bearer KEY' on every route except /health.",
+    "admin_api_key": "Require this key (instead of --api-key) on the control routes: weights, "
+    "memory, profiling, internal state, slow_down, freeze_gc, flush_cache, the dashboard.",
     "dtype": "Weight and activation dtype ('auto': the checkpoint's, fp32 on CPUs without bf16).",
     "device": "Device to run on ('auto': CUDA if available, else CPU).",
     "context_length": "Override the context length (at most the model's).",
@@ -47,6 +49,8 @@ HELP: dict[str, str] = {
     "quantization": "int8: quantise a float checkpoint's linear layers and LM head to int8 at "
     "load (per output channel, symmetric; half the weight bytes). Checkpoints already "
     "quantised with compressed-tensors W8A16 load as such without it.",
+    "is_embedding": "Serve a decoder checkpoint as an embedding model (last-token pooling, "
+    "normalised): /encode and /v1/embeddings instead of generation.",
     "attention_backend": "Attention kernels: torch_native (plain torch, the reference) or cpu "
     "(radixserve's CPU kernels; the default on CPU where they take the model's shape).",
     "mem_fraction_static": "Fraction of free memory for the KV cache (default 0.3 on CPU, "
@@ -70,7 +74,11 @@ HELP: dict[str, str] = {
     "log_requests": "Log every request and HTTP access.",
     "log_level": "Logging level.",
     "skip_warmup": "Skip the warm-up generation before the server reports ready.",
-    "watchdog_timeout": "Seconds to wait for a child process to start or answer a control call.",
+    "watchdog_timeout": "A scheduler step running longer than this many seconds is a hang: "
+    "every thread's stack is dumped to the log and the server exits non-zero. Also how long a "
+    "control call waits for the scheduler.",
+    "health_timeout": "GET /health answers 503 when the scheduler does not answer a liveness "
+    "ping within this many seconds.",
 }
 
 

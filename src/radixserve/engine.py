@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from radixserve.managers.generate_request import GenerateReqInput
-from radixserve.managers.io_struct import OpenSessionReqInput
+from radixserve.managers.io_struct import OpenSessionReqInput, ProfileReq
 from radixserve.managers.ipc import PortArgs
 from radixserve.managers.tokenizer_manager import TokenizerManager
 from radixserve.server_args import ServerArgs
@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 _CHILDREN = ("scheduler", "detokenizer")
 _WATCH_POLL_S = 0.5
+# How long the children may take to load the weights and report ready.
+READY_TIMEOUT_S = 600.0
 
 
 def server_args_to_json(server_args: ServerArgs) -> str:
@@ -135,9 +137,9 @@ def start_subprocesses(
     (scheduler first) and the scheduler's ready message (``max_total_num_tokens``,
     ``max_running_requests``, ``context_len``, ``page_size``). On any failure the children are
     killed, the IPC directory removed and ``RuntimeError`` raised. ``ready_timeout`` defaults to
-    ``server_args.watchdog_timeout``.
+    ``READY_TIMEOUT_S``.
     """
-    timeout = server_args.watchdog_timeout if ready_timeout is None else ready_timeout
+    timeout = READY_TIMEOUT_S if ready_timeout is None else ready_timeout
     port_args = port_args or PortArgs.create()
     ctx = mp.get_context("spawn")
     args_json = (server_args_to_json(server_args), port_args_to_json(port_args))
@@ -360,6 +362,29 @@ class Engine:
             if not self._closed:
                 await asyncio.wrap_future(self._submit(agen.aclose()))
 
+    # ------------------------------------------------------------------ embeddings
+    def encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Embed one input (→ dict) or a batch (→ list): ``{"embedding": [...], "meta_info"}``.
+
+        Needs an embedding model: an encoder checkpoint (BERT) or ``is_embedding=True``.
+        """
+        return self._run(self._tm.encode_request(text=prompt, input_ids=input_ids, rid=rid))
+
+    async def async_encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """``encode`` for the caller's own asyncio loop."""
+        coro = self._tm.encode_request(text=prompt, input_ids=input_ids, rid=rid)
+        return await asyncio.wrap_future(self._submit(coro))
+
     # ------------------------------------------------------------------ control
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort a request by id (or all); its generate call ends with finish_reason abort."""
@@ -382,6 +407,66 @@ class Engine:
             "context_length": self.scheduler_info["context_len"],
             "internal_states": [state],
         }
+
+    # ------------------------------------------------------------------ operations
+    def update_weights_from_disk(
+        self, model_path: str, load_format: str | None = None, abort_all_requests: bool = False
+    ) -> dict[str, Any]:
+        """Swap in the weights at ``model_path`` (same architecture and shapes); new requests
+        wait meanwhile, running ones finish first (or are aborted). ``ValueError`` on refusal:
+        the old weights keep serving."""
+        message = self._run(
+            self._tm.update_weights_from_disk(model_path, load_format, abort_all_requests)
+        )
+        return {"success": True, "message": message}
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first ``truncate_size`` rows of checkpoint tensor ``name`` as served."""
+        return self._run(self._tm.get_weights_by_name(name, truncate_size))
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Free the KV pool (``kv_cache``) and/or the weights (``weights``; default both);
+        generate/encode raise ``ServiceUnavailableError`` until they are resumed."""
+        return {"success": True, "message": self._run(self._tm.release_memory_occupation(tags))}
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return {"success": True, "message": self._run(self._tm.resume_memory_occupation(tags))}
+
+    def start_profile(
+        self,
+        output_dir: str | None = None,
+        num_steps: int | None = None,
+        activities: list[str] | None = None,
+        record_shapes: bool = False,
+        with_stack: bool = False,
+    ) -> dict[str, Any]:
+        """Record a torch.profiler Chrome trace of the scheduler's steps (open it in Perfetto);
+        returns its ``trace_path``. With ``num_steps`` it stops by itself."""
+        req = ProfileReq(
+            action="start", output_dir=output_dir, num_steps=num_steps, activities=activities,
+            record_shapes=record_shapes, with_stack=with_stack,
+        )
+        reply = self._run(self._tm.profile(req))
+        return {"success": True, "message": reply.message, "trace_path": reply.trace_path}
+
+    def stop_profile(self) -> dict[str, Any]:
+        reply = self._run(self._tm.profile(ProfileReq(action="stop")))
+        return {"success": True, "message": reply.message, "trace_path": reply.trace_path}
+
+    def set_internal_state(self, server_args: dict[str, Any]) -> dict[str, Any]:
+        """Change ``max_running_requests``, ``max_prefill_tokens`` or ``chunked_prefill_size``
+        while serving; returns their values now."""
+        return self._run(self._tm.set_internal_state(server_args))
+
+    def slow_down(self, forward_sleep_time: float | None) -> None:
+        """Test hook: every forward step sleeps this many seconds (None: back to normal)."""
+        self._run(self._tm.slow_down(forward_sleep_time))
+
+    def freeze_gc(self) -> dict[str, int]:
+        return self._run(self._tm.freeze_gc())
+
+    def get_load(self) -> list[dict[str, Any]]:
+        return self._run(self._tm.get_load())
 
     def open_session(
         self,

@@ -25,3 +25,19 @@ class EnvBool:
 RADIXSERVE_TEST_STRICT = EnvBool("RADIXSERVE_TEST_STRICT")
 # Do not build or use radixserve's own CPU kernels (layers/cpu_kernels.py): torch only.
 RADIXSERVE_DISABLE_CPU_KERNELS = EnvBool("RADIXSERVE_DISABLE_CPU_KERNELS")
+
+
+@dataclass(frozen=True)
+class EnvStr:
+    name: str
+
+    def get(self, default: str) -> str:
+        return os.environ.get(self.name) or default
+
+
+# Where start_profile writes traces when the request names no output_dir (default: the temp dir).
+RADIXSERVE_TORCH_PROFILER_DIR = EnvStr("RADIXSERVE_TORCH_PROFILER_DIR")
+# Test hook: requests whose rid starts with "inject-fault-" raise inside the scheduler (while it
+# handles the message, or while it processes their output), to test that one failing request
+# gets a 500 and the others keep running.
+RADIXSERVE_TEST_INJECT_FAULTS = EnvBool("RADIXSERVE_TEST_INJECT_FAULTS")

@@ -18,7 +18,11 @@ from typing import Any
 import torch
 
 from radixserve.layers.quantization import QuantizationConfig, resolve_quantization
-from radixserve.model_executor.models.registry import SUPPORTED_ARCHITECTURES
+from radixserve.model_executor.models.registry import (
+    ENCODER_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    hidden_act_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +173,11 @@ class ModelConfig:
     # for float weights
     quantization: QuantizationConfig | None = None
 
+    @property
+    def is_encoder(self) -> bool:
+        """A bidirectional encoder (BERT): it embeds, never generates, and keeps no KV cache."""
+        return self.architecture in ENCODER_ARCHITECTURES
+
     @classmethod
     def from_path(
         cls,
@@ -211,8 +220,11 @@ class ModelConfig:
                 f"max_position_embeddings {max_pos}"
             )
         rope_theta, rope_scaling = _rope(hf)
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+        act = hidden_act_of(arch)
+        if hf.get("hidden_act", act) != act:
+            raise ValueError(
+                f"hidden_act {hf['hidden_act']!r} is not supported for {arch} (only {act})"
+            )
 
         context_len = min(max_pos, context_length or max_pos)
         window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None

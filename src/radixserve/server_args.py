@@ -22,6 +22,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    admin_api_key: str | None = None
     # model execution
     dtype: str = "auto"
     device: str = "auto"
@@ -29,6 +30,7 @@ class ServerArgs:
     random_seed: int = 0
     tp_size: int = 1
     dp_size: int = 1
+    is_embedding: bool = False
     attention_backend: str | None = None  # None: cpu on CPUs whose kernels take the model
     quantization: str | None = None  # "int8": quantise a float checkpoint's weights at load
     # memory
@@ -53,6 +55,7 @@ class ServerArgs:
     log_level: str = "info"
     skip_warmup: bool = False
     watchdog_timeout: float = 300.0
+    health_timeout: float = 20.0
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -102,6 +105,9 @@ class ServerArgs:
             )
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        for name in ("watchdog_timeout", "health_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
 

@@ -238,3 +238,24 @@ def test_dispatcher_routes_by_exact_type_and_rejects_unknown_types():
     assert dispatcher(1) == 2 and dispatcher("a") == "A"
     with pytest.raises(TypeError, match="no handler for message type bool"):
         dispatcher(True)
+
+
+def test_stats_lines_as_sglang_logs_them(llama_path, caplog):
+    """One "Prefill batch." line per prefill, one "Decode batch." line every 40 decode steps."""
+    import logging
+
+    from radixserve.managers.scheduler_stats import DECODE_LOG_INTERVAL
+
+    driver = new_driver(llama_path)
+    with caplog.at_level(logging.INFO, logger="radixserve.managers.scheduler"):
+        driver.generate({"a": [7] * 9, "b": [8] * 5},
+                        max_new_tokens=DECODE_LOG_INTERVAL + 2, ignore_eos=True)
+    lines = [r.getMessage() for r in caplog.records]
+    prefills = [m for m in lines if m.startswith("Prefill batch. ")]
+    decodes = [m for m in lines if m.startswith("Decode batch. ")]
+    assert prefills[0].startswith("Prefill batch. #new-seq: 2, #new-token: 14, #cached-token: 0")
+    assert len(decodes) == 1 and "#running-req: 2" in decodes[0]
+    assert "gen throughput (token/s): " in decodes[0] and "#queue-req: 0" in decodes[0]
+    stats = driver.scheduler.stats.summary()
+    assert stats["num_generated_tokens"] == 2 * (DECODE_LOG_INTERVAL + 1)
+    assert stats["gen_throughput"] > 0

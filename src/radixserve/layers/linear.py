@@ -174,11 +174,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size, quant_config)
 
+    def shard_range(self, shard_id: int) -> tuple[int, int]:
+        """``(offset, size)`` of shard ``shard_id``'s rows on this rank."""
+        size = _divide(self.output_sizes[shard_id], self.tp_size)
+        return _divide(sum(self.output_sizes[:shard_id]), self.tp_size), size
+
     def weight_loader(  # type: ignore[override]
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int
     ) -> None:
-        size = _divide(self.output_sizes[shard_id], self.tp_size)
-        offset = _divide(sum(self.output_sizes[:shard_id]), self.tp_size)
+        offset, size = self.shard_range(shard_id)
         shard = loaded_weight.narrow(0, self.tp_rank * size, size)
         default_weight_loader(param.data.narrow(0, offset, size), shard)
 
@@ -211,14 +215,18 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def weight_loader(  # type: ignore[override]
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str
-    ) -> None:
-        offset, size = {
+    def shard_range(self, shard_id: str) -> tuple[int, int]:
+        """``(offset, size)`` of shard ``"q"``, ``"k"`` or ``"v"``'s rows on this rank."""
+        return {
             "q": (0, self.q_size),
             "k": (self.q_size, self.kv_size),
             "v": (self.q_size + self.kv_size, self.kv_size),
         }[shard_id]
+
+    def weight_loader(  # type: ignore[override]
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str
+    ) -> None:
+        offset, size = self.shard_range(shard_id)
         shard = loaded_weight.narrow(0, self.tp_rank * size, size)
         default_weight_loader(param.data.narrow(0, offset, size), shard)
 

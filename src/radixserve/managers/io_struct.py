@@ -3,13 +3,19 @@
 Messages are ``msgspec`` structs tagged by class name and encoded with msgpack. Nothing else is
 ever sent between processes (never pickle).
 
-    TokenizerManager ──▶ Scheduler:        TokenizedGenerateReqInput, AbortReq, FlushCacheReq,
-                                           GetInternalStateReq, OpenSessionReqInput,
-                                           CloseSessionReqInput
+    TokenizerManager ──▶ Scheduler:        TokenizedGenerateReqInput, TokenizedEmbeddingReqInput,
+                                           AbortReq, FlushCacheReq, GetInternalStateReq,
+                                           OpenSessionReqInput, CloseSessionReqInput, and the
+                                           control requests (weights, memory, profiling,
+                                           internal state, slow-down, GC, load, health,
+                                           inspector): each ``*ReqInput``/``*Req`` below
     Scheduler ──▶ DetokenizerManager:      BatchTokenIDOutput
     DetokenizerManager ──▶ TokenizerManager: BatchStrOutput
-    Scheduler ──▶ TokenizerManager:        FlushCacheReqOutput, GetInternalStateReqOutput,
-                                           OpenSessionReqOutput
+    Scheduler ──▶ TokenizerManager:        BatchEmbeddingOutput (embeddings need no
+                                           detokenizing), FlushCacheReqOutput,
+                                           GetInternalStateReqOutput, OpenSessionReqOutput,
+                                           one ``*Output`` per control request, and
+                                           ControlErrorOutput when a control handler failed
 """
 
 from __future__ import annotations
@@ -45,6 +51,14 @@ class TokenizedGenerateReqInput(_Msg):
     session_params: SessionParams | None = None
 
 
+class TokenizedEmbeddingReqInput(_Msg):
+    """One input of an embedding model (an encoder, or a decoder run with --is-embedding)."""
+
+    rid: str
+    input_ids: list[int]
+    input_text: str | None = None
+
+
 class AbortReq(_Msg):
     rid: str = ""
     abort_all: bool = False
@@ -67,6 +81,58 @@ class OpenSessionReqInput(_Msg):
 
 class CloseSessionReqInput(_Msg):
     session_id: str
+
+
+# The control requests; each is answered by the ``*Output`` of the same name.
+class UpdateWeightFromDiskReqInput(_Msg):
+    model_path: str
+    load_format: str | None = None
+
+
+class GetWeightsByNameReqInput(_Msg):
+    name: str
+    truncate_size: int = 100
+
+
+class ReleaseMemoryOccupationReqInput(_Msg):
+    tags: list[str] | None = None  # "kv_cache", "weights"; None: both
+
+
+class ResumeMemoryOccupationReqInput(_Msg):
+    tags: list[str] | None = None
+
+
+class ProfileReq(_Msg):
+    action: str  # "start" or "stop"
+    output_dir: str | None = None
+    num_steps: int | None = None
+    activities: list[str] | None = None  # "CPU", "GPU"
+    record_shapes: bool = False
+    with_stack: bool = False
+
+
+class SetInternalStateReq(_Msg):
+    server_args: dict[str, Any]
+
+
+class SlowDownReqInput(_Msg):
+    forward_sleep_time: float | None  # seconds each forward step sleeps; None: back to normal
+
+
+class FreezeGCReq(_Msg):
+    pass
+
+
+class GetLoadReqInput(_Msg):
+    pass
+
+
+class HealthCheckReq(_Msg):
+    seq: int
+
+
+class GetInspectorStateReq(_Msg):
+    pass
 
 
 # ---------------------------------------------------------------- scheduler -> detokenizer
@@ -118,6 +184,20 @@ class BatchStrOutput(_Msg):
 
 
 # ---------------------------------------------------------------- scheduler -> tokenizer
+class ReqEmbeddingOutput(msgspec.Struct, kw_only=True):
+    """A finished embedding request: its pooled, normalised embedding (float32 values)."""
+
+    rid: str
+    embedding: list[float]
+    finished_reason: dict[str, Any]
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class BatchEmbeddingOutput(_Msg):
+    outputs: list[ReqEmbeddingOutput]
+
+
 class FlushCacheReqOutput(_Msg):
     success: bool
     message: str = ""
@@ -133,18 +213,108 @@ class OpenSessionReqOutput(_Msg):
     message: str = ""
 
 
+class UpdateWeightFromDiskReqOutput(_Msg):
+    success: bool
+    message: str
+
+
+class GetWeightsByNameReqOutput(_Msg):
+    parameter: list[Any] | None  # the first truncate_size rows (or values), as float lists
+    message: str = ""
+
+
+class ReleaseMemoryOccupationReqOutput(_Msg):
+    success: bool
+    message: str
+
+
+class ResumeMemoryOccupationReqOutput(_Msg):
+    success: bool
+    message: str
+
+
+class ProfileReqOutput(_Msg):
+    success: bool
+    message: str
+    trace_path: str | None = None
+
+
+class SetInternalStateReqOutput(_Msg):
+    updated: bool
+    message: str
+    server_args: dict[str, Any]
+
+
+class SlowDownReqOutput(_Msg):
+    forward_sleep_time: float | None
+
+
+class FreezeGCReqOutput(_Msg):
+    frozen_objects: int
+
+
+class GetLoadReqOutput(_Msg):
+    dp_rank: int
+    num_reqs: int  # running + waiting
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_tokens: int  # KV slots in use (neither free nor evictable)
+    max_total_num_tokens: int
+    token_usage: float
+
+
+class HealthCheckReqOutput(_Msg):
+    seq: int
+
+
+class GetInspectorStateReqOutput(_Msg):
+    state: dict[str, Any]
+
+
+class ControlErrorOutput(_Msg):
+    """A control handler raised: the caller of ``request`` (a type name) gets the error."""
+
+    request: str
+    message: str
+
+
 Message = Union[  # noqa: UP007 - msgspec needs a real Union object here
     TokenizedGenerateReqInput,
+    TokenizedEmbeddingReqInput,
     AbortReq,
     FlushCacheReq,
     GetInternalStateReq,
     OpenSessionReqInput,
     CloseSessionReqInput,
+    UpdateWeightFromDiskReqInput,
+    GetWeightsByNameReqInput,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
+    ProfileReq,
+    SetInternalStateReq,
+    SlowDownReqInput,
+    FreezeGCReq,
+    GetLoadReqInput,
+    HealthCheckReq,
+    GetInspectorStateReq,
     BatchTokenIDOutput,
     BatchStrOutput,
+    BatchEmbeddingOutput,
     FlushCacheReqOutput,
     GetInternalStateReqOutput,
     OpenSessionReqOutput,
+    UpdateWeightFromDiskReqOutput,
+    GetWeightsByNameReqOutput,
+    ReleaseMemoryOccupationReqOutput,
+    ResumeMemoryOccupationReqOutput,
+    ProfileReqOutput,
+    SetInternalStateReqOutput,
+    SlowDownReqOutput,
+    FreezeGCReqOutput,
+    GetLoadReqOutput,
+    HealthCheckReqOutput,
+    GetInspectorStateReqOutput,
+    ControlErrorOutput,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

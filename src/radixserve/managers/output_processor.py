@@ -17,16 +17,33 @@ Then one ``BatchTokenIDOutput`` goes to the detokenizer: stream requests report 
 at once, then every ``stream_interval`` tokens (``--stream-interval``; 1: every step) and at
 finish; non-stream requests report once, at finish, with all their tokens. Each report carries
 every token since the previous one.
+
+A request whose output processing raises (a bug that concerns it alone) finishes with an abort
+carrying ``status_code`` 500 and the error; the rest of the batch goes on.
+
+An embedding model's batch (``process_embedding_result``) samples nothing: each request whose
+input is complete finishes at once and its embedding goes to the tokenizer manager directly.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
-from radixserve.managers.io_struct import BatchTokenIDOutput, ReqTokenOutput
+import torch
+
+from radixserve import envs
+from radixserve.managers.io_struct import (
+    BatchEmbeddingOutput,
+    BatchTokenIDOutput,
+    ReqEmbeddingOutput,
+    ReqTokenOutput,
+)
 from radixserve.managers.schedule_batch import Req, ScheduleBatch, release_kv
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
+
+logger = logging.getLogger(__name__)
 
 
 def make_output(req: Req) -> ReqTokenOutput:
@@ -64,6 +81,7 @@ class OutputProcessor:
         send_to_detokenizer: Callable[[BatchTokenIDOutput], None],
         on_finish: Callable[[Req], None] | None = None,
         stream_interval: int = 1,
+        send_to_tokenizer: Callable[[BatchEmbeddingOutput], None] | None = None,
     ) -> None:
         self.tree_cache = tree_cache
         self.stream_interval = stream_interval
@@ -71,6 +89,8 @@ class OutputProcessor:
         self.eos_token_ids = set(eos_token_ids)
         self.tokenizer = tokenizer
         self.send_to_detokenizer = send_to_detokenizer
+        self.send_to_tokenizer = send_to_tokenizer
+        self.inject_faults = envs.RADIXSERVE_TEST_INJECT_FAULTS.get()
 
     def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
         """``result`` is the runner's ``SampleOutput`` for ``batch``."""
@@ -86,20 +106,56 @@ class OutputProcessor:
             if req.is_chunked:
                 self.tree_cache.cache_unfinished_req(req, req.fill_ids)
                 continue
-            req.output_ids.append(next_ids[i])
-            if req.return_logprob:
-                assert logprobs is not None, "the sampler returns logprobs when asked"
-                req.output_logprobs.append(logprobs[i])
-                if req.top_logprobs_num:
-                    req.output_top_logprobs.append(result.top_logprobs[i])
-            req.check_finished(self.eos_token_ids, self.tokenizer)
+            try:
+                self._apply_token(req, i, next_ids, logprobs, result)
+            except Exception as e:  # a bug that concerns this request alone fails it alone
+                logger.exception("failed to process the output of request %s", req.rid)
+                message = f"internal error while processing the output: {type(e).__name__}: {e}"
+                req.finished_reason = {"type": "abort", "message": message, "status_code": 500}
             if req.finished():
-                release_kv(req, self.tree_cache)
+                if req.req_pool_idx is not None:
+                    release_kv(req, self.tree_cache)
             elif is_extend:
                 self.tree_cache.cache_unfinished_req(req, req.fill_ids)
             if req.finished() or self._stream_due(req):
                 reports.append(req)
         self.send_outputs(reports)
+
+    def _apply_token(
+        self, req: Req, i: int, next_ids: list[int], logprobs: list[float] | None, result: Any
+    ) -> None:
+        if self.inject_faults and req.rid.startswith("inject-fault-output-"):
+            raise RuntimeError(f"injected fault while processing {req.rid}")
+        req.output_ids.append(next_ids[i])
+        if req.return_logprob:
+            assert logprobs is not None, "the sampler returns logprobs when asked"
+            req.output_logprobs.append(logprobs[i])
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append(result.top_logprobs[i])
+        req.check_finished(self.eos_token_ids, self.tokenizer)
+
+    def process_embedding_result(self, batch: ScheduleBatch, embeddings: torch.Tensor) -> None:
+        """An embedding model's prefill: each request whose whole input is now computed is
+        finished with its pooled embedding, which goes straight to the tokenizer manager."""
+        assert self.send_to_tokenizer is not None, "embedding models send to the tokenizer"
+        done: list[ReqEmbeddingOutput] = []
+        for req, embedding in zip(batch.reqs, embeddings.tolist(), strict=True):
+            if req.is_chunked:
+                self.tree_cache.cache_unfinished_req(req, req.fill_ids)
+                continue
+            req.finished_reason = {"type": "length", "length": 0}
+            release_kv(req, self.tree_cache)
+            done.append(
+                ReqEmbeddingOutput(
+                    rid=req.rid,
+                    embedding=embedding,
+                    finished_reason=req.finished_reason,
+                    prompt_tokens=len(req.origin_input_ids),
+                    cached_tokens=req.cached_tokens,
+                )
+            )
+        if done:
+            self.send_to_tokenizer(BatchEmbeddingOutput(outputs=done))
 
     def _stream_due(self, req: Req) -> bool:
         """Whether a running stream request reports this step: its first token (time to first

@@ -77,6 +77,7 @@ class PrefillAdder:
         max_prefill_tokens: int,
         chunked_prefill_size: int,
         free_req_slots: int,
+        allow_chunking: bool = True,
     ) -> None:
         self.tree_cache = tree_cache
         self.allocator = allocator
@@ -84,6 +85,8 @@ class PrefillAdder:
         self.new_token_ratio = new_token_ratio
         self.rem_batch_tokens = min(max_prefill_tokens, chunked_prefill_size)
         self.free_req_slots = free_req_slots
+        # False for encoders: a request is computed whole or waits for the next batch.
+        self.allow_chunking = allow_chunking
         self.nothing_running = not running_reqs
         # KV the admitted requests will allocate plus what everyone still decodes.
         self.committed_tokens = sum(decode_reservation(r, new_token_ratio) for r in running_reqs)
@@ -133,6 +136,8 @@ class PrefillAdder:
         if total_len - prefix_len <= self.rem_batch_tokens:
             seq_len, chunked = total_len, False
             reserve = decode_reservation(req, self.new_token_ratio)
+        elif not self.allow_chunking:
+            return None
         else:
             seq_len = prefix_len + self.rem_batch_tokens // self.page_size * self.page_size
             chunked, reserve = True, 0

@@ -12,12 +12,18 @@ Flow of a generate call::
     early (generator closed, task cancelled: a client disconnect) it sends AbortReq for every
     request of the call that has not finished.
 
+An embedding model (encoder, or ``--is-embedding``) takes ``encode_request`` instead: the same
+validation and abort handling, TokenizedEmbeddingReqInput to the scheduler, and one
+BatchEmbeddingOutput back from the scheduler directly (no detokenizer on that path).
+
 All methods must be called on the loop that runs ``handle_loop``; the ``Engine`` bridges threads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,24 +38,64 @@ from radixserve.managers import io_struct, ipc
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.io_struct import (
     AbortReq,
+    BatchEmbeddingOutput,
     BatchStrOutput,
     CloseSessionReqInput,
+    ControlErrorOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
+    FreezeGCReq,
+    FreezeGCReqOutput,
+    GetInspectorStateReq,
+    GetInspectorStateReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    GetLoadReqInput,
+    GetLoadReqOutput,
+    GetWeightsByNameReqInput,
+    GetWeightsByNameReqOutput,
+    HealthCheckReq,
+    HealthCheckReqOutput,
     OpenSessionReqInput,
     OpenSessionReqOutput,
+    ProfileReq,
+    ProfileReqOutput,
+    ReleaseMemoryOccupationReqInput,
+    ReleaseMemoryOccupationReqOutput,
+    ReqEmbeddingOutput,
     ReqStrOutput,
+    ResumeMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqOutput,
     SessionParams,
+    SetInternalStateReq,
+    SetInternalStateReqOutput,
+    SlowDownReqInput,
+    SlowDownReqOutput,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
 )
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-_CONTROL_REPLIES = (FlushCacheReqOutput, GetInternalStateReqOutput, OpenSessionReqOutput)
+_CONTROL_REPLIES = (
+    FlushCacheReqOutput, GetInternalStateReqOutput, OpenSessionReqOutput,
+    UpdateWeightFromDiskReqOutput, GetWeightsByNameReqOutput, ReleaseMemoryOccupationReqOutput,
+    ResumeMemoryOccupationReqOutput, ProfileReqOutput, SetInternalStateReqOutput,
+    SlowDownReqOutput, FreezeGCReqOutput, GetLoadReqOutput, GetInspectorStateReqOutput,
+)
+
+
+class ServiceUnavailableError(RuntimeError):
+    """The engine cannot take requests now (its memory is released): HTTP 503."""
+
+
+class SchedulerError(RuntimeError):
+    """The scheduler failed while handling this request (a bug): HTTP 500 with the message.
+    The scheduler and the other requests go on."""
 
 
 @dataclass
@@ -87,6 +133,7 @@ class _ReqState:
     finished_reason: dict[str, Any] | None = None
     finished: bool = False
     dirty: bool = False  # received something the consumer has not yielded yet
+    embedding: list[float] | None = None  # embedding requests only
 
     def to_dict(self) -> dict[str, Any]:
         """SGLang's output shape; lists are copied so cumulative chunks stay immutable."""
@@ -102,6 +149,16 @@ class _ReqState:
             if self.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = list(self.top_logprobs)
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+
+    def to_embedding_dict(self) -> dict[str, Any]:
+        """SGLang's ``/encode`` output shape."""
+        meta = {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finished_reason,
+        }
+        return {"embedding": self.embedding, "meta_info": meta}
 
 
 class TokenizerManager:
@@ -131,9 +188,22 @@ class TokenizerManager:
         self._states: dict[str, _ReqState] = {}
         self._task: asyncio.Task | None = None
         self._dead_message: str | None = None
+        # Embedding models (an encoder, or a decoder served with --is-embedding) only encode.
+        self.is_generation = not (server_args.is_embedding or model_config.is_encoder)
         # Control requests: one in flight per reply type, answered in order by the scheduler.
         self._control_locks: dict[type, asyncio.Lock] = {}
         self._control_futures: dict[type, asyncio.Future] = {}
+        self._reply_type_of: dict[str, type] = {}  # request type name → its reply type
+        # Admission: closed while weights are swapped or memory released (requests wait);
+        # while memory is released, requests get ServiceUnavailableError.
+        self._admission = asyncio.Event()
+        self._admission.set()
+        self._exclusive = asyncio.Lock()  # one weights/memory operation at a time
+        self.memory_released: set[str] = set()
+        # Liveness pings: the highest sequence number the scheduler has answered.
+        self._ping_seq = itertools.count(1)
+        self._pong_seq = 0
+        self._pong = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -178,28 +248,16 @@ class TokenizerManager:
         cumulative dicts with an ``"index"`` key into the batch.
         """
         self._check_alive()
+        if not self.is_generation:
+            raise ValueError(
+                "this server serves an embedding model: use /encode or /v1/embeddings"
+            )
+        await self._admit()  # the last await before the requests are sent
         obj.normalize()
         reqs = [self._tokenize(obj[i], i if not obj.is_single else None)
                 for i in range(obj.batch_size)]
-        for req in reqs:
-            if req.rid in self._states:
-                raise ValueError(f"request id {req.rid!r} is already in flight")
-
-        notify = asyncio.Event()
-        now = time.perf_counter()
-        states = [
-            _ReqState(
-                rid=req.rid,
-                notify=notify,
-                return_logprob=obj.return_logprob,
-                top_logprobs_num=obj.top_logprobs_num,
-                metrics=RequestMetrics(rid=req.rid, arrival_time=now),
-            )
-            for req in reqs
-        ]
-        for state, req in zip(states, reqs, strict=True):
-            self._states[state.rid] = state
-            ipc.send(self._send_sock, req)
+        states = self._send(reqs, obj.return_logprob, obj.top_logprobs_num)
+        notify = states[0].notify
         try:
             while True:
                 await notify.wait()
@@ -221,11 +279,100 @@ class TokenizerManager:
                 if done:
                     return
         finally:
-            for state in states:
-                if not state.finished and self._states.pop(state.rid, None) is state:
-                    if self._dead_message is None:
-                        ipc.send(self._send_sock, AbortReq(rid=state.rid))
-                    self._report(state, {"type": "abort", "message": "the caller stopped reading"})
+            self._abort_unfinished(states)
+
+    def _send(
+        self, reqs: list[Any], return_logprob: bool = False, top_logprobs_num: int = 0
+    ) -> list[_ReqState]:
+        """Register one state per request (sharing one notify event) and send them all."""
+        for req in reqs:
+            if req.rid in self._states:
+                raise ValueError(f"request id {req.rid!r} is already in flight")
+        notify = asyncio.Event()
+        now = time.perf_counter()
+        states = [
+            _ReqState(
+                rid=req.rid,
+                notify=notify,
+                return_logprob=return_logprob,
+                top_logprobs_num=top_logprobs_num,
+                metrics=RequestMetrics(rid=req.rid, arrival_time=now),
+            )
+            for req in reqs
+        ]
+        for state, req in zip(states, reqs, strict=True):
+            self._states[state.rid] = state
+            ipc.send(self._send_sock, req)
+        return states
+
+    # ------------------------------------------------------------------ embeddings
+    async def encode_request(
+        self,
+        text: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Embed one input (→ dict) or a batch (→ list, in input order).
+
+        Each output is ``{"embedding": [float, ...], "meta_info": {"id", "prompt_tokens",
+        "cached_tokens", "finish_reason"}}``. Invalid input raises ``ValueError`` before anything
+        is sent; cancelling the call aborts its unfinished requests.
+        """
+        self._check_alive()
+        if self.is_generation:
+            raise ValueError(
+                "this server serves a generation model: start it with --is-embedding to embed "
+                "with a decoder checkpoint"
+            )
+        obj = GenerateReqInput(text=text, input_ids=input_ids, rid=rid)
+        await self._admit()  # the last await before the requests are sent
+        obj.normalize()
+        reqs = []
+        for i in range(obj.batch_size):
+            try:
+                reqs.append(self._tokenize_embedding(obj[i]))
+            except ValueError as e:
+                raise ValueError(f"input {i}: {e}" if not obj.is_single else str(e)) from e
+        states = self._send(reqs)
+        try:
+            while not all(s.finished for s in states):
+                await states[0].notify.wait()
+                states[0].notify.clear()
+                self._check_alive()
+            _raise_if_rejected(states, obj.is_single)
+            outs = [s.to_embedding_dict() for s in states]
+            return outs[0] if obj.is_single else outs
+        finally:
+            self._abort_unfinished(states)
+
+    def _tokenize_embedding(self, obj: GenerateReqInput) -> TokenizedEmbeddingReqInput:
+        if obj.input_ids is not None:
+            input_ids = list(obj.input_ids)
+        else:
+            input_ids = self.tokenizer.encode(obj.text)
+        if not input_ids:
+            raise ValueError("the input is empty")
+        vocab_size = self.model_config.vocab_size
+        bad = sorted({t for t in input_ids if not 0 <= t < vocab_size})
+        if bad:
+            raise ValueError(
+                f"input_ids contain token ids outside the vocabulary [0, {vocab_size}): {bad[:10]}"
+            )
+        context_len = self.model_config.context_len
+        if len(input_ids) > context_len:
+            raise ValueError(
+                f"the input is too long: it has {len(input_ids)} tokens and the model's context "
+                f"length is {context_len} tokens"
+            )
+        return TokenizedEmbeddingReqInput(rid=obj.rid, input_ids=input_ids, input_text=obj.text)
+
+    def _abort_unfinished(self, states: list[_ReqState]) -> None:
+        """The caller stopped waiting: abort (and report) its requests that have not finished."""
+        for state in states:
+            if not state.finished and self._states.pop(state.rid, None) is state:
+                if self._dead_message is None:
+                    ipc.send(self._send_sock, AbortReq(rid=state.rid))
+                self._report(state, {"type": "abort", "message": "the caller stopped reading"})
 
     def _tokenize(self, obj: GenerateReqInput, index: int | None) -> TokenizedGenerateReqInput:
         """Build the scheduler message of one prompt; ``ValueError`` names the batch index."""
@@ -299,12 +446,25 @@ class TokenizerManager:
         if isinstance(msg, BatchStrOutput):
             for out in msg.outputs:
                 self._handle_output(out)
+        elif isinstance(msg, BatchEmbeddingOutput):
+            for emb in msg.outputs:
+                self._handle_embedding(emb)
+        elif isinstance(msg, HealthCheckReqOutput):
+            self._pong_seq = max(self._pong_seq, msg.seq)
+            self._pong.set()
         elif isinstance(msg, _CONTROL_REPLIES):
             fut = self._control_futures.get(type(msg))
             if fut is not None and not fut.done():
                 fut.set_result(msg)
             else:
                 logger.warning("unexpected %s without a waiting caller", type(msg).__name__)
+        elif isinstance(msg, ControlErrorOutput):
+            reply_type = self._reply_type_of.get(msg.request)
+            fut = self._control_futures.get(reply_type) if reply_type else None
+            if fut is not None and not fut.done():
+                fut.set_exception(SchedulerError(msg.message))
+            else:
+                logger.error("the scheduler failed on %s: %s", msg.request, msg.message)
         else:
             logger.warning("tokenizer manager ignores message %s", type(msg).__name__)
 
@@ -337,6 +497,18 @@ class TokenizerManager:
             del self._states[out.rid]
             self._report(state, out.finished_reason)
         state.dirty = True
+        state.notify.set()
+
+    def _handle_embedding(self, out: ReqEmbeddingOutput) -> None:
+        state = self._states.pop(out.rid, None)
+        if state is None:  # aborted by its caller
+            return
+        state.embedding = out.embedding
+        state.prompt_tokens = out.prompt_tokens
+        state.cached_tokens = out.cached_tokens
+        state.finished = True
+        state.finished_reason = out.finished_reason
+        self._report(state, out.finished_reason)
         state.notify.set()
 
     def _report(self, state: _ReqState, reason: dict[str, Any]) -> None:
@@ -382,8 +554,147 @@ class TokenizerManager:
         self._check_alive()
         ipc.send(self._send_sock, CloseSessionReqInput(session_id=session_id))
 
+    # ------------------------------------------------------------------ operations
+    async def _admit(self) -> None:
+        """Wait while a weight update or a memory release holds admission closed."""
+        if self.memory_released:
+            raise ServiceUnavailableError(self._released_message())
+        await self._admission.wait()
+        if self.memory_released:
+            raise ServiceUnavailableError(self._released_message())
+
+    def _released_message(self) -> str:
+        return (
+            f"the server's memory is released ({sorted(self.memory_released)}); "
+            "resume_memory_occupation first"
+        )
+
+    async def _drain(self, abort: bool) -> None:
+        """Close admission (new requests wait) and wait until no request is in flight."""
+        self._admission.clear()
+        if abort and self._states:
+            self.abort_request(abort_all=True)
+        while self._states:
+            await asyncio.sleep(0.01)
+            self._check_alive()
+
+    async def update_weights_from_disk(
+        self, model_path: str, load_format: str | None = None, abort_all_requests: bool = False
+    ) -> str:
+        """Swap in the weights at ``model_path``: admission pauses, running requests finish (or
+        are aborted), the weights change, the cache is flushed, admission resumes. A refusal
+        (bad path, other shapes) raises ``ValueError`` and the old weights keep serving."""
+        async with self._exclusive:
+            try:
+                await self._drain(abort_all_requests)
+                reply = await self._control(
+                    UpdateWeightFromDiskReqInput(model_path=model_path, load_format=load_format),
+                    UpdateWeightFromDiskReqOutput,
+                )
+            finally:
+                self._admission.set()
+        if not reply.success:
+            raise ValueError(reply.message)
+        return reply.message
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        reply = await self._control(
+            GetWeightsByNameReqInput(name=name, truncate_size=truncate_size),
+            GetWeightsByNameReqOutput,
+        )
+        if reply.parameter is None:
+            raise ValueError(reply.message)
+        return reply.parameter
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> str:
+        """Free the KV pool and/or the weights; requests get ``ServiceUnavailableError`` until
+        ``resume_memory_occupation``. Running requests finish first."""
+        async with self._exclusive:
+            try:
+                await self._drain(abort=False)
+                reply = await self._control(
+                    ReleaseMemoryOccupationReqInput(tags=tags), ReleaseMemoryOccupationReqOutput
+                )
+                if reply.success:
+                    self.memory_released |= set(tags or ("kv_cache", "weights"))
+            finally:
+                self._admission.set()
+        if not reply.success:
+            raise ValueError(reply.message)
+        return reply.message
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> str:
+        async with self._exclusive:
+            reply = await self._control(
+                ResumeMemoryOccupationReqInput(tags=tags), ResumeMemoryOccupationReqOutput
+            )
+            if reply.success:
+                self.memory_released -= set(tags or ("kv_cache", "weights"))
+        if not reply.success:
+            raise ValueError(reply.message)
+        return reply.message
+
+    async def profile(self, req: ProfileReq) -> ProfileReqOutput:
+        reply = await self._control(req, ProfileReqOutput)
+        if not reply.success:
+            raise ValueError(reply.message)
+        return reply
+
+    async def set_internal_state(self, server_args: dict[str, Any]) -> dict[str, Any]:
+        reply = await self._control(
+            SetInternalStateReq(server_args=server_args), SetInternalStateReqOutput
+        )
+        if not reply.updated:
+            raise ValueError(reply.message)
+        return reply.server_args
+
+    async def slow_down(self, forward_sleep_time: float | None) -> float | None:
+        if forward_sleep_time is not None and forward_sleep_time < 0:
+            raise ValueError(f"forward_sleep_time must be >= 0, got {forward_sleep_time}")
+        reply = await self._control(
+            SlowDownReqInput(forward_sleep_time=forward_sleep_time), SlowDownReqOutput
+        )
+        return reply.forward_sleep_time
+
+    async def freeze_gc(self) -> dict[str, int]:
+        """``gc.freeze()`` in the scheduler and in this process; the objects each froze."""
+        reply = await self._control(FreezeGCReq(), FreezeGCReqOutput)
+        gc.collect()
+        gc.freeze()
+        return {"scheduler": reply.frozen_objects, "tokenizer_manager": gc.get_freeze_count()}
+
+    async def get_load(self) -> list[dict[str, Any]]:
+        """One entry per data-parallel replica (SGLang's ``/get_load`` shape)."""
+        reply = await self._control(GetLoadReqInput(), GetLoadReqOutput)
+        return [msgspec.structs.asdict(reply)]
+
+    async def get_inspector_state(self) -> dict[str, Any]:
+        reply = await self._control(GetInspectorStateReq(), GetInspectorStateReqOutput)
+        return reply.state
+
+    async def check_health(self, timeout: float) -> bool:
+        """Whether the scheduler answers a liveness ping within ``timeout`` seconds (it answers
+        between steps, so a step stuck for longer fails it). Concurrent checks share pings."""
+        self._check_alive()
+        seq = next(self._ping_seq)
+        ipc.send(self._send_sock, HealthCheckReq(seq=seq))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._pong_seq < seq:
+            self._pong.clear()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._pong.wait(), remaining)
+            except asyncio.TimeoutError:
+                return False
+            self._check_alive()
+        return True
+
     async def _control(self, req: io_struct._Msg, reply_type: type) -> Any:
         self._check_alive()
+        self._reply_type_of[type(req).__name__] = reply_type
         lock = self._control_locks.setdefault(reply_type, asyncio.Lock())
         async with lock:
             fut = asyncio.get_running_loop().create_future()
@@ -395,13 +706,20 @@ class TokenizerManager:
                 del self._control_futures[reply_type]
 
 
-def _raise_if_rejected(states: list[_ReqState], is_single: bool) -> None:
-    """Bad input the scheduler found (e.g. an invalid session) is a ``ValueError`` like ours.
+_REJECTIONS: dict[int, type[Exception]] = {
+    400: ValueError, 500: SchedulerError, 503: ServiceUnavailableError
+}
 
-    The scheduler marks such a rejection with ``status_code`` 400 on its abort reason.
+
+def _raise_if_rejected(states: list[_ReqState], is_single: bool) -> None:
+    """A request the scheduler refused or failed raises like our own checks do.
+
+    The scheduler marks such an end with a ``status_code`` on its abort reason: 400 bad input
+    (e.g. an invalid session: ``ValueError``), 500 its own failure, 503 memory released.
     """
     for i, state in enumerate(states):
         reason = state.finished_reason
-        if state.finished and reason and reason.get("status_code") == 400:
+        if state.finished and reason and reason.get("status_code") in _REJECTIONS:
             message = reason.get("message", "invalid request")
-            raise ValueError(message if is_single else f"prompt {i}: {message}")
+            error = _REJECTIONS[reason["status_code"]]
+            raise error(message if is_single else f"prompt {i}: {message}")

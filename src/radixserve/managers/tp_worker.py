@@ -27,3 +27,8 @@ class TpModelWorker:
     def forward_batch_generation(self, forward_batch: ForwardBatch) -> SampleOutput:
         logits = self.model_runner.forward(forward_batch)
         return self.model_runner.sample(logits, forward_batch)
+
+    @torch.inference_mode()
+    def forward_batch_embedding(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """One embedding per request of an EXTEND batch, float32 ``[batch_size, hidden]``."""
+        return self.model_runner.embed(forward_batch)

@@ -142,3 +142,8 @@ class BasePrefixCache(ABC):
     def session_held_size(self) -> int:
         """Tokens held for streaming sessions outside the tree (0 unless sessions exist)."""
         return 0
+
+    def snapshot(self, max_nodes: int) -> dict[str, Any] | None:
+        """For the inspector page: the tree's nodes (at most ``max_nodes``, breadth first) and
+        its hit and eviction counters; ``None`` for a cache without a tree."""
+        return None

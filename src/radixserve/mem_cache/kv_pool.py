@@ -35,11 +35,23 @@ class MHATokenToKVPool:
         self.head_dim = head_dim
         self.layer_num = layer_num
         self.device = torch.device(device)
-        shape = (size + page_size, head_num, head_dim)
-        self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layer_num)]
-        self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+        self.k_buffer: list[torch.Tensor] = []
+        self.v_buffer: list[torch.Tensor] = []
+        self.allocate()
+
+    def allocate(self) -> None:
+        """(Re)create the buffers; only the padding page is zeroed (see the module docstring)."""
+        shape = (self.size + self.page_size, self.head_num, self.head_dim)
+        kwargs = {"dtype": self.dtype, "device": self.device}
+        self.k_buffer = [torch.empty(shape, **kwargs) for _ in range(self.layer_num)]
+        self.v_buffer = [torch.empty(shape, **kwargs) for _ in range(self.layer_num)]
         for buffer in self.k_buffer + self.v_buffer:
-            buffer[:page_size].zero_()
+            buffer[: self.page_size].zero_()
+
+    def release(self) -> None:
+        """Free the buffers (``release_memory_occupation``); ``allocate`` brings them back.
+        Every slot's content is lost: the caller flushes whatever referred to it."""
+        self.k_buffer, self.v_buffer = [], []
 
     @staticmethod
     def bytes_per_token(head_num: int, head_dim: int, layer_num: int, dtype: torch.dtype) -> int:

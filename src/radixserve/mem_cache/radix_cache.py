@@ -11,9 +11,11 @@ per lock, and unlocked leaves are kept in a set, so neither accounting nor evict
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 from collections.abc import Hashable
+from typing import Any
 
 import torch
 
@@ -25,7 +27,7 @@ from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 class _TreeNode:
     """One edge of the tree: ``key`` tokens (whole pages) whose KV lives in slots ``value``."""
 
-    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access")
+    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access", "hits")
 
     def __init__(
         self,
@@ -42,6 +44,7 @@ class _TreeNode:
         self.children: dict[Hashable, _TreeNode] = {}
         self.lock_ref = 0
         self.last_access = last_access
+        self.hits = 0  # matches that reused this node (for the inspector page)
 
 
 class RadixCache(BasePrefixCache):
@@ -57,6 +60,8 @@ class RadixCache(BasePrefixCache):
         self.device = allocator.device
         self._ids = itertools.count()
         self._clock = itertools.count(1)  # logical time: deterministic LRU order
+        self.hit_tokens = 0  # tokens served by matches, over the cache's life
+        self.evicted_tokens = 0
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -81,6 +86,8 @@ class RadixCache(BasePrefixCache):
             n = self._match_len(child.key, key, pos, end)
             if n < len(child.key):
                 child = self._split(child, n)
+            child.hits += 1
+            self.hit_tokens += n
             values.append(child.value)
             node, pos = child, pos + n
         indices = torch.cat(values) if values else self._empty()
@@ -161,6 +168,7 @@ class RadixCache(BasePrefixCache):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         if freed:
             self.allocator.free(torch.cat(freed))
+        self.evicted_tokens += num_freed
         return num_freed
 
     def cache_finished_req(self, req: CacheableReq, token_ids: list[int]) -> None:
@@ -258,12 +266,35 @@ class RadixCache(BasePrefixCache):
             next(self._ids), node.key[:n], node.value[:n].clone(), parent, node.last_access
         )
         upper.lock_ref = node.lock_ref  # same locks: every lock on node passes through upper
+        upper.hits = node.hits
         parent.children[self._child_key(node.key, 0)] = upper
         node.key = node.key[n:]
         node.value = node.value[n:].clone()
         node.parent = upper
         upper.children[self._child_key(node.key, 0)] = node
         return upper
+
+    def snapshot(self, max_nodes: int) -> dict[str, Any]:
+        nodes: list[dict[str, int]] = []
+        queue = collections.deque([self._root])
+        while queue and len(nodes) < max_nodes:
+            node = queue.popleft()
+            nodes.append({
+                "id": node.id,
+                "parent": -1 if node.parent is None else node.parent.id,
+                "tokens": len(node.key),
+                "lock_ref": node.lock_ref,
+                "hits": node.hits,
+            })
+            queue.extend(node.children.values())
+        return {
+            "nodes": nodes,
+            "truncated": bool(queue),
+            "hit_tokens": self.hit_tokens,
+            "evicted_tokens": self.evicted_tokens,
+            "evictable_tokens": self._evictable_size,
+            "protected_tokens": self._protected_size,
+        }
 
     def _nodes(self) -> list[_TreeNode]:
         """Every node but the root."""

@@ -206,6 +206,14 @@ class SessionAwareCache(BasePrefixCache):
     def session_held_size(self) -> int:
         return sum(self._slot_kv_size(s) for s in self.slots.values() if not s.in_use)
 
+    def snapshot(self, max_nodes: int) -> dict[str, Any] | None:
+        """The inner tree's snapshot, and each slot's held tokens by session."""
+        inner = self.inner.snapshot(max_nodes)
+        if inner is None:
+            return None
+        slots = {sid: len(slot.token_ids) for sid, slot in self.slots.items()}
+        return {**inner, "session_slots": slots}
+
     def session_held_rows(self) -> int:
         return len(self.slots)
 

@@ -55,8 +55,8 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
 
 
 def _skipped(name: str) -> bool:
-    # Old checkpoints store RoPE frequencies; we compute them from the config.
-    return name.endswith("rotary_emb.inv_freq")
+    # Old checkpoints store RoPE frequencies and BERT's position ids: we derive both.
+    return name.endswith(("rotary_emb.inv_freq", "embeddings.position_ids"))
 
 
 def _checkpoint_tensors(files: list[Path]) -> list[tuple[Path, str]]:
@@ -118,7 +118,7 @@ def load_weights(model: LlamaForCausalLM, model_path: str | Path) -> None:
         for path, name in tqdm(tensors, desc="Loading weights", unit="tensor", leave=False):
             if path not in handles:
                 handles[path] = stack.enter_context(safe_open(path, framework="pt"))
-            target, shard_id = _route(name, model.packed_modules_mapping)
+            target, shard_id = route_checkpoint_name(name, model.packed_modules_mapping)
             param = params.get(target)
             if param is None:
                 if name != _LM_HEAD:  # a tied checkpoint may still store lm_head
@@ -145,7 +145,7 @@ def load_weights(model: LlamaForCausalLM, model_path: str | Path) -> None:
         raise ValueError(f"checkpoint {model_path} lacks parameters: {', '.join(missing)}")
 
 
-def _route(
+def route_checkpoint_name(
     name: str, packed_modules_mapping: dict[str, tuple[str, str | int]]
 ) -> tuple[str, str | int | None]:
     """Checkpoint tensor name → (model parameter name, shard id or None)."""

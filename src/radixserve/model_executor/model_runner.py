@@ -9,9 +9,11 @@ tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import gc
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -24,7 +26,11 @@ from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_config import ModelConfig, resolve_device
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
-from radixserve.model_executor.model_loader import checkpoint_weight_bytes, load_model
+from radixserve.model_executor.model_loader import (
+    checkpoint_weight_bytes,
+    load_model,
+    route_checkpoint_name,
+)
 from radixserve.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -33,6 +39,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _GIB = 1 << 30
+# What a checkpoint must share with the served model to replace its weights in place.
+_STRUCTURE = ("architecture", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+MEMORY_TAGS = ("kv_cache", "weights")
 _DEFAULT_MEM_FRACTION = {"cpu": 0.3, "cuda": 0.85}
 _DEFAULT_MAX_RUNNING_REQUESTS = 256
 
@@ -61,34 +71,44 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests, model_config.context_len, self.device
         )
-        self.token_to_kv_pool = MHATokenToKVPool(
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
+            self.max_total_num_tokens, self.page_size, self.device
+        )
+        # An encoder keeps no KV: its allocator only meters the tokens admitted per step.
+        self.token_to_kv_pool: MHATokenToKVPool | None = None
+        self.attn_backend = None
+        if not model_config.is_encoder:
+            self.token_to_kv_pool = self._create_kv_pool()
+            self.attention_backend = server_args.attention_backend or default_attention_backend(
+                self.device, self.dtype, model_config.head_dim
+            )
+            self.attn_backend = create_attention_backend(
+                self.attention_backend, self.req_to_token_pool, self.token_to_kv_pool
+            )
+            logger.info("attention backend: %s", self.attention_backend)
+        self.model: Any = load_model(model_config, self.attn_backend, self.device)
+        self.released: set[str] = set()  # memory given back by release_memory (MEMORY_TAGS)
+
+    def _create_kv_pool(self) -> MHATokenToKVPool:
+        cfg = self.model_config
+        pool = MHATokenToKVPool(
             size=self.max_total_num_tokens,
             page_size=self.page_size,
             dtype=self.dtype,
-            head_num=model_config.num_key_value_heads,
-            head_dim=model_config.head_dim,
-            layer_num=model_config.num_hidden_layers,
+            head_num=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            layer_num=cfg.num_hidden_layers,
             device=self.device,
-        )
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
-            self.max_total_num_tokens, self.page_size, self.device
         )
         logger.info(
             "KV cache: %d tokens, %.4g GiB (%s, page size %d); %d request slots",
             self.max_total_num_tokens,
-            self.token_to_kv_pool.size_bytes() / _GIB,
+            pool.size_bytes() / _GIB,
             str(self.dtype).removeprefix("torch."),
             self.page_size,
             self.max_running_requests,
         )
-        self.attention_backend = server_args.attention_backend or default_attention_backend(
-            self.device, self.dtype, model_config.head_dim
-        )
-        self.attn_backend = create_attention_backend(
-            self.attention_backend, self.req_to_token_pool, self.token_to_kv_pool
-        )
-        logger.info("attention backend: %s", self.attention_backend)
-        self.model = load_model(model_config, self.attn_backend, self.device)
+        return pool
 
     def _plan_kv_tokens(self, server_args: ServerArgs) -> int:
         """KV slots to allocate, rounded down to whole pages.
@@ -137,6 +157,79 @@ class ModelRunner:
             return torch.empty((0, self.vocab_size), dtype=self.dtype, device=self.device)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    # ------------------------------------------------------------------ weights and memory
+    def update_weights_from_disk(self, model_path: str, load_format: str | None) -> None:
+        """Replace the weights with those of the checkpoint at ``model_path``.
+
+        The new weights load into a second model first, so any problem (no checkpoint, another
+        architecture or shape, a missing tensor) raises ``ValueError`` and the served weights
+        stay as they were. The caller makes sure no batch runs meanwhile.
+        """
+        from radixserve.model_config import ModelConfig
+
+        if load_format not in (None, "auto", "safetensors"):
+            raise ValueError(f"load_format {load_format!r} is not supported (auto, safetensors)")
+        new = ModelConfig.from_path(model_path, dtype="float32", device=self.device)
+        for name in _STRUCTURE:
+            if getattr(new, name) != getattr(self.model_config, name):
+                raise ValueError(
+                    f"the checkpoint at {model_path} does not match the served model: {name} "
+                    f"is {getattr(new, name)!r}, the served model's is "
+                    f"{getattr(self.model_config, name)!r}"
+                )
+        config = dataclasses.replace(self.model_config, model_path=new.model_path)
+        model = load_model(config, self.attn_backend, self.device)
+        self.model, self.model_config = model, config
+        logger.info("weights updated from %s", model_path)
+
+    def get_weights_by_name(self, name: str, truncate_size: int) -> list[Any]:
+        """The first ``truncate_size`` rows (or values) of checkpoint tensor ``name`` as the
+        served model holds it; ``ValueError`` for an unknown or unreadable name."""
+        if "weights" in self.released:
+            raise ValueError("the weights are released (release_memory_occupation)")
+        params = dict(self.model.named_parameters())
+        target, shard_id = route_checkpoint_name(name, self.model.packed_modules_mapping)
+        if target == "lm_head.weight" and target not in params:  # tied to the embedding
+            target = "model.embed_tokens.weight"
+        if target not in params:
+            raise ValueError(f"the model has no parameter {name!r}")
+        module = self.model.get_submodule(target.rsplit(".", 1)[0])
+        tensor = params[target].detach()
+        if shard_id is not None:
+            offset, size = module.shard_range(shard_id)
+            tensor = tensor.narrow(0, offset, size)
+        return tensor[:truncate_size].float().cpu().tolist()
+
+    def release_memory(self, tags: set[str]) -> None:
+        """Free the KV pool (``kv_cache``) and/or the weights (``weights``) until ``resume``.
+        The caller flushes the prefix cache: the KV contents are gone."""
+        if "kv_cache" in tags and self.token_to_kv_pool is not None:
+            self.token_to_kv_pool.release()
+        if "weights" in tags:
+            self.model = None
+        self.released |= tags
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume_memory(self, tags: set[str]) -> None:
+        """Reallocate the KV pool and/or reload the weights from the checkpoint they came from
+        (``model_path``, or the last ``update_weights_from_disk``)."""
+        tags = tags & self.released
+        if "weights" in tags:
+            self.model = load_model(self.model_config, self.attn_backend, self.device)
+        if "kv_cache" in tags and self.token_to_kv_pool is not None:
+            self.token_to_kv_pool.allocate()
+        self.released -= tags
+
+    @torch.inference_mode()
+    def embed(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """One float32 embedding per request ``[batch_size, hidden]`` of an EXTEND batch
+        (embedding models: an encoder, or a decoder served with ``--is-embedding``)."""
+        if self.attn_backend is not None:
+            self.attn_backend.init_forward_metadata(forward_batch)
+        return self.model.embed(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, forward_batch: ForwardBatch) -> SampleOutput:

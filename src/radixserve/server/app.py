@@ -2,7 +2,8 @@
 
 A request passes, in order:
 
-1. ``RequestGuard`` (pure ASGI, before any parsing): the API key (every route but ``/health``),
+1. ``RequestGuard`` (pure ASGI, before any parsing): the API key (every route but ``/health``;
+   ``CONTROL_PATHS`` need ``--admin-api-key`` instead when it is set),
    the server state (503 while starting or draining), admission of generation requests (429 with
    ``Retry-After`` past ``--max-queued-requests``; the in-flight count the drain waits on), and
    the body size (413 past ``MAX_BODY_BYTES``, from ``Content-Length`` or counted while reading);
@@ -25,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -37,8 +39,19 @@ from radixserve.server_args import ServerArgs
 T = TypeVar("T")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-# Routes that start generations: they count as in flight (drain, --max-queued-requests).
-GENERATION_PATHS = frozenset({"/generate", "/v1/chat/completions", "/v1/completions"})
+# Routes that run the model: they count as in flight (drain, --max-queued-requests).
+GENERATION_PATHS = frozenset(
+    {"/generate", "/v1/chat/completions", "/v1/completions", "/encode", "/v1/embeddings"}
+)
+# Operator routes: they need --admin-api-key when it is set (else --api-key, like the rest).
+CONTROL_PATHS = frozenset({
+    "/flush_cache", "/update_weights_from_disk", "/get_weights_by_name",
+    "/release_memory_occupation", "/resume_memory_occupation", "/start_profile", "/stop_profile",
+    "/set_internal_state", "/slow_down", "/freeze_gc", "/pause_generation",
+    "/continue_generation", "/dashboard", "/dashboard/state",
+})
+# A browser opens these without headers: they also take the key as ``?key=``.
+DASHBOARD_PATHS = frozenset({"/dashboard", "/dashboard/state"})
 # Reachable without an API key and in every state (it reports the state itself).
 HEALTH_PATH = "/health"
 RETRY_AFTER_S = 1
@@ -202,8 +215,9 @@ class RequestGuard:
         self.app = app
         self.ctx = ctx
         self.max_body_bytes = max_body_bytes
-        key = ctx.server_args.api_key
+        key, admin = ctx.server_args.api_key, ctx.server_args.admin_api_key
         self._expected_auth = f"Bearer {key}".encode() if key else None
+        self._expected_admin_auth = f"Bearer {admin}".encode() if admin else self._expected_auth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -233,13 +247,22 @@ class RequestGuard:
             self.ctx.in_flight -= 1
 
     def _check_api_key(self, scope: Scope) -> None:
-        if self._expected_auth is None:
+        control = scope["path"] in CONTROL_PATHS
+        # The admin key opens every route; the API key all but the control routes.
+        accepted = [self._expected_admin_auth]
+        if not control:
+            accepted.append(self._expected_auth)
+        if self._expected_auth is None and not (control and self._expected_admin_auth):
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self._expected_auth):
+        if scope["path"] in DASHBOARD_PATHS and not given:  # a browser opening the page
+            key = parse_qs(scope.get("query_string", b"").decode()).get("key", [""])[0]
+            given = f"Bearer {key}".encode()
+        if not any(key and hmac.compare_digest(given, key) for key in accepted):
+            which = "admin API key" if control and self.ctx.server_args.admin_api_key else "API key"
             raise APIError(
                 401,
-                "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                f"Missing or invalid {which}: send 'Authorization: Bearer <key>'.",
                 code="invalid_api_key",
             )
 
@@ -316,17 +339,23 @@ def _replay(chunks: list[bytes], pending: Message | None, receive: Receive) -> R
 
 def create_app(ctx: ServerContext, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """Build the app for one running server (routes read ``app.state.ctx``)."""
+    from radixserve.server.control_api import router as control_router
+    from radixserve.server.dashboard import router as dashboard_router
     from radixserve.server.native_api import router as native_router
     from radixserve.server.openai.serving_chat import router as chat_router
     from radixserve.server.openai.serving_completions import router as completions_router
+    from radixserve.server.openai.serving_embedding import router as embedding_router
     from radixserve.server.openai.serving_models import router as models_router
 
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
     install_error_handlers(app)
     app.include_router(native_router)
+    app.include_router(control_router)
+    app.include_router(dashboard_router)
     app.include_router(chat_router)
     app.include_router(completions_router)
+    app.include_router(embedding_router)
     app.include_router(models_router)
     app.add_middleware(RequestGuard, ctx=ctx, max_body_bytes=max_body_bytes)
     return app

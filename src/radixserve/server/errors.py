@@ -22,6 +22,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
+from radixserve.managers.tokenizer_manager import SchedulerError, ServiceUnavailableError
+
 logger = logging.getLogger(__name__)
 
 # Status code -> error "type" (the OpenAI SDK maps the status code to its exception class; the
@@ -92,6 +94,10 @@ def stream_error(exc: Exception) -> dict[str, Any]:
     """The error object sent as a last SSE event when a stream fails after it started."""
     if isinstance(exc, ValueError):
         return error_body(400, str(exc))
+    if isinstance(exc, ServiceUnavailableError):
+        return error_body(503, str(exc))
+    if isinstance(exc, SchedulerError):
+        return error_body(500, str(exc))
     logger.error("stream failed: %r", exc)
     return error_body(500, f"internal server error: {type(exc).__name__}: {exc}")
 
@@ -132,6 +138,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(
             APIError(exc.status_code, str(exc.detail), headers=exc.headers or None)
         )
+
+    @app.exception_handler(ServiceUnavailableError)
+    async def _unavailable(_: Request, exc: ServiceUnavailableError) -> JSONResponse:
+        return error_response(APIError(503, str(exc), headers={"Retry-After": "1"}))
+
+    @app.exception_handler(SchedulerError)
+    async def _scheduler_error(_: Request, exc: SchedulerError) -> JSONResponse:
+        return error_response(APIError(500, str(exc)))
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:

@@ -245,12 +245,16 @@ class _Lifecycle:
             print(f"radixserve ready: {url} (model {self.ctx.model_name})", flush=True)
 
     async def _warm_up(self) -> None:
+        tm = self.ctx.tokenizer_manager
+        text, rid = "The capital of France is", f"warmup-{uuid.uuid4().hex}"
+        if not tm.is_generation:
+            out = await tm.encode_request(text=text, rid=rid)
+            logger.info("warm-up embedding done (%d dimensions)", len(out["embedding"]))
+            return
         obj = GenerateReqInput(
-            text="The capital of France is",
-            sampling_params={"max_new_tokens": 8, "temperature": 0.0},
-            rid=f"warmup-{uuid.uuid4().hex}",
+            text=text, sampling_params={"max_new_tokens": 8, "temperature": 0.0}, rid=rid
         )
-        out = await first_item(self.ctx.tokenizer_manager.generate_request(obj))
+        out = await first_item(tm.generate_request(obj))
         logger.info("warm-up generation done (%d tokens)", out["meta_info"]["completion_tokens"])
 
     def on_signal(self, sig: int) -> None:

@@ -9,6 +9,10 @@ Two sources feed them:
 * per scrape, the scheduler's internal state (``get_internal_state``): running and queued requests
   and KV-cache usage, set as gauges just before the text is rendered.
 
+Every series exists twice: under our ``radixserve:`` prefix and under SGLang's ``sglang:`` name
+(``num_queue_reqs``, ``num_used_tokens``, ``gen_throughput``, ...), so that dashboards built for
+SGLang work unchanged.
+
 The registry is private to the server (never prometheus_client's global one), so two servers in
 one process, as in tests, do not collide.
 """
@@ -25,6 +29,7 @@ if TYPE_CHECKING:
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _PREFIX = "radixserve:"
+_SGLANG = "sglang:"
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -34,6 +39,25 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 _MAX_ITL_OBSERVATIONS = 256
 
 
+class _Both:
+    """One series under both prefixes: every update goes to each."""
+
+    def __init__(self, *children: Any) -> None:
+        self.children = children
+
+    def inc(self, amount: float = 1) -> None:
+        for c in self.children:
+            c.inc(amount)
+
+    def set(self, value: float) -> None:
+        for c in self.children:
+            c.set(value)
+
+    def observe(self, value: float) -> None:
+        for c in self.children:
+            c.observe(value)
+
+
 class ServerMetrics:
     """The server's Prometheus collectors, labelled with the served model name."""
 
@@ -41,21 +65,38 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         label = ["model_name"]
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(_PREFIX + name, doc, label, registry=self.registry).labels(model_name)
+        def gauge(name: str, doc: str, sglang_name: str | None = None) -> _Both:
+            return _Both(*(
+                Gauge(full, doc, label, registry=self.registry).labels(model_name)
+                for full in (_PREFIX + name, _SGLANG + (sglang_name or name))
+            ))
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(_PREFIX + name, doc, label, registry=self.registry).labels(model_name)
+        def counter(name: str, doc: str) -> _Both:
+            return _Both(*(
+                Counter(prefix + name, doc, label, registry=self.registry).labels(model_name)
+                for prefix in (_PREFIX, _SGLANG)
+            ))
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(
-                _PREFIX + name, doc, label, buckets=buckets, registry=self.registry
-            ).labels(model_name)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> _Both:
+            return _Both(*(
+                Histogram(
+                    prefix + name, doc, label, buckets=buckets, registry=self.registry
+                ).labels(model_name)
+                for prefix in (_PREFIX, _SGLANG)
+            ))
 
         self.num_running_reqs = gauge("num_running_reqs", "Requests in the running batch.")
-        self.num_queued_reqs = gauge("num_queued_reqs", "Requests waiting in the scheduler.")
+        self.num_queued_reqs = gauge(
+            "num_queued_reqs", "Requests waiting in the scheduler.", "num_queue_reqs"
+        )
+        self.num_used_tokens = gauge(
+            "num_used_tokens", "KV slots in use (neither free nor evictable)."
+        )
         self.token_usage = gauge(
             "token_usage", "Fraction of KV slots in use (neither free nor evictable)."
+        )
+        self.gen_throughput = gauge(
+            "gen_throughput", "Generated tokens per second over the scheduler's last log interval."
         )
         self.cache_hit_rate = gauge(
             "cache_hit_rate", "Cached prompt tokens / prompt tokens, over all finished requests."
@@ -102,10 +143,12 @@ class ServerMetrics:
         """Set the gauges from ``GetInternalStateReqOutput.state``."""
         self.num_running_reqs.set(state.get("num_running_reqs", 0))
         self.num_queued_reqs.set(state.get("num_waiting_reqs", 0))
+        self.gen_throughput.set(state.get("gen_throughput", 0.0))
         memory = state.get("memory", {})
         total = memory.get("total_kv_tokens", 0)
         if total:
             free = memory.get("available_kv_tokens", 0) + memory.get("evictable_kv_tokens", 0)
+            self.num_used_tokens.set(total - free)
             self.token_usage.set((total - free) / total)
         if self._prompt_total:
             self.cache_hit_rate.set(self._cached_total / self._prompt_total)

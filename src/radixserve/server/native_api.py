@@ -106,26 +106,39 @@ async def _stream_events(outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
 # ---------------------------------------------------------------------------- health
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 once warmed up; 503 while starting or draining (load balancers stop sending)."""
-    state = get_ctx(request).state
-    if state is not ServerState.READY:
-        raise APIError(503, f"The server is {state.value}.", headers={"Retry-After": "1"})
+    """200 once warmed up and while the scheduler answers a liveness ping within
+    ``--health-timeout``; 503 while starting or draining, or when the scheduler is stuck in a
+    step (load balancers stop sending)."""
+    ctx = get_ctx(request)
+    if ctx.state is not ServerState.READY:
+        raise APIError(503, f"The server is {ctx.state.value}.", headers={"Retry-After": "1"})
+    timeout = ctx.server_args.health_timeout
+    try:
+        alive = await ctx.tokenizer_manager.check_health(timeout)
+    except RuntimeError as exc:  # the scheduler is gone
+        raise APIError(503, f"The scheduler is not running: {exc}") from exc
+    if not alive:
+        raise APIError(
+            503, f"The scheduler did not answer a liveness ping within {timeout:g}s.",
+            headers={"Retry-After": "1"},
+        )
     return Response(status_code=200)
 
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
-    """Generate one token end to end (scheduler and detokenizer alive), within a timeout."""
-    ctx = get_ctx(request)
-    obj = GenerateReqInput(
-        text="Hello",
-        sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-        rid=f"health-generate-{uuid.uuid4().hex}",
-    )
-    try:
-        await asyncio.wait_for(
-            first_item(ctx.tokenizer_manager.generate_request(obj)), HEALTH_GENERATE_TIMEOUT_S
+    """Generate one token (embedding models: embed one input) end to end, within a timeout."""
+    tm = get_ctx(request).tokenizer_manager
+    rid = f"health-generate-{uuid.uuid4().hex}"
+    if tm.is_generation:
+        obj = GenerateReqInput(
+            text="Hello", sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=rid
         )
+        work = first_item(tm.generate_request(obj))
+    else:
+        work = tm.encode_request(text="Hello", rid=rid)
+    try:
+        await asyncio.wait_for(work, HEALTH_GENERATE_TIMEOUT_S)
     except (asyncio.TimeoutError, RuntimeError) as exc:
         raise APIError(503, f"health generation failed: {exc or 'timeout'}") from exc
     return Response(status_code=200)
@@ -143,7 +156,7 @@ async def get_model_info(request: Request) -> dict[str, Any]:
         "architecture": config.architecture,
         "context_length": ctx.context_len,
         "vocab_size": ctx.vocab_size,
-        "is_generation": True,
+        "is_generation": ctx.tokenizer_manager.is_generation,
     }
 
 

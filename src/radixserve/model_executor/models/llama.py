@@ -20,6 +20,7 @@ from radixserve.layers.linear import (
     RowParallelLinear,
 )
 from radixserve.layers.logits_processor import LogitsProcessor
+from radixserve.layers.pooler import Pooler, PoolingType
 from radixserve.layers.quantization import QuantizationConfig
 from radixserve.layers.rotary_embedding import ApplyRotaryEmbedding, RotaryEmbedding
 from radixserve.layers.vocab_embedding import LMHead, VocabEmbedding
@@ -181,7 +182,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Causal LM: returns float32 logits of the last token of each request in the batch."""
+    """Causal LM: ``forward`` returns the logits of the last token of each request in the batch;
+    served as an embedder (``--is-embedding``), ``embed`` returns that token's final hidden state,
+    L2-normalised (last-token pooling, as gte-Qwen and similar decoder embedders do)."""
 
     # checkpoint module name → (fused module name, shard id)
     packed_modules_mapping: dict[str, tuple[str, str | int]] = {
@@ -203,6 +206,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.tie_word_embeddings()
         self.logits_processor = LogitsProcessor()
+        self.pooler = Pooler(PoolingType.LAST, normalize=True)
 
     @staticmethod
     def qkv_bias(config: ModelConfig) -> bool:
@@ -218,3 +222,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         hidden_states = self.model(input_ids, positions, forward_batch)
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """``[batch_size, hidden]`` float32 unit vectors (EXTEND batches only)."""
+        return self.pooler(self.model(input_ids, positions, forward_batch), forward_batch)

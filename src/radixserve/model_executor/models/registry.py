@@ -9,6 +9,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from radixserve.model_executor.models.bert import BertModel
     from radixserve.model_executor.models.llama import LlamaForCausalLM
 
 # architecture → (module under radixserve.model_executor.models, class name)
@@ -17,12 +18,22 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "BertModel": ("bert", "BertModel"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
+# Bidirectional encoders: embedding-only, no KV cache, no generation.
+ENCODER_ARCHITECTURES: tuple[str, ...] = ("BertModel",)
+# The MLP activation each family implements.
+_HIDDEN_ACT = {"BertModel": "gelu"}
 
 
-def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
+def hidden_act_of(architecture: str) -> str:
+    """The activation (``config.json`` ``hidden_act``) that ``architecture``'s class implements."""
+    return _HIDDEN_ACT.get(architecture, "silu")
+
+
+def get_model_class(architecture: str) -> type[LlamaForCausalLM] | type[BertModel]:
     """The class implementing ``architecture``; ``ValueError`` names the supported ones."""
     if architecture not in _MODELS:
         raise ValueError(

@@ -1,0 +1,134 @@
+"""Operator routes (SGLang's names): weights, memory, profiling, internal state, load.
+
+All but ``/get_load`` are in ``app.CONTROL_PATHS``: with ``--admin-api-key`` they need that key.
+Each calls the ``TokenizerManager`` method of the same name; a refusal (``ValueError``) is a 400
+with the scheduler's reason, while memory is released generation gets 503.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from radixserve.managers.io_struct import ProfileReq
+from radixserve.server.app import get_ctx
+
+router = APIRouter()
+
+
+class _StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is a 400, never ignored
+
+
+class UpdateWeightsFromDiskRequest(_StrictModel):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+
+
+class GetWeightsByNameRequest(_StrictModel):
+    name: str
+    truncate_size: int = Field(default=100, ge=1)
+
+
+class MemoryRequest(_StrictModel):
+    tags: list[str] | None = None
+
+
+class StartProfileRequest(_StrictModel):
+    output_dir: str | None = None
+    num_steps: int | None = Field(default=None, ge=1)
+    activities: list[str] | None = None
+    record_shapes: bool = False
+    with_stack: bool = False
+
+
+class SetInternalStateRequest(_StrictModel):
+    server_args: dict[str, Any]
+
+
+class SlowDownRequest(_StrictModel):
+    forward_sleep_time: float | None = Field(ge=0)
+
+
+class EmptyRequest(_StrictModel):
+    pass
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(
+    body: UpdateWeightsFromDiskRequest, request: Request
+) -> dict[str, Any]:
+    """Swap the weights in place (same architecture and shapes); 400 keeps the old ones."""
+    message = await get_ctx(request).tokenizer_manager.update_weights_from_disk(
+        body.model_path, body.load_format, body.abort_all_requests
+    )
+    return {"success": True, "message": message}
+
+
+@router.api_route("/get_weights_by_name", methods=["GET", "POST"])
+async def get_weights_by_name(body: GetWeightsByNameRequest, request: Request) -> list[Any]:
+    """The first ``truncate_size`` rows of a checkpoint tensor, as the server holds it."""
+    tm = get_ctx(request).tokenizer_manager
+    return await tm.get_weights_by_name(body.name, body.truncate_size)
+
+
+@router.post("/release_memory_occupation")
+async def release_memory_occupation(
+    request: Request, body: MemoryRequest | None = None
+) -> dict[str, Any]:
+    tags = body.tags if body is not None else None
+    message = await get_ctx(request).tokenizer_manager.release_memory_occupation(tags)
+    return {"success": True, "message": message}
+
+
+@router.post("/resume_memory_occupation")
+async def resume_memory_occupation(
+    request: Request, body: MemoryRequest | None = None
+) -> dict[str, Any]:
+    tags = body.tags if body is not None else None
+    message = await get_ctx(request).tokenizer_manager.resume_memory_occupation(tags)
+    return {"success": True, "message": message}
+
+
+@router.post("/start_profile")
+async def start_profile(
+    request: Request, body: StartProfileRequest | None = None
+) -> dict[str, Any]:
+    """Record a torch.profiler trace of the scheduler's steps (Chrome trace JSON)."""
+    options = (body or StartProfileRequest()).model_dump()
+    reply = await get_ctx(request).tokenizer_manager.profile(ProfileReq(action="start", **options))
+    return {"success": True, "message": reply.message, "trace_path": reply.trace_path}
+
+
+@router.post("/stop_profile")
+async def stop_profile(request: Request, body: EmptyRequest | None = None) -> dict[str, Any]:
+    reply = await get_ctx(request).tokenizer_manager.profile(ProfileReq(action="stop"))
+    return {"success": True, "message": reply.message, "trace_path": reply.trace_path}
+
+
+@router.post("/set_internal_state")
+async def set_internal_state(body: SetInternalStateRequest, request: Request) -> dict[str, Any]:
+    values = await get_ctx(request).tokenizer_manager.set_internal_state(body.server_args)
+    return {"updated": True, "server_args": values}
+
+
+@router.post("/slow_down")
+async def slow_down(body: SlowDownRequest, request: Request) -> dict[str, Any]:
+    """A test hook (as in SGLang): every forward step sleeps ``forward_sleep_time`` seconds."""
+    value = await get_ctx(request).tokenizer_manager.slow_down(body.forward_sleep_time)
+    return {"success": True, "forward_sleep_time": value}
+
+
+@router.post("/freeze_gc")
+async def freeze_gc(request: Request, body: EmptyRequest | None = None) -> dict[str, Any]:
+    frozen = await get_ctx(request).tokenizer_manager.freeze_gc()
+    return {"success": True, "frozen_objects": frozen}
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> list[dict[str, Any]]:
+    """Running and queued requests and KV usage per replica: what routers poll."""
+    return await get_ctx(request).tokenizer_manager.get_load()
