@@ -17,6 +17,7 @@ from radixserve.layers.cpu_kernels import (
     amx_available,
     attention_kernels_support,
     decode_attention,
+    extend_attention,
     fused_add_rms_norm,
     linear,
     load_cpu_kernels,
@@ -335,3 +336,106 @@ def test_rotary_kernel_equals_torchs_four_bf16_ops_bit_for_bit(heads, head_dim):
         rotary(x, cos[:3], sin[:3])
 
 
+
+
+def extend_problem(dtype, head_dim, heads, kv_heads, prefix_lens, extend_lens, seed=0):
+    """Requests with cached prefixes (their K/V already in the pool) and new tokens, at
+    scattered slots: (kernel arguments, per-request full K/V, queries)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = sum(p + e for p, e in zip(prefix_lens, extend_lens, strict=True)) + 8
+    k_buffer = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    v_buffer = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    perm = (torch.randperm(num_slots - 1, generator=gen) + 1).tolist()
+    req_to_token = torch.zeros(len(prefix_lens) + 2, 512, dtype=torch.int64)
+    rows = torch.arange(len(prefix_lens)) + 1
+    locs, seq_lens = [], []
+    for row, p, e in zip(rows.tolist(), prefix_lens, extend_lens, strict=True):
+        slots = [perm.pop() for _ in range(p + e)]
+        req_to_token[row, : p + e] = torch.tensor(slots)
+        locs.append(torch.tensor(slots[p:], dtype=torch.int64))
+        seq_lens.append(p + e)
+    tokens = sum(extend_lens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    return dict(q=q, k=k, v=v, loc=torch.cat(locs), k_buffer=k_buffer, v_buffer=v_buffer,
+                req_to_token=req_to_token, req_pool_indices=rows,
+                seq_lens=torch.tensor(seq_lens), extend_lens=torch.tensor(extend_lens),
+                scale=head_dim**-0.5)
+
+
+def extend_reference(args, prefix_lens, extend_lens):
+    """Causal float64 attention of each request's new tokens over its slots' K/V."""
+    q, kb, vb = args["q"], args["k_buffer"], args["v_buffer"]
+    heads, kv_heads = q.shape[1], kb.shape[1]
+    outs, t0 = [], 0
+    for i, (p, e) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
+        slots = args["req_to_token"][args["req_pool_indices"][i], : p + e]
+        keys = kb[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        values = vb[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("thd,lhd->htl", q[t0 : t0 + e].double(), keys) * args["scale"]
+        future = torch.arange(p + e)[None, :] > (torch.arange(e)[:, None] + p)
+        scores = scores.masked_fill(future, float("-inf"))
+        outs.append(torch.einsum("htl,lhd->thd", scores.softmax(-1), values))
+        t0 += e
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [
+    (64, 14, 2), (128, 4, 4), (16, 8, 1), (256, 4, 1), (80, 6, 3),
+])
+def test_extend_attention_kernel_writes_the_new_kv_and_equals_a_float64_reference(
+    dtype, head_dim, heads, kv_heads
+):
+    if not kernels_here():
+        return
+    prefix_lens, extend_lens = [0, 37, 5, 100], [70, 1, 16, 33]
+    args = extend_problem(dtype, head_dim, heads, kv_heads, prefix_lens, extend_lens)
+    out = extend_attention(**args)
+    loc = args["loc"]
+    assert torch.equal(args["k_buffer"][loc], args["k"]) and torch.equal(
+        args["v_buffer"][loc], args["v"])
+    reference = extend_reference(args, prefix_lens, extend_lens)
+    assert out.shape == args["q"].shape and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)
+    else:
+        bf16_close(out, reference)
+
+
+def test_extend_attention_gives_a_token_the_same_bits_in_any_chunk_or_batch():
+    if not kernels_here():
+        return
+    whole = extend_problem(torch.bfloat16, 64, 8, 2, [0], [90], seed=3)
+    expected = extend_attention(**whole)
+    # the same request prefilled in chunks of 37: each chunk attends over the cached ones
+    for start in range(0, 90, 37):
+        end = min(start + 37, 90)
+        chunk = dict(whole, q=whole["q"][start:end], k=whole["k"][start:end],
+                     v=whole["v"][start:end], loc=whole["loc"][start:end],
+                     seq_lens=torch.tensor([end]), extend_lens=torch.tensor([end - start]))
+        assert torch.equal(extend_attention(**chunk), expected[start:end])
+    # and next to other requests in one batch
+    mixed = extend_problem(torch.bfloat16, 64, 8, 2, [12, 0], [5, 90], seed=4)
+    mixed_out = extend_attention(**dict(mixed, q=torch.cat([mixed["q"][:5], whole["q"]]),
+                                        k=torch.cat([mixed["k"][:5], whole["k"]]),
+                                        v=torch.cat([mixed["v"][:5], whole["v"]])))
+    # (the second request's K/V are the whole one's, at other slots)
+    assert torch.equal(mixed_out[5:], expected)
+
+
+def test_extend_attention_kernel_rejects_bad_input_with_a_clear_error():
+    if not kernels_here():
+        return
+    args = extend_problem(torch.float32, 64, 4, 2, [0, 3], [4, 2])
+    with pytest.raises(RuntimeError, match="extend lengths sum to 5, q has 6 tokens"):
+        extend_attention(**dict(args, extend_lens=torch.tensor([3, 2])))
+    with pytest.raises(RuntimeError, match=r"extend_lens must be a contiguous int64 \[2\]"):
+        extend_attention(**dict(args, extend_lens=torch.tensor([4, 2], dtype=torch.int32)))
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16 up to 256"):
+        bad = extend_problem(torch.float32, 40, 4, 2, [0], [3])
+        extend_attention(**bad)
+    with pytest.raises(RuntimeError, match="must share a dtype"):
+        extend_attention(**dict(args, k_buffer=args["k_buffer"].bfloat16()))

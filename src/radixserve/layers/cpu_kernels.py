@@ -10,9 +10,11 @@
   float32, and the greedy argmax of the logits (``csrc/elementwise.cpp``): one kernel each where
   torch runs up to nine, whose start-up costs dominate a decode step's small tensors. They round
   where transformers' modules do;
-- decode attention straight from the paged KV pool (``csrc/decode_attention.cpp``, float32 and
-  bf16, head_dim a multiple of 16 up to 256, any GQA group): one call per layer writes the new
-  K/V and attends, where the torch path runs two index_puts, two gathers, a mask and SDPA.
+- attention straight from the paged KV pool (float32 and bf16, head_dim a multiple of 16 up to
+  256, any GQA group): one call per layer writes the new K/V and attends, where the torch path
+  runs two index_puts, two gathers, a mask and SDPA. Decode (``csrc/decode_attention.cpp``):
+  one query per request; prefill (``csrc/extend_attention.cpp``): flash-style, blocks of keys
+  with an online softmax, so a long chunk is not quadratic in memory.
 
 Nothing asks on every call whether they run: each op picks them once, when the model is built
 (``layers/custom_op.py``), weights are packed for them once, after loading
@@ -255,5 +257,29 @@ def decode_attention(
     out = torch.empty_like(q)
     torch.ops.radixserve_cpu.decode_attention(
         q, k, v, loc, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale, out
+    )
+    return out
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    loc: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Prefill: write the new tokens' K/V (``[tokens, kv_heads, head_dim]``) at ``loc``; each
+    request's ``extend_lens`` new tokens (the last of its ``seq_lens``) attend causally over its
+    slots. Returns ``[tokens, heads, head_dim]`` for ``q`` of that shape."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    torch.ops.radixserve_cpu.extend_attention(
+        q, k, v, loc, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, extend_lens,
+        scale, out,
     )
     return out
