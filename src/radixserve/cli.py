@@ -66,6 +66,9 @@ HELP: dict[str, str] = {
     "enable_streaming_session": "Keep a streaming session's KV between turns.",
     "enable_overlap_schedule": "Run the model on a thread of its own and plan each decode step "
     "while the previous one computes (same greedy outputs).",
+    "enable_deterministic_inference": "Batch-invariant kernels only: a request's greedy (or "
+    "seeded) output does not depend on the other requests, the prefill chunk size or the radix "
+    "cache (CPU kernels and the cpu attention backend).",
     "stream_interval": "Stream a request's tokens every this many steps (the first and the last "
     "token at once); larger values cost less per token.",
     "enable_metrics": "Serve Prometheus metrics on GET /metrics.",

@@ -46,6 +46,7 @@ class ServerArgs:
     schedule_conservativeness: float = 1.0
     enable_streaming_session: bool = False
     enable_overlap_schedule: bool = False
+    enable_deterministic_inference: bool = False
     # serving
     stream_interval: int = 1
     enable_metrics: bool = False

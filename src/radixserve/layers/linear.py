@@ -32,7 +32,13 @@ from torch import nn
 
 from radixserve.layers import cpu_kernels
 from radixserve.layers.custom_op import select_impl
-from radixserve.layers.packed_weight import NotPacked, PackedWeight, Prepackable, pack_float_weight
+from radixserve.layers.packed_weight import (
+    NotPacked,
+    PackedWeight,
+    PackOptions,
+    Prepackable,
+    pack_float_weight,
+)
 
 if TYPE_CHECKING:
     from radixserve.layers.quantization import QuantizationConfig
@@ -69,7 +75,7 @@ class LinearMethod(abc.ABC):
         each with ``layer.weight_loader`` (``sharded_parameter``)."""
 
     @abc.abstractmethod
-    def pack(self, layer: LinearBase, room_for_copy: bool) -> PackedWeight:
+    def pack(self, layer: LinearBase, options: PackOptions) -> PackedWeight:
         """The ``PackedWeight`` of the loaded parameters, for ``layer.impl``."""
 
 
@@ -80,8 +86,8 @@ class UnquantizedLinearMethod(LinearMethod):
         weight = torch.empty(output_size, input_size)
         layer.weight = sharded_parameter(weight, layer.weight_loader, output_dim=0, input_dim=1)
 
-    def pack(self, layer: LinearBase, room_for_copy: bool) -> PackedWeight:
-        return pack_float_weight(layer.weight.detach(), layer.impl, room_for_copy)
+    def pack(self, layer: LinearBase, options: PackOptions) -> PackedWeight:
+        return pack_float_weight(layer.weight.detach(), layer.impl, options)
 
 
 def _divide(numerator: int, denominator: int) -> int:
@@ -123,8 +129,8 @@ class LinearBase(Prepackable):
             self.register_parameter("bias", None)
         self.packed: PackedWeight = NotPacked()
 
-    def prepack(self, room_for_copy: bool) -> PackedWeight:
-        self.packed = self.method.pack(self, room_for_copy)
+    def prepack(self, options: PackOptions) -> PackedWeight:
+        self.packed = self.method.pack(self, options)
         return self.packed
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

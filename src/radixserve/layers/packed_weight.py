@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +36,20 @@ logger = logging.getLogger(__name__)
 _GIB = 1 << 30
 
 
+@dataclass(frozen=True)
+class PackOptions:
+    """What ``prepack_model`` tells every module it packs."""
+
+    room_for_copy: bool  # memory allows layouts that copy the weight
+    batch_invariant: bool = False  # only kernels whose row results ignore the batch
+
+
 class PackedWeight(abc.ABC):
     """``weight`` (``[out, in]``, as loaded) plus the layouts a device's kernels read."""
+
+    # Whether a row's result is the same bits whatever the other rows of its batch: true of
+    # radixserve's CPU kernels, not promised by torch's (oneDNN picks kernels by shape).
+    batch_invariant = False
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
@@ -87,6 +100,7 @@ class CpuPackedWeight(PackedWeight):
             and cpu_kernels.amx_available()
         )
         self.amx_rows = cpu_kernels.AMX_MAX_ROWS if amx else 0
+        self.batch_invariant = not amx  # the AMX tiles sum in an order of their own
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] <= self.amx_rows:
@@ -101,19 +115,18 @@ class CpuPackedWeight(PackedWeight):
         return self.blocked.numel() * self.blocked.element_size()
 
 
-def pack_float_weight(weight: torch.Tensor, impl: OpImpl, room_for_copy: bool) -> PackedWeight:
+def pack_float_weight(weight: torch.Tensor, impl: OpImpl, options: PackOptions) -> PackedWeight:
     """The ``PackedWeight`` of an unquantised weight for a layer built with ``impl``."""
-    if impl is OpImpl.CPU and weight.dtype in cpu_kernels.KERNEL_DTYPES and room_for_copy:
-        return CpuPackedWeight(weight)
+    if impl is OpImpl.CPU and weight.dtype in cpu_kernels.KERNEL_DTYPES and options.room_for_copy:
+        return CpuPackedWeight(weight, options.batch_invariant)
     return NativeWeight(weight)
 
 
 class Prepackable(nn.Module):
     """A module whose weights are packed once after loading (linear layers, the LM head)."""
 
-    def prepack(self, room_for_copy: bool) -> PackedWeight:
-        """Build and keep this module's ``PackedWeight`` from its loaded parameters; returns it.
-        ``room_for_copy``: memory allows layouts that copy the weight."""
+    def prepack(self, options: PackOptions) -> PackedWeight:
+        """Build and keep this module's ``PackedWeight`` from its loaded parameters; returns it."""
         raise NotImplementedError
 
 
@@ -141,11 +154,24 @@ def planned_copy_bytes(
     return weight_bytes if packs else 0
 
 
-def prepack_model(model: nn.Module, total_memory_bytes: int) -> None:
-    """Pack every ``Prepackable`` module of a loaded ``model`` (once; again after a reload)."""
-    modules = [m for m in model.modules() if isinstance(m, Prepackable)]
-    weight_bytes = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
-    room = room_for_packed_copy(weight_bytes, total_memory_bytes)
-    extra = sum(m.prepack(room).extra_bytes() for m in modules)
+def prepack_model(
+    model: nn.Module, total_memory_bytes: int, batch_invariant: bool = False
+) -> None:
+    """Pack every ``Prepackable`` module of a loaded ``model`` (once; again after a reload).
+    ``batch_invariant``: only kernels whose row results ignore the batch, or ValueError."""
+    modules = {name: m for name, m in model.named_modules() if isinstance(m, Prepackable)}
+    weight_bytes = sum(
+        p.numel() * p.element_size() for m in modules.values() for p in m.parameters()
+    )
+    options = PackOptions(room_for_packed_copy(weight_bytes, total_memory_bytes), batch_invariant)
+    packed = {name: m.prepack(options) for name, m in modules.items()}
+    variant = [name for name, p in packed.items() if not p.batch_invariant]
+    if batch_invariant and variant:
+        raise ValueError(
+            f"no batch-invariant kernel for {', '.join(variant[:3])}: deterministic inference "
+            "needs radixserve's CPU kernels (AVX512-BF16, bf16 or float32) and memory for their "
+            "weight copies"
+        )
+    extra = sum(p.extra_bytes() for p in packed.values())
     if extra:
         logger.info("packed weights for this device's kernels: +%.2f GiB", extra / _GIB)

@@ -14,7 +14,13 @@ from torch import nn
 from radixserve.layers import cpu_kernels
 from radixserve.layers.custom_op import select_impl
 from radixserve.layers.linear import default_weight_loader
-from radixserve.layers.packed_weight import NotPacked, PackedWeight, Prepackable, pack_float_weight
+from radixserve.layers.packed_weight import (
+    NotPacked,
+    PackedWeight,
+    PackOptions,
+    Prepackable,
+    pack_float_weight,
+)
 
 if TYPE_CHECKING:
     from radixserve.layers.quantization import QuantizationConfig
@@ -54,13 +60,13 @@ class LMHead(Prepackable):
         self.quantized = quant_config is not None and quant_config.quantizes_lm_head()
         self.packed: PackedWeight = NotPacked()
 
-    def prepack(self, room_for_copy: bool) -> PackedWeight:
+    def prepack(self, options: PackOptions) -> PackedWeight:
         if self.quantized:
             from radixserve.layers.quantization.int8 import pack_int8, quantize_int8
 
             self.packed = pack_int8(*quantize_int8(self.weight), self.impl)
         else:
-            self.packed = pack_float_weight(self.weight.detach(), self.impl, room_for_copy)
+            self.packed = pack_float_weight(self.weight.detach(), self.impl, options)
         return self.packed
 
     def project(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,10 @@ class ModelRunner:
         self.model_config = model_config
         self.device = resolve_device(device)
         self.dtype = model_config.torch_dtype
+        # --enable-deterministic-inference: only batch-invariant kernels (checked when packing)
+        self.batch_invariant = server_args.enable_deterministic_inference
+        if self.batch_invariant and self.device.type != "cpu":
+            raise ValueError("--enable-deterministic-inference runs on CPU only in this build")
         self.page_size = server_args.page_size
         self.vocab_size = model_config.vocab_size
 
@@ -82,12 +86,20 @@ class ModelRunner:
             self.attention_backend = server_args.attention_backend or default_attention_backend(
                 self.device, self.dtype, model_config.head_dim
             )
+            if self.batch_invariant and self.attention_backend != "cpu":
+                raise ValueError(
+                    "--enable-deterministic-inference needs the cpu attention backend (its "
+                    f"kernels are batch invariant), not {self.attention_backend}"
+                )
             self.attn_backend = create_attention_backend(
                 self.attention_backend, self.req_to_token_pool, self.token_to_kv_pool
             )
             logger.info("attention backend: %s", self.attention_backend)
-        self.model: Any = load_model(model_config, self.attn_backend, self.device)
+        self.model: Any = self._load_model(model_config)
         self.released: set[str] = set()  # memory given back by release_memory (MEMORY_TAGS)
+
+    def _load_model(self, config: ModelConfig) -> Any:
+        return load_model(config, self.attn_backend, self.device, self.batch_invariant)
 
     def _create_kv_pool(self) -> MHATokenToKVPool:
         cfg = self.model_config
@@ -179,7 +191,7 @@ class ModelRunner:
                     f"{getattr(self.model_config, name)!r}"
                 )
         config = dataclasses.replace(self.model_config, model_path=new.model_path)
-        model = load_model(config, self.attn_backend, self.device)
+        model = self._load_model(config)
         self.model, self.model_config = model, config
         logger.info("weights updated from %s", model_path)
 
@@ -218,7 +230,7 @@ class ModelRunner:
         (``model_path``, or the last ``update_weights_from_disk``)."""
         tags = tags & self.released
         if "weights" in tags:
-            self.model = load_model(self.model_config, self.attn_backend, self.device)
+            self.model = self._load_model(self.model_config)
         if "kv_cache" in tags and self.token_to_kv_pool is not None:
             self.token_to_kv_pool.allocate()
         self.released -= tags

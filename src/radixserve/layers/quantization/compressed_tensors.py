@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from radixserve.layers.linear import LinearMethod, sharded_parameter
-from radixserve.layers.packed_weight import PackedWeight
+from radixserve.layers.packed_weight import PackedWeight, PackOptions
 from radixserve.layers.quantization.base import QuantizationConfig
 from radixserve.layers.quantization.int8 import pack_int8
 
@@ -70,7 +70,7 @@ class CompressedTensorsW8A16Method(LinearMethod):
             input_dim=None,
         )
 
-    def pack(self, layer: LinearBase, room_for_copy: bool) -> PackedWeight:
+    def pack(self, layer: LinearBase, options: PackOptions) -> PackedWeight:
         q = unpack_int8(layer.weight_packed.detach(), layer.input_size)
         return pack_int8(q, layer.weight_scale.detach(), layer.impl)
 

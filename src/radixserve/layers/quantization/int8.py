@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from radixserve.layers import cpu_kernels
 from radixserve.layers.custom_op import OpImpl
 from radixserve.layers.linear import LinearMethod, UnquantizedLinearMethod, sharded_parameter
-from radixserve.layers.packed_weight import PackedWeight
+from radixserve.layers.packed_weight import PackedWeight, PackOptions
 from radixserve.layers.quantization.base import QuantizationConfig
 
 if TYPE_CHECKING:
@@ -66,6 +66,8 @@ class CpuInt8Weight(Int8Weight):
     activations are quantised per row to int16 inside the kernel (finer than bf16 for a row's
     large values), so results differ from the reference by about that rounding."""
 
+    batch_invariant = True
+
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
         super().__init__(weight, scales)
         self.n = weight.shape[0]
@@ -95,7 +97,7 @@ class Int8AtLoadMethod(LinearMethod):
     def create_weights(self, layer: LinearBase, input_size: int, output_size: int) -> None:
         UnquantizedLinearMethod().create_weights(layer, input_size, output_size)
 
-    def pack(self, layer: LinearBase, room_for_copy: bool) -> PackedWeight:
+    def pack(self, layer: LinearBase, options: PackOptions) -> PackedWeight:
         if layer.weight.dtype != torch.int8:
             q, scales = quantize_int8(layer.weight)
             layer.weight = sharded_parameter(q, layer.weight_loader, output_dim=0, input_dim=1)
