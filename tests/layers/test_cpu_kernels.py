@@ -1,13 +1,20 @@
 """radixserve's CPU kernels, built where the CPU has AVX512-BF16, against float64 references.
 
-The small-batch bf16 linear kernels equal a float64 reference up to bf16 rounding. The fused
-RMSNorm, add + RMSNorm and SiluAndMul equal float64 references that round to bf16 where
-transformers' bf16 modules do. The decode attention kernel writes the new K/V and equals a
-float64 attention. Bad input gets a clear error. (The ops and packed weights that call them are
-tested against their native references in ``test_custom_ops.py`` and ``test_packed_weight.py``.)
+The linear kernels (bf16 and float32, any shape) equal a float64 reference up to rounding and
+give a row the same bits in any batch. The fused RMSNorm, add + RMSNorm and SiluAndMul equal
+float64 references that round to bf16 where transformers' bf16 modules do. The decode and
+extend attention kernels write the new K/V and equal a float64 attention; extend gives a token
+the same bits in any chunk or batch. Bad input gets a clear error, and a build killed half-way
+does not block later loads. (The ops and packed weights that call them are tested against their
+native references in ``test_custom_ops.py`` and ``test_packed_weight.py``.)
 """
 
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -77,6 +84,31 @@ def test_linear_kernel_equals_a_float64_reference_up_to_rounding(dtype, n, k, m,
         torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5 * k**0.5)
     else:
         bf16_close(out, reference)
+
+
+@pytest.mark.skipif(not HAS_BF16, reason="the kernels are not built on this CPU")
+def test_a_build_killed_half_way_does_not_block_later_loads(tmp_path):
+    """A killed build leaves cpp_extension's baton file behind; the next load must not wait."""
+    from radixserve.layers import cpu_kernels
+
+    assert load_cpu_kernels()
+    built = cpu_kernels._build_dir(cpu_kernels._cpu_flags())
+    cache = tmp_path / "cache"
+    copy = cache / built.relative_to(built.parents[2])
+    shutil.copytree(built, copy)
+    (copy / "lock").touch()  # what a build killed mid-compile leaves
+    script = "from radixserve.layers.cpu_kernels import load_cpu_kernels; print(load_cpu_kernels())"
+    # the timeout only turns a regression (a load waiting forever) into a failure
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "XDG_CACHE_HOME": str(cache)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"
+    assert not (copy / "lock").exists()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
