@@ -3,9 +3,10 @@ run, same prompts.
 
 Backends (``--backends``, all loaded at once and taking turns per scenario): ``radixserve`` (the
 checkpoint's or ``--dtype``'s floats), ``radixserve-int8`` (``--quantization int8``),
-``transformers``, ``llamacpp-q8_0`` / ``llamacpp-bf16`` (``llamacpp`` = ``llamacpp-q8_0``: the
-checkpoint converted by llama.cpp's own converter, run by llama-cpp-python one prompt at a time;
-see ``llamacpp_backend.py``). Every other backend is compared with the first one listed.
+``radixserve-deterministic`` (``--enable-deterministic-inference``: its cost), ``transformers``,
+``llamacpp-q8_0`` / ``llamacpp-bf16`` (``llamacpp`` = ``llamacpp-q8_0``: the checkpoint
+converted by llama.cpp's own converter, run by llama-cpp-python one prompt at a time; see
+``llamacpp_backend.py``). Every other backend is compared with the first one listed.
 
 Scenarios (each backend runs all of them):
 
@@ -44,9 +45,16 @@ from typing import Any
 
 import torch
 
-BACKENDS = ("radixserve", "radixserve-int8", "transformers", "llamacpp-q8_0", "llamacpp-bf16")
+# radixserve's variants: the Engine arguments each adds
+RADIXSERVE_VARIANTS: dict[str, dict[str, Any]] = {
+    "radixserve": {},
+    "radixserve-int8": {"quantization": "int8"},
+    "radixserve-deterministic": {"enable_deterministic_inference": True},
+}
+BACKENDS = (*RADIXSERVE_VARIANTS, "transformers", "llamacpp-q8_0", "llamacpp-bf16")
 LLAMACPP_ALIAS = {"llamacpp": "llamacpp-q8_0"}
 BACKEND_COLORS = {"radixserve": "tab:blue", "radixserve-int8": "tab:cyan",
+                  "radixserve-deterministic": "tab:purple",
                   "transformers": "tab:orange", "llamacpp-q8_0": "tab:green",
                   "llamacpp-bf16": "tab:olive"}
 
@@ -173,13 +181,13 @@ Generate = Callable[[list[list[int]], int], tuple[list[list[int]], float]]
 
 @contextlib.contextmanager
 def radixserve_backend(args: argparse.Namespace, model_path: str,
-                       quantization: str | None = None) -> Iterator[Generate]:
+                       **engine_kwargs: Any) -> Iterator[Generate]:
     """``generate(prompts, n) -> (outputs, wall_s)`` on a running Engine (cache flushed first)."""
     params = {"temperature": 0.0, "ignore_eos": True}
     with start_engine(args.threads, model_path=model_path, dtype=args.dtype,
                       max_running_requests=max(args.batch_sizes, default=1),
                       enable_overlap_schedule=args.overlap_schedule,
-                      quantization=quantization) as engine:
+                      **engine_kwargs) as engine:
 
         def generate(prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
             engine.flush_cache()  # nothing may start cached
@@ -384,9 +392,8 @@ def run_model(args: argparse.Namespace, name: str, dtype: str,
         backends: dict[str, Generate] = {}
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         for name in args.backends:
-            if name.startswith("radixserve"):
-                quantization = "int8" if name == "radixserve-int8" else None
-                backend = radixserve_backend(args, model_path, quantization)
+            if name in RADIXSERVE_VARIANTS:
+                backend = radixserve_backend(args, model_path, **RADIXSERVE_VARIANTS[name])
             elif name == "transformers":
                 backend = transformers_backend(args, model_path, pad_id)
             else:
