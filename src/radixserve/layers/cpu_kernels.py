@@ -1,11 +1,11 @@
 """radixserve's own CPU kernels (``layers/csrc``), compiled on first use, once per machine.
 
 - linear layers at every batch size, bf16 and float32 (``csrc/linear.cpp``): one blocked copy of
-  each weight, ``[N/16][K/2][16][2]`` (bf16) or ``[N/16][K][16]``, multiplied with AVX512-BF16
-  or FMA in register tiles. Decode steps stream the weight at memory speed (oneDNN's GEMV
-  reaches about half of it), prefills run near the GEMM peak, and a row's output does not
-  depend on the batch it is in. On CPUs with AMX, bf16 batches of up to 32 rows take an AMX
-  kernel on the same copy (``csrc/linear_amx.cpp``);
+  each weight, ``[N/16][K/2][16][2]`` (bf16) or ``[N/16][K][16]``, multiplied in register tiles
+  with FMA (bf16 with AVX512-BF16's ``vdpbf16ps`` where the CPU has it). Decode steps stream the
+  weight at memory speed (oneDNN's GEMV reaches about half of it), prefills run near the GEMM
+  peak, and a row's output does not depend on the batch it is in. On CPUs with AMX, bf16
+  batches of up to 32 rows take an AMX kernel on the same copy (``csrc/linear_amx.cpp``);
 - fused RMSNorm, residual add + RMSNorm, SiluAndMul and the rotary embedding in bf16 and
   float32, and the greedy argmax of the logits (``csrc/elementwise.cpp``): one kernel each where
   torch runs up to nine, whose start-up costs dominate a decode step's small tensors. They round
@@ -20,15 +20,18 @@ Nothing asks on every call whether they run: each op picks them once, when the m
 (``layers/custom_op.py``), weights are packed for them once, after loading
 (``layers/packed_weight.py``), and the ``cpu`` attention backend calls the attention kernel.
 
-They need AVX512-BF16. The build goes through ``torch.utils.cpp_extension`` (ninja and g++,
-about 20 s) into ``~/.cache/radixserve/kernels/<key>``; the key covers the sources, the torch
-version and this CPU's flags (the code is built for the CPU it runs on), so later starts load
-the cached library at once. Builds are serialised by an ``fcntl`` lock on ``<key>.lock``, which
-the kernel releases when its holder dies; torch's own baton file (``<key>/lock``), which a build
-killed half-way leaves behind and every later ``load`` would wait on forever, is removed under
-it. Without a compiler or the instruction set, or with
-``RADIXSERVE_DISABLE_CPU_KERNELS=1``, ``load_cpu_kernels`` returns False and ops are built with
-their torch implementations.
+They need AVX-512 F and BW. BF16, VNNI (int8 weights) and AMX instructions are used where the CPU
+has them and replaced by AVX-512 F/BW sequences of the same sums where it does not, so older AVX-512
+CPUs (Skylake, Cascade Lake) run every kernel, float32 models included;
+``RADIXSERVE_CPU_KERNELS_AVX512_BASE=1`` builds that code on a newer CPU. The build goes through
+``torch.utils.cpp_extension`` (ninja and g++, about 20 s) into
+``~/.cache/radixserve/kernels/<key>``; the key covers the sources, the torch version and this CPU's
+flags (the code is built for the CPU it runs on), so later starts load the cached library at once.
+Builds are serialised by an ``fcntl`` lock on ``<key>.lock``, which the kernel releases when its
+holder dies; torch's own baton file (``<key>/lock``), which a build killed half-way leaves behind
+and every later ``load`` would wait on forever, is removed under it. Without a compiler or the
+instruction set, or with ``RADIXSERVE_DISABLE_CPU_KERNELS=1``, ``load_cpu_kernels`` returns False
+and ops are built with their torch implementations.
 """
 
 from __future__ import annotations
@@ -55,13 +58,28 @@ AMX_MAX_ROWS = 32  # input rows the AMX kernel takes (two tiles of 16)
 AMX_K_MULTIPLE = 32  # inputs per AMX tile row
 
 
+# instruction sets past AVX-512 F/BW the kernels use where present: /proc/cpuinfo flag -> the
+# g++ option that leaves it out of a RADIXSERVE_CPU_KERNELS_AVX512_BASE build
+NEWER_ISA = {
+    "avx512_bf16": "-mno-avx512bf16",
+    "avx512_vnni": "-mno-avx512vnni",
+    "avx_vnni": "-mno-avxvnni",
+    "amx_tile": "-mno-amx-tile",
+    "amx_bf16": "-mno-amx-bf16",
+    "amx_int8": "-mno-amx-int8",
+}
+
+
 def _cpu_flags() -> set[str]:
+    """This CPU's instruction sets, as the kernels are built for them (without ``NEWER_ISA``
+    under ``RADIXSERVE_CPU_KERNELS_AVX512_BASE``)."""
     try:
         with open("/proc/cpuinfo") as f:
             line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return set()
-    return set(line.partition(":")[2].split())
+    flags = set(line.partition(":")[2].split())
+    return flags - NEWER_ISA.keys() if envs.RADIXSERVE_CPU_KERNELS_AVX512_BASE.get() else flags
 
 
 def _build_dir(flags: set[str]) -> Path:
@@ -110,8 +128,9 @@ def load_cpu_kernels() -> bool:
     if envs.RADIXSERVE_DISABLE_CPU_KERNELS.get():
         return False
     flags = _cpu_flags()
-    if not {"avx512f", "avx512bw", "avx512_bf16"} <= flags:
+    if not {"avx512f", "avx512bw"} <= flags:
         return False
+    left_out = [option for flag, option in NEWER_ISA.items() if flag not in flags]
     try:
         from torch.utils.cpp_extension import load
 
@@ -125,7 +144,8 @@ def load_cpu_kernels() -> bool:
                 sources=[str(s) for s in SOURCES],
                 # -fopenmp: at::parallel_for runs on torch's own OpenMP threads (same libgomp);
                 # no contraction: a product and a sum round separately, as torch's kernels do
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                extra_cflags=["-O3", "-march=native", *left_out, "-fopenmp",
+                              "-ffp-contract=off"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
                 is_python_module=False,

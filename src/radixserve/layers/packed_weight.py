@@ -169,7 +169,7 @@ def prepack_model(
     if batch_invariant and variant:
         raise ValueError(
             f"no batch-invariant kernel for {', '.join(variant[:3])}: deterministic inference "
-            "needs radixserve's CPU kernels (AVX512-BF16, bf16 or float32) and memory for their "
+            "needs radixserve's CPU kernels (AVX-512, bf16 or float32) and memory for their "
             "weight copies"
         )
     extra = sum(p.extra_bytes() for p in packed.values())

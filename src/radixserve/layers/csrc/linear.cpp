@@ -1,4 +1,6 @@
-// Linear layers for AVX-512 CPUs at every batch size, bf16 (AVX512-BF16) and float32.
+// Linear layers for AVX-512 CPUs at every batch size, bf16 and float32. bf16 multiplies with
+// AVX512-BF16's `vdpbf16ps` where the CPU has it, else with two float32 multiply-adds in the same
+// order (the same sums but for denormals, which `vdpbf16ps` flushes to zero).
 //
 // The weight is stored once, blocked by 16 output columns so that one 64-byte load is one
 // input step of 16 columns:
@@ -45,7 +47,17 @@ struct Bf16 {
   static constexpr int64_t kStep = 2;  // inputs per step: a pair
   static __m512 madd(__m512 acc, const T* x, __m512i w) {
     const __m512i pair = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x));
+#ifdef __AVX512BF16__
     return _mm512_dpbf16_ps(acc, (__m512bh)pair, (__m512bh)w);
+#else
+    // What `vdpbf16ps` computes, on AVX-512 F without BF16: the odd element's product, then
+    // the even one's, each a float32 multiply-add (bf16 products are exact in float32)
+    const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(pair, high)),
+                          _mm512_castsi512_ps(_mm512_and_si512(w, high)), acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)),
+                           _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), acc);
+#endif
   }
   static __m512 load(const T* p, __mmask16 m) { return load_bf16(p, m); }
   static void store(T* p, __m512 v, __mmask16 m) { store_bf16(p, round_to_bf16(v), m); }

@@ -96,7 +96,8 @@ TileConfig tile_config(int64_t m) {
 }
 
 // float32 sums [rows][16 * blocks] (+ bias) -> bf16 outputs at column `col` of `out` [M, N]
-void store_rows(const float* sums, int64_t sum_stride, int64_t rows, int64_t cols,
+// (AMX CPUs all have AVX512-BF16; the build may leave it out elsewhere)
+__attribute__((target("avx512bf16"))) void store_rows(const float* sums, int64_t sum_stride, int64_t rows, int64_t cols,
                 const c10::BFloat16* bias, int64_t col, uint16_t* out, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; c += kRows) {

@@ -46,6 +46,16 @@ struct Large {
 constexpr int64_t kChunk = 128;  // input pairs per int32 sum
 constexpr float kInt16Max = 32767.0f;
 
+// sum + a.even * b.even + a.odd * b.odd per int32 lane of int16 pairs: AVX512-VNNI's
+// `vpdpwssd`, or the same exact sum from `vpmaddwd` and an add on CPUs without VNNI
+inline __m512i dot_pairs(__m512i sum, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(sum, a, b);
+#else
+  return _mm512_add_epi32(sum, _mm512_madd_epi16(a, b));
+#endif
+}
+
 struct Problem {
   int64_t n, groups, group_steps;  // output columns; groups; input pairs per group
   int64_t x_stride, y_stride;      // int16 inputs between rows of xq; outputs between rows
@@ -99,7 +109,7 @@ void tile(const int16_t* xq, const float* row_scale, const int8_t* w, const floa
         for (int r = 0; r < MR; ++r) {
           const __m512i pair =
               _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq + r * p.x_stride + 2 * s));
-          for (int b = 0; b < NB; ++b) sum[r][b] = _mm512_dpwssd_epi32(sum[r][b], pair, wv[b]);
+          for (int b = 0; b < NB; ++b) sum[r][b] = dot_pairs(sum[r][b], pair, wv[b]);
         }
       }
       for (int r = 0; r < MR; ++r)
