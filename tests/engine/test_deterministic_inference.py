@@ -71,6 +71,20 @@ def test_a_radix_hit_equals_a_cold_prefill(engine, prompts, concurrent):
     assert tokens(outs) == concurrent
 
 
+def test_a_radix_hit_on_generated_tokens_equals_a_cold_prefill(engine, prompts):
+    """A next turn whose cached prefix holds the last turn's generated tokens (their K/V
+    written by decode steps) gives the bits of a cold prefill of the same text."""
+    picks = prompts[:16]
+    engine.flush_cache()
+    first = tokens(engine.generate(input_ids=picks, sampling_params=GREEDY))
+    follow = [p + o for p, o in zip(picks, first, strict=True)]
+    hit = engine.generate(input_ids=follow, sampling_params=GREEDY)
+    assert all(o["meta_info"]["cached_tokens"] >= len(p) + NEW_TOKENS - 1
+               for o, p in zip(hit, picks, strict=True))
+    engine.flush_cache()
+    assert tokens(hit) == tokens(engine.generate(input_ids=follow, sampling_params=GREEDY))
+
+
 def test_seeded_sampling_is_the_same_in_any_batch(engine, prompts):
     def seeded(i: int) -> dict[str, Any]:
         return {"temperature": 0.9, "top_p": 0.95, "sampling_seed": 1000 + i,

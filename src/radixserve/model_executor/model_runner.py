@@ -86,13 +86,11 @@ class ModelRunner:
             self.attention_backend = server_args.attention_backend or default_attention_backend(
                 self.device, self.dtype, model_config.head_dim
             )
-            if self.batch_invariant and self.attention_backend != "cpu":
-                raise ValueError(
-                    "--enable-deterministic-inference needs the cpu attention backend (its "
-                    f"kernels are batch invariant), not {self.attention_backend}"
-                )
             self.attn_backend = create_attention_backend(
-                self.attention_backend, self.req_to_token_pool, self.token_to_kv_pool
+                self.attention_backend,
+                self.req_to_token_pool,
+                self.token_to_kv_pool,
+                self.batch_invariant,
             )
             logger.info("attention backend: %s", self.attention_backend)
         self.model: Any = self._load_model(model_config)

@@ -9,7 +9,10 @@ two index_puts, two gathers, a mask and SDPA):
             softmax, cached prefix included; time linear in the keys each query sees
 
 Both are batch invariant: a token's result does not depend on the other requests, the prefill
-chunk it falls in, or whether its prefix came from the radix cache.
+chunk it falls in, or whether its prefix came from the radix cache. They sum in different orders,
+though, so a token decoded differs in its last bits from the same token prefilled; with
+``batch_invariant`` (``--enable-deterministic-inference``) decode steps run the EXTEND kernel
+too, one new token per request, and a radix hit on generated tokens gives a cold prefill's bits.
 
 Built only for KV pools the kernels take (float32 or bf16, head_dim a multiple of 16 up to 256,
 any number of query heads per KV head); ``create_attention_backend`` reports why otherwise.
@@ -27,7 +30,12 @@ from radixserve.model_executor.forward_batch import ForwardBatch
 
 
 class CpuAttnBackend(AttentionBackend):
-    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: MHATokenToKVPool):
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        token_to_kv_pool: MHATokenToKVPool,
+        batch_invariant: bool = False,
+    ):
         reason = cpu_kernels.attention_kernels_support(
             token_to_kv_pool.dtype, token_to_kv_pool.head_dim
         )
@@ -35,10 +43,13 @@ class CpuAttnBackend(AttentionBackend):
             raise ValueError(f"the cpu attention backend cannot run here: {reason or 'not a CPU'}")
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
+        self.batch_invariant = batch_invariant
         self._extend_lens: torch.Tensor | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         lens = forward_batch.extend_seq_lens_cpu
+        if lens is None and self.batch_invariant:  # decode as a one-token extend
+            lens = [1] * len(forward_batch.seq_lens_cpu)
         self._extend_lens = None if lens is None else torch.tensor(lens, dtype=torch.int64)
 
     def forward_extend(
@@ -76,6 +87,8 @@ class CpuAttnBackend(AttentionBackend):
         layer: Attention,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
+        if self.batch_invariant:
+            return self.forward_extend(q, k, v, layer, forward_batch)
         n, heads, kv_heads = q.shape[0], layer.num_heads, layer.num_kv_heads
         head_dim = layer.head_dim
         pool = self.token_to_kv_pool
