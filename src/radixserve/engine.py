@@ -234,7 +234,8 @@ class Engine:
 
         sa = self.server_args
         self.model_config = ModelConfig.from_path(
-            sa.model_path, dtype=sa.dtype, device=sa.device, context_length=sa.context_length
+            sa.model_path, dtype=sa.dtype, device=sa.device, context_length=sa.context_length,
+            quantization=sa.quantization,
         )
         self._closed = False
         self._lock = threading.Lock()

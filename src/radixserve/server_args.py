@@ -32,6 +32,7 @@ class ServerArgs:
     dp_size: int = 1
     is_embedding: bool = False
     attention_backend: str | None = None  # None: cpu on CPUs whose kernels take the model
+    quantization: str | None = None  # "int8": quantise a float checkpoint's weights at load
     # memory
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
@@ -51,6 +52,7 @@ class ServerArgs:
     # constrained decoding (JSON schemas)
     constrained_json_disable_any_whitespace: bool = False
     constrained_json_max_whitespace_cnt: int | None = None
+    enable_deterministic_inference: bool = False
     # serving
     stream_interval: int = 1
     enable_metrics: bool = False
@@ -80,6 +82,14 @@ class ServerArgs:
                 raise ValueError(
                     f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                     f"got {self.attention_backend!r}"
+                )
+        if self.quantization is not None:
+            from radixserve.layers.quantization import QUANTIZATION_METHODS
+
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise ValueError(
+                    f"quantization must be one of {QUANTIZATION_METHODS}, "
+                    f"got {self.quantization!r}"
                 )
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")

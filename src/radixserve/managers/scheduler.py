@@ -123,7 +123,8 @@ class Scheduler:
         self.send_to_tokenizer = send_to_tokenizer
         device = resolve_device(server_args.device)
         self.model_config = ModelConfig.from_path(
-            server_args.model_path, server_args.dtype, device, server_args.context_length
+            server_args.model_path, server_args.dtype, device, server_args.context_length,
+            server_args.quantization,
         )
         # Embedding models (an encoder, or a decoder run with --is-embedding) only prefill.
         self.is_generation = not (server_args.is_embedding or self.model_config.is_encoder)
