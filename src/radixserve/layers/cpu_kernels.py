@@ -158,8 +158,17 @@ def load_cpu_kernels() -> bool:
     try:
         build_dir = _build_dir(flags)
         build_dir.mkdir(parents=True, exist_ok=True)
-LIBRARY_NAME = "radixserve_cpu_kernels"
-BLOCK_ROWS = 16  # output rows per weight block (csrc/linear.cpp)
+        library = build_dir / f"{LIBRARY_NAME}.so"
+        with _exclusive(build_dir):
+            # no other builder is alive: scratch directories are what killed builds left
+            for leftover in build_dir.parent.glob(f"{build_dir.name}.build-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+            if library.exists():
+                torch.ops.load_library(str(library))
+            else:
+                _build_and_load(build_dir, library, left_out)
+    except Exception as e:  # no compiler, no ninja, a failed build: torch still works
+        logger.warning("radixserve's CPU kernels are unavailable, using torch's: %s", e)
         return False
     return True
 
