@@ -128,7 +128,7 @@ def test_vocabulary_shards_pad_the_last_rank_with_zero_rows():
     full = torch.randn(vocab, hidden)
     for r, tp in enumerate(ranks(2)):
         embed = VocabEmbedding(vocab, hidden, tp)
-        head = LMHead(vocab, hidden, tp)
+        head = LMHead(vocab, hidden, tp=tp)
         assert embed.weight.shape == head.weight.shape == (501, hidden)
         assert load(embed, "weight", full) == [(501 if r == 0 else 500) * hidden]
         load(head, "weight", full)

@@ -6,9 +6,9 @@ ever sent between processes (never pickle).
     TokenizerManager ──▶ Scheduler:        TokenizedGenerateReqInput, TokenizedEmbeddingReqInput,
                                            AbortReq, FlushCacheReq, GetInternalStateReq,
                                            OpenSessionReqInput, CloseSessionReqInput, and the
-                                           control requests (weights, memory, profiling,
-                                           internal state, slow-down, GC, load, health,
-                                           inspector): each ``*ReqInput``/``*Req`` below
+                                           control requests (pause/continue, weights, memory,
+                                           profiling, internal state, slow-down, GC, load,
+                                           health, inspector): each ``*ReqInput``/``*Req``
     Scheduler ──▶ DetokenizerManager:      BatchTokenIDOutput
     DetokenizerManager ──▶ TokenizerManager: BatchStrOutput
     Scheduler ──▶ TokenizerManager:        BatchEmbeddingOutput (embeddings need no
@@ -23,7 +23,7 @@ ever sent between processes (never pickle).
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Literal, Union, get_args
 
 import msgspec
 
@@ -49,7 +49,10 @@ class TokenizedGenerateReqInput(_Msg):
     sampling_params: SamplingParams
     input_text: str | None = None
     return_logprob: bool = False
+    # First prompt position with a returned logprob; -1: output logprobs only.
+    logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
     stream: bool = False
     session_params: SessionParams | None = None
 
@@ -80,6 +83,7 @@ class OpenSessionReqInput(_Msg):
     session_id: str | None = None
     streaming: bool = False
     timeout: float | None = None
+    resume: bool = False  # continue the stored streaming session ``session_id`` (restart)
 
 
 class CloseSessionReqInput(_Msg):
@@ -87,6 +91,26 @@ class CloseSessionReqInput(_Msg):
 
 
 # The control requests; each is answered by the ``*Output`` of the same name.
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+
+
+class PauseGenerationReqInput(_Msg):
+    """Stop running batches until ``ContinueGenerationReqInput`` (SGLang's modes).
+
+    ``abort``: every waiting and running request is aborted. ``retract``: running requests go
+    back to the waiting queue (their KV to the prefix cache; they re-prefill after the
+    continue). ``in_place``: requests keep their KV and resume where they stopped. In every mode
+    new requests queue up, and aborts, sessions and internal state are still handled.
+    """
+
+    mode: PauseMode = "abort"
+
+
+class ContinueGenerationReqInput(_Msg):
+    pass
+
+
 class UpdateWeightFromDiskReqInput(_Msg):
     model_path: str
     load_format: str | None = None
@@ -139,6 +163,29 @@ class GetInspectorStateReq(_Msg):
 
 
 # ---------------------------------------------------------------- scheduler -> detokenizer
+TopLogprobs = list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+class LogprobsOutput(msgspec.Struct, kw_only=True):
+    """Logprobs of one report of a request that asked for them (``return_logprob``).
+
+    ``output_*`` have one entry per new output token of the report. ``input_*`` come once, in
+    the first report after the prompt was computed: one entry per prompt position from
+    ``logprob_start_len`` on (``input_token_ids``), each the logprob of that token given the
+    tokens before it, None for position 0 (nothing precedes it). ``*_top`` are present with
+    ``top_logprobs_num``; ``*_token_ids`` (the logprobs of the request's ``token_ids_logprob``
+    at each position) with that option.
+    """
+
+    output: list[float] = msgspec.field(default_factory=list)
+    output_top: list[TopLogprobs] | None = None
+    output_token_ids: list[list[float]] | None = None
+    input_token_ids: list[int] | None = None
+    input: list[float | None] | None = None
+    input_top: list[TopLogprobs | None] | None = None
+    input_token_ids_logprobs: list[list[float] | None] | None = None
+
+
 class ReqTokenOutput(msgspec.Struct, kw_only=True):
     """One request's progress since its previous output.
 
@@ -155,12 +202,11 @@ class ReqTokenOutput(msgspec.Struct, kw_only=True):
     cached_tokens: int
     stream: bool = False
     stop: list[str] = msgspec.field(default_factory=list)
+    stop_regex: list[str] = msgspec.field(default_factory=list)
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    # Present when the request asked for logprobs; one entry per new token.
-    output_logprobs: list[float] | None = None
-    output_top_logprobs: list[list[tuple[int, float]]] | None = None
+    logprobs: LogprobsOutput | None = None  # present when the request asked for logprobs
 
 
 class BatchTokenIDOutput(_Msg):
@@ -178,8 +224,7 @@ class ReqStrOutput(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    output_logprobs: list[float] | None = None
-    output_top_logprobs: list[list[tuple[int, float]]] | None = None
+    logprobs: LogprobsOutput | None = None
 
 
 class BatchStrOutput(_Msg):
@@ -214,6 +259,17 @@ class OpenSessionReqOutput(_Msg):
     session_id: str | None
     success: bool
     message: str = ""
+
+
+class PauseGenerationReqOutput(_Msg):
+    """Sent once the pause holds: no step is in flight and the mode's work is done."""
+
+    num_aborted: int = 0
+    num_retracted: int = 0
+
+
+class ContinueGenerationReqOutput(_Msg):
+    pass
 
 
 class UpdateWeightFromDiskReqOutput(_Msg):
@@ -297,6 +353,14 @@ class LoadReport(_Msg):
 
 
 # ---------------------------------------------------------------- scheduler rank -> rank
+class StageInputLogprobs(_Msg):
+    """``sampler.InputLogprobs`` of one request, on its way round the pipeline."""
+
+    values: list[float]
+    top: list[list[tuple[int, float]]] | None = None
+    token_ids: list[list[float]] | None = None
+
+
 class StageResult(_Msg):
     """Pipeline parallelism: what the last stage sampled for one micro-batch, handed round the
     stages so that each processes the step's outcome (identically) before scheduling the next."""
@@ -304,6 +368,8 @@ class StageResult(_Msg):
     next_token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    token_ids_logprobs: list[list[float] | None] | None = None
+    input_logprobs: list[StageInputLogprobs] | None = None
 
 
 Message = Union[  # noqa: UP007 - msgspec needs a real Union object here
@@ -314,6 +380,8 @@ Message = Union[  # noqa: UP007 - msgspec needs a real Union object here
     GetInternalStateReq,
     OpenSessionReqInput,
     CloseSessionReqInput,
+    PauseGenerationReqInput,
+    ContinueGenerationReqInput,
     UpdateWeightFromDiskReqInput,
     GetWeightsByNameReqInput,
     ReleaseMemoryOccupationReqInput,
@@ -331,6 +399,8 @@ Message = Union[  # noqa: UP007 - msgspec needs a real Union object here
     FlushCacheReqOutput,
     GetInternalStateReqOutput,
     OpenSessionReqOutput,
+    PauseGenerationReqOutput,
+    ContinueGenerationReqOutput,
     UpdateWeightFromDiskReqOutput,
     GetWeightsByNameReqOutput,
     ReleaseMemoryOccupationReqOutput,

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.layers.sampler import SampleOutput
+from radixserve.layers.sampler import InputLogprobs, SampleOutput
 from radixserve.managers import io_struct
-from radixserve.managers.io_struct import StageResult
+from radixserve.managers.io_struct import StageInputLogprobs, StageResult
 from radixserve.managers.request_receiver import RequestReceiver
 from radixserve.managers.scheduler import IDLE_POLL_MS, Scheduler
 from radixserve.managers.watchdog import Watchdog
@@ -103,11 +103,18 @@ class PipelineLoop:
 
 
 def _encode(result: SampleOutput) -> bytes:
+    inputs = result.input_logprobs
     return io_struct.encode(
         StageResult(
             next_token_ids=result.next_token_ids.tolist(),
             logprobs=result.logprobs.tolist() if result.logprobs is not None else None,
             top_logprobs=result.top_logprobs,
+            token_ids_logprobs=result.token_ids_logprobs,
+            input_logprobs=(
+                [StageInputLogprobs(x.values, x.top, x.token_ids) for x in inputs]
+                if inputs is not None
+                else None
+            ),
         )
     )
 
@@ -121,4 +128,10 @@ def _decode(msg: StageResult, device: torch.device) -> SampleOutput:
             else None
         ),
         top_logprobs=msg.top_logprobs,
+        token_ids_logprobs=msg.token_ids_logprobs,
+        input_logprobs=(
+            [InputLogprobs(x.values, x.top, x.token_ids) for x in msg.input_logprobs]
+            if msg.input_logprobs is not None
+            else None
+        ),
     )

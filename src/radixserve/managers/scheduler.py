@@ -2,22 +2,31 @@
 
     while True:
         process_input_requests(recv_nowait())   # TypeBasedDispatcher: type → handler
-        step():  batch = get_next_batch_to_run() # a new prefill if one fits, else a decode step
+        step():  requests whose grammar compiled join the waiting queue (grammar_queue.py)
+                 batch = get_next_batch_to_run() # a new prefill if one fits, else a decode step
                  run it, process its result      # output_processor.py
-                 or, idle: self_check_during_idle() and block on the socket
+                 or, idle: wait briefly for a grammar that compiles, or
+                           self_check_during_idle() and block on the socket
+                 (paused: no steps; messages are still handled)
+
+``PauseGenerationReqInput`` stops the steps until ``ContinueGenerationReqInput``; see
+``handle_pause_generation``.
 
 With ``--enable-overlap-schedule`` the model runs on a thread of its own (``OverlapWorker``) and
 a decode step N+1 is launched before step N's tokens are processed (``_step_overlapped``).
 
 Parallel ranks: every rank of a replica runs this scheduler on the same messages
 (``RequestReceiver``) and so takes the same decisions; only rank 0 sends outputs and replies.
-With pipeline parallelism the running requests form ``pp_size`` micro-batches, each with its own
-running batch, driven by ``PipelineLoop`` (``pipeline_loop.py``); ``select_micro_batch`` makes
-one of them the ``running_batch`` the rest of this class works on.
+Grammars compile on each rank, and a step waits until all queued ones are compiled, so that all
+ranks admit them at the same step. With pipeline parallelism the running requests form
+``pp_size`` micro-batches, each with its own running batch, driven by ``PipelineLoop``
+(``pipeline_loop.py``); ``select_micro_batch`` makes one of them the ``running_batch`` the rest
+of this class works on.
 
 The single-job objects it composes: ``SchedulePolicy`` + ``PrefillAdder`` (admission),
 ``retract_for_decode`` (memory pressure), ``OutputProcessor`` (results), ``TpModelWorker``
-(the model) and the prefix cache (``mem_cache``).
+(the model), ``GrammarQueue`` (constrained requests until their grammar is compiled) and the
+prefix cache (``mem_cache``).
 """
 
 from __future__ import annotations
@@ -27,17 +36,22 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from radixserve import envs
+from radixserve.constrained import GrammarCache, create_grammar_backend
 from radixserve.distributed import ParallelState
 from radixserve.layers.sampler import SampleOutput
 from radixserve.managers.dispatcher import TypeBasedDispatcher
+from radixserve.managers.grammar_queue import GrammarQueue
 from radixserve.managers.io_struct import (
     AbortReq,
     CloseSessionReqInput,
+    ContinueGenerationReqInput,
+    ContinueGenerationReqOutput,
     ControlErrorOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
@@ -46,21 +60,33 @@ from radixserve.managers.io_struct import (
     LoadReport,
     OpenSessionReqInput,
     OpenSessionReqOutput,
+    PauseGenerationReqInput,
+    PauseGenerationReqOutput,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
+from radixserve.managers.memory_check import MemoryChecker, busy_check_enabled
 from radixserve.managers.output_processor import OutputProcessor
 from radixserve.managers.overlap_worker import OverlapWorker
 from radixserve.managers.request_receiver import RequestReceiver
-from radixserve.managers.retraction import NewTokenRatio, decode_fits, retract_for_decode
+from radixserve.managers.retraction import (
+    NewTokenRatio,
+    decode_fits,
+    retract_all,
+    retract_for_decode,
+)
 from radixserve.managers.schedule_batch import BatchResources, Req, ScheduleBatch, pages_to_alloc
-from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
+from radixserve.managers.schedule_policy import (
+    AddResult,
+    PrefillAdder,
+    SchedulePolicy,
+    decode_reservation,
+)
 from radixserve.managers.scheduler_control import SchedulerControl
 from radixserve.managers.scheduler_stats import SchedulerStats, token_usage
 from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.managers.watchdog import Watchdog
-from radixserve.mem_cache import create_prefix_cache
-from radixserve.mem_cache.session_aware_cache import SessionAwareCache
+from radixserve.mem_cache import create_prefix_cache, create_session_store
 from radixserve.model_config import ModelConfig, resolve_device
 from radixserve.sampling.sampling_batch_info import reads_output_ids
 from radixserve.sampling.sampling_params import SamplingParams
@@ -71,6 +97,8 @@ logger = logging.getLogger(__name__)
 
 # How long an idle loop blocks on its socket before looking around again.
 IDLE_POLL_MS = 1000
+# How long a step with nothing to run waits for a grammar to compile (messages wait meanwhile).
+_GRAMMAR_WAIT_S = 0.01
 
 
 @dataclass
@@ -121,7 +149,8 @@ class Scheduler:
         self.dp_rank = dp_rank
         device = device or resolve_device(server_args.device)
         self.model_config = ModelConfig.from_path(
-            server_args.model_path, server_args.dtype, device, server_args.context_length
+            server_args.model_path, server_args.dtype, device, server_args.context_length,
+            server_args.quantization,
         )
         # Embedding models (an encoder, or a decoder run with --is-embedding) only prefill.
         self.is_generation = not (server_args.is_embedding or self.model_config.is_encoder)
@@ -139,19 +168,39 @@ class Scheduler:
             )
         # An encoder's tokens attend to what follows them: no prefix can be reused.
         self.radix_enabled = not (server_args.disable_radix_cache or self.model_config.is_encoder)
-        self.tree_cache = create_prefix_cache(
-            not self.radix_enabled, self.req_to_token_pool, self.allocator, self.page_size
-        )
-        # Streaming sessions keep their KV in per-session slots around the prefix cache.
-        self.session_cache: SessionAwareCache | None = None
+        store = None
         if server_args.enable_streaming_session:
-            self.session_cache = SessionAwareCache(
-                self.tree_cache, self.req_to_token_pool, self.allocator, self.page_size
+            store = create_session_store(
+                server_args.session_store, runner.token_to_kv_pool, server_args.model_path,
+                server_args.session_store_max_gb,
             )
-            self.tree_cache = self.session_cache
-        self.sessions = SessionController(
-            server_args.enable_streaming_session, self.session_cache, self.model_config.bos_token_id
+            if server_args.session_offload_after is not None and store is None:
+                raise ValueError("--session-offload-after needs a session store: give "
+                                 "--session-store DIR (on a GPU, host memory is the default)")
+        # With streaming sessions, the cache keeps each session's KV in a slot of its own.
+        self.tree_cache = create_prefix_cache(
+            not self.radix_enabled, self.req_to_token_pool, self.allocator,
+            self.page_size, streaming_sessions=server_args.enable_streaming_session,
+            session_store=store, session_offload_after=server_args.session_offload_after,
         )
+        # For stop strings and grammars; the detokenizer makes the text.
+        tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer, local_files_only=True)
+        self.grammars = GrammarCache(
+            partial(
+                create_grammar_backend,
+                tokenizer,
+                self.model_config.vocab_size,
+                self.model_config.eos_token_ids,
+                any_whitespace=not server_args.constrained_json_disable_any_whitespace,
+                max_whitespace_cnt=server_args.constrained_json_max_whitespace_cnt,
+            )
+        )
+        self.grammar_queue = GrammarQueue(self.grammars)
+        self.sessions = SessionController(self.tree_cache, self.model_config.bos_token_id)
+        self.memory = MemoryChecker(
+            self.tree_cache, self.allocator, self.req_to_token_pool, self.max_total_num_tokens
+        )
+        self.check_busy = busy_check_enabled()
         self.res = BatchResources(
             req_to_token_pool=self.req_to_token_pool,
             allocator=self.allocator,
@@ -159,9 +208,8 @@ class Scheduler:
             device=device,
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=self.model_config.eos_token_ids,
+            grammars=self.grammars,
         )
-        # Only for stop strings; the detokenizer makes the text.
-        tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer, local_files_only=True)
         self.policy = SchedulePolicy(
             server_args.schedule_policy, self.tree_cache, self.radix_enabled
         )
@@ -190,13 +238,18 @@ class Scheduler:
         self.num_pipelined_steps = 0
         self.num_retracted_reqs = 0
         self.num_aborted_reqs = 0  # running or waiting requests ended by an abort
+        # Session turns that arrived while their session's turn in flight was being aborted:
+        # judged once the abort took effect (``_finish_aborted``), so that they find it gone.
+        self._after_aborts: list[TokenizedGenerateReqInput] = []
         self.last_leak_check: dict[str, Any] = {}
+        self.stop_requested = False
         self._idle_checked = False
         self.overlap: OverlapWorker | None = None
         if server_args.enable_overlap_schedule and self.is_generation:
             self.overlap = OverlapWorker(self.tp_worker)
         self._in_flight: _InFlight | None = None
         self.num_overlapped_steps = 0  # decode steps launched before the previous one's result
+        self.paused = False  # by PauseGenerationReqInput: no step runs until continued
         self.stats = SchedulerStats()
         self.control = SchedulerControl(self)
         self._step_start = time.perf_counter()
@@ -211,6 +264,8 @@ class Scheduler:
                 (GetInternalStateReq, self.handle_get_internal_state),
                 (OpenSessionReqInput, self.handle_open_session),
                 (CloseSessionReqInput, self.handle_close_session),
+                (PauseGenerationReqInput, self.handle_pause_generation),
+                (ContinueGenerationReqInput, self.handle_continue_generation),
                 *self.control.handlers(),
             ]
         )
@@ -228,6 +283,10 @@ class Scheduler:
     @property
     def running_batch(self) -> ScheduleBatch:
         return self._mb.running
+
+    @running_batch.setter
+    def running_batch(self, batch: ScheduleBatch) -> None:
+        self._mb.running = batch
 
     @property
     def _last_was_prefill(self) -> bool:
@@ -247,11 +306,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the loop
     def event_loop(self, receiver: RequestReceiver) -> None:
-        """Run forever; an idle scheduler blocks on its input instead of spinning. The
-        watchdog ends the process if one step hangs for ``--watchdog-timeout`` seconds."""
+        """Run until ``stop_requested``; an idle scheduler blocks on its input instead of
+        spinning. The watchdog ends the process if one step hangs for ``--watchdog-timeout``
+        seconds. On a stop, streaming sessions are written to a session store that outlives the
+        process (``--session-store``), so that a restarted server resumes them."""
         watchdog = Watchdog(self.server_args.watchdog_timeout)
         watchdog.start()
-        while True:
+        while not self.stop_requested:
             self.process_input_requests(receiver.recv())
             watchdog.step_started()
             busy = self.step()
@@ -259,6 +320,7 @@ class Scheduler:
             self.report_load()
             if not busy:
                 receiver.wait(IDLE_POLL_MS)
+        self.sessions.persist_all()
 
     def report_load(self) -> None:
         """Tell the data-parallel controller this replica's load, when it changed."""
@@ -267,8 +329,8 @@ class Scheduler:
         used, _ = token_usage(self.memory_state())
         load = LoadReport(
             dp_rank=self.dp_rank,
-            num_reqs=self.num_running() + len(self.waiting_queue),
-            num_waiting_reqs=len(self.waiting_queue),
+            num_reqs=self.num_running() + self.num_waiting(),
+            num_waiting_reqs=self.num_waiting(),
             num_tokens=used,
             num_received=self.num_received_reqs,
         )
@@ -300,21 +362,27 @@ class Scheduler:
         return ControlErrorOutput(request=type(msg).__name__, message=message)
 
     def step(self) -> bool:
-        """Run one batch; False when there was nothing to run."""
+        """Run one batch; False when there was nothing to run or generation is paused."""
+        if self.paused:
+            self.sessions.on_step()
+            return False
         if self.overlap is not None:
             return self._step_overlapped(self.overlap)
         self.begin_step()
         batch = self.get_next_batch_to_run()
         if batch is None:
-            self.on_idle()
-            return False
+            return self.on_idle()
         result = self.run_batch(batch)
         assert result is not None, "without pipelining every rank has the step's outcome"
         self.process_batch_result(batch, result)
+        self._check_busy()
         return True
 
     def begin_step(self) -> None:
-        """A step starts (its duration goes to the step statistics)."""
+        """A step starts: sessions' housekeeping, compiled grammars join the waiting queue, and
+        the step's duration starts (it goes to the step statistics)."""
+        self.sessions.on_step()
+        self._admit_compiled_grammars()
         self._step_start = time.perf_counter()
 
     def run_batch(self, batch: ScheduleBatch) -> SampleOutput | torch.Tensor | None:
@@ -329,10 +397,27 @@ class Scheduler:
         self.control.after_step()
         return result
 
-    def on_idle(self) -> None:
+    def on_idle(self) -> bool:
+        """Nothing to run: wait a moment for a compiling grammar (True: not idle), else run
+        the idle self-check once (False: idle)."""
+        if self.grammar_queue:
+            self.grammar_queue.wait(_GRAMMAR_WAIT_S)
+            return True
         if not self._idle_checked:
             self.self_check_during_idle()
             self._idle_checked = True
+        return False
+
+    def _admit_compiled_grammars(self) -> None:
+        """Constrained requests whose grammar is ready join the waiting queue; those whose
+        grammar failed to compile finish with its error (status 400)."""
+        if not self.grammar_queue:
+            return
+        compiled = self.grammar_queue.pop_compiled(wait_all=self.parallel.distributed)
+        self.waiting_queue.extend(compiled.ready)
+        for req, reason in compiled.failed:
+            logger.info("request %s rejected: %s", req.rid, reason["message"])
+            self.output_processor.finish_now([req], reason)
 
     def process_batch_result(
         self, batch: ScheduleBatch, result: SampleOutput | torch.Tensor
@@ -376,21 +461,21 @@ class Scheduler:
             self.num_overlapped_steps += 1
             self._finish_in_flight(previous)
             self.control.after_step()
+            self._check_busy()
             return True
         if previous is not None:
             self._finish_in_flight(previous)
             self.control.after_step()
         batch = self.get_next_batch_to_run()
         if batch is None:
-            if previous is None:
-                self.on_idle()
-            return previous is not None
+            return self.on_idle() if previous is None else True
         self._idle_checked = False
         if batch.forward_mode.is_extend:
             self.process_batch_result(batch, worker.launch(batch.to_forward_batch()).result())
             self.control.after_step()
         else:
             self._in_flight = self._launch_decode(worker)
+        self._check_busy()
         return True
 
     def _can_decode_ahead(self) -> bool:
@@ -398,7 +483,7 @@ class Scheduler:
         in flight are known: nothing could be admitted now (the waiting requests wait for a
         request slot, which only a finish frees), nothing waits to be aborted or retracted, no
         streaming session turn (its slot takes the turn's KV when it finishes) and no sampler
-        that reads the outputs so far."""
+        that reads the outputs so far (penalties, seeds, a grammar's mask)."""
         batch = self.running_batch
         if batch.is_empty() or self.chunked_req is not None:
             return False
@@ -406,6 +491,8 @@ class Scheduler:
             return False
         for req in batch.reqs:
             if req.to_abort is not None or req.streaming_session_id is not None:
+                return False
+            if req.grammar is not None:
                 return False
             if reads_output_ids(req.sampling_params, len(req.output_ids)):
                 return False
@@ -416,7 +503,10 @@ class Scheduler:
         ``max_running_requests``, or an idle streaming session's row could be released."""
         if len(self.running_batch) >= self.max_running_requests:
             return False
-        return self.req_to_token_pool.available_size() > 0 or self.session_cache is not None
+        return (
+            self.req_to_token_pool.available_size() > 0
+            or self.tree_cache.session_held_rows() > 0
+        )
 
     def _launch_decode(self, worker: OverlapWorker) -> _InFlight:
         """Launch the running batch's prepared decode step."""
@@ -461,6 +551,9 @@ class Scheduler:
         self.num_aborted_reqs += len(aborted)
         if aborted:
             self.running_batch.filter_batch()
+        deferred, self._after_aborts = self._after_aborts, []
+        for msg in deferred:
+            self.handle_generate_request(msg)
 
     def _chunk_in_flight(self) -> bool:
         """Whether the chunked request's last chunk is still in the pipeline: its next chunk
@@ -474,15 +567,25 @@ class Scheduler:
             return None
         if self._chunk_in_flight():
             return None
+        # Every micro-batch's requests count against the limits (and hold KV to decode).
         running = [r for r in self.holding_reqs() if r is not self.chunked_req]
-        holding = len(running) + (self.chunked_req is not None)
-        if self.session_cache is not None and self.req_to_token_pool.available_size() == 0:
-            # Idle sessions must not starve new requests of rows: their next turn re-prefills.
-            # Release no more than can be admitted, sparing sessions whose own turn waits.
-            self.session_cache.release_idle_rows(
-                min(len(self.waiting_queue), self.max_running_requests - holding),
+        free_running = self.max_running_requests - len(running) - (self.chunked_req is not None)
+        if self.req_to_token_pool.available_size() == 0:
+            # Idle sessions must not starve new requests of rows: their KV goes to the store
+            # (or is dropped). Give back no more than can be admitted, sparing sessions whose
+            # own turn waits (it takes its slot's row over).
+            self.tree_cache.evict_session_rows(
+                min(len(self.waiting_queue), free_running),
                 spare={r.streaming_session_id for r in self.waiting_queue},
             )
+        # Offloaded sessions of waiting turns come back first, within what admission could
+        # give them: free and reclaimable KV less what running requests will still decode.
+        reserved = sum(decode_reservation(r, self.new_token_ratio.value) for r in running)
+        self.tree_cache.load_back(
+            self.waiting_queue,
+            self.allocator.available_size() + self.tree_cache.reclaimable_size() - reserved,
+            min(self.req_to_token_pool.available_size(), free_running),
+        )
         adder = PrefillAdder(
             tree_cache=self.tree_cache,
             allocator=self.allocator,
@@ -490,10 +593,9 @@ class Scheduler:
             new_token_ratio=self.new_token_ratio.value,
             max_prefill_tokens=self.server_args.max_prefill_tokens,
             chunked_prefill_size=self.server_args.chunked_prefill_size,
+            free_rows=self.req_to_token_pool.available_size(),
+            free_running=free_running,
             allow_chunking=not self.model_config.is_encoder,
-            free_req_slots=min(
-                self.req_to_token_pool.available_size(), self.max_running_requests - holding
-            ),
         )
         if self.chunked_req is not None:
             if adder.add_chunked_req(self.chunked_req) is AddResult.CONTINUE:
@@ -550,6 +652,16 @@ class Scheduler:
                 )
             return
         if msg.session_params is not None:
+            # A request of a session is judged after what it depends on has ended: a replaced
+            # running request (aborted here), or its streaming session's turn whose abort
+            # (a client that went away) arrived just before it.
+            replaced = self.sessions.running_rid_to_replace(msg)
+            if replaced is not None:
+                self.handle_abort(AbortReq(rid=replaced))
+            if self._aborting(replaced or self.sessions.inflight_rid(msg)):
+                self._after_aborts.append(msg)
+                return
+        if msg.session_params is not None:
             created = self.sessions.create_req(msg)
             req, error = created.req, created.error
         else:
@@ -559,6 +671,8 @@ class Scheduler:
                 msg.sampling_params,
                 return_logprob=msg.return_logprob,
                 top_logprobs_num=msg.top_logprobs_num,
+                logprob_start_len=msg.logprob_start_len,
+                token_ids_logprob=msg.token_ids_logprob,
                 stream=msg.stream,
             )
             error = None
@@ -569,14 +683,14 @@ class Scheduler:
         if created is not None:
             for replaced in self.sessions.admit(created):
                 self.handle_abort(AbortReq(rid=replaced.rid))
-        if msg.sampling_params.max_new_tokens == 0:
-            self.output_processor.finish_now([req], {"type": "length", "length": 0})
+        if msg.sampling_params.grammar is not None:
+            self.grammar_queue.add(req)
         else:
             self.waiting_queue.append(req)
 
     def handle_embedding_request(self, msg: TokenizedEmbeddingReqInput) -> None:
-        self.num_received_reqs += 1
         """Queue an embedding: a prefill that samples nothing (``max_new_tokens`` 0)."""
+        self.num_received_reqs += 1
         req = Req(msg.rid, list(msg.input_ids), SamplingParams(max_new_tokens=0))
         if self.control.released:
             self._reject(req, self._released_message(), status_code=503)
@@ -650,11 +764,25 @@ class Scheduler:
             )
         if msg.top_logprobs_num < 0:
             return f"top_logprobs_num must be non-negative, got {msg.top_logprobs_num}"
+        if msg.return_logprob and msg.logprob_start_len > len(ids):
+            return (
+                f"logprob_start_len ({msg.logprob_start_len}) is beyond the input "
+                f"({len(ids)} tokens)"
+            )
+        bad = [t for t in msg.token_ids_logprob or [] if not 0 <= t < vocab]
+        if bad:
+            return f"token_ids_logprob out of the vocabulary range [0, {vocab}): {bad[:8]}"
         try:
             msg.sampling_params.validate(vocab)
         except ValueError as e:
             return str(e)
         return None
+
+    def _aborting(self, rid: str | None) -> bool:
+        """Whether ``rid`` is a request an abort has marked, which ends at the next step."""
+        if rid is None:
+            return False
+        return any(r.rid == rid and r.to_abort is not None for r in self.holding_reqs())
 
     def handle_abort(self, msg: AbortReq) -> None:
         """Waiting requests finish now; those holding KV are marked and finish at the next step
@@ -664,13 +792,15 @@ class Scheduler:
             return msg.abort_all or req.rid == msg.rid
 
         reason = {"type": "abort", "message": "aborted by request"}
-        waiting = [r for r in self.waiting_queue if hit(r)]
+        waiting = [r for r in self.waiting_queue if hit(r)] + self.grammar_queue.remove(hit)
         self.waiting_queue = [r for r in self.waiting_queue if not hit(r)]
         self.output_processor.finish_now(waiting, reason)
         self.num_aborted_reqs += len(waiting)
         for req in self.holding_reqs():
             if hit(req):
                 req.to_abort = reason["message"]
+        if self.paused:  # no step is in flight and none will come to finish them
+            self._finish_aborted()
 
     def handle_flush_cache(self, msg: FlushCacheReq) -> FlushCacheReqOutput:
         if not self.is_idle():
@@ -678,7 +808,7 @@ class Scheduler:
                 success=False,
                 message=(
                     f"cannot flush the cache while requests run or wait "
-                    f"({self.num_running()} running, {len(self.waiting_queue)} waiting)"
+                    f"({self.num_running()} running, {self.num_waiting()} waiting)"
                 ),
             )
         self.flush()
@@ -690,6 +820,7 @@ class Scheduler:
         self.tree_cache.reset()
         self.allocator.clear()
         self.req_to_token_pool.clear()
+        self.grammars.clear()
         logger.info("cache flushed")
 
     def handle_get_internal_state(self, msg: GetInternalStateReq) -> GetInternalStateReqOutput:
@@ -698,11 +829,15 @@ class Scheduler:
             state={
                 "memory": self.memory_state(),
                 "num_running_reqs": self.num_running(),
-                "num_waiting_reqs": len(self.waiting_queue),
+                "num_waiting_reqs": self.num_waiting(),
+                "num_grammar_queue_reqs": len(self.grammar_queue),
+                "num_cached_grammars": len(self.grammars),
                 "max_total_num_tokens": self.max_total_num_tokens,
                 "num_retracted_reqs": self.num_retracted_reqs,
                 "num_aborted_reqs": self.num_aborted_reqs,
                 "num_overlapped_steps": self.num_overlapped_steps,
+                "paused": self.paused,
+                "num_open_sessions": len(self.sessions.sessions),
                 "max_running_requests": self.max_running_requests,
                 **self.stats.summary(),
                 "new_token_ratio": self.new_token_ratio.value,
@@ -714,6 +849,42 @@ class Scheduler:
             }
         )
 
+    def handle_pause_generation(self, msg: PauseGenerationReqInput) -> PauseGenerationReqOutput:
+        """Stop running batches (see ``PauseGenerationReqInput`` for the modes).
+
+        The step in flight (overlap schedule) is finished and its tokens processed first, so the
+        reply means: nothing computes until ``handle_continue_generation``. Aborts arriving
+        while paused take effect at once, as no step will come to finish the marked requests.
+        Pausing a paused scheduler applies the new mode to what is there.
+        """
+        self.paused = True
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            self._finish_in_flight(step)
+        aborted_before = self.num_aborted_reqs
+        self._finish_aborted()
+        retracted: list[Req] = []
+        if msg.mode == "abort":
+            self.handle_abort(AbortReq(abort_all=True))
+        elif msg.mode == "retract":
+            chunked = [self.chunked_req] if self.chunked_req is not None else []
+            retracted = retract_all([*self.running_batch.reqs, *chunked], self.tree_cache)
+            self.running_batch.reqs, self.chunked_req = [], None
+            self.waiting_queue[:0] = retracted
+            self.num_retracted_reqs += len(retracted)
+        aborted = self.num_aborted_reqs - aborted_before
+        logger.info("generation paused (%s): %d request(s) aborted, %d retracted",
+                    msg.mode, aborted, len(retracted))
+        return PauseGenerationReqOutput(num_aborted=aborted, num_retracted=len(retracted))
+
+    def handle_continue_generation(
+        self, msg: ContinueGenerationReqInput
+    ) -> ContinueGenerationReqOutput:
+        if self.paused:
+            logger.info("generation continued")
+        self.paused = False
+        return ContinueGenerationReqOutput()
+
     def handle_open_session(self, msg: OpenSessionReqInput) -> OpenSessionReqOutput:
         return self.sessions.open(msg)
 
@@ -724,6 +895,7 @@ class Scheduler:
     def is_idle(self) -> bool:
         return (
             not self.waiting_queue
+            and not self.grammar_queue
             and all(mb.running.is_empty() and mb.in_flight is None for mb in self.micro_batches)
             and not self.chunked_req
             and self._in_flight is None
@@ -745,44 +917,27 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.holding_reqs())
 
-    def memory_state(self) -> dict[str, int]:
-        return {
-            "available_kv_tokens": self.allocator.available_size(),
-            "evictable_kv_tokens": self.tree_cache.evictable_size(),
-            "protected_kv_tokens": self.tree_cache.protected_size(),
-            "session_held_kv_tokens": self.tree_cache.session_held_size(),
-            "total_kv_tokens": self.max_total_num_tokens,
-            "free_req_slots": self.req_to_token_pool.available_size(),
-            "total_req_slots": self.req_to_token_pool.size,
-        }
+    def num_waiting(self) -> int:
+        """Requests not yet admitted: waiting, or waiting for their grammar."""
+        return len(self.waiting_queue) + len(self.grammar_queue)
 
-    def _session_held_rows(self) -> int:
-        return self.session_cache.session_held_rows() if self.session_cache is not None else 0
+    def memory_state(self) -> dict[str, int]:
+        """KV and request-slot figures (``memory_check.py``)."""
+        return self.memory.figures()
 
     def self_check_during_idle(self) -> None:
-        """Check the memory invariant (DESIGN section 3) when no request runs or waits.
+        """Check the memory invariant (``memory_check.py``) when no request runs or waits:
+        every KV slot is free, evictable, held for a session or locked by one."""
+        if self.is_idle():
+            self.last_leak_check = self.memory.check([])
 
-        Idle, every KV slot is free, evictable or held for a session (nothing may stay locked),
-        and every request slot is free or held by a session. A violation is a bug: logged, and
-        raised in tests.
-        """
-        if not self.is_idle():
-            return
-        m = self.memory_state()
-        accounted = (
-            m["available_kv_tokens"]
-            + m["evictable_kv_tokens"]
-            + m["protected_kv_tokens"]
-            + m["session_held_kv_tokens"]
-        )
-        ok = (
-            accounted == m["total_kv_tokens"]
-            and m["protected_kv_tokens"] == 0
-            and m["free_req_slots"] + self._session_held_rows() == m["total_req_slots"]
-        )
-        self.last_leak_check = {"ok": ok, "time": time.time(), **m}
-        if not ok:
-            message = f"memory leak detected: {m}"
-            logger.error(message)
-            if envs.RADIXSERVE_TEST_STRICT.get():
-                raise RuntimeError(message)
+    def _check_busy(self) -> None:
+        """``RADIXSERVE_STRICT_MEM_CHECK=busy``: the invariant after every step, counting
+        what running requests (and the chunked one) hold."""
+        if self.check_busy:
+            self.memory.check(self.holding_reqs())
+
+    def request_stop(self) -> None:
+        """Leave ``event_loop`` after the current step (SIGTERM with a session store)."""
+        self.stop_requested = True
+

@@ -21,7 +21,7 @@ import zmq
 
 from radixserve.distributed import ParallelState, RankInfo, init_parallel_state
 from radixserve.managers import ipc
-from radixserve.managers.child_process import install_exit_handlers
+from radixserve.managers.child_process import install_exit_handlers, on_sigterm
 from radixserve.managers.request_receiver import RequestReceiver
 from radixserve.managers.scheduler import Scheduler
 from radixserve.model_config import resolve_device
@@ -122,6 +122,10 @@ def run_scheduler_process(
                 json.dumps({"status": "error", "message": f"{type(e).__name__}: {e}"}).encode()
             )
             raise SystemExit(1) from e
+        if server_args.session_store is not None:
+            # Sessions are written to the store before the process ends (one rank only:
+            # ServerArgs refuses a store with parallel ranks).
+            on_sigterm(scheduler.request_stop)
         ready_conn.send_bytes(json.dumps(scheduler.ready_info()).encode())
         ready_conn.close()
         logger.info("scheduler ready: %s", scheduler.ready_info())
@@ -131,6 +135,7 @@ def run_scheduler_process(
 
             PipelineLoop(scheduler, receiver).run()
         else:
-            scheduler.event_loop(receiver)
+            scheduler.event_loop(receiver)  # returns on a stop that flushed the sessions
+            os._exit(0)
     finally:
         ctx.destroy(linger=0)

@@ -119,9 +119,10 @@ def checkpoint_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
 
 def load_model(
     config: ModelConfig,
-    attn_backend: AttentionBackend,
+    attn_backend: AttentionBackend | None,
     device: torch.device,
     parallel: ParallelState | None = None,
+    batch_invariant: bool = False,
 ) -> LlamaForCausalLM:
     """Build ``config.architecture`` on ``device`` in ``config.torch_dtype`` (this rank's part
     of it), load its weights and pack them for the device's kernels."""
@@ -136,7 +137,7 @@ def load_model(
         else:
             model = model_cls(config, attn_backend)
     load_weights(model, config.model_path)
-    prepack_model(model, psutil.virtual_memory().total)
+    prepack_model(model, psutil.virtual_memory().total, batch_invariant)
     return model.eval()
 
 

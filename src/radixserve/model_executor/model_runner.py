@@ -27,6 +27,7 @@ from radixserve.distributed import ParallelState
 from radixserve.layers.attention import create_attention_backend, default_attention_backend
 from radixserve.layers.custom_op import build_context
 from radixserve.layers.linear import kv_heads_per_rank
+from radixserve.layers.packed_weight import planned_copy_bytes
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -73,6 +74,10 @@ class ModelRunner:
         self.model_config = model_config
         self.device = resolve_device(device)
         self.dtype = model_config.torch_dtype
+        # --enable-deterministic-inference: only batch-invariant kernels (checked when packing)
+        self.batch_invariant = server_args.enable_deterministic_inference
+        if self.batch_invariant and self.device.type != "cpu":
+            raise ValueError("--enable-deterministic-inference runs on CPU only in this build")
         self.page_size = server_args.page_size
         self.vocab_size = model_config.vocab_size
         self.parallel = parallel or ParallelState.single()
@@ -99,11 +104,19 @@ class ModelRunner:
                 self.device, self.dtype, model_config.head_dim
             )
             self.attn_backend = create_attention_backend(
-                self.attention_backend, self.req_to_token_pool, self.token_to_kv_pool
+                self.attention_backend,
+                self.req_to_token_pool,
+                self.token_to_kv_pool,
+                self.batch_invariant,
             )
             logger.info("attention backend: %s", self.attention_backend)
-        self.model: Any = load_model(model_config, self.attn_backend, self.device, self.parallel)
+        self.model: Any = self._load_model(model_config)
         self.released: set[str] = set()  # memory given back by release_memory (MEMORY_TAGS)
+
+    def _load_model(self, config: ModelConfig) -> Any:
+        return load_model(
+            config, self.attn_backend, self.device, self.parallel, self.batch_invariant
+        )
 
     def _create_kv_pool(self) -> MHATokenToKVPool:
         cfg = self.model_config
@@ -130,9 +143,10 @@ class ModelRunner:
         """KV slots to allocate, rounded down to whole pages; the same on every rank.
 
         ``max_total_tokens`` wins when set; otherwise ``mem_fraction_static`` (default 0.3 on
-        CPU, 0.85 on CUDA) of the memory left after the weights, divided by one token's KV bytes
-        on this rank. On a CPU the ranks and replicas of a machine share its memory
-        (``server_args.processes_per_node``); each plans with its share.
+        CPU, 0.85 on CUDA) of the memory left after the weights (and the kernels' packed copies
+        of them), divided by one token's KV bytes on this rank. On a CPU the ranks and replicas
+        of a machine share its memory (``server_args.processes_per_node``); each plans with its
+        share.
         """
         cfg = self.model_config
         if server_args.max_total_tokens is not None:
@@ -144,6 +158,9 @@ class ModelRunner:
             sharing = server_args.processes_per_node if self.device.type == "cpu" else 1
             world = self.parallel.info.world_size
             weight_bytes = checkpoint_weight_bytes(cfg, self.dtype) * sharing // world
+            weight_bytes += planned_copy_bytes(
+                weight_bytes, self.device, self.dtype, psutil.virtual_memory().total
+            )
             budget = (available_memory_bytes(self.device) - weight_bytes) * fraction / sharing
             per_token = MHATokenToKVPool.bytes_per_token(
                 self.num_kv_heads, cfg.head_dim, self.num_layers, self.dtype
@@ -202,7 +219,7 @@ class ModelRunner:
                     f"{getattr(self.model_config, name)!r}"
                 )
         config = dataclasses.replace(self.model_config, model_path=new.model_path)
-        model = load_model(config, self.attn_backend, self.device, self.parallel)
+        model = self._load_model(config)
         self.model, self.model_config = model, config
         logger.info("weights updated from %s", model_path)
 
@@ -246,9 +263,7 @@ class ModelRunner:
         (``model_path``, or the last ``update_weights_from_disk``)."""
         tags = tags & self.released
         if "weights" in tags:
-            self.model = load_model(
-                self.model_config, self.attn_backend, self.device, self.parallel
-            )
+            self.model = self._load_model(self.model_config)
         if "kv_cache" in tags and self.token_to_kv_pool is not None:
             self.token_to_kv_pool.allocate()
         self.released -= tags
@@ -263,10 +278,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, forward_batch: ForwardBatch) -> SampleOutput:
-        """Next tokens (and logprobs when asked) for the logits ``forward`` returned."""
-        return self._sampler(
-            logits,
+        """Next tokens (and logprobs when asked) for the logits ``forward`` returned; the rows
+        after the first ``batch_size`` give the input logprobs (``ForwardBatch``)."""
+        bs = forward_batch.batch_size
+        out = self._sampler(
+            logits[:bs],
             forward_batch.sampling_info,
             forward_batch.return_logprob,
             forward_batch.top_logprobs_nums,
+            forward_batch.token_ids_logprobs,
         )
+        counts = forward_batch.input_logprob_counts
+        if counts is not None:
+            from radixserve.layers.sampler import input_logprobs
+
+            assert forward_batch.input_logprob_targets is not None
+            out.input_logprobs = input_logprobs(
+                logits[bs:],
+                forward_batch.input_logprob_targets,
+                counts,
+                forward_batch.top_logprobs_nums,
+                forward_batch.token_ids_logprobs,
+            )
+        return out

@@ -30,6 +30,7 @@ from radixserve.layers.linear import (
 )
 from radixserve.layers.logits_processor import LogitsProcessor
 from radixserve.layers.pooler import Pooler, PoolingType
+from radixserve.layers.quantization import QuantizationConfig
 from radixserve.layers.rotary_embedding import ApplyRotaryEmbedding, RotaryEmbedding
 from radixserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from radixserve.model_config import ModelConfig
@@ -72,12 +73,14 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads,
             config.num_key_value_heads,
             bias=qkv_bias,
+            quant_config=config.quantization,
             tp=tp,
         )
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * head_dim,
             config.hidden_size,
             bias=bool(config.hf_config.get("attention_bias", False)),
+            quant_config=config.quantization,
             tp=tp,
         )
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
@@ -114,13 +117,21 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool, tp: RankGroup
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        quant_config: QuantizationConfig | None,
+        tp: RankGroup,
     ) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], bias=bias, tp=tp
+            hidden_size, [intermediate_size, intermediate_size], bias=bias,
+            quant_config=quant_config, tp=tp,
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, quant_config=quant_config, tp=tp
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,6 +155,7 @@ class LlamaDecoderLayer(nn.Module):
             config.hidden_size,
             config.intermediate_size,
             bias=bool(config.hf_config.get("mlp_bias", False)),
+            quant_config=config.quantization,
             tp=tp,
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -255,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
             parallel=self.parallel,
         )
         self.lm_head = (
-            LMHead(config.vocab_size, config.hidden_size, self.parallel.tp)
+            LMHead(config.vocab_size, config.hidden_size, config.quantization, self.parallel.tp)
             if info.is_last_stage
             else None
         )
