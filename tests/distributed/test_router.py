@@ -5,9 +5,11 @@ then ``/get_server_info``, ``/model_info`` then ``/get_model_info``), re-seriali
 bodies with SGLang's defaults of fields radixserve must accept, forwards ``/v1/*``, fans
 ``/flush_cache`` out and polls ``/get_load`` (its ``/get_loads``). The OpenAI and native tests
 that the router supports run unchanged through it (it routes one prompt per ``/generate``:
-batches and aborts are the workers' own business). ``cache_aware`` keeps a prefix tree of the
-text it routed per worker: a prompt that extends one sent before goes to the worker holding its
-KV, which shows as ``cached_tokens``.
+batches and aborts are the workers' own business; it drops fields it does not know, so the
+workers' refusal of unknown fields cannot be seen through it; its own SGLang fields reach them
+at SGLang's defaults, which they accept). ``cache_aware`` keeps a prefix tree of the text it
+routed per worker: a prompt that extends one sent before goes to the worker holding its KV,
+which shows as ``cached_tokens``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from tests.server.test_openai_api import (  # noqa: F401
     test_completion_logprobs_align_with_tokens,
     test_completion_prompts_times_n_are_ordered_and_echoed,
     test_completion_stream_equals_non_stream_with_usage_last,
-    test_unknown_fields_and_user_are_accepted,
+    test_repeated_prompt_reports_cached_tokens,
     test_unknown_model_is_404_and_bad_value_is_400,
 )
 

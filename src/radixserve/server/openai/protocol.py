@@ -48,6 +48,13 @@ UNSUPPORTED_SHARED: Unsupported = {
     "store": ((None, False), "stored completions are not supported"),
     "metadata": ((None, {}), "metadata is kept only with store, which is not supported"),
     "service_tier": ((None, "auto", "default"), "there is one service tier ('default')"),
+    # SGLang's extensions (sglang-router forwards them at these defaults with every request)
+    "return_hidden_states": ((None, False), "hidden states are not returned"),
+}
+UNSUPPORTED_CHAT: Unsupported = {
+    "continue_final_message": (
+        (None, False), "continuing the last assistant message is not supported"
+    ),
 }
 UNSUPPORTED_COMPLETIONS: Unsupported = {
     "best_of": ((None, 1), "best_of is not supported (use n)"),
@@ -209,9 +216,13 @@ class ChatMessage(StrictRequest):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    UNSUPPORTED = UNSUPPORTED_SHARED
+    UNSUPPORTED = {**UNSUPPORTED_SHARED, **UNSUPPORTED_CHAT}
 
     messages: list[ChatMessage] = Field(min_length=1)
+    # SGLang's: without effect here, as in SGLang without --reasoning-parser (radixserve has
+    # none, so no reasoning is split from the content); sglang-router sends them.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
     # Extra keyword arguments of the chat template (say, {"enable_thinking": false}).
     chat_template_kwargs: dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
