@@ -55,7 +55,7 @@ def as_result(out: dict[str, Any]) -> Result:
     meta = out["meta_info"]
     return Result(
         tokens=list(out["output_ids"]),
-        logprobs=[lp for lp, _ in meta.get("output_token_logprobs", [])],
+        logprobs=[entry[0] for entry in meta.get("output_token_logprobs", [])],
         finished_reason=meta["finish_reason"],
         cached_tokens=meta["cached_tokens"],
         prompt_tokens=meta["prompt_tokens"],

@@ -87,6 +87,7 @@ from radixserve.managers.io_struct import (
 from radixserve.managers.logprob_meta import LogprobMeta
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
+from radixserve.sessions.session import RESUME_NEEDS_ID
 
 logger = logging.getLogger(__name__)
 
@@ -627,6 +628,8 @@ class TokenizerManager:
                 f"capacity_of_str_len must be positive, got {req.capacity_of_str_len}"
             )
         if req.session_id is None:
+            if req.resume:
+                raise ValueError(RESUME_NEEDS_ID)
             req = msgspec.structs.replace(req, session_id=uuid.uuid4().hex)
         [reply] = await self._control_all(req, OpenSessionReqOutput, fan_out=1)
         if not reply.success or reply.session_id is None:

@@ -21,6 +21,12 @@ from typing import Protocol
 
 from radixserve.managers.io_struct import SessionParams
 
+# Refusal of an open_session with resume but no session id (the TokenizerManager names the
+# sessions opened without one, so it refuses this one itself).
+RESUME_NEEDS_ID = (
+    'resume continues a stored streaming session: give its session_id and "streaming": true'
+)
+
 
 class SessionError(ValueError):
     """A session request that cannot be served; the session is left unchanged."""

@@ -24,7 +24,7 @@ from radixserve.managers.io_struct import (
 )
 from radixserve.managers.schedule_batch import Req
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
-from radixserve.sessions.session import Session, SessionError, SessionReqNode
+from radixserve.sessions.session import RESUME_NEEDS_ID, Session, SessionError, SessionReqNode
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +72,7 @@ class SessionController:
         if msg.session_id is not None and not msg.session_id:
             return fail("session_id must be a non-empty string")
         if msg.resume and (msg.session_id is None or not msg.streaming):
-            return fail('resume continues a stored streaming session: give its session_id and '
-                        '"streaming": true')
+            return fail(RESUME_NEEDS_ID)
         session = Session(
             capacity_of_str_len=msg.capacity_of_str_len,
             streaming=msg.streaming,
