@@ -234,7 +234,8 @@ class Engine:
 
         sa = self.server_args
         self.model_config = ModelConfig.from_path(
-            sa.model_path, dtype=sa.dtype, device=sa.device, context_length=sa.context_length
+            sa.model_path, dtype=sa.dtype, device=sa.device, context_length=sa.context_length,
+            quantization=sa.quantization,
         )
         self._closed = False
         self._lock = threading.Lock()
@@ -306,10 +307,13 @@ class Engine:
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         stream: bool = False,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
+        return_logprob: bool | list[bool] = False,
+        top_logprobs_num: int | list[int] = 0,
         rid: str | list[str] | None = None,
         session_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        logprob_start_len: int | list[int] = -1,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
+        return_text_in_logprobs: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (→ dict) or a batch (→ list); ``stream`` → an iterator.
 
@@ -319,7 +323,8 @@ class Engine:
         obj = GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
             stream=stream, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-            session_params=session_params,
+            session_params=session_params, logprob_start_len=logprob_start_len,
+            token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
         )
         agen = self._tm.generate_request(obj)
         if not stream:
@@ -343,16 +348,20 @@ class Engine:
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         stream: bool = False,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
+        return_logprob: bool | list[bool] = False,
+        top_logprobs_num: int | list[int] = 0,
         rid: str | list[str] | None = None,
         session_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        logprob_start_len: int | list[int] = -1,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
+        return_text_in_logprobs: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """``generate`` for the caller's own asyncio loop; ``stream`` → an async iterator."""
         obj = GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
             stream=stream, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-            session_params=session_params,
+            session_params=session_params, logprob_start_len=logprob_start_len,
+            token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
         )
         agen = self._tm.generate_request(obj)
         if not stream:
@@ -406,6 +415,18 @@ class Engine:
         """``{"success", "message"}``; refused while requests are running."""
         reply = self._run(self._tm.flush_cache())
         return {"success": reply.success, "message": reply.message}
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Stop running batches until ``continue_generation``; returns once the pause holds.
+
+        ``abort``: every request ends with finish_reason abort; ``retract``: running requests
+        return to the queue and re-prefill later; ``in_place``: they keep their KV and resume.
+        New requests queue up meanwhile. ``ValueError`` for another mode.
+        """
+        self._run(self._tm.pause_generation(mode))
+
+    def continue_generation(self) -> None:
+        self._run(self._tm.continue_generation())
 
     def get_server_info(self) -> dict[str, Any]:
         state = self._run(self._tm.get_internal_state())

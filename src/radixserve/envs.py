@@ -23,8 +23,11 @@ class EnvBool:
 
 # Raise instead of only logging when the idle memory self-check finds a leak (set in tests).
 RADIXSERVE_TEST_STRICT = EnvBool("RADIXSERVE_TEST_STRICT")
-# Do not build or use radixserve's own CPU kernels (layers/cpu_kernels.py): oneDNN only.
+# Do not build or use radixserve's own CPU kernels (layers/cpu_kernels.py): torch only.
 RADIXSERVE_DISABLE_CPU_KERNELS = EnvBool("RADIXSERVE_DISABLE_CPU_KERNELS")
+# Build those kernels for AVX-512 F/BW only, without the BF16, VNNI and AMX instructions this CPU
+# may have: the code older AVX-512 CPUs (Skylake, Cascade Lake) run, checked by the tests here.
+RADIXSERVE_CPU_KERNELS_AVX512_BASE = EnvBool("RADIXSERVE_CPU_KERNELS_AVX512_BASE")
 
 
 @dataclass(frozen=True)

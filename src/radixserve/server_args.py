@@ -32,6 +32,7 @@ class ServerArgs:
     dp_size: int = 1
     is_embedding: bool = False
     attention_backend: str | None = None  # None: cpu on CPUs whose kernels take the model
+    quantization: str | None = None  # "int8": quantise a float checkpoint's weights at load
     # memory
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
@@ -48,6 +49,10 @@ class ServerArgs:
     session_store_max_gb: float = 10.0
     session_offload_after: float | None = None
     enable_overlap_schedule: bool = False
+    # constrained decoding (JSON schemas)
+    constrained_json_disable_any_whitespace: bool = False
+    constrained_json_max_whitespace_cnt: int | None = None
+    enable_deterministic_inference: bool = False
     # serving
     stream_interval: int = 1
     enable_metrics: bool = False
@@ -78,6 +83,14 @@ class ServerArgs:
                     f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                     f"got {self.attention_backend!r}"
                 )
+        if self.quantization is not None:
+            from radixserve.layers.quantization import QUANTIZATION_METHODS
+
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise ValueError(
+                    f"quantization must be one of {QUANTIZATION_METHODS}, "
+                    f"got {self.quantization!r}"
+                )
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.tp_size != 1 or self.dp_size != 1:
@@ -87,7 +100,7 @@ class ServerArgs:
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
             )
         for name in ("max_total_tokens", "max_running_requests", "context_length",
-                     "max_queued_requests"):
+                     "max_queued_requests", "constrained_json_max_whitespace_cnt"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")

@@ -37,6 +37,8 @@ class Result:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list | None = None
     finished_reason: dict[str, Any] | None = None
     cached_tokens: int = 0
     prompt_tokens: int = 0
@@ -56,12 +58,14 @@ class SchedulerDriver:
         self._consumed = 0
 
     def submit(self, rid: str, input_ids: list[int], *, stream: bool = False,
-               return_logprob: bool = False, top_logprobs_num: int = 0, **params: Any) -> None:
+               return_logprob: bool = False, top_logprobs_num: int = 0,
+               logprob_start_len: int = -1, **params: Any) -> None:
         params.setdefault("temperature", 0.0)
         params.setdefault("max_new_tokens", MAX_NEW_TOKENS)
         self.send(TokenizedGenerateReqInput(
             rid=rid, input_ids=input_ids, sampling_params=SamplingParams(**params),
             stream=stream, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+            logprob_start_len=logprob_start_len,
         ))
 
     def send(self, msg: Any) -> None:
@@ -81,8 +85,12 @@ class SchedulerDriver:
             for o in batch.outputs:
                 r = out.setdefault(o.rid, Result())
                 r.tokens += o.new_token_ids
-                r.logprobs += o.output_logprobs or []
-                r.top_logprobs += o.output_top_logprobs or []
+                if o.logprobs is not None:
+                    r.logprobs += o.logprobs.output
+                    r.top_logprobs += o.logprobs.output_top or []
+                    if o.logprobs.input is not None:
+                        r.input_logprobs = o.logprobs.input
+                        r.input_top_logprobs = o.logprobs.input_top
                 r.finished_reason = o.finished_reason
                 r.cached_tokens = o.cached_tokens
                 r.prompt_tokens = o.prompt_tokens

@@ -191,10 +191,14 @@ def test_session_requests_on_unknown_or_refused_sessions_are_rejected(driver, pr
     assert "'x' does not exist" in reason["message"]
 
 
-def test_max_new_tokens_zero_finishes_without_running(driver, prompts):
-    driver.submit("zero", prompts[0], max_new_tokens=0)
+def test_max_new_tokens_zero_runs_only_the_prefill_and_caches_the_prompt(driver, prompts):
+    driver.submit("zero", prompts[3], max_new_tokens=0)
+    assert driver.run() == 1  # one prefill step, no decode
     result = driver.results()["zero"]
     assert result.finished_reason == {"type": "length", "length": 0} and result.tokens == []
+    # SGLang's cache_prefix: the prompt is now in the radix cache for the next request.
+    again = driver.generate({"again": prompts[3]}, max_new_tokens=1)["again"]
+    assert again.cached_tokens == len(prompts[3]) - 1
 
 
 def test_stop_token_ids_and_stop_strings_end_generation(driver, prompts):

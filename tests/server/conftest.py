@@ -18,11 +18,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
+
+from tests.sync import STATE_TIMEOUT_S
 
 READY_PREFIX = "radixserve ready: "
 START_TIMEOUT_S = 240.0
@@ -104,7 +107,7 @@ class ServerProcess:
     def children(self) -> list[psutil.Process]:
         return psutil.Process(self.proc.pid).children(recursive=True)
 
-    def stop(self, timeout: float = 30.0) -> int:
+    def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM; return the exit code after checking that no child is left."""
         if self.proc.poll() is None:
             children = self.children()
@@ -141,14 +144,42 @@ def start_server(
     return server
 
 
+def internal_state(client: httpx.Client) -> dict:
+    """The scheduler's live state (memory, queues, ``paused``) from ``/get_server_info``."""
+    r = client.get("/get_server_info")
+    assert r.status_code == 200, r.text
+    return r.json()["internal_states"][0]
+
+
+def pause_generation(client: httpx.Client, mode: str = "in_place") -> None:
+    r = client.post("/pause_generation", json={"mode": mode})
+    assert r.status_code == 200, r.text
+
+
+def continue_generation(client: httpx.Client) -> None:
+    """A no-op when not paused: safe in a ``finally``."""
+    r = client.post("/continue_generation")
+    assert r.status_code == 200, r.text
+
+
+@contextlib.contextmanager
+def paused(client: httpx.Client, mode: str = "in_place") -> Iterator[None]:
+    """Generation paused for the block; continued after it, also when the block fails, so
+    that a shared server keeps serving the next tests."""
+    pause_generation(client, mode)
+    try:
+        yield
+    finally:
+        continue_generation(client)
+
+
 def memory_figures(client: httpx.Client) -> dict[str, int]:
-    info = client.get("/get_server_info").json()
-    state = info["internal_states"][0]
+    state = internal_state(client)
     return {**state["memory"], "running": state["num_running_reqs"],
             "waiting": state["num_waiting_reqs"], "aborted": state["num_aborted_reqs"]}
 
 
-def assert_no_leak(client: httpx.Client, timeout: float = 30.0) -> dict[str, int]:
+def assert_no_leak(client: httpx.Client, timeout: float = STATE_TIMEOUT_S) -> dict[str, int]:
     """Wait until the scheduler is idle, then check the memory invariant (DESIGN section 3)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -165,10 +196,15 @@ def assert_no_leak(client: httpx.Client, timeout: float = 30.0) -> dict[str, int
         time.sleep(0.05)
 
 
+# A random-weight model may loop on whitespace inside JSON: bound each run (constrained tests).
+CONSTRAINED_FLAGS = ("--constrained-json-max-whitespace-cnt", "2")
+
+
 @pytest.fixture(scope="session")
 def server(llama_path: Path):
-    """The shared default server (tiny Llama, default flags) for the API test modules."""
-    srv = start_server(llama_path)
+    """The shared server (tiny Llama, default flags but bounded JSON whitespace) for the API
+    test modules."""
+    srv = start_server(llama_path, *CONSTRAINED_FLAGS)
     yield srv
     srv.check_clean_stop()
 

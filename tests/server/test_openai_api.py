@@ -163,11 +163,15 @@ def test_repeated_prompt_reports_cached_tokens(oai, server):
     assert second.usage.prompt_tokens_details.cached_tokens > 0
 
 
-def test_unknown_fields_and_user_are_accepted(oai, server):
+def test_user_is_accepted_and_unknown_fields_are_refused_by_name(oai, server):
     r = oai.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=2,
-                                    user="someone",
-                                    extra_body={"not_a_field": 1, "ignore_eos": True})
+                                    user="someone", extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=2,
+                                    extra_body={"not_a_field": 1})
+    assert e.value.body["param"] == "not_a_field"
+    assert "unknown parameter" in e.value.body["message"]
 
 
 def test_models_list_and_retrieve(oai, server):

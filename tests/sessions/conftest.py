@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import ServerProcess, memory_figures
+from tests.sync import STATE_TIMEOUT_S
 
 BOS = 0  # the tiny tokenizer's <|bos|>
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -92,6 +93,17 @@ class SessionAPI:
         assert r.status_code == 200, r.text
         return r.json()
 
+    def generate_at(
+        self, ids: list[int], max_new_tokens: int = 6, session: str | None = None,
+        **session_params: Any,
+    ) -> dict[str, Any]:
+        """``generate`` on a connection of its own, for a thread beside the test's."""
+        with httpx.Client(base_url=self.http.base_url, timeout=self.http.timeout) as http:
+            r = http.post("/generate", json=self.body(ids, max_new_tokens, session,
+                                                     **session_params))
+        assert r.status_code == 200, r.text
+        return r.json()
+
     def rejected(
         self, ids: list[int], max_new_tokens: int = 6, session: str | None = None,
         stream: bool = False, **session_params: Any,
@@ -141,7 +153,7 @@ class SessionAPI:
     def memory(self) -> dict[str, int]:
         return memory_figures(self.http)
 
-    def wait_idle(self, timeout: float = 60.0) -> dict[str, Any]:
+    def wait_idle(self, timeout: float = STATE_TIMEOUT_S) -> dict[str, Any]:
         """Wait until nothing runs or waits; return the internal state then."""
         deadline = time.monotonic() + timeout
         while True:

@@ -15,16 +15,15 @@ holding the wrong KV shows up as different tokens.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.server.conftest import start_server
+from tests.server.conftest import paused, start_server
 from tests.sessions.conftest import BOS, BUSY_CHECK, new_rid, random_ids, sse_events
+from tests.sync import in_background, wait_for
 
 N = 6  # new tokens of an ordinary turn
-LONG = 48  # new tokens of a turn that must still run while the test does something else
 CONTEXT_LEN = 1024  # the tiny checkpoint's max_position_embeddings
 
 
@@ -52,6 +51,11 @@ class Chat:
         if self.history and new[:1] == [BOS]:
             new = new[1:]
         return self.history + new
+
+    def until_aborted(self, new: list[int]) -> int:
+        """max_new_tokens of a turn the test ends itself: the most the context allows, so that
+        it cannot finish first (see ``tests/sync.py``)."""
+        return CONTEXT_LEN - len(self.assembled(new))
 
     def turn(self, n_new: int = 5, max_new_tokens: int = N, bos: bool = False, **params) -> dict:
         """One turn that must succeed, checked against a plain request; the history advances."""
@@ -119,6 +123,14 @@ def test_held_kv_is_reported_while_a_slot_is_held_and_freed_on_close(api, rng):
     assert out["meta_info"]["cached_tokens"] == 0
 
 
+def queue_turn(api, chat: Chat, new: list[int]):
+    """Send a turn to the paused server; return its future once the scheduler holds it (the
+    session has it in flight from then on)."""
+    pending = in_background(api.generate_at, new, N, chat.id)
+    wait_for(api.state, lambda s: s["num_waiting_reqs"] == 1, "the turn queued")
+    return pending
+
+
 def test_a_system_prompt_shared_by_sessions_is_computed_once_and_locked_once(api, rng):
     system = random_ids(rng, 24)
     chats = [Chat(api, rng) for _ in range(3)]
@@ -147,17 +159,16 @@ def test_second_request_on_a_busy_session_gets_400_and_changes_nothing(api, rng)
     new = random_ids(rng, 4)
     assembled = chat.assembled(new)
     expected = chat.expected_cached()
-    with api.stream(new, LONG, chat.id) as r:
-        events = sse_events(r)
-        first = next(events)
-        assert first["meta_info"]["finish_reason"] is None
+    with paused(api.http):
+        pending = queue_turn(api, chat, new)
         message = api.rejected(random_ids(rng, 3), N, chat.id)
         assert "in flight" in message
         assert "in flight" in api.rejected(random_ids(rng, 3), N, chat.id, stream=True)
-        final = [first, *events][-1]
-    assert finish_type(final) == "length" and final["meta_info"]["completion_tokens"] == LONG
+        assert api.state()["num_waiting_reqs"] == 1 and not pending.done()
+    final = pending.result(timeout=120)
+    assert finish_type(final) == "length" and final["meta_info"]["completion_tokens"] == N
     assert cached(final) == expected
-    api.assert_turn(final, assembled, LONG)
+    api.assert_turn(final, assembled, N)
     chat.advance(final, assembled)
     expected = chat.expected_cached()
     assert cached(chat.turn()) == expected
@@ -198,7 +209,8 @@ def test_rejected_too_long_turn_keeps_the_slot(api, rng):
 def test_abort_during_the_first_turn_releases_the_slot_and_the_next_turn_starts_fresh(api, rng):
     chat = Chat(api, rng)
     rid = new_rid("first-turn")
-    with api.stream(random_ids(rng, 8), 400, chat.id, req_rid=rid) as r:
+    new = random_ids(rng, 8)
+    with api.stream(new, chat.until_aborted(new), chat.id, req_rid=rid) as r:
         events = sse_events(r)
         first = next(events)
         api.abort(rid)
@@ -218,7 +230,8 @@ def test_abort_during_a_later_turn_rolls_back_to_the_last_finished_turn(api, rng
     memory = api.assert_accounted()
     assert memory["session_held_kv_tokens"] + memory["protected_kv_tokens"] == len(chat.history) - 1
     rid = new_rid("turn-3")
-    with api.stream(random_ids(rng, 5), 400, chat.id, req_rid=rid) as r:
+    new = random_ids(rng, 5)
+    with api.stream(new, chat.until_aborted(new), chat.id, req_rid=rid) as r:
         events = sse_events(r)
         first = next(events)
         api.abort(rid)
@@ -241,7 +254,8 @@ def test_a_turn_sent_right_after_a_client_disconnect_succeeds_with_the_history_r
     chat = Chat(api, rng)
     chat.turn()
     for _ in range(5):
-        with api.stream(random_ids(rng, 5), 400, chat.id) as r:
+        new = random_ids(rng, 5)
+        with api.stream(new, chat.until_aborted(new), chat.id) as r:
             first = next(sse_events(r))
             assert first["meta_info"]["finish_reason"] is None
         # Leaving the block closed the connection: the server aborts the turn, and the next
@@ -256,17 +270,17 @@ def test_close_while_a_turn_runs_is_deferred_until_it_finishes(api, rng):
     chat.turn()
     new = random_ids(rng, 4)
     assembled = chat.assembled(new)
-    with api.stream(new, LONG, chat.id) as r:
-        events = sse_events(r)
-        first = next(events)
+    with paused(api.http):
+        pending = queue_turn(api, chat, new)
         api.close(chat.id)
         assert "is closing" in api.rejected(random_ids(rng, 3), N, chat.id)
-        final = [first, *events][-1]
-    assert finish_type(final) == "length" and final["meta_info"]["completion_tokens"] == LONG
+        assert api.state()["memory"]["session_held_kv_tokens"] > 0, "the slot waits for the turn"
+    final = pending.result(timeout=120)
+    assert finish_type(final) == "length" and final["meta_info"]["completion_tokens"] == N
     assert cached(final) == chat.expected_cached()
     assert "does not exist or is closed" in api.rejected(random_ids(rng, 3), N, chat.id)
     assert api.assert_accounted()["session_held_kv_tokens"] == 0
-    api.assert_turn(final, assembled, LONG)
+    api.assert_turn(final, assembled, N)
 
 
 def test_flush_cache_drops_slots_and_the_next_turn_re_prefills(api, rng):
@@ -289,10 +303,8 @@ def test_idle_streaming_session_times_out_and_releases_its_slot(api, rng):
     session = api.open(streaming=True, timeout=1)
     api.generate(random_ids(rng, 6), N, session)
     assert api.assert_accounted()["session_held_kv_tokens"] > 0
-    deadline = time.monotonic() + 10
-    while api.memory()["session_held_kv_tokens"] > 0:
-        assert time.monotonic() < deadline, "the idle session was not closed"
-        time.sleep(0.2)
+    # Its slot is released when the scheduler closes the session, a second after its turn.
+    wait_for(api.memory, lambda m: m["session_held_kv_tokens"] == 0, "the idle session closed")
     assert "does not exist or is closed" in api.rejected(random_ids(rng, 3), N, session)
 
 

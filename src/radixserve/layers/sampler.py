@@ -3,9 +3,11 @@
 Pipeline of ``Sampler.__call__`` over ``[bs, vocab]`` logits in the model's dtype:
 
 0. a greedy batch without logprobs, bias or penalties takes its argmax right there (upcasting
-   cannot change which entry is largest); anything else is upcast to float32 first;
-1. logit bias, then penalties and the min_new_tokens ban (``SamplingBatchInfo.process_logits``),
-   on a copy: the caller's logits are never modified;
+   cannot change which entry is largest), after its grammar mask if it has one (applied in
+   place, in the model's dtype); anything else is upcast to float32 first;
+1. logit bias, then penalties and the min_new_tokens ban, then the grammar mask of constrained
+   requests (``SamplingBatchInfo.process_logits``), on a copy when logprobs are asked for (they
+   are taken from the raw logits), else in place;
 2. all rows greedy → argmax (``GreedyArgmax``), no softmax;
 3. otherwise divide by temperature, softmax, zero out what top_k / top_p / min_p filter, and
    draw by inverting each row's cumulative distribution at one uniform number per row (what
@@ -14,7 +16,11 @@ Pipeline of ``Sampler.__call__`` over ``[bs, vocab]`` logits in the model's dtyp
    Unseeded rows take their uniform from the global generator; a row with a ``sampling_seed`` from
    its own ``torch.Generator`` seeded by (seed, output length), so its token depends only on that
    and its own logits, never on the rest of the batch. Greedy rows take the argmax;
-4. logprobs come from ``log_softmax`` of the raw logits, so they match transformers.
+4. logprobs come from ``log_softmax`` of the raw logits, so they match transformers (also for
+   grammar-constrained requests: the model's own probability of the token it was allowed).
+
+``input_logprobs`` does the same for the extra rows an EXTEND batch computes for prompt
+positions (``ForwardBatch`` explains their layout).
 """
 
 from __future__ import annotations
@@ -31,10 +37,22 @@ _MASK64 = (1 << 64) - 1
 
 
 @dataclass
+class InputLogprobs:
+    """One request's logprobs of the prompt positions an EXTEND step computed, in order."""
+
+    values: list[float]  # logprob of each scored prompt token
+    top: list[list[tuple[int, float]]] | None = None  # with top_logprobs_num
+    token_ids: list[list[float]] | None = None  # with token_ids_logprob: one per asked id
+
+
+@dataclass
 class SampleOutput:
     next_token_ids: torch.Tensor  # [bs] int64
     logprobs: torch.Tensor | None = None  # [bs] float32, raw-logit logprob of the chosen token
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per request: (token_id, logprob)
+    # Per request: the logprobs of its token_ids_logprob ids (None for requests without).
+    token_ids_logprobs: list[list[float] | None] | None = None
+    input_logprobs: list[InputLogprobs] | None = None  # per request (EXTEND with input logprobs)
 
 
 class GreedyArgmax(CustomOp):
@@ -46,7 +64,7 @@ class GreedyArgmax(CustomOp):
     a half, for the model's dtype and the float32 logits the sampler computes.
     """
 
-    cpu_dtypes = (torch.bfloat16, torch.float32)
+    cpu_dtypes = cpu_kernels.KERNEL_DTYPES
 
     def forward_native(self, logits: torch.Tensor) -> torch.Tensor:
         bs, vocab = logits.shape
@@ -76,13 +94,21 @@ class Sampler:
         sampling_info: SamplingBatchInfo,
         return_logprob: bool = False,
         top_logprobs_nums: list[int] | None = None,
+        token_ids_logprobs: list[list[int] | None] | None = None,
     ) -> SampleOutput:
-        """Sample one token per row; ``top_logprobs_nums[i]`` top entries for request ``i``."""
+        """Sample one token per row; ``top_logprobs_nums[i]`` top entries and the logprobs of
+        ``token_ids_logprobs[i]`` for request ``i``."""
         assert logits.shape == (sampling_info.batch_size, sampling_info.vocab_size), logits.shape
-        if sampling_info.is_all_greedy and not return_logprob and not sampling_info.modifies_logits:
-            return SampleOutput(self.greedy_argmax(logits))
+        if sampling_info.is_all_greedy and not return_logprob:
+            if not sampling_info.modifies_logits:
+                return SampleOutput(self.greedy_argmax(logits))
+            if sampling_info.only_grammar_mask:
+                # Nobody reads the raw logits: mask them in place, in the model's dtype.
+                sampling_info.apply_grammar_mask(logits)
+                return SampleOutput(self.greedy_argmax(logits))
         logits = logits.float()
-        processed = sampling_info.process_logits(logits)
+        # Without logprobs the raw logits are not read again: process them in place.
+        processed = sampling_info.process_logits(logits, in_place=not return_logprob)
         if sampling_info.is_all_greedy:
             next_token_ids = self.greedy_argmax(processed)
         else:
@@ -96,7 +122,10 @@ class Sampler:
         logprobs = torch.log_softmax(logits, dim=-1)
         chosen = logprobs.gather(-1, next_token_ids.unsqueeze(-1)).squeeze(-1)
         top = None if top_logprobs_nums is None else _top_logprobs(logprobs, top_logprobs_nums)
-        return SampleOutput(next_token_ids, chosen, top)
+        by_id = None
+        if token_ids_logprobs is not None:
+            by_id = _token_ids_logprobs(logprobs, token_ids_logprobs, [1] * len(token_ids_logprobs))
+        return SampleOutput(next_token_ids, chosen, top, by_id)
 
 
 def _sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -188,3 +217,54 @@ def _top_logprobs(logprobs: torch.Tensor, nums: list[int]) -> list[list[tuple[in
     values, ids = logprobs.topk(k, dim=-1)
     values_l, ids_l = values.tolist(), ids.tolist()
     return [list(zip(ids_l[i][:n], values_l[i][:n], strict=True)) for i, n in enumerate(nums)]
+
+
+def _token_ids_logprobs(
+    logprobs: torch.Tensor, ids: list[list[int] | None], rows_per_request: list[int]
+) -> list[list[float] | None]:
+    """Per row the logprobs of its request's ``ids`` (None for a request without), where
+    request i owns the next ``rows_per_request[i]`` rows."""
+    out: list[list[float] | None] = []
+    row = 0
+    for request_ids, count in zip(ids, rows_per_request, strict=True):
+        if request_ids:
+            index = torch.tensor(request_ids, dtype=torch.int64, device=logprobs.device)
+            out.extend(logprobs[row : row + count, index].tolist())
+        else:
+            out.extend([None] * count)
+        row += count
+    return out
+
+
+def input_logprobs(
+    rows: torch.Tensor,
+    targets: list[int],
+    counts: list[int],
+    top_logprobs_nums: list[int] | None,
+    token_ids_logprobs: list[list[int] | None] | None,
+) -> list[InputLogprobs]:
+    """Logprobs of prompt tokens from their positions' logits ``rows`` (``[sum(counts), vocab]``,
+    request i owning ``counts[i]`` of them in order; row k scores ``targets[k]``)."""
+    logprobs = torch.log_softmax(rows.float(), dim=-1)
+    index = torch.tensor(targets, dtype=torch.int64, device=logprobs.device)
+    values = logprobs.gather(-1, index.unsqueeze(-1)).squeeze(-1).tolist()
+    top = None
+    if top_logprobs_nums is not None and any(top_logprobs_nums):
+        per_row = [n for n, c in zip(top_logprobs_nums, counts, strict=True) for _ in range(c)]
+        top = _top_logprobs(logprobs, per_row)
+    by_id = None
+    if token_ids_logprobs is not None:
+        by_id = _token_ids_logprobs(logprobs, token_ids_logprobs, counts)
+    out = []
+    start = 0
+    for i, count in enumerate(counts):
+        end = start + count
+        out.append(
+            InputLogprobs(
+                values[start:end],
+                top[start:end] if top is not None and top_logprobs_nums[i] else None,
+                by_id[start:end] if by_id is not None and token_ids_logprobs[i] else None,
+            )
+        )
+        start = end
+    return out

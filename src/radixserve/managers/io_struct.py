@@ -6,9 +6,9 @@ ever sent between processes (never pickle).
     TokenizerManager ──▶ Scheduler:        TokenizedGenerateReqInput, TokenizedEmbeddingReqInput,
                                            AbortReq, FlushCacheReq, GetInternalStateReq,
                                            OpenSessionReqInput, CloseSessionReqInput, and the
-                                           control requests (weights, memory, profiling,
-                                           internal state, slow-down, GC, load, health,
-                                           inspector): each ``*ReqInput``/``*Req`` below
+                                           control requests (pause/continue, weights, memory,
+                                           profiling, internal state, slow-down, GC, load,
+                                           health, inspector): each ``*ReqInput``/``*Req``
     Scheduler ──▶ DetokenizerManager:      BatchTokenIDOutput
     DetokenizerManager ──▶ TokenizerManager: BatchStrOutput
     Scheduler ──▶ TokenizerManager:        BatchEmbeddingOutput (embeddings need no
@@ -20,7 +20,7 @@ ever sent between processes (never pickle).
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Literal, Union, get_args
 
 import msgspec
 
@@ -46,7 +46,10 @@ class TokenizedGenerateReqInput(_Msg):
     sampling_params: SamplingParams
     input_text: str | None = None
     return_logprob: bool = False
+    # First prompt position with a returned logprob; -1: output logprobs only.
+    logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
     stream: bool = False
     session_params: SessionParams | None = None
 
@@ -85,6 +88,26 @@ class CloseSessionReqInput(_Msg):
 
 
 # The control requests; each is answered by the ``*Output`` of the same name.
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+
+
+class PauseGenerationReqInput(_Msg):
+    """Stop running batches until ``ContinueGenerationReqInput`` (SGLang's modes).
+
+    ``abort``: every waiting and running request is aborted. ``retract``: running requests go
+    back to the waiting queue (their KV to the prefix cache; they re-prefill after the
+    continue). ``in_place``: requests keep their KV and resume where they stopped. In every mode
+    new requests queue up, and aborts, sessions and internal state are still handled.
+    """
+
+    mode: PauseMode = "abort"
+
+
+class ContinueGenerationReqInput(_Msg):
+    pass
+
+
 class UpdateWeightFromDiskReqInput(_Msg):
     model_path: str
     load_format: str | None = None
@@ -137,6 +160,29 @@ class GetInspectorStateReq(_Msg):
 
 
 # ---------------------------------------------------------------- scheduler -> detokenizer
+TopLogprobs = list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+class LogprobsOutput(msgspec.Struct, kw_only=True):
+    """Logprobs of one report of a request that asked for them (``return_logprob``).
+
+    ``output_*`` have one entry per new output token of the report. ``input_*`` come once, in
+    the first report after the prompt was computed: one entry per prompt position from
+    ``logprob_start_len`` on (``input_token_ids``), each the logprob of that token given the
+    tokens before it, None for position 0 (nothing precedes it). ``*_top`` are present with
+    ``top_logprobs_num``; ``*_token_ids`` (the logprobs of the request's ``token_ids_logprob``
+    at each position) with that option.
+    """
+
+    output: list[float] = msgspec.field(default_factory=list)
+    output_top: list[TopLogprobs] | None = None
+    output_token_ids: list[list[float]] | None = None
+    input_token_ids: list[int] | None = None
+    input: list[float | None] | None = None
+    input_top: list[TopLogprobs | None] | None = None
+    input_token_ids_logprobs: list[list[float] | None] | None = None
+
+
 class ReqTokenOutput(msgspec.Struct, kw_only=True):
     """One request's progress since its previous output.
 
@@ -153,12 +199,11 @@ class ReqTokenOutput(msgspec.Struct, kw_only=True):
     cached_tokens: int
     stream: bool = False
     stop: list[str] = msgspec.field(default_factory=list)
+    stop_regex: list[str] = msgspec.field(default_factory=list)
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    # Present when the request asked for logprobs; one entry per new token.
-    output_logprobs: list[float] | None = None
-    output_top_logprobs: list[list[tuple[int, float]]] | None = None
+    logprobs: LogprobsOutput | None = None  # present when the request asked for logprobs
 
 
 class BatchTokenIDOutput(_Msg):
@@ -176,8 +221,7 @@ class ReqStrOutput(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    output_logprobs: list[float] | None = None
-    output_top_logprobs: list[list[tuple[int, float]]] | None = None
+    logprobs: LogprobsOutput | None = None
 
 
 class BatchStrOutput(_Msg):
@@ -212,6 +256,17 @@ class OpenSessionReqOutput(_Msg):
     session_id: str | None
     success: bool
     message: str = ""
+
+
+class PauseGenerationReqOutput(_Msg):
+    """Sent once the pause holds: no step is in flight and the mode's work is done."""
+
+    num_aborted: int = 0
+    num_retracted: int = 0
+
+
+class ContinueGenerationReqOutput(_Msg):
+    pass
 
 
 class UpdateWeightFromDiskReqOutput(_Msg):
@@ -287,6 +342,8 @@ Message = Union[  # noqa: UP007 - msgspec needs a real Union object here
     GetInternalStateReq,
     OpenSessionReqInput,
     CloseSessionReqInput,
+    PauseGenerationReqInput,
+    ContinueGenerationReqInput,
     UpdateWeightFromDiskReqInput,
     GetWeightsByNameReqInput,
     ReleaseMemoryOccupationReqInput,
@@ -304,6 +361,8 @@ Message = Union[  # noqa: UP007 - msgspec needs a real Union object here
     FlushCacheReqOutput,
     GetInternalStateReqOutput,
     OpenSessionReqOutput,
+    PauseGenerationReqOutput,
+    ContinueGenerationReqOutput,
     UpdateWeightFromDiskReqOutput,
     GetWeightsByNameReqOutput,
     ReleaseMemoryOccupationReqOutput,

@@ -2,21 +2,25 @@
 
 For every request of the batch:
 
+- a prefill that asked for input logprobs collects those of the positions it computed (chunk by
+  chunk; the first report after the prompt carries them all);
 - a prefill chunk that is not the last only hands its KV to the cache (``cache_unfinished_req``)
   and samples nothing;
 - a request that finished in the previous step samples nothing either: under the overlap
   schedule (``scheduler.py``) it was planned into this step before its end was known. The step
   wrote the KV of its last token (already counted in ``kv_len`` when it finished, and handed to
   the cache with the rest); the token it sampled is discarded;
-- otherwise the sampled token (and its logprobs) is appended and ``check_finished`` runs; a
-  finished request gives its KV to the cache (``cache_finished_req``); a request that just
-  finished its prefill inserts its prompt into the cache so that others can share it while it
-  decodes (``cache_unfinished_req``).
+- a prefill-only request (``max_new_tokens`` 0: SGLang's ``cache_prefix`` and ``select``)
+  finishes with ``length`` and no token, its prompt cached;
+- otherwise the sampled token (and its logprobs) is appended, its grammar (if any) advances,
+  and ``check_finished`` runs; a finished request gives its KV to the cache
+  (``cache_finished_req``); a request that just finished its prefill inserts its prompt into the
+  cache so that others can share it while it decodes (``cache_unfinished_req``).
 
 Then one ``BatchTokenIDOutput`` goes to the detokenizer: stream requests report their first token
-at once, then every ``stream_interval`` tokens (``--stream-interval``; 1: every step) and at
-finish; non-stream requests report once, at finish, with all their tokens. Each report carries
-every token since the previous one.
+at once, then every ``stream_interval`` tokens (the request's, else ``--stream-interval``; 1:
+every step) and at finish; non-stream requests report once, at finish, with all their tokens.
+Each report carries every token since the previous one.
 
 A request whose output processing raises (a bug that concerns it alone) finishes with an abort
 carrying ``status_code`` 500 and the error; the rest of the batch goes on.
@@ -34,9 +38,11 @@ from typing import Any
 import torch
 
 from radixserve import envs
+from radixserve.layers.sampler import InputLogprobs
 from radixserve.managers.io_struct import (
     BatchEmbeddingOutput,
     BatchTokenIDOutput,
+    LogprobsOutput,
     ReqEmbeddingOutput,
     ReqTokenOutput,
 )
@@ -44,6 +50,24 @@ from radixserve.managers.schedule_batch import Req, ScheduleBatch, release_kv
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 
 logger = logging.getLogger(__name__)
+
+
+def _logprobs_output(req: Req, start: int) -> LogprobsOutput:
+    """The logprobs of output tokens ``start:`` and, once, of the prompt."""
+    out = LogprobsOutput(
+        output=req.output_logprobs[start:],
+        output_top=req.output_top_logprobs[start:] if req.top_logprobs_num else None,
+        output_token_ids=req.output_token_ids_logprobs[start:] if req.token_ids_logprob else None,
+    )
+    if req.logprob_start_len >= 0 and not req.input_logprobs_sent and req.input_logprobs_done:
+        req.input_logprobs_sent = True
+        out.input_token_ids = req.origin_input_ids[req.logprob_start_len :]
+        out.input = req.input_logprobs
+        out.input_top = req.input_top_logprobs if req.top_logprobs_num else None
+        out.input_token_ids_logprobs = (
+            req.input_token_ids_logprobs if req.token_ids_logprob else None
+        )
+    return out
 
 
 def make_output(req: Req) -> ReqTokenOutput:
@@ -60,13 +84,11 @@ def make_output(req: Req) -> ReqTokenOutput:
         cached_tokens=req.cached_tokens,
         stream=req.stream,
         stop=list(params.stop),
+        stop_regex=list(params.stop_regex),
         no_stop_trim=params.no_stop_trim,
         skip_special_tokens=params.skip_special_tokens,
         spaces_between_special_tokens=params.spaces_between_special_tokens,
-        output_logprobs=req.output_logprobs[start:] if req.return_logprob else None,
-        output_top_logprobs=(
-            req.output_top_logprobs[start:] if req.return_logprob and req.top_logprobs_num else None
-        ),
+        logprobs=_logprobs_output(req, start) if req.return_logprob else None,
     )
 
 
@@ -103,11 +125,13 @@ class OutputProcessor:
         for i, req in enumerate(batch.reqs):
             if req.finished():
                 continue
+            if is_extend and result.input_logprobs is not None and req.wants_input_logprobs:
+                _add_input_logprobs(req, result.input_logprobs[i])
             if req.is_chunked:
                 self.tree_cache.cache_unfinished_req(req, req.fill_ids)
                 continue
             try:
-                self._apply_token(req, i, next_ids, logprobs, result)
+                self._apply_token(req, i, next_ids[i], logprobs, result)
             except Exception as e:  # a bug that concerns this request alone fails it alone
                 logger.exception("failed to process the output of request %s", req.rid)
                 message = f"internal error while processing the output: {type(e).__name__}: {e}"
@@ -122,16 +146,29 @@ class OutputProcessor:
         self.send_outputs(reports)
 
     def _apply_token(
-        self, req: Req, i: int, next_ids: list[int], logprobs: list[float] | None, result: Any
+        self, req: Req, i: int, token: int, logprobs: list[float] | None, result: Any
     ) -> None:
         if self.inject_faults and req.rid.startswith("inject-fault-output-"):
             raise RuntimeError(f"injected fault while processing {req.rid}")
-        req.output_ids.append(next_ids[i])
+        if req.sampling_params.max_new_tokens == 0:
+            req.finished_reason = {"type": "length", "length": 0}
+            return
+        req.output_ids.append(token)
         if req.return_logprob:
             assert logprobs is not None, "the sampler returns logprobs when asked"
             req.output_logprobs.append(logprobs[i])
             if req.top_logprobs_num:
                 req.output_top_logprobs.append(result.top_logprobs[i])
+            if req.token_ids_logprob:
+                req.output_token_ids_logprobs.append(result.token_ids_logprobs[i])
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            # The sampler applies the grammar's mask, so this is a bug: end the request, not
+            # the server.
+            logger.error("request %s: sampled token %d outside its grammar", req.rid, token)
+            req.finished_reason = {
+                "type": "abort", "message": f"internal error: token {token} violates the grammar"
+            }
+            return
         req.check_finished(self.eos_token_ids, self.tokenizer)
 
     def process_embedding_result(self, batch: ScheduleBatch, embeddings: torch.Tensor) -> None:
@@ -163,7 +200,8 @@ class OutputProcessor:
         if not req.stream or req.is_chunked:
             return False
         unsent = len(req.output_ids) - req.send_offset
-        return req.send_offset == 0 or unsent >= self.stream_interval
+        interval = req.sampling_params.stream_interval or self.stream_interval
+        return req.send_offset == 0 or unsent >= interval
 
     def finish_now(self, reqs: list[Req], reason: dict[str, Any]) -> None:
         """Finish requests outside a model step (aborted, rejected, out of memory)."""
@@ -180,3 +218,14 @@ class OutputProcessor:
                     self.on_finish(req)
         if reqs:
             self.send_to_detokenizer(BatchTokenIDOutput(outputs=[make_output(r) for r in reqs]))
+
+
+def _add_input_logprobs(req: Req, computed: InputLogprobs) -> None:
+    """Append what one extend computed; position 0 (nothing precedes it) gets None first."""
+    if not req.input_logprobs and req.logprob_start_len == 0:
+        req.input_logprobs.append(None)
+        req.input_top_logprobs.append(None)
+        req.input_token_ids_logprobs.append(None)
+    req.input_logprobs.extend(computed.values)
+    req.input_top_logprobs.extend(computed.top or [[] for _ in computed.values])
+    req.input_token_ids_logprobs.extend(computed.token_ids or [[] for _ in computed.values])

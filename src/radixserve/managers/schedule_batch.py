@@ -39,8 +39,10 @@ while the current one still runs: its token is then in flight, not yet in ``outp
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,10 +50,20 @@ from radixserve.managers.io_struct import SessionParams
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
-from radixserve.sampling.sampling_batch_info import SamplingBatchInfo
+from radixserve.sampling.sampling_batch_info import GrammarMask, SamplingBatchInfo
 from radixserve.sampling.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from radixserve.constrained import GrammarCache, GrammarMatcher
+
+try:  # the regex parser (``sre_parse`` before Python 3.11)
+    import re._parser as sre_parse  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_parse  # type: ignore[no-redef]
+
 _EMPTY = torch.empty(0, dtype=torch.int64)
+# A stop regex that can match more characters than this is searched in the whole output.
+_MAX_REGEX_WINDOW = 1024
 
 
 def pages_to_alloc(prefix_len: int, seq_len: int, page_size: int) -> int:
@@ -73,6 +85,8 @@ class Req:
         *,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        token_ids_logprob: list[int] | None = None,
         stream: bool = False,
         session_params: SessionParams | None = None,
     ) -> None:
@@ -82,6 +96,10 @@ class Req:
         self.sampling_params = sampling_params
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num if return_logprob else 0
+        self.token_ids_logprob = token_ids_logprob if return_logprob else None
+        # Input logprobs for prompt positions [logprob_start_len, len(origin_input_ids)): -1
+        # (or the prompt's length) asks for none.
+        self.logprob_start_len = logprob_start_len if return_logprob else -1
         self.stream = stream
         self.session_params = session_params
         # Set for a turn of a streaming session: its KV lives in that session's slot.
@@ -101,12 +119,22 @@ class Req:
         self.is_chunked = False
         # True once retracted: its next prefill recomputes origin_input_ids + output_ids.
         self.is_retracted = False
+        # Constrained decoding: the grammar's compile future while the request waits in the
+        # grammar queue, then its matcher (which has accepted exactly ``output_ids``).
+        self.grammar_future: Any = None
+        self.grammar: GrammarMatcher | None = None
 
         # Reporting.
         self.cached_tokens = 0
         self.finished_reason: dict[str, Any] | None = None
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        self.output_token_ids_logprobs: list[list[float]] = []
+        # Input logprobs of prompt positions [logprob_start_len, ...), filled chunk by chunk.
+        self.input_logprobs: list[float | None] = []
+        self.input_top_logprobs: list[list[tuple[int, float]] | None] = []
+        self.input_token_ids_logprobs: list[list[float] | None] = []
+        self.input_logprobs_sent = False
         self.send_offset = 0  # output_ids[:send_offset] were already sent
         # An abort message, set when an abort arrives while the request holds KV; the scheduler
         # finishes it before the next batch forms.
@@ -136,6 +164,36 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """Whether some prompt position's logprob is still to be computed."""
+        start = self.logprob_start_len
+        return 0 <= start < len(self.origin_input_ids) and not self.input_logprobs_done
+
+    @property
+    def input_logprobs_done(self) -> bool:
+        return len(self.input_logprobs) == len(self.origin_input_ids) - self.logprob_start_len
+
+    @property
+    def max_prefix_len(self) -> int:
+        """The longest cached prefix this request may reuse: all but its last token, and no
+        position whose logits its input logprobs need (those are recomputed: the cache holds
+        KV, not logits)."""
+        if self.wants_input_logprobs:
+            return max(self.logprob_start_len, 1) - 1
+        return self.seqlen - 1
+
+    def input_logprob_rows(self, prefix_len: int, seq_len: int) -> tuple[int, int]:
+        """``(first, count)`` of the positions of an extend over ``[prefix_len, seq_len)``
+        whose logits give input logprobs: position p scores prompt token p + 1, for tokens
+        ``max(logprob_start_len, 1)`` to the prompt's last. ``first`` is relative to the
+        extend."""
+        if not self.wants_input_logprobs:
+            return 0, 0
+        lo = max(max(self.logprob_start_len, 1) - 1, prefix_len)
+        hi = min(len(self.origin_input_ids) - 1, seq_len)
+        return lo - prefix_len, max(hi - lo, 0)
+
     def remaining_new_tokens(self) -> int:
         return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
 
@@ -154,13 +212,17 @@ class Req:
     def check_finished(self, eos_token_ids: set[int], tokenizer: Any) -> None:
         """Set ``finished_reason`` after a token was appended, if the request is done.
 
-        Order: the length limit, then (not before ``min_new_tokens``) EOS unless
-        ``ignore_eos``, ``stop_token_ids``, and stop strings found in text this request
-        generated.
+        Order: a grammar that is complete (its matcher accepted the model's EOS), the length
+        limit, then (not before ``min_new_tokens``) EOS unless ``ignore_eos``,
+        ``stop_token_ids``, stop strings and ``stop_regex`` matches found in text this
+        request generated.
         """
         if self.finished_reason is not None:
             return
         params = self.sampling_params
+        if self.grammar is not None and self.grammar.is_terminated():
+            self.finished_reason = {"type": "stop", "matched": self.output_ids[-1]}
+            return
         if len(self.output_ids) >= params.max_new_tokens:
             self.finished_reason = {"type": "length", "length": params.max_new_tokens}
             return
@@ -181,6 +243,26 @@ class Req:
                 if stop in tail:
                     self.finished_reason = {"type": "stop", "matched": stop}
                     return
+        if params.stop_regex:
+            window = stop_regex_window(params.stop_regex)
+            tail = self.output_ids if window is None else self.output_ids[-window:]
+            text = tokenizer.decode(tail, skip_special_tokens=params.skip_special_tokens)
+            for pattern in params.stop_regex:
+                if re.search(pattern, text):
+                    self.finished_reason = {"type": "stop", "matched": pattern}
+                    return
+
+
+@functools.lru_cache(maxsize=256)
+def _regex_max_width(pattern: str) -> int:
+    return sre_parse.parse(pattern).getwidth()[1]
+
+
+def stop_regex_window(patterns: list[str]) -> int | None:
+    """Output tokens to decode to find any match of ``patterns``: four per character of the
+    longest possible match (+1, as for stop strings), None (all) when a match is unbounded."""
+    width = max(_regex_max_width(p) for p in patterns)
+    return None if width >= _MAX_REGEX_WINDOW else 4 * width + 1
 
 
 def release_kv(req: Req, tree_cache: BasePrefixCache) -> None:
@@ -209,6 +291,7 @@ class BatchResources:
     device: torch.device
     vocab_size: int
     eos_token_ids: list[int]
+    grammars: GrammarCache | None = None  # compiled grammars (their backend fills masks)
 
     @property
     def page_size(self) -> int:
@@ -402,9 +485,10 @@ class ScheduleBatch:
             eos_token_ids=res.eos_token_ids,
             vocab_size=res.vocab_size,
             device=res.device,
+            grammar_mask=self._grammar_mask(),
         )
         is_extend = self.forward_mode.is_extend
-        return ForwardBatch(
+        forward_batch = ForwardBatch(
             forward_mode=self.forward_mode,
             input_ids=self.input_ids,
             positions=self.positions,
@@ -417,4 +501,38 @@ class ScheduleBatch:
             sampling_info=sampling_info,
             return_logprob=return_logprob,
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs] if return_logprob else None,
+            token_ids_logprobs=(
+                [r.token_ids_logprob for r in self.reqs]
+                if any(r.token_ids_logprob for r in self.reqs) else None
+            ),
         )
+        if is_extend and any(r.wants_input_logprobs for r in self.reqs):
+            self._plan_input_logprobs(forward_batch)
+        return forward_batch
+
+    def _grammar_mask(self) -> GrammarMask | None:
+        """The next-token bitmask of the constrained requests (others allow everything)."""
+        rows = [i for i, r in enumerate(self.reqs) if r.grammar is not None]
+        if not rows:
+            return None
+        assert self.res.grammars is not None, "a request has a grammar, so the cache exists"
+        backend = self.res.grammars.backend
+        bitmask = backend.allocate_bitmask(len(self.reqs))
+        for i in rows:
+            self.reqs[i].grammar.fill_bitmask(bitmask, i)
+        return GrammarMask(bitmask, rows, backend.apply_bitmask)
+
+    def _plan_input_logprobs(self, forward_batch: ForwardBatch) -> None:
+        """Which positions of this extend give input logprobs, and the tokens they score."""
+        starts, counts, targets = [], [], []
+        for req, prefix, seq in zip(
+            self.reqs, self.prefix_lens_cpu, self.seq_lens_cpu, strict=True
+        ):
+            first, count = req.input_logprob_rows(prefix, seq)
+            starts.append(first)
+            counts.append(count)
+            begin = prefix + first + 1
+            targets.extend(req.origin_input_ids[begin : begin + count])
+        forward_batch.input_logprob_starts = starts
+        forward_batch.input_logprob_counts = counts
+        forward_batch.input_logprob_targets = targets

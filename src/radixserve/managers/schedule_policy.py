@@ -115,8 +115,9 @@ class PrefillAdder:
         """Match ``req``'s cached prefix, lock it, then admit it if it still fits."""
         if self.free_running == 0:
             return AddResult.STOP
-        # At least the last token is computed, so the step has logits to sample from.
-        match = self.tree_cache.match_req(req, req.all_ids[:-1])
+        # At least the last token is computed, so the step has logits to sample from (and
+        # every position whose logits give the request's input logprobs: ``max_prefix_len``).
+        match = self.tree_cache.match_req(req, req.all_ids[: req.max_prefix_len])
         needs_row = match.req_pool_idx is None
         if needs_row and self.free_rows == 0:
             return AddResult.STOP

@@ -2,16 +2,23 @@
 
     while True:
         process_input_requests(recv_nowait())   # TypeBasedDispatcher: type → handler
-        step():  batch = get_next_batch_to_run() # a new prefill if one fits, else a decode step
+        step():  requests whose grammar compiled join the waiting queue (grammar_queue.py)
+                 batch = get_next_batch_to_run() # a new prefill if one fits, else a decode step
                  run it, process its result      # output_processor.py
-                 or, idle: self_check_during_idle() and block on the socket
+                 or, idle: wait briefly for a grammar that compiles, or
+                           self_check_during_idle() and block on the socket
+                 (paused: no steps; messages are still handled)
+
+``PauseGenerationReqInput`` stops the steps until ``ContinueGenerationReqInput``; see
+``handle_pause_generation``.
 
 With ``--enable-overlap-schedule`` the model runs on a thread of its own (``OverlapWorker``) and
 a decode step N+1 is launched before step N's tokens are processed (``_step_overlapped``).
 
 The single-job objects it composes: ``SchedulePolicy`` + ``PrefillAdder`` (admission),
 ``retract_for_decode`` (memory pressure), ``OutputProcessor`` (results), ``TpModelWorker``
-(the model) and the prefix cache (``mem_cache``).
+(the model), ``GrammarQueue`` (constrained requests until their grammar is compiled) and the
+prefix cache (``mem_cache``).
 """
 
 from __future__ import annotations
@@ -31,13 +38,17 @@ import torch
 import zmq
 
 from radixserve import envs
+from radixserve.constrained import GrammarCache, create_grammar_backend
 from radixserve.layers.sampler import SampleOutput
 from radixserve.managers import ipc
 from radixserve.managers.child_process import install_exit_handlers, on_sigterm
 from radixserve.managers.dispatcher import TypeBasedDispatcher
+from radixserve.managers.grammar_queue import GrammarQueue
 from radixserve.managers.io_struct import (
     AbortReq,
     CloseSessionReqInput,
+    ContinueGenerationReqInput,
+    ContinueGenerationReqOutput,
     ControlErrorOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
@@ -45,13 +56,20 @@ from radixserve.managers.io_struct import (
     GetInternalStateReqOutput,
     OpenSessionReqInput,
     OpenSessionReqOutput,
+    PauseGenerationReqInput,
+    PauseGenerationReqOutput,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
 from radixserve.managers.memory_check import MemoryChecker, busy_check_enabled
 from radixserve.managers.output_processor import OutputProcessor
 from radixserve.managers.overlap_worker import OverlapWorker
-from radixserve.managers.retraction import NewTokenRatio, decode_fits, retract_for_decode
+from radixserve.managers.retraction import (
+    NewTokenRatio,
+    decode_fits,
+    retract_all,
+    retract_for_decode,
+)
 from radixserve.managers.schedule_batch import BatchResources, Req, ScheduleBatch, pages_to_alloc
 from radixserve.managers.schedule_policy import (
     AddResult,
@@ -74,6 +92,8 @@ logger = logging.getLogger(__name__)
 
 # How long an idle loop blocks on its socket before looking around again.
 _IDLE_POLL_MS = 1000
+# How long a step with nothing to run waits for a grammar to compile (messages wait meanwhile).
+_GRAMMAR_WAIT_S = 0.01
 
 
 @dataclass
@@ -103,7 +123,8 @@ class Scheduler:
         self.send_to_tokenizer = send_to_tokenizer
         device = resolve_device(server_args.device)
         self.model_config = ModelConfig.from_path(
-            server_args.model_path, server_args.dtype, device, server_args.context_length
+            server_args.model_path, server_args.dtype, device, server_args.context_length,
+            server_args.quantization,
         )
         # Embedding models (an encoder, or a decoder run with --is-embedding) only prefill.
         self.is_generation = not (server_args.is_embedding or self.model_config.is_encoder)
@@ -136,6 +157,19 @@ class Scheduler:
             self.page_size, streaming_sessions=server_args.enable_streaming_session,
             session_store=store, session_offload_after=server_args.session_offload_after,
         )
+        # For stop strings and grammars; the detokenizer makes the text.
+        tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer, local_files_only=True)
+        self.grammars = GrammarCache(
+            partial(
+                create_grammar_backend,
+                tokenizer,
+                self.model_config.vocab_size,
+                self.model_config.eos_token_ids,
+                any_whitespace=not server_args.constrained_json_disable_any_whitespace,
+                max_whitespace_cnt=server_args.constrained_json_max_whitespace_cnt,
+            )
+        )
+        self.grammar_queue = GrammarQueue(self.grammars)
         self.sessions = SessionController(self.tree_cache, self.model_config.bos_token_id)
         self.memory = MemoryChecker(
             self.tree_cache, self.allocator, self.req_to_token_pool, self.max_total_num_tokens
@@ -148,9 +182,8 @@ class Scheduler:
             device=device,
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=self.model_config.eos_token_ids,
+            grammars=self.grammars,
         )
-        # Only for stop strings; the detokenizer makes the text.
-        tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer, local_files_only=True)
         self.policy = SchedulePolicy(
             server_args.schedule_policy, self.tree_cache, self.radix_enabled
         )
@@ -184,6 +217,7 @@ class Scheduler:
             self.overlap = OverlapWorker(self.tp_worker)
         self._in_flight: _InFlight | None = None
         self.num_overlapped_steps = 0  # decode steps launched before the previous one's result
+        self.paused = False  # by PauseGenerationReqInput: no step runs until continued
         self.stats = SchedulerStats()
         self.control = SchedulerControl(self)
         self._step_start = time.perf_counter()
@@ -198,6 +232,8 @@ class Scheduler:
                 (GetInternalStateReq, self.handle_get_internal_state),
                 (OpenSessionReqInput, self.handle_open_session),
                 (CloseSessionReqInput, self.handle_close_session),
+                (PauseGenerationReqInput, self.handle_pause_generation),
+                (ContinueGenerationReqInput, self.handle_continue_generation),
                 *self.control.handlers(),
             ]
         )
@@ -254,15 +290,18 @@ class Scheduler:
         return ControlErrorOutput(request=type(msg).__name__, message=message)
 
     def step(self) -> bool:
-        """Run one batch; False when there was nothing to run."""
+        """Run one batch; False when there was nothing to run or generation is paused."""
+        if self.paused:
+            self.sessions.on_step()
+            return False
         if self.overlap is not None:
             return self._step_overlapped(self.overlap)
         self.sessions.on_step()
+        self._admit_compiled_grammars()
         self._step_start = time.perf_counter()
         batch = self.get_next_batch_to_run()
         if batch is None:
-            self._on_idle()
-            return False
+            return self._on_idle()
         self._idle_checked = False
         if self.is_generation:
             result = self.tp_worker.forward_batch_generation(batch.to_forward_batch())
@@ -273,10 +312,27 @@ class Scheduler:
         self._check_busy()
         return True
 
-    def _on_idle(self) -> None:
+    def _on_idle(self) -> bool:
+        """Nothing to run: wait a moment for a compiling grammar (True: not idle), else run
+        the idle self-check once (False: idle)."""
+        if self.grammar_queue:
+            self.grammar_queue.wait(_GRAMMAR_WAIT_S)
+            return True
         if not self._idle_checked:
             self.self_check_during_idle()
             self._idle_checked = True
+        return False
+
+    def _admit_compiled_grammars(self) -> None:
+        """Constrained requests whose grammar is ready join the waiting queue; those whose
+        grammar failed to compile finish with its error (status 400)."""
+        if not self.grammar_queue:
+            return
+        compiled = self.grammar_queue.pop_compiled()
+        self.waiting_queue.extend(compiled.ready)
+        for req, reason in compiled.failed:
+            logger.info("request %s rejected: %s", req.rid, reason["message"])
+            self.output_processor.finish_now([req], reason)
 
     def _process_result(self, batch: ScheduleBatch, result: SampleOutput | torch.Tensor) -> None:
         running = len(self.running_batch) if batch.forward_mode.is_extend else len(batch)
@@ -308,6 +364,7 @@ class Scheduler:
         Greedy outputs are those of ``step``.
         """
         self.sessions.on_step()
+        self._admit_compiled_grammars()
         self._step_start = time.perf_counter()
         previous, self._in_flight = self._in_flight, None
         if previous is not None and self._can_decode_ahead():
@@ -324,9 +381,7 @@ class Scheduler:
             self.control.after_step()
         batch = self.get_next_batch_to_run()
         if batch is None:
-            if previous is None:
-                self._on_idle()
-            return previous is not None
+            return self._on_idle() if previous is None else True
         self._idle_checked = False
         if batch.forward_mode.is_extend:
             self._process_result(batch, worker.launch(batch.to_forward_batch()).result())
@@ -341,7 +396,7 @@ class Scheduler:
         in flight are known: nothing could be admitted now (the waiting requests wait for a
         request slot, which only a finish frees), nothing waits to be aborted or retracted, no
         streaming session turn (its slot takes the turn's KV when it finishes) and no sampler
-        that reads the outputs so far."""
+        that reads the outputs so far (penalties, seeds, a grammar's mask)."""
         batch = self.running_batch
         if batch.is_empty() or self.chunked_req is not None:
             return False
@@ -349,6 +404,8 @@ class Scheduler:
             return False
         for req in batch.reqs:
             if req.to_abort is not None or req.streaming_session_id is not None:
+                return False
+            if req.grammar is not None:
                 return False
             if reads_output_ids(req.sampling_params, len(req.output_ids)):
                 return False
@@ -515,6 +572,8 @@ class Scheduler:
                 msg.sampling_params,
                 return_logprob=msg.return_logprob,
                 top_logprobs_num=msg.top_logprobs_num,
+                logprob_start_len=msg.logprob_start_len,
+                token_ids_logprob=msg.token_ids_logprob,
                 stream=msg.stream,
             )
             error = None
@@ -525,8 +584,8 @@ class Scheduler:
         if created is not None:
             for replaced in self.sessions.admit(created):
                 self.handle_abort(AbortReq(rid=replaced.rid))
-        if msg.sampling_params.max_new_tokens == 0:
-            self.output_processor.finish_now([req], {"type": "length", "length": 0})
+        if msg.sampling_params.grammar is not None:
+            self.grammar_queue.add(req)
         else:
             self.waiting_queue.append(req)
 
@@ -605,6 +664,14 @@ class Scheduler:
             )
         if msg.top_logprobs_num < 0:
             return f"top_logprobs_num must be non-negative, got {msg.top_logprobs_num}"
+        if msg.return_logprob and msg.logprob_start_len > len(ids):
+            return (
+                f"logprob_start_len ({msg.logprob_start_len}) is beyond the input "
+                f"({len(ids)} tokens)"
+            )
+        bad = [t for t in msg.token_ids_logprob or [] if not 0 <= t < vocab]
+        if bad:
+            return f"token_ids_logprob out of the vocabulary range [0, {vocab}): {bad[:8]}"
         try:
             msg.sampling_params.validate(vocab)
         except ValueError as e:
@@ -626,7 +693,7 @@ class Scheduler:
             return msg.abort_all or req.rid == msg.rid
 
         reason = {"type": "abort", "message": "aborted by request"}
-        waiting = [r for r in self.waiting_queue if hit(r)]
+        waiting = [r for r in self.waiting_queue if hit(r)] + self.grammar_queue.remove(hit)
         self.waiting_queue = [r for r in self.waiting_queue if not hit(r)]
         self.output_processor.finish_now(waiting, reason)
         self.num_aborted_reqs += len(waiting)
@@ -636,6 +703,8 @@ class Scheduler:
         for req in holding:
             if hit(req):
                 req.to_abort = reason["message"]
+        if self.paused:  # no step is in flight and none will come to finish them
+            self._finish_aborted()
 
     def handle_flush_cache(self, msg: FlushCacheReq) -> FlushCacheReqOutput:
         if not self.is_idle():
@@ -643,7 +712,7 @@ class Scheduler:
                 success=False,
                 message=(
                     f"cannot flush the cache while requests run or wait "
-                    f"({self.num_running()} running, {len(self.waiting_queue)} waiting)"
+                    f"({self.num_running()} running, {self.num_waiting()} waiting)"
                 ),
             )
         self.flush()
@@ -655,6 +724,7 @@ class Scheduler:
         self.tree_cache.reset()
         self.allocator.clear()
         self.req_to_token_pool.clear()
+        self.grammars.clear()
         logger.info("cache flushed")
 
     def handle_get_internal_state(self, msg: GetInternalStateReq) -> GetInternalStateReqOutput:
@@ -663,17 +733,57 @@ class Scheduler:
             state={
                 "memory": self.memory_state(),
                 "num_running_reqs": self.num_running(),
-                "num_waiting_reqs": len(self.waiting_queue),
+                "num_waiting_reqs": self.num_waiting(),
+                "num_grammar_queue_reqs": len(self.grammar_queue),
+                "num_cached_grammars": len(self.grammars),
                 "max_total_num_tokens": self.max_total_num_tokens,
                 "num_retracted_reqs": self.num_retracted_reqs,
                 "num_aborted_reqs": self.num_aborted_reqs,
                 "num_overlapped_steps": self.num_overlapped_steps,
+                "paused": self.paused,
+                "num_open_sessions": len(self.sessions.sessions),
                 "max_running_requests": self.max_running_requests,
                 **self.stats.summary(),
                 "new_token_ratio": self.new_token_ratio.value,
                 "last_leak_check": self.last_leak_check,
             }
         )
+
+    def handle_pause_generation(self, msg: PauseGenerationReqInput) -> PauseGenerationReqOutput:
+        """Stop running batches (see ``PauseGenerationReqInput`` for the modes).
+
+        The step in flight (overlap schedule) is finished and its tokens processed first, so the
+        reply means: nothing computes until ``handle_continue_generation``. Aborts arriving
+        while paused take effect at once, as no step will come to finish the marked requests.
+        Pausing a paused scheduler applies the new mode to what is there.
+        """
+        self.paused = True
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            self._finish_in_flight(step)
+        aborted_before = self.num_aborted_reqs
+        self._finish_aborted()
+        retracted: list[Req] = []
+        if msg.mode == "abort":
+            self.handle_abort(AbortReq(abort_all=True))
+        elif msg.mode == "retract":
+            chunked = [self.chunked_req] if self.chunked_req is not None else []
+            retracted = retract_all([*self.running_batch.reqs, *chunked], self.tree_cache)
+            self.running_batch.reqs, self.chunked_req = [], None
+            self.waiting_queue[:0] = retracted
+            self.num_retracted_reqs += len(retracted)
+        aborted = self.num_aborted_reqs - aborted_before
+        logger.info("generation paused (%s): %d request(s) aborted, %d retracted",
+                    msg.mode, aborted, len(retracted))
+        return PauseGenerationReqOutput(num_aborted=aborted, num_retracted=len(retracted))
+
+    def handle_continue_generation(
+        self, msg: ContinueGenerationReqInput
+    ) -> ContinueGenerationReqOutput:
+        if self.paused:
+            logger.info("generation continued")
+        self.paused = False
+        return ContinueGenerationReqOutput()
 
     def handle_open_session(self, msg: OpenSessionReqInput) -> OpenSessionReqOutput:
         return self.sessions.open(msg)
@@ -685,6 +795,7 @@ class Scheduler:
     def is_idle(self) -> bool:
         return (
             not self.waiting_queue
+            and not self.grammar_queue
             and self.running_batch.is_empty()
             and not self.chunked_req
             and self._in_flight is None
@@ -692,6 +803,10 @@ class Scheduler:
 
     def num_running(self) -> int:
         return len(self.running_batch) + (self.chunked_req is not None)
+
+    def num_waiting(self) -> int:
+        """Requests not yet admitted: waiting, or waiting for their grammar."""
+        return len(self.waiting_queue) + len(self.grammar_queue)
 
     def memory_state(self) -> dict[str, int]:
         """KV and request-slot figures (``memory_check.py``)."""

@@ -7,7 +7,8 @@ scheduler only through the narrow surface below. Every handler returns its ``*Ou
     scheduler.is_idle()            nothing runs, waits or is in flight
     scheduler.flush()              drop the prefix cache and every slot (idle only)
     scheduler.memory_state()       KV and request-slot figures
-    scheduler.num_running(), scheduler.waiting_queue, scheduler.running_batch
+    scheduler.num_running(), scheduler.num_waiting(), scheduler.waiting_queue,
+    scheduler.running_batch
     scheduler.max_running_requests, scheduler.server_args   the knobs set_internal_state changes
     scheduler.tp_worker.model_runner   weights and KV pool
     scheduler.tree_cache, scheduler.sessions, scheduler.stats   for the inspector
@@ -100,7 +101,7 @@ class SchedulerControl:
             return None
         return (
             f"requests are running or waiting ({s.num_running()} running, "
-            f"{len(s.waiting_queue)} waiting)"
+            f"{s.num_waiting()} waiting)"
         )
 
     # ------------------------------------------------------------------ weights
@@ -243,7 +244,7 @@ class SchedulerControl:
     def get_load(self, msg: GetLoadReqInput) -> GetLoadReqOutput:
         s = self.scheduler
         used, usage = token_usage(s.memory_state())
-        running, waiting = s.num_running(), len(s.waiting_queue)
+        running, waiting = s.num_running(), s.num_waiting()
         return GetLoadReqOutput(
             dp_rank=0, num_reqs=running + waiting, num_running_reqs=running,
             num_waiting_reqs=waiting, num_tokens=used,
@@ -274,7 +275,7 @@ class SchedulerControl:
             "time": time.time(),
             "memory": s.memory_state(),
             "num_running_reqs": s.num_running(),
-            "num_waiting_reqs": len(s.waiting_queue),
+            "num_waiting_reqs": s.num_waiting(),
             "running": [describe(r) for r in s.running_batch.reqs[:_INSPECT_MAX_REQS]],
             "waiting": [describe(r) for r in s.waiting_queue[:_INSPECT_MAX_REQS]],
             "radix_tree": s.tree_cache.snapshot(_INSPECT_MAX_NODES),

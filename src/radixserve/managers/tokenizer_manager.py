@@ -7,7 +7,7 @@ Flow of a generate call::
         → register one _ReqState per rid → TokenizedGenerateReqInput ──ZMQ──▶ scheduler
     handle_loop (task reading the PULL socket)
         BatchStrOutput (from the detokenizer) → append to the rid's state → wake its generate call
-        FlushCacheReqOutput / GetInternalStateReqOutput / OpenSessionReqOutput → waiting future
+        replies of control requests (flush, internal state, sessions, pause, ...) → waiting future
     generate_request yields SGLang-shaped dicts built from the state; when its consumer stops
     early (generator closed, task cancelled: a client disconnect) it sends AbortReq for every
     request of the call that has not finished.
@@ -37,10 +37,13 @@ import zmq.asyncio
 from radixserve.managers import io_struct, ipc
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.io_struct import (
+    PAUSE_MODES,
     AbortReq,
     BatchEmbeddingOutput,
     BatchStrOutput,
     CloseSessionReqInput,
+    ContinueGenerationReqInput,
+    ContinueGenerationReqOutput,
     ControlErrorOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
@@ -58,6 +61,8 @@ from radixserve.managers.io_struct import (
     HealthCheckReqOutput,
     OpenSessionReqInput,
     OpenSessionReqOutput,
+    PauseGenerationReqInput,
+    PauseGenerationReqOutput,
     ProfileReq,
     ProfileReqOutput,
     ReleaseMemoryOccupationReqInput,
@@ -76,6 +81,7 @@ from radixserve.managers.io_struct import (
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
 )
+from radixserve.managers.logprob_meta import LogprobMeta
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
@@ -87,6 +93,7 @@ logger = logging.getLogger(__name__)
 _DISCONNECT_ROUNDS = 32
 _CONTROL_REPLIES = (
     FlushCacheReqOutput, GetInternalStateReqOutput, OpenSessionReqOutput,
+    PauseGenerationReqOutput, ContinueGenerationReqOutput,
     UpdateWeightFromDiskReqOutput, GetWeightsByNameReqOutput, ReleaseMemoryOccupationReqOutput,
     ResumeMemoryOccupationReqOutput, ProfileReqOutput, SetInternalStateReqOutput,
     SlowDownReqOutput, FreezeGCReqOutput, GetLoadReqOutput, GetInspectorStateReqOutput,
@@ -124,14 +131,12 @@ class _ReqState:
 
     rid: str
     notify: asyncio.Event
-    return_logprob: bool
-    top_logprobs_num: int
+    logprobs: LogprobMeta | None  # with return_logprob
     metrics: RequestMetrics
+    log_metrics: bool = True
     session_id: str | None = None
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
-    logprobs: list[list[float | int]] = field(default_factory=list)
-    top_logprobs: list[list[list[float | int]]] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -149,10 +154,8 @@ class _ReqState:
             "cached_tokens": self.cached_tokens,
             "finish_reason": self.finished_reason,
         }
-        if self.return_logprob:
-            meta["output_token_logprobs"] = list(self.logprobs)
-            if self.top_logprobs_num > 0:
-                meta["output_top_logprobs"] = list(self.top_logprobs)
+        if self.logprobs is not None:
+            meta.update(self.logprobs.to_meta())
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
     def to_embedding_dict(self) -> dict[str, Any]:
@@ -262,7 +265,11 @@ class TokenizerManager:
         obj.normalize()
         reqs = [self._tokenize(obj[i], i if not obj.is_single else None)
                 for i in range(obj.batch_size)]
-        states = self._send(reqs, obj.return_logprob, obj.top_logprobs_num)
+        states = self._send(
+            reqs,
+            [self._logprob_meta(req, obj.return_text_in_logprobs) for req in reqs],
+            log_metrics=obj.log_metrics,
+        )
         notify = states[0].notify
         try:
             while True:
@@ -288,9 +295,13 @@ class TokenizerManager:
             self._abort_unfinished(states)
 
     def _send(
-        self, reqs: list[Any], return_logprob: bool = False, top_logprobs_num: int = 0
+        self,
+        reqs: list[Any],
+        logprobs: list[LogprobMeta | None] | None = None,
+        log_metrics: bool = True,
     ) -> list[_ReqState]:
-        """Register one state per request (sharing one notify event) and send them all."""
+        """Register one state per request (sharing one notify event) and send them all;
+        ``logprobs[i]`` collects request i's logprobs when it asked for them."""
         for req in reqs:
             if req.rid in self._states:
                 raise ValueError(f"request id {req.rid!r} is already in flight")
@@ -300,12 +311,12 @@ class TokenizerManager:
             _ReqState(
                 rid=req.rid,
                 notify=notify,
-                return_logprob=return_logprob,
-                top_logprobs_num=top_logprobs_num,
+                logprobs=logprobs[i] if logprobs else None,
                 metrics=RequestMetrics(rid=req.rid, arrival_time=now),
+                log_metrics=log_metrics,
                 session_id=_session_id(req),
             )
-            for req in reqs
+            for i, req in enumerate(reqs)
         ]
         for state, req in zip(states, reqs, strict=True):
             self._states[state.rid] = state
@@ -381,6 +392,15 @@ class TokenizerManager:
                     ipc.send(self._send_sock, AbortReq(rid=state.rid))
                 self._report(state, {"type": "abort", "message": "the caller stopped reading"})
 
+    def _logprob_meta(self, req: TokenizedGenerateReqInput, with_text: bool) -> LogprobMeta | None:
+        if not req.return_logprob:
+            return None
+        decode = None
+        if with_text:
+            def decode(ids: list[int]) -> list[str]:
+                return self.tokenizer.batch_decode([[t] for t in ids])
+        return LogprobMeta(req.top_logprobs_num, req.token_ids_logprob, decode)
+
     async def _let_disconnects_land(self, sessions: set[str]) -> None:
         """Before a session's request goes out while an earlier request of the same session
         is still in flight here, let the loop run a few rounds: when that earlier request's
@@ -419,8 +439,19 @@ class TokenizerManager:
             )
         sampling_params = SamplingParams.from_dict(obj.sampling_params)
         sampling_params.validate(vocab_size)
+        bad = sorted({t for t in obj.token_ids_logprob or [] if not 0 <= t < vocab_size})
+        if bad:
+            raise ValueError(
+                f"token_ids_logprob contains token ids outside the vocabulary [0, {vocab_size}): "
+                f"{bad[:10]}"
+            )
         context_len = self.model_config.context_len
         prompt_len, max_new = len(input_ids), sampling_params.max_new_tokens
+        if obj.return_logprob and obj.logprob_start_len > prompt_len and not obj.session_params:
+            raise ValueError(
+                f"logprob_start_len ({obj.logprob_start_len}) is beyond the prompt "
+                f"({prompt_len} tokens)"
+            )
         if prompt_len >= context_len:
             raise ValueError(
                 f"the prompt is too long: it has {prompt_len} tokens and the model's context "
@@ -444,7 +475,9 @@ class TokenizerManager:
             sampling_params=sampling_params,
             input_text=obj.text,
             return_logprob=obj.return_logprob,
+            logprob_start_len=obj.logprob_start_len,
             top_logprobs_num=obj.top_logprobs_num,
+            token_ids_logprob=obj.token_ids_logprob,
             stream=obj.stream,
             session_params=session_params,
         )
@@ -466,7 +499,11 @@ class TokenizerManager:
     def _dispatch(self, msg: io_struct.Message) -> None:
         if isinstance(msg, BatchStrOutput):
             for out in msg.outputs:
-                self._handle_output(out)
+                try:
+                    self._handle_output(out)
+                except Exception as e:  # end that request with the error, never leave it hanging
+                    logger.exception("failed to handle an output of request %s", out.rid)
+                    self._fail_request(out.rid, f"internal error: {type(e).__name__}: {e}")
         elif isinstance(msg, BatchEmbeddingOutput):
             for emb in msg.outputs:
                 self._handle_embedding(emb)
@@ -499,14 +536,8 @@ class TokenizerManager:
         state.prompt_tokens = out.prompt_tokens
         state.completion_tokens = out.completion_tokens
         state.cached_tokens = out.cached_tokens
-        if state.return_logprob and out.output_logprobs is not None:
-            state.logprobs.extend(
-                [lp, tid] for lp, tid in zip(out.output_logprobs, out.new_token_ids, strict=True)
-            )
-        if state.top_logprobs_num > 0 and out.output_top_logprobs is not None:
-            state.top_logprobs.extend(
-                [[lp, tid] for tid, lp in tops] for tops in out.output_top_logprobs
-            )
+        if state.logprobs is not None and out.logprobs is not None:
+            state.logprobs.add(out.logprobs, out.new_token_ids)
         metrics = state.metrics
         if out.new_token_ids:
             if metrics.first_token_time is None:
@@ -519,6 +550,17 @@ class TokenizerManager:
             self._report(state, out.finished_reason)
         state.dirty = True
         state.notify.set()
+
+    def _fail_request(self, rid: str, message: str) -> None:
+        """Finish ``rid`` as aborted here (the scheduler finishes it on its own)."""
+        state = self._states.pop(rid, None)
+        if state is None:
+            return
+        state.finished = True
+        state.finished_reason = {"type": "abort", "message": message}
+        state.dirty = True
+        state.notify.set()
+        self._report(state, state.finished_reason)
 
     def _handle_embedding(self, out: ReqEmbeddingOutput) -> None:
         state = self._states.pop(out.rid, None)
@@ -533,7 +575,10 @@ class TokenizerManager:
         state.notify.set()
 
     def _report(self, state: _ReqState, reason: dict[str, Any]) -> None:
-        """Complete the request's metrics and hand them to the callback, if any."""
+        """Complete the request's metrics and hand them to the callback, if any (and the
+        request did not opt out with ``log_metrics`` false)."""
+        if not state.log_metrics:
+            return
         metrics = state.metrics
         metrics.prompt_tokens = state.prompt_tokens
         metrics.cached_tokens = state.cached_tokens
@@ -574,6 +619,27 @@ class TokenizerManager:
     async def close_session(self, session_id: str) -> None:
         self._check_alive()
         ipc.send(self._send_sock, CloseSessionReqInput(session_id=session_id))
+
+    async def pause_generation(self, mode: str = "abort") -> PauseGenerationReqOutput:
+        """Pause the scheduler; returns once the pause holds (``ValueError`` for a bad mode).
+
+        New requests are still accepted and queue up in the scheduler. With ``abort``, the
+        call also waits until every request it aborted has returned to its caller.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        in_flight = set(self._states)
+        reply = await self._control(
+            PauseGenerationReqInput(mode=mode), PauseGenerationReqOutput  # type: ignore[arg-type]
+        )
+        while mode == "abort" and not in_flight.isdisjoint(self._states):
+            await asyncio.sleep(0.01)  # their final outputs are on the way (the detokenizer)
+            self._check_alive()
+        return reply
+
+    async def continue_generation(self) -> None:
+        """Let a paused scheduler run batches again (a no-op when it is not paused)."""
+        await self._control(ContinueGenerationReqInput(), ContinueGenerationReqOutput)
 
     # ------------------------------------------------------------------ operations
     async def _admit(self) -> None:

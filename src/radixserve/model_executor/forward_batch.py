@@ -9,6 +9,12 @@ Token layout of an EXTEND batch: the new tokens of all requests are concatenated
 Request ``i`` already has ``extend_prefix_lens[i]`` tokens of KV (in ``req_to_token`` row
 ``req_pool_indices[i]``) and after the step has ``seq_lens[i] = prefix + extend`` tokens there.
 A DECODE batch has exactly one new token per request, so ``extend_*`` are ``None``.
+
+Logits: the model returns one row per request (its last new token: the next token's logits),
+then, for an EXTEND batch that asks for input logprobs, the rows of the positions
+``input_logprob_counts[i]`` positions from extend offset ``input_logprob_starts[i]`` of each
+request in batch order; row k scores the prompt token ``input_logprob_targets[k]`` (the token
+after its position).
 """
 
 from __future__ import annotations
@@ -51,6 +57,11 @@ class ForwardBatch:
     sampling_info: SamplingBatchInfo | None = None
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None  # per request, when return_logprob
+    token_ids_logprobs: list[list[int] | None] | None = None  # per request, when any asks
+    # Input logprobs (EXTEND only; see the module docstring).
+    input_logprob_starts: list[int] | None = None
+    input_logprob_counts: list[int] | None = None
+    input_logprob_targets: list[int] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -12,7 +12,7 @@ batches that need them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -20,6 +20,19 @@ import torch
 
 from radixserve.sampling.penalties import PenaltyInputs, PenaltyOrchestrator
 from radixserve.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class GrammarMask:
+    """The tokens constrained requests may sample next (``radixserve.constrained``).
+
+    ``bitmask`` is ``[bs, ceil(vocab / 32)]`` int32 on the CPU (a set bit allows a token);
+    ``apply(logits, bitmask, rows)`` sets the forbidden logits of ``rows`` to ``-inf``.
+    """
+
+    bitmask: torch.Tensor
+    rows: list[int]
+    apply: Callable[[torch.Tensor, torch.Tensor, list[int]], None]
 
 
 class SeededRow(NamedTuple):
@@ -49,6 +62,7 @@ class SamplingBatchInfo:
     logit_bias: torch.Tensor | None = None  # [bs, vocab] float32, only if a request has a bias
     penalties: PenaltyOrchestrator | None = None  # also applies the min_new_tokens ban
     seeded_rows: tuple[SeededRow, ...] = ()
+    grammar_mask: GrammarMask | None = None  # only if a request is grammar-constrained
 
     @property
     def batch_size(self) -> int:
@@ -56,24 +70,59 @@ class SamplingBatchInfo:
 
     @property
     def modifies_logits(self) -> bool:
-        """Whether ``process_logits`` changes anything (a logit bias or a penalty is set)."""
-        return self.logit_bias is not None or self.penalties is not None
+        """Whether ``process_logits`` changes anything (a logit bias, a penalty or a grammar)."""
+        return (
+            self.logit_bias is not None
+            or self.penalties is not None
+            or self.grammar_mask is not None
+        )
 
-    def process_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Apply the logit bias, then the penalties and the min_new_tokens ban.
+    @property
+    def only_grammar_mask(self) -> bool:
+        """Whether the grammar mask is all ``process_logits`` would apply."""
+        return self.grammar_mask is not None and self.logit_bias is None and self.penalties is None
+
+    def apply_grammar_mask(self, logits: torch.Tensor) -> None:
+        """Set the logits the constrained rows' grammars forbid to ``-inf``, in place."""
+        assert self.grammar_mask is not None
+        mask = self.grammar_mask
+        mask.apply(logits, mask.bitmask, mask.rows)
+
+    def process_logits(self, logits: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+        """Apply the logit bias, then the penalties and the min_new_tokens ban, then the
+        grammar mask.
 
         Returns ``logits`` itself when the batch has none of them, else a new tensor: the caller's
-        logits are never modified (logprobs are taken from them raw). A row whose every token got
-        banned would give NaN probabilities, so it falls back to its unprocessed logits.
+        logits are not modified (logprobs are taken from them raw), unless ``in_place`` allows
+        it (and no penalty needs the raw logits to fall back to). A row whose every token got
+        banned by the penalties would give NaN probabilities, so it falls back to its
+        unprocessed logits; the grammar mask comes last and always holds (where it conflicts
+        with the min_new_tokens ban, say a complete JSON value that only EOS may follow, the
+        grammar wins).
         """
         if not self.modifies_logits:
             return logits
+        if in_place and self.penalties is None:
+            if self.logit_bias is not None:
+                logits += self.logit_bias
+            if self.grammar_mask is not None:
+                self.apply_grammar_mask(logits)
+            return logits
         processed = logits + self.logit_bias if self.logit_bias is not None else logits.clone()
-        if self.penalties is None:
-            return processed  # a finite bias cannot ban a token
-        self.penalties.apply(processed)
-        banned_all = torch.isneginf(processed).all(dim=-1, keepdim=True)
-        return torch.where(banned_all, logits, processed)
+        if self.penalties is not None:
+            self.penalties.apply(processed)
+            banned_all = torch.isneginf(processed).all(dim=-1, keepdim=True)
+            processed = torch.where(banned_all, logits, processed)
+        if self.grammar_mask is not None:
+            self.apply_grammar_mask(processed)
+            if self.penalties is not None:
+                # The min_new_tokens ban may forbid all the grammar allows (only EOS is left).
+                empty = torch.isneginf(processed).all(dim=-1, keepdim=True)
+                if bool(empty.any()):
+                    allowed = logits.clone()
+                    self.apply_grammar_mask(allowed)
+                    processed = torch.where(empty, allowed, processed)
+        return processed
 
     @classmethod
     def from_params(
@@ -84,6 +133,7 @@ class SamplingBatchInfo:
         eos_token_ids: Sequence[int],
         vocab_size: int,
         device: torch.device | str,
+        grammar_mask: GrammarMask | None = None,
     ) -> SamplingBatchInfo:
         """Batch the parameters of ``params[i]`` with its prompt ``input_ids[i]`` and the tokens it
         has generated so far ``output_ids[i]`` (the lists are read, never copied whole)."""
@@ -126,6 +176,7 @@ class SamplingBatchInfo:
             logit_bias=_dense_logit_bias(params, vocab_size, device) if uses_bias else None,
             penalties=penalties,
             seeded_rows=tuple(seeded),
+            grammar_mask=grammar_mask,
         )
 
 

@@ -2,16 +2,31 @@
 
 Validation lives here so that every entry point (Engine, native API, OpenAI API) rejects the same
 bad input with the same ``ValueError`` message before anything reaches the model.
+
+The keys are SGLang's ``SamplingParams``, and ``from_dict`` reads them as SGLang's server does:
+``null`` means the default, an empty grammar string means no grammar. ``n`` is expanded into n
+requests by ``GenerateReqInput`` before it gets here. SGLang keys that radixserve does not
+implement are refused when they carry a value (``UNSUPPORTED_KEYS``), never dropped.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from typing import Any
 
 import msgspec
 
 _EPS = 1e-6
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+MAX_STOP_REGEX = 32
+# SGLang's sampling keys radixserve does not implement, with the values that mean "unused".
+UNSUPPORTED_KEYS: dict[str, tuple[Any, ...]] = {
+    "beam_width": (None, 1),
+    "custom_params": (None, {}),
+    "watermark": (None,),
+}
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -32,27 +47,44 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     sampling_seed: int | None = None
+    # Stop when the text generated so far contains a match of one of these regexes.
+    stop_regex: list[str] = msgspec.field(default_factory=list)
+    # Send stream chunks every N tokens (None: the server's --stream-interval).
+    stream_interval: int | None = None
+    # Constrained decoding: at most one of these (see radixserve.constrained).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
-        """Build from a user dict; unknown keys and wrong types raise ``ValueError``."""
-        params = dict(params or {})
-        known = set(cls.__struct_fields__)
+        """Build from a user dict; unknown keys, unimplemented keys with a value and wrong types
+        raise ``ValueError`` naming the key. ``null`` values mean the default."""
+        params = {k: v for k, v in (params or {}).items() if v is not None or k == "sampling_seed"}
+        known = set(cls.__struct_fields__) | set(UNSUPPORTED_KEYS) | {"n"}
         unknown = sorted(set(params) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-        if isinstance(params.get("stop"), str):
-            params["stop"] = [params["stop"]]
-        if params.get("stop") is None:
-            params.pop("stop", None)
-        if params.get("stop_token_ids") is None:
-            params.pop("stop_token_ids", None)
+        for key, unused in UNSUPPORTED_KEYS.items():
+            if key in params and params.pop(key) not in unused:
+                raise ValueError(f"sampling parameter {key} is not supported by radixserve")
+        if params.pop("n", 1) != 1:
+            raise ValueError("n must be given on the request (GenerateReqInput), not here")
+        for key in ("stop", "stop_regex"):
+            if isinstance(params.get(key), str):
+                params[key] = [params[key]]
+        for key in GRAMMAR_FIELDS:
+            value = params.get(key)
+            if value == "":
+                del params[key]  # SGLang: an empty grammar means no grammar
+            elif isinstance(value, dict) and key in ("json_schema", "structural_tag"):
+                params[key] = json.dumps(value)
         if params.get("logit_bias") is not None:
             try:
                 params["logit_bias"] = {int(k): float(v) for k, v in params["logit_bias"].items()}
             except (AttributeError, TypeError, ValueError) as e:
                 raise ValueError("logit_bias must map token ids to numbers") from e
-        params = {k: v for k, v in params.items() if v is not None or k == "sampling_seed"}
         try:
             sp = msgspec.convert(params, cls, strict=False)
         except msgspec.ValidationError as e:
@@ -63,6 +95,15 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _EPS or self.top_k == 1
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """``(kind, spec)`` of the request's grammar (a ``constrained.GrammarKey``), or None."""
+        for kind in GRAMMAR_FIELDS:
+            spec = getattr(self, kind)
+            if spec:
+                return kind, spec
+        return None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` with a message naming the bad field."""
@@ -99,6 +140,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError("stop strings must be non-empty")
         if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
             raise ValueError("logit_bias values must be finite numbers")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
+        self._validate_stop_regex()
+        grammars = [k for k in GRAMMAR_FIELDS if getattr(self, k)]
+        if len(grammars) > 1:
+            raise ValueError(
+                f"at most one of {', '.join(GRAMMAR_FIELDS)} may be set, got {', '.join(grammars)}"
+            )
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
@@ -106,3 +155,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             bad = [t for t in (self.logit_bias or {}) if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"logit_bias token ids out of vocabulary range: {bad}")
+
+    def _validate_stop_regex(self) -> None:
+        if len(self.stop_regex) > MAX_STOP_REGEX:
+            raise ValueError(f"at most {MAX_STOP_REGEX} stop_regex patterns are allowed")
+        for pattern in self.stop_regex:
+            if not pattern:
+                raise ValueError("stop_regex patterns must be non-empty")
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid regex: {e}") from None

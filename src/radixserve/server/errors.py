@@ -36,6 +36,7 @@ ERROR_TYPES: dict[int, str] = {
     413: "request_too_large",
     429: "rate_limit_error",
     500: "server_error",
+    501: "not_implemented_error",
     503: "service_unavailable_error",
 }
 
@@ -113,10 +114,14 @@ def _describe_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         # Drop pydantic's union-member tags ("str", "list[int]") from the path.
         loc = [x for x in loc if "[" not in x and x not in ("str", "int", "float", "bool")]
+        if err.get("type") == "unsupported_parameter":  # raised naming its field
+            loc = [*loc, str(err["ctx"]["field"])]
         where = ".".join(loc) or "request body"
         if first_param is None and loc:
             first_param = where
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown parameter (it would be ignored, so it is refused)"
         parts.append(f"{where}: {msg}")
     return "; ".join(dict.fromkeys(parts)) or "invalid request", first_param
 

@@ -66,6 +66,7 @@ def launch_server(server_args: ServerArgs) -> int:
         dtype=server_args.dtype,
         device=server_args.device,
         context_length=server_args.context_length,
+        quantization=server_args.quantization,
     )
     sock = bind_socket(server_args.host, server_args.port)
     previous_term = signal.signal(signal.SIGTERM, _raise_stop)

@@ -3,6 +3,10 @@
 ``/generate`` replies exactly what ``TokenizerManager.generate_request`` (and so the ``Engine``)
 returns: ``{"text", "output_ids", "meta_info"}``, a list of those for a batch, or, with
 ``"stream": true``, SSE events carrying the cumulative dicts followed by ``data: [DONE]``.
+
+Its body takes every field of SGLang's ``GenerateReqInput`` (the client of SGLang's frontend
+language sends them, most as ``null``): ``null`` means the default; a field radixserve does not
+implement is refused with a 400 naming it when it carries a value (``UNSUPPORTED_GENERATE``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from radixserve import __version__
 from radixserve.managers.generate_request import GenerateReqInput
@@ -31,6 +35,7 @@ from radixserve.server.app import (
 from radixserve.server.errors import APIError, stream_error
 from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.sse import DONE, sse_event, sse_response
+from radixserve.server.strict_request import StrictRequest, Unsupported
 
 router = APIRouter()
 
@@ -42,17 +47,81 @@ class _StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class GenerateRequest(_StrictModel):
-    """The body of ``POST /generate`` (the fields of ``GenerateReqInput``)."""
+_MULTIMODAL = "multimodal input is not supported (text-only models)"
+_DISAGG = "prefill/decode disaggregation is not supported"
+_OUTPUT = "this output is not implemented"
+# SGLang's GenerateReqInput fields radixserve does not implement, with the values that mean
+# "unused" (SGLang's defaults).
+UNSUPPORTED_GENERATE: Unsupported = {
+    **{name: ((None, []), _MULTIMODAL) for name in (
+        "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes",
+        "mm_content_hashes", "modalities", "video_config", "max_dynamic_patch",
+        "min_dynamic_patch", "image_max_dynamic_patch", "video_max_dynamic_patch",
+        "images_config", "mm_processor_kwargs", "need_wait_for_mm_inputs",
+        "num_items_assigned", "encoder_urls", "positional_embed_overrides",
+    )},
+    "use_audio_in_video": ((None, False), _MULTIMODAL),
+    **{name: ((None,), _DISAGG) for name in (
+        "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
+        "decode_tp_size", "disagg_prefill_dp_rank",
+    )},
+    **{name: ((None, False), _OUTPUT) for name in (
+        "return_sampling_mask", "return_flat_raw_top_logprobs",
+        "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64",
+        "return_hidden_states", "return_routed_experts", "return_indexer_topk", "return_bytes",
+        "return_entropy", "return_prompt_token_ids",
+    )},
+    "sampling_logprobs_mode": ((None,), _OUTPUT),
+    "routed_experts_start_len": ((None, 0), _OUTPUT),
+    "lora_path": ((None,), "LoRA adapters are not supported"),
+    "lora_id": ((None,), "LoRA adapters are not supported"),
+    "custom_logit_processor": ((None,), "custom logit processors are not supported"),
+    "watermark": ((None,), "watermarking is not supported"),
+    "routed_dp_rank": ((None, 0), "there is one data-parallel rank (0)"),
+    "data_parallel_rank": ((None, 0), "there is one data-parallel rank (0)"),
+    "routing_key": ((None,), "routing-key scheduling is not supported"),
+    "priority": ((None,), "priority scheduling is not supported"),
+    "session_id": ((None,), "session identity without session_params is not supported"),
+    "background": ((None, False), "background requests are not supported"),
+    "require_reasoning": ((None, False), "reasoning models are not supported"),
+    "max_thinking_tokens": ((None,), "reasoning models are not supported"),
+    "extra_key": ((None, ""), "cache namespaces are not supported"),
+    "cache_salt": ((None, ""), "cache namespaces are not supported"),
+    "kv_hints": ((None,), "KV hints are not supported"),
+    "no_logs": ((None, False), "per-request log suppression is not supported"),
+    "custom_labels": ((None,), "custom metric labels are not supported"),
+    "conversation_id": ((None,), "conversation tracking is not supported"),
+    "external_trace_header": ((None,), "tracing is not supported"),
+    "received_time": ((None,), "an internal field of SGLang"),
+    "http_worker_ipc": ((None,), "an internal field of SGLang"),
+    "multi_item_delimiter_indices": ((None,), "multi-item scoring is not supported"),
+    "token_indices_to_pool": ((None,), "pooled scoring is not supported"),
+}
+
+
+class GenerateRequest(StrictRequest):
+    """The body of ``POST /generate``: the fields of SGLang's ``GenerateReqInput`` that
+    radixserve implements (``null`` = default), plus ``UNSUPPORTED_GENERATE``."""
+
+    UNSUPPORTED = UNSUPPORTED_GENERATE
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
     rid: str | list[str] | None = None
-    stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = Field(default=0, ge=0)
+    stream: bool | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None
+    return_text_in_logprobs: bool | None = None
     session_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
+    log_metrics: bool | None = None
+
+
+class ConcateAndAppendRequest(_StrictModel):
+    src_rids: list[str]
+    dst_rid: str
 
 
 class AbortRequest(_StrictModel):
@@ -86,7 +155,7 @@ class DetokenizeRequest(_StrictModel):
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> Response:
     ctx = get_ctx(request)
-    obj = GenerateReqInput(**body.model_dump(exclude_unset=True))
+    obj = GenerateReqInput(**body.model_dump(exclude_none=True))
     agen = ctx.tokenizer_manager.generate_request(obj)
     if not obj.stream:
         return JSONResponse(await cancel_on_disconnect(request, first_item(agen)))
@@ -128,12 +197,14 @@ async def health(request: Request) -> Response:
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
-    """Generate one token (embedding models: embed one input) end to end, within a timeout."""
+    """Generate one token (embedding models: embed one input) end to end, within a timeout;
+    left out of metrics (``log_metrics`` false)."""
     tm = get_ctx(request).tokenizer_manager
     rid = f"health-generate-{uuid.uuid4().hex}"
     if tm.is_generation:
         obj = GenerateReqInput(
-            text="Hello", sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=rid
+            text="Hello", sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=rid,
+            log_metrics=False,
         )
         work = first_item(tm.generate_request(obj))
     else:
@@ -145,23 +216,48 @@ async def health_generate(request: Request) -> Response:
     return Response(status_code=200)
 
 
+@router.post("/concate_and_append_request")
+async def concate_and_append_request(body: ConcateAndAppendRequest) -> Response:
+    """SGLang's frontend calls this to join forked states; SGLang itself no longer serves it."""
+    raise APIError(
+        501,
+        "/concate_and_append_request is not implemented: radixserve cannot join the KV of "
+        f"requests {body.src_rids} into {body.dst_rid!r}; run the program without fork joins "
+        "or resend the joined text as a new prompt",
+    )
+
+
 # ---------------------------------------------------------------------------- information
 @router.get("/get_model_info")
+@router.get("/model_info")
 async def get_model_info(request: Request) -> dict[str, Any]:
+    """What SGLang's ``/get_model_info`` returns (its client reads ``model_path``), plus the
+    context length and vocabulary size."""
     ctx = get_ctx(request)
     config = ctx.tokenizer_manager.model_config
     return {
         "model_path": ctx.server_args.model_path,
-        "tokenizer_path": ctx.server_args.tokenizer,
         "served_model_name": ctx.model_name,
+        "tokenizer_path": ctx.server_args.tokenizer,
+        "is_generation": ctx.tokenizer_manager.is_generation,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "load_format": "auto",
+        "reasoning_parser": None,
+        "tool_call_parser": None,
+        "disaggregation_mode": "null",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": config.hf_config.get("model_type"),
+        "architectures": config.hf_config.get("architectures"),
         "architecture": config.architecture,
         "context_length": ctx.context_len,
         "vocab_size": ctx.vocab_size,
-        "is_generation": ctx.tokenizer_manager.is_generation,
     }
 
 
 @router.get("/get_server_info")
+@router.get("/server_info")
 async def get_server_info(request: Request) -> dict[str, Any]:
     """The server arguments, the sizes the scheduler chose, and its live internal state."""
     ctx = get_ctx(request)

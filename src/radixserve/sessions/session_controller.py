@@ -214,6 +214,8 @@ class SessionController:
             msg.sampling_params,
             return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num,
+            logprob_start_len=msg.logprob_start_len,
+            token_ids_logprob=msg.token_ids_logprob,
             stream=msg.stream,
             session_params=msg.session_params,
         )

@@ -1,9 +1,18 @@
 """Pydantic models of the OpenAI-compatible API (requests and responses).
 
-Requests ignore unknown fields, as OpenAI's API does; known fields are type-checked here
-(failures become 400 errors) and value ranges are checked by ``SamplingParams`` downstream, so
-the native and the OpenAI API reject the same values with the same messages. SGLang's extensions
-(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ...) are accepted.
+Nothing a client sends is silently ignored. Every request field is one of:
+
+- honoured: type-checked here (failures become 400 errors), value ranges checked by
+  ``SamplingParams`` downstream, so the native and the OpenAI API reject the same values with
+  the same messages. SGLang's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
+  ``min_tokens``, ``ignore_eos``, ``regex``, ``ebnf``, ``json_schema``, ...) are among them;
+- accepted without effect on the output, as OpenAI itself treats them (``user``,
+  ``safety_identifier``, ``prompt_cache_key``: our prefix cache needs no key);
+- known but not implemented (``UNSUPPORTED``): refused with a 400 naming the field when it
+  carries anything but a value meaning "unused";
+- unknown: refused with a 400 naming it (OpenAI does the same).
+
+README.md has the table.
 """
 
 from __future__ import annotations
@@ -12,23 +21,45 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from radixserve.managers.generate_request import GenerateReqInput
+from radixserve.server.openai.structured_outputs import ResponseFormat, grammar_params
+from radixserve.server.strict_request import StrictRequest, Unsupported
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+# Fields of OpenAI's API that radixserve does not implement, with the values that mean "unused".
+_TOOLS = "tool calling is not implemented yet"
+UNSUPPORTED_SHARED: Unsupported = {
+    "tools": ((None, []), _TOOLS),
+    "tool_choice": ((None, "none"), _TOOLS),
+    "parallel_tool_calls": ((None,), _TOOLS),
+    "functions": ((None, []), _TOOLS),
+    "function_call": ((None, "none"), _TOOLS),
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only text output is supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "reasoning_effort": ((None,), "reasoning effort is not supported"),
+    "verbosity": ((None,), "verbosity is not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "store": ((None, False), "stored completions are not supported"),
+    "metadata": ((None, {}), "metadata is kept only with store, which is not supported"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier ('default')"),
+}
+UNSUPPORTED_COMPLETIONS: Unsupported = {
+    "best_of": ((None, 1), "best_of is not supported (use n)"),
+    "suffix": ((None, ""), "suffix (insertion) is not supported"),
+}
 
 
-class StreamOptions(_Request):
+class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Request):
+class _SamplingRequest(StrictRequest):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
@@ -50,12 +81,34 @@ class _SamplingRequest(_Request):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    # Constrained output: OpenAI's response_format, or SGLang's fields (at most one in all).
+    response_format: ResponseFormat | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    # Accepted without effect on the output (see the module docstring).
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> _SamplingRequest:
+        given = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n)]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise ValueError(
+                "at most one of response_format, json_schema, regex and ebnf may constrain the "
+                f"output, got {', '.join(given)}"
+            )
         return self
 
     @property
@@ -76,6 +129,9 @@ class _SamplingRequest(_Request):
             "min_new_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+            **grammar_params(self.response_format),
         }
         optional = {
             "temperature": self.temperature,
@@ -88,6 +144,9 @@ class _SamplingRequest(_Request):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
             "logit_bias": self.logit_bias,
+            "json_schema": self.json_schema,
+            "regex": self.regex,
+            "ebnf": self.ebnf,
         }
         params.update({k: v for k, v in optional.items() if v is not None})
         if self.seed is not None:
@@ -123,7 +182,7 @@ class _SamplingRequest(_Request):
 
 
 # ---------------------------------------------------------------------------- chat requests
-class ChatMessage(_Request):
+class ChatMessage(StrictRequest):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -150,7 +209,11 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    UNSUPPORTED = UNSUPPORTED_SHARED
+
     messages: list[ChatMessage] = Field(min_length=1)
+    # Extra keyword arguments of the chat template (say, {"enable_thinking": false}).
+    chat_template_kwargs: dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -167,6 +230,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
 # ---------------------------------------------------------------------------- completion requests
 class CompletionRequest(_SamplingRequest):
+    UNSUPPORTED = {**UNSUPPORTED_SHARED, **UNSUPPORTED_COMPLETIONS}
+
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)

@@ -1,8 +1,9 @@
 """``POST /v1/chat/completions``: messages → chat template → token ids → n generations.
 
 The conversation is rendered with the checkpoint's chat template (``tokenizer_config.json``) or
-the one given with ``--chat-template``, tokenized without adding special tokens again (the
-template writes them), and sent as ``n`` single-prompt generations. Streaming sends, per choice, a
+the one given with ``--chat-template`` (with the request's ``chat_template_kwargs``), tokenized
+without adding special tokens again (the template writes them), and sent as ``n`` single-prompt
+generations. Streaming sends, per choice, a
 first chunk with the role, content deltas, exactly one chunk carrying ``finish_reason``, then a
 usage chunk (``stream_options.include_usage``) and ``data: [DONE]``.
 """
@@ -47,6 +48,12 @@ from radixserve.server.sse import sse_response
 
 router = APIRouter()
 
+# Arguments of ``apply_chat_template`` that the server sets itself.
+_TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "chat_template", "tokenize", "add_generation_prompt", "tools", "documents",
+    "continue_final_message", "return_dict", "return_tensors",
+})
+
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
@@ -74,15 +81,24 @@ def render_chat(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
             "--chat-template.",
         )
     conversation = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+         **({"name": m.name} if m.name else {})}
         for m in body.messages
     ]
+    extra = body.chat_template_kwargs or {}
+    reserved = sorted(set(extra) & _TEMPLATE_ARGUMENTS)
+    if reserved:
+        raise APIError(
+            400, f"chat_template_kwargs may not set {', '.join(reserved)}",
+            param="chat_template_kwargs",
+        )
     try:
         text = tok.apply_chat_template(
             conversation,
             chat_template=ctx.chat_template,
             tokenize=False,
             add_generation_prompt=True,
+            **extra,
         )
     except (jinja2.TemplateError, ValueError) as e:
         raise APIError(
@@ -102,11 +118,11 @@ def _logprobs(ctx: ServerContext, meta: dict[str, Any], start: int = 0) -> ChatC
     tokens = meta.get("output_token_logprobs", [])[start:]
     tops = meta.get("output_top_logprobs") or []
     content = []
-    for k, (lp, tid) in enumerate(tokens):
-        top = tops[start + k] if start + k < len(tops) else []
+    for k, (lp, tid, _) in enumerate(tokens):
+        top = (tops[start + k] if start + k < len(tops) else None) or []
         base = entry(lp, tid)
         content.append(
-            ChatTokenLogprob(**base.model_dump(), top_logprobs=[entry(*t) for t in top])
+            ChatTokenLogprob(**base.model_dump(), top_logprobs=[entry(lp, t) for lp, t, _ in top])
         )
     return ChatChoiceLogprobs(content=content)
 

@@ -88,14 +88,14 @@ def _logprobs(
     result = CompletionLogprobs()
     tokens = meta.get("output_token_logprobs", [])[start:]
     tops = meta.get("output_top_logprobs") or []
-    for k, (lp, tid) in enumerate(tokens):
+    for k, (lp, tid, _) in enumerate(tokens):
         text = tok.decode([tid])
         result.tokens.append(text)
         result.token_logprobs.append(lp)
         result.text_offset.append(offset)
         offset += len(text)
-        top = tops[start + k] if start + k < len(tops) else []
-        result.top_logprobs.append({tok.decode([t]): v for v, t in top})
+        top = (tops[start + k] if start + k < len(tops) else None) or []
+        result.top_logprobs.append({tok.decode([t]): v for v, t, _ in top})
     return result
 
 

@@ -1,0 +1,80 @@
+"""Requests waiting for their grammar to compile, before they may be scheduled.
+
+A constrained request (``json_schema``, ``regex``, ``ebnf`` or ``structural_tag``) enters this
+queue instead of the waiting queue; its grammar compiles on the ``GrammarCache``'s worker thread
+(at once if it is cached), so a slow compilation never stalls the batches that run meanwhile.
+Each scheduler step moves the requests whose grammar is ready to the waiting queue, in arrival
+order, each with a fresh matcher; a grammar that fails to compile fails its request with a 400
+carrying the grammar library's message, before anything of it was scheduled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass, field
+
+from radixserve.constrained import GrammarCache, GrammarError, GrammarKey
+from radixserve.managers.schedule_batch import Req
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Compiled:
+    """What ``GrammarQueue.pop_compiled`` found: requests ready to schedule and failures."""
+
+    ready: list[Req] = field(default_factory=list)
+    failed: list[tuple[Req, dict]] = field(default_factory=list)  # (request, finish reason)
+
+
+class GrammarQueue:
+    def __init__(self, cache: GrammarCache) -> None:
+        self.cache = cache
+        self.reqs: list[Req] = []
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def add(self, req: Req) -> None:
+        """Start (or join) the compilation of ``req``'s grammar and queue it."""
+        grammar = req.sampling_params.grammar
+        assert grammar is not None, "only constrained requests wait for a grammar"
+        req.grammar_future = self.cache.get(GrammarKey(*grammar))
+        self.reqs.append(req)
+
+    def pop_compiled(self) -> Compiled:
+        """Take every request whose compilation finished, in arrival order."""
+        out = Compiled()
+        waiting = []
+        for req in self.reqs:
+            future = req.grammar_future
+            if not future.done():
+                waiting.append(req)
+                continue
+            req.grammar_future = None
+            try:
+                req.grammar = self.cache.backend.new_matcher(future.result())
+            except GrammarError as e:
+                out.failed.append((req, {"type": "abort", "message": str(e), "status_code": 400}))
+            except Exception as e:  # the backend itself failed: a server problem, not the user's
+                logger.exception("grammar compilation failed for request %s", req.rid)
+                message = f"constrained decoding failed: {type(e).__name__}: {e}"
+                out.failed.append((req, {"type": "abort", "message": message}))
+            else:
+                out.ready.append(req)
+        self.reqs = waiting
+        return out
+
+    def remove(self, hit: Callable[[Req], bool]) -> list[Req]:
+        """Take the requests ``hit`` selects out of the queue (aborts)."""
+        removed = [r for r in self.reqs if hit(r)]
+        self.reqs = [r for r in self.reqs if not hit(r)]
+        for req in removed:
+            req.grammar_future = None
+        return removed
+
+    def wait(self, timeout: float) -> None:
+        """Block until a compilation finishes, or ``timeout`` seconds."""
+        wait([r.grammar_future for r in self.reqs], timeout=timeout, return_when=FIRST_COMPLETED)
