@@ -187,7 +187,7 @@ def test_pause_twice_applies_the_new_mode_and_continue_when_running_is_a_no_op(d
     driver.run()
 
 
-def test_a_streaming_session_turn_retracted_by_a_pause_re_prefills(llama_path):
+def test_a_streaming_session_turn_retracted_by_a_pause_keeps_its_slot_and_resumes_it(llama_path):
     driver = new_driver(llama_path, enable_streaming_session=True)
     driver.send(OpenSessionReqInput(capacity_of_str_len=1000, session_id="s", streaming=True))
     assert driver.replies.pop().success
@@ -201,13 +201,20 @@ def test_a_streaming_session_turn_retracted_by_a_pause_re_prefills(llama_path):
     turn("t1", PROMPTS[0])
     driver.run()
     first = driver.results()["t1"]
+    history = PROMPTS[0] + first.tokens + PROMPTS[1]
     turn("t2", PROMPTS[1])
-    driver.scheduler.step()
+    driver.scheduler.step()  # t2's prefill: its KV joins the slot's, one token sampled
     assert pause(driver, "retract").num_retracted == 1
-    assert state(driver)["memory"]["session_held_kv_tokens"] == 0, "the slot went with it"
+    paused_state = state(driver)
+    memory = paused_state["memory"]
+    # The slot keeps the whole conversation's KV: the first prompt (the tree's, locked by the
+    # session) and the rest (the slot's own).
+    assert memory["protected_kv_tokens"] == len(PROMPTS[0])
+    assert memory["session_held_kv_tokens"] == len(history) - len(PROMPTS[0])
     resume(driver)
+    driver.scheduler.step()  # the retry matches the slot: only the sampled token's KV is new
+    assert state(driver)["num_prefill_tokens"] - paused_state["num_prefill_tokens"] == 1
     driver.run()
     second = driver.results()["t2"]
-    history = PROMPTS[0] + first.tokens + PROMPTS[1]
     plain = driver.generate({"plain": history}, max_new_tokens=8, ignore_eos=True)["plain"]
     assert second.tokens == plain.tokens

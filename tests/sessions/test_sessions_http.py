@@ -216,8 +216,8 @@ def test_replace_naming_a_running_request_aborts_it_and_continues_what_it_genera
     root, prompt = turn(api, rng, session)
     running = new_rid("running")
     running_new = random_ids(rng, 4)
-    # As many new tokens as the context allows: it ends by the replace, not by finishing.
-    with api.stream(running_new, 960, session, req_rid=running, rid=rid_of(root)) as r:
+    with api.stream(running_new, UNTIL_ABORTED, session, req_rid=running,
+                    rid=rid_of(root)) as r:
         events = sse_events(r)
         first = next(events)
         assert first["meta_info"]["finish_reason"] is None
@@ -226,7 +226,7 @@ def test_replace_naming_a_running_request_aborts_it_and_continues_what_it_genera
         last = [first, *events][-1]
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
     generated = last["output_ids"]  # everything the replaced request generated
-    assert 0 < len(generated) < 960
+    assert 0 < len(generated) < UNTIL_ABORTED
     api.assert_turn(replaced, prompt + root["output_ids"] + running_new + generated + new, N)
     # The new request hangs under the aborted one, which stays in the tree.
     more = random_ids(rng, 3)

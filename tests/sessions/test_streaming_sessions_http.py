@@ -248,6 +248,43 @@ def test_abort_during_a_later_turn_rolls_back_to_the_last_finished_turn(api, rng
     assert cached(chat.turn()) == expected
 
 
+def test_a_retracted_turn_keeps_its_slot_and_its_retry_computes_only_what_it_lacks(api, rng):
+    chat = Chat(api, rng)
+    chat.turn()
+    chat.turn()
+    new = random_ids(rng, 5)
+    assembled = chat.assembled(new)
+    rid = new_rid("retracted")
+    retracted = api.state()["num_retracted_reqs"]
+    with api.stream(new, chat.until_aborted(new), chat.id, req_rid=rid) as r:
+        events = sse_events(r)
+        first = next(events)
+        assert cached(first) == chat.expected_cached()
+        with paused(api.http, mode="retract"):
+            state = api.state()
+            assert state["num_retracted_reqs"] == retracted + 1
+            assert state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 1
+            # The slot keeps what the attempt computed: its prompt and its output so far (the
+            # session's first prompt stays the tree's, locked by the session).
+            memory = state["memory"]
+            assert memory["session_held_kv_tokens"] + memory["protected_kv_tokens"] >= len(
+                assembled)
+            computed = state["num_prefill_tokens"]
+        state = wait_for(api.state, lambda s: s["num_running_reqs"] == 1, "the turn resumed")
+        # The retry matched the slot: it computed the KV of the attempt's last token only
+        # (a re-prefill would have computed the prompt and the output again).
+        assert state["num_prefill_tokens"] - computed == 1
+        api.abort(rid)
+        final = [first, *events][-1]
+    assert finish_type(final) == "abort"
+    partial = final["output_ids"]
+    assert partial == api.reference(assembled, len(partial))["output_ids"]
+    # The abort rolled the history back; the session goes on.
+    chat.turn()
+    expected = chat.expected_cached()
+    assert cached(chat.turn()) == expected
+
+
 def test_a_turn_sent_right_after_a_client_disconnect_succeeds_with_the_history_rolled_back(
     api, rng
 ):
