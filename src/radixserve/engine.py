@@ -369,8 +369,10 @@ class Engine:
         logprob_start_len: int | list[int] = -1,
         token_ids_logprob: list[int] | list[list[int]] | None = None,
         return_text_in_logprobs: bool = False,
+        data_parallel_rank: int | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (→ dict) or a batch (→ list); ``stream`` → an iterator.
+        ``data_parallel_rank``: the replica that runs it (``--dp-size``; default: the policy's).
 
         Invalid input raises ``ValueError`` here, also for streams (the first chunk is awaited
         before returning). Closing a stream iterator early aborts its unfinished requests.
@@ -380,6 +382,7 @@ class Engine:
             stream=stream, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
             session_params=session_params, logprob_start_len=logprob_start_len,
             token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
+            data_parallel_rank=data_parallel_rank,
         )
         agen = self._tm.generate_request(obj)
         if not stream:
@@ -410,6 +413,7 @@ class Engine:
         logprob_start_len: int | list[int] = -1,
         token_ids_logprob: list[int] | list[list[int]] | None = None,
         return_text_in_logprobs: bool = False,
+        data_parallel_rank: int | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """``generate`` for the caller's own asyncio loop; ``stream`` → an async iterator."""
         obj = GenerateReqInput(
@@ -417,6 +421,7 @@ class Engine:
             stream=stream, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
             session_params=session_params, logprob_start_len=logprob_start_len,
             token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
+            data_parallel_rank=data_parallel_rank,
         )
         agen = self._tm.generate_request(obj)
         if not stream:

@@ -146,6 +146,22 @@ def test_concurrent_requests_spread_over_both_replicas(client, server):
     assert min(spread) >= n // 2 - 2, f"requests per replica: {spread}"
 
 
+def test_a_request_naming_a_replica_runs_there(client):
+    before = wait_idle_and_accounted(client)
+    for name in ("routed_dp_rank", "data_parallel_rank"):
+        r = client.post("/generate", json={"text": "pinned", name: 1,
+                                           "sampling_params": {"max_new_tokens": 2, **GREEDY}})
+        assert r.status_code == 200, r.text
+    after = wait_idle_and_accounted(client)
+    assert [a["num_received_reqs"] - b["num_received_reqs"]
+            for a, b in zip(after, before, strict=True)] == [0, 2]
+    for body, param in [({"routed_dp_rank": 2}, "routed_dp_rank"),
+                        ({"data_parallel_rank": -1}, "data_parallel_rank"),
+                        ({"routed_dp_rank": 0, "data_parallel_rank": 1}, "routed_dp_rank")]:
+        r = client.post("/generate", json={"text": "x", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_flush_cache_empties_both_replicas(client):
     for i in range(4):  # at least one request on each replica
         client.post("/generate", json={"text": f"cache me {i} " * 8,

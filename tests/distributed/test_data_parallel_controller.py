@@ -19,10 +19,13 @@ from radixserve.managers.io_struct import (
 from radixserve.sampling.sampling_params import SamplingParams
 
 
-def generate(rid: str, session: str | None = None) -> TokenizedGenerateReqInput:
+def generate(
+    rid: str, session: str | None = None, rank: int | None = None
+) -> TokenizedGenerateReqInput:
     return TokenizedGenerateReqInput(
         rid=rid, input_ids=[6, 7], sampling_params=SamplingParams(max_new_tokens=1),
         session_params=SessionParams(id=session) if session is not None else None,
+        data_parallel_rank=rank,
     )
 
 
@@ -116,3 +119,12 @@ def test_an_unknown_session_is_routed_by_the_policy_and_refused_by_its_replica()
     ctrl, sent = controller(2, "round_robin")
     ctrl.handle(generate("r", session="nobody"))
     assert replicas(sent) == [0]
+
+
+def test_a_named_replica_takes_the_request_unless_its_session_lives_elsewhere():
+    ctrl, sent = controller(3, "round_robin")
+    ctrl.handle(generate("a", rank=2))
+    ctrl.handle(generate("b"))  # the policy goes on from where it was
+    ctrl.handle(OpenSessionReqInput(capacity_of_str_len=64, session_id="s"))
+    ctrl.handle(generate("c", session="s", rank=0))  # the session's replica holds its state
+    assert replicas(sent) == [2, 0, 1, 1] and ctrl.sent == [1, 1, 1]

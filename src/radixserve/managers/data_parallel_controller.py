@@ -10,6 +10,8 @@ replica ``i`` listens on ``PortArgs.replica_input(i)``. Where a message goes:
 
     generate request of a session   the replica that holds the session (session affinity: a
                                     session's tree or streaming slot lives in one replica)
+    other generate request with     that replica (SGLang's field; the TokenizerManager checked
+    ``data_parallel_rank``          that it exists)
     other generate or embedding     the replica the policy picks
     request
     OpenSessionReqInput             the replica the policy picks, remembered for the session id
@@ -64,6 +66,8 @@ class DataParallelController:
         elif isinstance(msg, TokenizedGenerateReqInput):
             session = msg.session_params.id if msg.session_params is not None else None
             replica = self.session_replica.get(session) if session is not None else None
+            if replica is None:
+                replica = msg.data_parallel_rank
             self._send_generate(self.pick() if replica is None else replica, msg)
         elif isinstance(msg, TokenizedEmbeddingReqInput):
             self._send_generate(self.pick(), msg)

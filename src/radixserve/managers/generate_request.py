@@ -46,6 +46,9 @@ class GenerateReqInput:
     session_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
     # False leaves the request out of metrics and request logs (health checks).
     log_metrics: bool = True
+    # The data-parallel replica that runs every generation of the call (None: the policy's
+    # choice); the TokenizerManager checks it against --dp-size.
+    data_parallel_rank: int | None = None
 
     is_single: bool = field(default=True, init=False)
     batch_size: int = field(default=1, init=False)
@@ -64,6 +67,9 @@ class GenerateReqInput:
         self._check_prompt_shape()
         if not isinstance(self.stream, bool) or not isinstance(self.return_text_in_logprobs, bool):
             raise ValueError("stream and return_text_in_logprobs must be booleans")
+        rank = self.data_parallel_rank
+        if rank is not None and (not _is_token_id(rank) or rank < 0):
+            raise ValueError(f"data_parallel_rank must be a non-negative integer, got {rank!r}")
         n = self._parallel_samples()
         if self.is_single and n == 1:
             self._normalize_single()
@@ -254,6 +260,7 @@ class GenerateReqInput:
             return_text_in_logprobs=self.return_text_in_logprobs,
             session_params=self.session_params[i] if self.session_params else None,
             log_metrics=self.log_metrics,
+            data_parallel_rank=self.data_parallel_rank,
         )
         sub.normalize()
         return sub

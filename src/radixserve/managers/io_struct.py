@@ -55,6 +55,8 @@ class TokenizedGenerateReqInput(_Msg):
     token_ids_logprob: list[int] | None = None
     stream: bool = False
     session_params: SessionParams | None = None
+    # The replica the data-parallel controller sends it to (None: its policy decides).
+    data_parallel_rank: int | None = None
 
 
 class TokenizedEmbeddingReqInput(_Msg):

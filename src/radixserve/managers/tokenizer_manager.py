@@ -469,6 +469,12 @@ class TokenizerManager:
                 f"{prompt_len + max_new} tokens exceed the model's context length of "
                 f"{context_len} tokens"
             )
+        rank = obj.data_parallel_rank
+        if rank is not None and rank >= self.server_args.dp_size:
+            raise ValueError(
+                f"data_parallel_rank {rank} does not exist: --dp-size is "
+                f"{self.server_args.dp_size} (ranks 0 to {self.server_args.dp_size - 1})"
+            )
         session_params = None
         if obj.session_params:
             try:
@@ -486,6 +492,7 @@ class TokenizerManager:
             token_ids_logprob=obj.token_ids_logprob,
             stream=obj.stream,
             session_params=session_params,
+            data_parallel_rank=rank,
         )
 
     def _check_alive(self) -> None:

@@ -77,8 +77,6 @@ UNSUPPORTED_GENERATE: Unsupported = {
     "lora_id": ((None,), "LoRA adapters are not supported"),
     "custom_logit_processor": ((None,), "custom logit processors are not supported"),
     "watermark": ((None,), "watermarking is not supported"),
-    "routed_dp_rank": ((None, 0), "there is one data-parallel rank (0)"),
-    "data_parallel_rank": ((None, 0), "there is one data-parallel rank (0)"),
     "routing_key": ((None,), "routing-key scheduling is not supported"),
     "priority": ((None,), "priority scheduling is not supported"),
     "session_id": ((None,), "session identity without session_params is not supported"),
@@ -117,6 +115,9 @@ class GenerateRequest(StrictRequest):
     return_text_in_logprobs: bool | None = None
     session_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
     log_metrics: bool | None = None
+    # The data-parallel replica to run on (SGLang's two names for it).
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None
     # sglang-router sends ``model`` with every request (``null`` unless its client named one).
     model: str | None = None
 
@@ -158,11 +159,29 @@ class DetokenizeRequest(_StrictModel):
 async def generate(body: GenerateRequest, request: Request) -> Response:
     ctx = get_ctx(request)
     ctx.check_model(body.model)
-    obj = GenerateReqInput(**body.model_dump(exclude_none=True, exclude={"model"}))
+    fields = body.model_dump(exclude_none=True, exclude={"model", "routed_dp_rank"})
+    fields["data_parallel_rank"] = _dp_rank(body, ctx.server_args.dp_size)
+    obj = GenerateReqInput(**fields)
     agen = ctx.tokenizer_manager.generate_request(obj)
     if not obj.stream:
         return JSONResponse(await cancel_on_disconnect(request, first_item(agen)))
     return sse_response(_stream_events(await prime(agen)))
+
+
+def _dp_rank(body: GenerateRequest, dp_size: int) -> int | None:
+    """The replica ``routed_dp_rank`` or ``data_parallel_rank`` names; 400 naming the field for
+    one that does not exist (or when they disagree)."""
+    given = {n: getattr(body, n) for n in ("routed_dp_rank", "data_parallel_rank")
+             if getattr(body, n) is not None}
+    if len(set(given.values())) > 1:
+        raise APIError(400, f"routed_dp_rank and data_parallel_rank disagree: {given}",
+                       param="routed_dp_rank")
+    for name, rank in given.items():
+        if not 0 <= rank < dp_size:
+            raise APIError(400, f"{name} {rank} does not exist: there are {dp_size} "
+                           f"data-parallel replicas (--dp-size)", param=name)
+        return rank
+    return None
 
 
 async def _stream_events(outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
