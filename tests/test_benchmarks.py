@@ -1,6 +1,6 @@
-"""The serving and sessions benchmarks still run end to end, on a tiny test checkpoint and a few
-tokens. Their speed is not checked here (that is what they print); their output shape and their
-own consistency checks are."""
+"""The serving, sessions, constrained and parallel benchmarks still run end to end, on a tiny
+test checkpoint and a few tokens. Their speed is not checked here (that is what they print);
+their output shape and their own consistency checks are."""
 
 from __future__ import annotations
 
@@ -75,3 +75,21 @@ def test_bench_sessions_offload_mode_measures_restore_recompute_and_resident(lla
     summaries = [line for line in lines if line.get("summary")]
     assert [s["history"] for s in summaries] == [48, 96]
     assert all(s["stored_mb"] > 0 and s["restore_over_recompute"] > 0 for s in summaries)
+
+
+def test_bench_parallel_times_each_topology_and_models_the_communication(llama_path):
+    lines = run_benchmark(
+        "bench_parallel.py", "--model", str(llama_path), "--topologies", "tp1,tp2,pp2",
+        "--batch-sizes", "2", "--input-len", "5", "--output-len", "3", "--prefill-len", "16",
+        "--repeats", "1", "--dtype", "float32",
+    )
+    records = [line for line in lines if "backend" in line]
+    assert {(r["backend"], r["scenario"]) for r in records} == {
+        (t, s) for t in ("tp1", "tp2", "pp2") for s in ("decode", "prefill")}
+    assert all(r["output_tokens"] == 6 for r in records if r["scenario"] == "decode")
+    ratios = {(r["ratio"], r["scenario"]) for r in lines if "ratio" in r}
+    assert ratios == {(f"{t}/tp1", s) for t in ("tp2", "pp2") for s in ("decode", "prefill")}
+    (model,) = [line["modelled"] for line in lines if "modelled" in line]
+    layers, hidden = model["layers"], model["hidden_size"]
+    assert model["tp_all_reduces_per_token"] == 2 * layers + 1
+    assert model["pp_bytes_per_token_per_boundary"] == 2 * hidden * model["dtype_bytes"] + 8
