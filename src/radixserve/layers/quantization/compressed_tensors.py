@@ -16,11 +16,12 @@ Anything else in a ``compressed-tensors`` config is refused with a ``ValueError`
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from radixserve.layers.linear import LinearMethod, sharded_parameter
+from radixserve.layers.linear import LinearMethod, WeightSource, sharded_parameter
 from radixserve.layers.packed_weight import PackedWeight, PackOptions
 from radixserve.layers.quantization.base import QuantizationConfig
 from radixserve.layers.quantization.int8 import pack_int8
@@ -42,9 +43,10 @@ def unpack_int8(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     return (as_bytes[:, :in_features].to(torch.int16) - _OFFSET).to(torch.int8)
 
 
-def _check_weight_shape(param: torch.Tensor, loaded: torch.Tensor, *shard: object) -> None:
-    """``weight_shape`` carries no data the layer needs; it must only be well formed."""
-    if loaded.numel() != 2:
+def _check_weight_shape(param: torch.Tensor, loaded: WeightSource, *shard: object) -> None:
+    """``weight_shape`` carries no data the layer needs; it must only be well formed (its
+    shape is all this reads: the checkpoint tensor may be a lazy ``SafetensorsSlice``)."""
+    if math.prod(loaded.shape) != 2:
         raise ValueError(f"weight_shape must hold [out, in], got {tuple(loaded.shape)}")
 
 
