@@ -53,6 +53,8 @@ class ServerArgs:
     enable_metrics: bool = False
     max_queued_requests: int | None = None
     chat_template: str | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     log_requests: bool = False
     log_level: str = "info"
     skip_warmup: bool = False
@@ -77,6 +79,22 @@ class ServerArgs:
                 raise ValueError(
                     f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                     f"got {self.attention_backend!r}"
+                )
+        if self.tool_call_parser is not None:
+            from radixserve.server.openai.tool_parsers import TOOL_CALL_PARSERS
+
+            if self.tool_call_parser not in TOOL_CALL_PARSERS:
+                raise ValueError(
+                    f"tool_call_parser must be one of {tuple(TOOL_CALL_PARSERS)}, "
+                    f"got {self.tool_call_parser!r}"
+                )
+        if self.reasoning_parser is not None:
+            from radixserve.server.openai.reasoning import REASONING_PARSERS
+
+            if self.reasoning_parser not in REASONING_PARSERS:
+                raise ValueError(
+                    f"reasoning_parser must be one of {tuple(REASONING_PARSERS)}, "
+                    f"got {self.reasoning_parser!r}"
                 )
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
