@@ -3,7 +3,8 @@
 ``plan_tools`` reads ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` against the server's
 ``--tool-call-parser`` and decides, once per request:
 
-- which tools the chat template renders (none for ``tool_choice: "none"``);
+- which tools the chat template renders (all of them, also for ``tool_choice: "none"``: the
+  model sees what it may not call, as with OpenAI and vLLM; its text is then not parsed);
 - the grammar that enforces ``required`` or a named function (``tool_parsers/enforced.py``);
 - which parser reads each choice's calls: the model's format (``auto``) or the enforced JSON;
 - whether special tokens stay in the text (when the format's marker is one, as Llama 3's
@@ -61,9 +62,9 @@ def plan_tools(body: ChatCompletionRequest, parser_name: str | None, tokenizer: 
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise APIError(400, f"tools define {', '.join(duplicates)} more than once", param="tools")
-    if choice == "none":
-        return NO_TOOLS
     template_tools = [t.model_dump(exclude_none=True) for t in tools]
+    if choice == "none":
+        return ToolPlan(template_tools, {}, None, None)
     parallel = body.parallel_tool_calls is not False
     max_calls = None if parallel else 1
     parser_cls = tool_parser_class(parser_name) if parser_name else None

@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.server.openai.structured_outputs import ResponseFormat, grammar_params
@@ -393,7 +393,17 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
-class FunctionCallOut(BaseModel):
+class _WithoutNulls(BaseModel):
+    """Leaves out unset (None) fields, as OpenAI's tool-call deltas do: the SDK's stream
+    accumulator overwrites ``type`` with every delta's value, so a later ``"type": null`` would
+    erase the first delta's ``"function"``."""
+
+    @model_serializer(mode="wrap")
+    def _drop_nulls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionCallOut(_WithoutNulls):
     name: str | None = None
     arguments: str | None = None
 
@@ -428,7 +438,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(_WithoutNulls):
     """A piece of one call: ``id``, ``type`` and ``function.name`` come with its first piece."""
 
     index: int
