@@ -72,30 +72,16 @@ class ServerArgs:
             raise ValueError(
                 f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
             )
-        if self.attention_backend is not None:
-            from radixserve.layers.attention import ATTENTION_BACKENDS
+        from radixserve.layers.attention import ATTENTION_BACKENDS
+        from radixserve.server.openai.reasoning import REASONING_PARSERS
+        from radixserve.server.openai.tool_parsers import TOOL_CALL_PARSERS
 
-            if self.attention_backend not in ATTENTION_BACKENDS:
-                raise ValueError(
-                    f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                    f"got {self.attention_backend!r}"
-                )
-        if self.tool_call_parser is not None:
-            from radixserve.server.openai.tool_parsers import TOOL_CALL_PARSERS
-
-            if self.tool_call_parser not in TOOL_CALL_PARSERS:
-                raise ValueError(
-                    f"tool_call_parser must be one of {tuple(TOOL_CALL_PARSERS)}, "
-                    f"got {self.tool_call_parser!r}"
-                )
-        if self.reasoning_parser is not None:
-            from radixserve.server.openai.reasoning import REASONING_PARSERS
-
-            if self.reasoning_parser not in REASONING_PARSERS:
-                raise ValueError(
-                    f"reasoning_parser must be one of {tuple(REASONING_PARSERS)}, "
-                    f"got {self.reasoning_parser!r}"
-                )
+        for name, choices in (("attention_backend", ATTENTION_BACKENDS),
+                              ("tool_call_parser", tuple(TOOL_CALL_PARSERS)),
+                              ("reasoning_parser", tuple(REASONING_PARSERS))):
+            value = getattr(self, name)
+            if value is not None and value not in choices:
+                raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.tp_size != 1 or self.dp_size != 1:

@@ -75,32 +75,33 @@ def client_for(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
 
 
-def checkpoint(tmp_path_factory, name, arch, template, special=()):
-    return build_checkpoint(tmp_path_factory.mktemp(f"ckpt-tools-{name}"), arch,
-                            chat_template=template, extra_special_tokens=special)
+def serve(tmp_path_factory, name, arch, template, special, *flags):
+    """A server of a checkpoint with ``template``; tool definitions make long prompts, so these
+    checkpoints take 2048 positions."""
+    path = build_checkpoint(tmp_path_factory.mktemp(f"ckpt-tools-{name}"), arch,
+                            chat_template=template, extra_special_tokens=special,
+                            max_position_embeddings=2048)
+    return start_server(path, *CONSTRAINED_FLAGS, "--tool-call-parser", name, *flags)
 
 
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory):
-    path = checkpoint(tmp_path_factory, "hermes", "qwen3", HERMES_THINKING)
-    srv = start_server(path, *CONSTRAINED_FLAGS, "--tool-call-parser", "hermes",
-                       "--reasoning-parser", "qwen3")
+    srv = serve(tmp_path_factory, "hermes", "qwen3", HERMES_THINKING, (),
+                "--reasoning-parser", "qwen3")
     yield srv
     srv.check_clean_stop()
 
 
 @pytest.fixture(scope="module")
 def llama3(tmp_path_factory):
-    path = checkpoint(tmp_path_factory, "llama3", "llama", LLAMA3_JSON, ("<|python_tag|>",))
-    srv = start_server(path, *CONSTRAINED_FLAGS, "--tool-call-parser", "llama3")
+    srv = serve(tmp_path_factory, "llama3", "llama", LLAMA3_JSON, ("<|python_tag|>",))
     yield srv
     srv.check_clean_stop()
 
 
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory):
-    path = checkpoint(tmp_path_factory, "mistral", "mistral", MISTRAL, ("[TOOL_CALLS]",))
-    srv = start_server(path, *CONSTRAINED_FLAGS, "--tool-call-parser", "mistral")
+    srv = serve(tmp_path_factory, "mistral", "mistral", MISTRAL, ("[TOOL_CALLS]",))
     yield srv
     srv.check_clean_stop()
 

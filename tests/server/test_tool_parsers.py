@@ -77,8 +77,8 @@ CASES = [
     ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {"x": [1, 2}}]',
      '[TOOL_CALLS][{"name": "get_time", "arguments": {"x": [1, 2}}]', []),
     ("mistral", "[TOOL_CALLS]launch[ARGS]{}", "[TOOL_CALLS]launch[ARGS]{}", []),
-    ("mistral", "Arrays like [1, 2] and [TOOL_ are text.", "Arrays like [1, 2] and [TOOL_ are text.",
-     []),
+    ("mistral", "Arrays like [1, 2] and [TOOL_ are text.",
+     "Arrays like [1, 2] and [TOOL_ are text.", []),
 ]
 
 

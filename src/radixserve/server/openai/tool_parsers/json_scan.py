@@ -149,6 +149,34 @@ def scan_call_object(text: str, pos: int, tool_names: frozenset[str]) -> Partial
             raise NotACall
 
 
+def scan_call_sequence(
+    text: str, pos: int, tool_names: frozenset[str], separator: str, close: str | None = None
+) -> tuple[list[PartialCall], int | None]:
+    """Call objects separated by ``separator`` from ``pos`` on, up to ``close`` if given; the
+    calls and the index after the sequence, or None while the text ends inside it. Something
+    else after a call ends the sequence there (it is text); a sequence whose first object is not
+    a call raises ``NotACall``."""
+    calls: list[PartialCall] = []
+    while True:
+        try:
+            call = scan_call_object(text, pos, tool_names)
+        except NotACall:
+            if not calls:
+                raise
+            return calls, calls[-1].end
+        calls.append(call)
+        if call.end is None:
+            return calls, None
+        after = skip_ws(text, call.end)
+        if after == len(text):
+            return calls, None
+        if close is not None and text[after] == close:
+            return calls, after + 1
+        if text[after] != separator:
+            return calls, call.end
+        pos = after + 1
+
+
 def held_marker_prefix(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest end of ``text`` that is a proper beginning of one of ``markers``
     (a stream holds it back until it knows whether a marker is being written)."""

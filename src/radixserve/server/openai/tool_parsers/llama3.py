@@ -11,12 +11,7 @@ and ``arguments`` are both read as the arguments.
 from __future__ import annotations
 
 from radixserve.server.openai.tool_parsers.base import TaggedFormat
-from radixserve.server.openai.tool_parsers.json_scan import (
-    NotACall,
-    PartialCall,
-    scan_call_object,
-    skip_ws,
-)
+from radixserve.server.openai.tool_parsers.json_scan import PartialCall, scan_call_sequence
 
 PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = ";"
@@ -33,20 +28,4 @@ class Llama3JsonFormat(TaggedFormat):
         return len(text) - len(stripped) if stripped.startswith("{") else None
 
     def scan_run(self, text: str, pos: int) -> tuple[list[PartialCall], int | None]:
-        calls: list[PartialCall] = []
-        while True:
-            try:
-                call = scan_call_object(text, pos, self.tool_names)
-            except NotACall:
-                if not calls:
-                    raise
-                return calls, calls[-1].end  # the calls so far; the rest is text
-            calls.append(call)
-            if call.end is None:
-                return calls, None
-            after = skip_ws(text, call.end)
-            if after == len(text):
-                return calls, None
-            if text[after] != SEPARATOR:
-                return calls, call.end
-            pos = after + 1
+        return scan_call_sequence(text, pos, self.tool_names, SEPARATOR)

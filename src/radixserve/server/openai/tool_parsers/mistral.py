@@ -18,7 +18,7 @@ from radixserve.server.openai.tool_parsers.json_scan import (
     NotACall,
     PartialCall,
     decode_value,
-    scan_call_object,
+    scan_call_sequence,
     skip_ws,
 )
 
@@ -36,26 +36,7 @@ def scan_call_array(
         return [], None
     if text[pos] != "[":
         raise NotACall
-    calls: list[PartialCall] = []
-    pos += 1
-    while True:
-        try:
-            call = scan_call_object(text, pos, tool_names)
-        except NotACall:
-            if not calls:
-                raise
-            return calls, calls[-1].end  # the calls so far; the rest is text
-        calls.append(call)
-        if call.end is None:
-            return calls, None
-        after = skip_ws(text, call.end)
-        if after == len(text):
-            return calls, None
-        if text[after] == "]":
-            return calls, after + 1
-        if text[after] != ",":
-            return calls, call.end
-        pos = after + 1
+    return scan_call_sequence(text, pos + 1, tool_names, ",", "]")
 
 
 class MistralFormat(TaggedFormat):
