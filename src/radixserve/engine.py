@@ -475,6 +475,11 @@ class Engine:
     def get_load(self) -> list[dict[str, Any]]:
         return self._run(self._tm.get_load())
 
+    def get_inspector_state(self) -> dict[str, Any]:
+        """What the ``/dashboard`` page shows: memory, the running batch and the queue, the radix
+        tree, sessions and a history of recent steps."""
+        return self._run(self._tm.get_inspector_state())
+
     def open_session(
         self,
         capacity_of_str_len: int,

@@ -52,4 +52,7 @@ def test_engine_operations(llama_path, tmp_path, strict_env):
         assert engine.freeze_gc()["scheduler"] > 0
         load = engine.get_load()
         assert load[0]["num_reqs"] == 0 and load[0]["max_total_num_tokens"] == 8192
+        state = engine.get_inspector_state()
+        assert state["stats"]["num_steps"] > 0 and state["history"][-1]["kind"] == "decode"
+        assert state["radix_tree"]["nodes"] and state["memory"]["total_kv_tokens"] == 8192
         wait_idle(engine)

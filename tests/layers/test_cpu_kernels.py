@@ -9,6 +9,11 @@ tested against their native references in ``test_custom_ops.py`` and ``test_pack
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -54,6 +59,31 @@ def test_kernels_build_exactly_where_the_cpu_supports_them():
         return
     assert blocked is not None and blocked.amx == HAS_AMX
     assert blocked.max_rows == (AMX_MAX_ROWS if HAS_AMX else 1)
+
+
+@pytest.mark.skipif(not HAS_BF16, reason="the kernels are not built on this CPU")
+def test_a_build_killed_half_way_does_not_block_later_loads(tmp_path):
+    """A killed build leaves cpp_extension's baton file behind; the next load must not wait."""
+    from radixserve.layers import cpu_kernels
+
+    assert load_cpu_kernels()
+    built = cpu_kernels._build_dir(cpu_kernels._cpu_flags())
+    cache = tmp_path / "cache"
+    copy = cache / built.relative_to(built.parents[2])
+    shutil.copytree(built, copy)
+    (copy / "lock").touch()  # what a build killed mid-compile leaves
+    script = "from radixserve.layers.cpu_kernels import load_cpu_kernels; print(load_cpu_kernels())"
+    # the timeout only turns a regression (a load waiting forever) into a failure
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "XDG_CACHE_HOME": str(cache)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"
+    assert not (copy / "lock").exists()
 
 
 def test_blocked_copy_is_refused_for_weights_the_kernels_cannot_take():

@@ -238,3 +238,16 @@ def test_session_turns_are_constrained_per_turn(llama_path, tokenizer, prompts):
             if turn:
                 assert result.cached_tokens > 0  # the earlier turns' KV was reused
             parent = rid
+
+
+def test_abort_while_the_grammar_compiles_finishes_the_request(llama_path, prompts):
+    from radixserve.managers.io_struct import AbortReq
+
+    driver = new_driver(llama_path)
+    driver.submit("waiting", prompts[2], json_schema=json.dumps(LONG_SCHEMA))
+    state = driver.scheduler.handle_get_internal_state(None).state
+    assert state["num_grammar_queue_reqs"] == 1 and state["num_waiting_reqs"] == 1
+    driver.send(AbortReq(rid="waiting"))
+    driver.run()
+    assert driver.results()["waiting"].finished_reason["type"] == "abort"
+    assert driver.scheduler.handle_get_internal_state(None).state["num_grammar_queue_reqs"] == 0

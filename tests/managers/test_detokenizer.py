@@ -118,6 +118,22 @@ def test_no_stop_trim_keeps_the_stop_string(tokenizer):
     assert "".join(deltas).endswith("END")
 
 
+def test_stop_regex_match_is_trimmed_where_it_begins(tokenizer):
+    text = "Order 66 was given at 9 pm"
+    ids = tokenizer.encode(text)
+    pattern = r"[0-9]+ pm"
+    n = next(n for n in range(1, len(ids) + 1) if "pm" in tokenizer.decode(ids[:n]))
+    finished = {"type": "stop", "matched": pattern}
+    # Reported at once (a non-stream request): cut where the match begins.
+    assert make(tokenizer, stop_regex=[pattern]).step(ids[:n], finished) == "Order 66 was given at "
+    kept = make(tokenizer, stop_regex=[pattern], no_stop_trim=True)
+    assert kept.step(ids[:n], finished).endswith("9 pm")
+    # Streamed token by token, what was sent before the match completed stays sent (a regex
+    # has no prefix to hold back); the rest is cut.
+    streamed = "".join(stream(make(tokenizer, stop_regex=[pattern]), ids[:n], finished))
+    assert streamed.startswith("Order 66 was given at ") and not streamed.endswith("pm")
+
+
 def test_matched_stop_token_is_left_out_of_the_text(tokenizer):
     ids = tokenizer.encode("hello world") + [EOS]
     detok = make(tokenizer, skip_special=False)

@@ -126,3 +126,15 @@ def test_stream_interval_reports_first_token_then_every_n_tokens_and_the_end(lla
     assert reported == [1, 4, 4, 1]  # tokens 1, 2-5, 6-9, 10 (the finish)
     results = driver.results()
     assert results["s"].tokens == results["n"].tokens
+
+
+def test_a_request_stream_interval_overrides_the_servers(llama_path):
+    driver = new_driver(llama_path, stream_interval=4)
+    prompt = make_prompts(driver.scheduler.model_config.vocab_size, (12,), seed=2)[0]
+    driver.submit("own", prompt, stream=True, ignore_eos=True, max_new_tokens=10,
+                  stream_interval=3)
+    driver.submit("server", prompt, stream=True, ignore_eos=True, max_new_tokens=10)
+    driver.run()
+    reported = {rid: [len(o.new_token_ids) for batch in driver.outputs for o in batch.outputs
+                      if o.rid == rid] for rid in ("own", "server")}
+    assert reported == {"own": [1, 3, 3, 3], "server": [1, 4, 4, 1]}

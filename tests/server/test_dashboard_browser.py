@@ -47,6 +47,7 @@ def test_dashboard_shows_live_numbers_under_load(llama_path, chromium_path, tmp_
         with sync_api.sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium_path, args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(180_000)  # waits are for events; a busy machine is slow
             assert page.goto(f"{srv.base_url}/dashboard").status == 401
             assert page.goto(f"{srv.base_url}/dashboard?key=user-key").status == 401
             assert page.goto(f"{srv.base_url}/dashboard?key={ADMIN}").status == 200

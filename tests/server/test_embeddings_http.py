@@ -62,6 +62,7 @@ def test_embeddings_float_base64_token_ids_and_dimensions(emb):
         ("/v1/embeddings", {}, "input"),
         ("/v1/embeddings", {"input": "hi", "dimensions": 8}, "dimensions"),
         ("/v1/embeddings", {"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+        ("/v1/embeddings", {"input": "hi", "truncate": True}, "unknown parameter"),
         ("/v1/embeddings", {"input": [[1, 2], [10**7]]}, "vocabulary"),
         ("/v1/embeddings", {"input": [7] * 1500}, "context length"),
         ("/encode", {"text": "hi", "sampling_params": {}}, "sampling_params"),

@@ -101,6 +101,19 @@ def test_completions_take_sglang_regex_ebnf_and_json_schema(oai, server):
         assert 3 <= json.loads(choice.text) <= 9
 
 
+def test_structural_tag_response_format(client):
+    tag = {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<n>", "end": "</n>",
+        "content": {"type": "json_schema", "json_schema": {"type": "integer", "minimum": 0,
+                                                           "maximum": 99}}}}
+    r = client.post("/v1/completions", json={"prompt": "Tag:", "max_tokens": 32, "n": 2,
+                                             "temperature": 1.0, "response_format": tag})
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        match = re.fullmatch(r"<n>\s*([0-9]+)\s*</n>", choice["text"])
+        assert match and 0 <= int(match.group(1)) <= 99, choice["text"]
+
+
 def test_native_generate_json_schema_and_stream(client):
     body = {"text": "JSON:", "sampling_params": {"json_schema": json.dumps(SCHEMA),
                                                  "max_new_tokens": MAX_TOKENS, "temperature": 0}}
@@ -110,6 +123,26 @@ def test_native_generate_json_schema_and_stream(client):
     with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
         chunks = parse_sse(list(r.iter_lines()))
     assert chunks[-1]["text"] == out["text"]
+
+
+def test_stop_regex_ends_a_regex_constrained_generation_and_is_cut(client):
+    body = {"text": "Code:", "sampling_params": {
+        "regex": "ab[0-9]cd", "stop_regex": "[0-9]", "max_new_tokens": 16, "temperature": 0}}
+    out = client.post("/generate", json=body).json()
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "[0-9]"}
+    assert out["text"] == "ab"
+
+
+def test_per_request_stream_interval_reaches_the_scheduler(client):
+    """An interval longer than the output: only the first token and the end are sent. (The
+    split of a stream is tested in the scheduler: over HTTP a slow reader may get two reports
+    merged into one chunk, so only which lengths can appear is checked here.)"""
+    body = {"text": "Go", "stream": True, "sampling_params": {
+        "max_new_tokens": 9, "ignore_eos": True, "stream_interval": 100}}
+    with client.stream("POST", "/generate", json=body) as r:
+        chunks = parse_sse(list(r.iter_lines()))
+    lengths = [len(c["output_ids"]) for c in chunks]
+    assert set(lengths) <= {1, 9} and lengths[-1] == 9, lengths
 
 
 def test_length_limit_mid_json_is_finish_reason_length(oai, server):

@@ -20,7 +20,10 @@ Nothing asks on every call whether they run: each op picks them once, when the m
 They need AVX512-BF16. The build goes through ``torch.utils.cpp_extension`` (ninja and g++,
 about 20 s) into ``~/.cache/radixserve/kernels/<key>``; the key covers the sources, the torch
 version and this CPU's flags (the code is built for the CPU it runs on), so later starts load
-the cached library at once. Without a compiler or the instruction set, or with
+the cached library at once. Builds are serialised by an ``fcntl`` lock on ``<key>.lock``, which
+the kernel releases when its holder dies; torch's own baton file (``<key>/lock``), which a build
+killed half-way leaves behind and every later ``load`` would wait on forever, is removed under
+it. Without a compiler or the instruction set, or with
 ``RADIXSERVE_DISABLE_CPU_KERNELS=1``, ``load_cpu_kernels`` returns False and ops are built with
 their torch implementations.
 """
@@ -28,6 +31,7 @@ their torch implementations.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -82,6 +86,22 @@ def _ninja_on_path() -> Iterator[None]:
         os.environ["PATH"] = path
 
 
+@contextlib.contextmanager
+def _exclusive_build(build_dir: Path) -> Iterator[None]:
+    """Hold the build directory against other processes, and drop a dead build's baton.
+
+    ``cpp_extension`` marks a build in progress with a plain ``lock`` file that only a live
+    builder deletes; one left by a killed process makes every later ``load`` sleep forever.
+    Under this flock no other builder is alive, so such a file is stale."""
+    with open(build_dir.with_suffix(".lock"), "w") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(holder, fcntl.LOCK_UN)
+
+
 @functools.cache
 def load_cpu_kernels() -> bool:
     """Register ``torch.ops.radixserve_cpu.*``; False when they cannot run here."""
@@ -97,7 +117,7 @@ def load_cpu_kernels() -> bool:
         build_dir.mkdir(parents=True, exist_ok=True)
         if not any(build_dir.glob("*.so")):
             logger.info("building radixserve's CPU kernels into %s (once)", build_dir)
-        with _ninja_on_path():
+        with _exclusive_build(build_dir), _ninja_on_path():
             load(
                 name="radixserve_cpu_kernels",
                 sources=[str(s) for s in SOURCES],

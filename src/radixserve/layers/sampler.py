@@ -3,9 +3,11 @@
 Pipeline of ``Sampler.__call__`` over ``[bs, vocab]`` logits in the model's dtype:
 
 0. a greedy batch without logprobs, bias or penalties takes its argmax right there (upcasting
-   cannot change which entry is largest); anything else is upcast to float32 first;
-1. logit bias, then penalties and the min_new_tokens ban (``SamplingBatchInfo.process_logits``),
-   on a copy: the caller's logits are never modified;
+   cannot change which entry is largest), after its grammar mask if it has one (applied in
+   place, in the model's dtype); anything else is upcast to float32 first;
+1. logit bias, then penalties and the min_new_tokens ban, then the grammar mask of constrained
+   requests (``SamplingBatchInfo.process_logits``), on a copy when logprobs are asked for (they
+   are taken from the raw logits), else in place;
 2. all rows greedy → argmax (``GreedyArgmax``), no softmax;
 3. otherwise divide by temperature, softmax, zero out what top_k / top_p / min_p filter, and
    draw by inverting each row's cumulative distribution at one uniform number per row (what
@@ -97,10 +99,16 @@ class Sampler:
         """Sample one token per row; ``top_logprobs_nums[i]`` top entries and the logprobs of
         ``token_ids_logprobs[i]`` for request ``i``."""
         assert logits.shape == (sampling_info.batch_size, sampling_info.vocab_size), logits.shape
-        if sampling_info.is_all_greedy and not return_logprob and not sampling_info.modifies_logits:
-            return SampleOutput(self.greedy_argmax(logits))
+        if sampling_info.is_all_greedy and not return_logprob:
+            if not sampling_info.modifies_logits:
+                return SampleOutput(self.greedy_argmax(logits))
+            if sampling_info.only_grammar_mask:
+                # Nobody reads the raw logits: mask them in place, in the model's dtype.
+                sampling_info.apply_grammar_mask(logits)
+                return SampleOutput(self.greedy_argmax(logits))
         logits = logits.float()
-        processed = sampling_info.process_logits(logits)
+        # Without logprobs the raw logits are not read again: process them in place.
+        processed = sampling_info.process_logits(logits, in_place=not return_logprob)
         if sampling_info.is_all_greedy:
             next_token_ids = self.greedy_argmax(processed)
         else:

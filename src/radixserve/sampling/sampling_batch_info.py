@@ -77,12 +77,24 @@ class SamplingBatchInfo:
             or self.grammar_mask is not None
         )
 
-    def process_logits(self, logits: torch.Tensor) -> torch.Tensor:
+    @property
+    def only_grammar_mask(self) -> bool:
+        """Whether the grammar mask is all ``process_logits`` would apply."""
+        return self.grammar_mask is not None and self.logit_bias is None and self.penalties is None
+
+    def apply_grammar_mask(self, logits: torch.Tensor) -> None:
+        """Set the logits the constrained rows' grammars forbid to ``-inf``, in place."""
+        assert self.grammar_mask is not None
+        mask = self.grammar_mask
+        mask.apply(logits, mask.bitmask, mask.rows)
+
+    def process_logits(self, logits: torch.Tensor, in_place: bool = False) -> torch.Tensor:
         """Apply the logit bias, then the penalties and the min_new_tokens ban, then the
         grammar mask.
 
         Returns ``logits`` itself when the batch has none of them, else a new tensor: the caller's
-        logits are never modified (logprobs are taken from them raw). A row whose every token got
+        logits are not modified (logprobs are taken from them raw), unless ``in_place`` allows
+        it (and no penalty needs the raw logits to fall back to). A row whose every token got
         banned by the penalties would give NaN probabilities, so it falls back to its
         unprocessed logits; the grammar mask comes last and always holds (where it conflicts
         with the min_new_tokens ban, say a complete JSON value that only EOS may follow, the
@@ -90,20 +102,25 @@ class SamplingBatchInfo:
         """
         if not self.modifies_logits:
             return logits
+        if in_place and self.penalties is None:
+            if self.logit_bias is not None:
+                logits += self.logit_bias
+            if self.grammar_mask is not None:
+                self.apply_grammar_mask(logits)
+            return logits
         processed = logits + self.logit_bias if self.logit_bias is not None else logits.clone()
         if self.penalties is not None:
             self.penalties.apply(processed)
             banned_all = torch.isneginf(processed).all(dim=-1, keepdim=True)
             processed = torch.where(banned_all, logits, processed)
         if self.grammar_mask is not None:
-            mask = self.grammar_mask
-            mask.apply(processed, mask.bitmask, mask.rows)
+            self.apply_grammar_mask(processed)
             if self.penalties is not None:
                 # The min_new_tokens ban may forbid all the grammar allows (only EOS is left).
                 empty = torch.isneginf(processed).all(dim=-1, keepdim=True)
                 if bool(empty.any()):
                     allowed = logits.clone()
-                    mask.apply(allowed, mask.bitmask, mask.rows)
+                    self.apply_grammar_mask(allowed)
                     processed = torch.where(empty, allowed, processed)
         return processed
 

@@ -18,12 +18,13 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from radixserve.server.app import cancel_on_disconnect, get_ctx
 from radixserve.server.errors import APIError
+from radixserve.server.strict_request import StrictRequest
 
 router = APIRouter()
 
 
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # as OpenAI's API: unknown fields are ignored
+class EmbeddingRequest(StrictRequest):
+    """OpenAI's embeddings body; as OpenAI, an unknown field is a 400 (nothing is dropped)."""
 
     input: str | list[str] | list[int] | list[list[int]]
     model: str | None = None
