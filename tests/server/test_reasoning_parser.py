@@ -63,6 +63,15 @@ def test_a_stream_sends_reasoning_before_the_block_closes():
     assert parser.parse_streaming("nk>\n\nAnswer", True) == ("", "Answer")
 
 
+def test_under_a_grammar_only_a_block_the_output_opens_is_reasoning():
+    """deepseek-r1's template opens the block, but JSON a grammar allowed is not reasoning."""
+    for name in ("deepseek-r1", "qwen3"):
+        parser = create_reasoning_parser(name, OPENED, constrained=True)
+        assert parser.parse_final('{"a": 1}') == (None, '{"a": 1}')
+        assert parser.parse_final("<think>x</think>{}") == ("x", "{}")
+    assert create_reasoning_parser("deepseek-r1", OPENED).parse_final("{}") == ("{}", "")
+
+
 def test_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="unknown reasoning parser 'o1'"):
         create_reasoning_parser("o1", PROMPT)

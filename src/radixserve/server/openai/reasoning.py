@@ -70,11 +70,17 @@ class ReasoningParser:
         return delta
 
 
-def create_reasoning_parser(name: str, prompt_text: str) -> ReasoningParser:
-    """The parser of one choice whose prompt rendered to ``prompt_text``."""
+def create_reasoning_parser(name: str, prompt_text: str, constrained: bool = False
+                            ) -> ReasoningParser:
+    """The parser of one choice whose prompt rendered to ``prompt_text``.
+
+    Under a grammar (``constrained``: a response format, an enforced tool choice, ...) the
+    output is what the grammar allows from its first token, not the rest of a block the prompt
+    opened: only a block the output itself opens with ``<think>`` is reasoning.
+    """
     if name not in REASONING_PARSERS:
         raise ValueError(
             f"unknown reasoning parser {name!r}; choose one of {', '.join(REASONING_PARSERS)}"
         )
     opened = prompt_text.rstrip().endswith(THINK_START)
-    return ReasoningParser(REASONING_PARSERS[name] or opened)
+    return ReasoningParser(not constrained and (REASONING_PARSERS[name] or opened))

@@ -24,6 +24,7 @@ import jinja2
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from radixserve.sampling.sampling_params import GRAMMAR_FIELDS
 from radixserve.server.app import (
     ServerContext,
     cancel_on_disconnect,
@@ -77,7 +78,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     prompt_ids = ctx.tokenizer.encode(prompt_text, add_special_tokens=False)
     top_logprobs_num = (body.top_logprobs or 0) if body.logprobs else None
     inputs = body.generate_inputs([prompt_ids], ctx.context_len, top_logprobs_num, plan.sampling)
-    parsers = [_choice_parser(plan, reasoning_parser, prompt_text) for _ in inputs]
+    constrained = any(k in GRAMMAR_FIELDS for k in inputs[0].sampling_params)
+    parsers = [_choice_parser(plan, reasoning_parser, prompt_text, constrained) for _ in inputs]
     merged = merge_generations([ctx.tokenizer_manager.generate_request(obj) for obj in inputs])
     response_id, created = new_id("chatcmpl"), now()
     if not body.stream:
@@ -96,9 +98,10 @@ def _reasoning_parser_name(ctx: ServerContext, body: ChatCompletionRequest) -> s
     return name if body.separate_reasoning else None
 
 
-def _choice_parser(plan: ToolPlan, reasoning: str | None, prompt_text: str) -> ChoiceParser:
+def _choice_parser(plan: ToolPlan, reasoning: str | None, prompt_text: str,
+                   constrained: bool) -> ChoiceParser:
     return ChoiceParser(
-        create_reasoning_parser(reasoning, prompt_text) if reasoning else None,
+        create_reasoning_parser(reasoning, prompt_text, constrained) if reasoning else None,
         plan.new_parser() if plan.new_parser else None,
         plan.max_calls,
     )
