@@ -15,6 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from radixserve.managers.io_struct import (
+    AbortReq,
     OpenSessionReqInput,
     SessionParams,
     TokenizedGenerateReqInput,
@@ -241,8 +242,6 @@ def test_session_turns_are_constrained_per_turn(llama_path, tokenizer, prompts):
 
 
 def test_abort_while_the_grammar_compiles_finishes_the_request(llama_path, prompts):
-    from radixserve.managers.io_struct import AbortReq
-
     driver = new_driver(llama_path)
     driver.submit("waiting", prompts[2], json_schema=json.dumps(LONG_SCHEMA))
     state = driver.scheduler.handle_get_internal_state(None).state
