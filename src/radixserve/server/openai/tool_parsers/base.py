@@ -102,6 +102,8 @@ class ToolCallParser(ABC):
         return any(marker in text for marker in self.markers)
 
     def parse_final(self, text: str) -> ParseResult:
+        if not self.detect(text):  # most answers: no call, nothing to scan
+            return ParseResult(text, [])
         scan = self.scan(text, final=True)
         calls = [ToolCall(c.name, c.arguments) for c in scan.calls if c.complete and c.name]
         return ParseResult("".join(scan.content), calls)

@@ -80,6 +80,9 @@ class RequiredCallsFormat(TaggedFormat):
 
     markers = ()
 
+    def detect(self, text: str) -> bool:
+        return True  # the grammar made the whole output the calls
+
     def leading_run(self, text: str) -> int | None:
         return 0
 
@@ -95,6 +98,9 @@ class NamedCallFormat(ToolCallParser):
     def __init__(self, name: str) -> None:
         super().__init__([name])
         self.name = name
+
+    def detect(self, text: str) -> bool:
+        return True  # the grammar made the whole output the call
 
     def scan(self, text: str, final: bool) -> Scan:
         scan = Scan()
