@@ -21,11 +21,10 @@ They need AVX512-BF16. The build goes through ``torch.utils.cpp_extension`` (nin
 about 20 s) into ``~/.cache/radixserve/kernels/<key>``; the key covers the sources, the torch
 version and this CPU's flags (the code is built for the CPU it runs on), so later starts load
 the cached library at once. Builds are serialised by an ``fcntl`` lock on ``<key>.lock``, which
-the kernel releases when its holder dies; torch's own baton file (``<key>/lock``), which a build
-killed half-way leaves behind and every later ``load`` would wait on forever, is removed under
-it. Without a compiler or the instruction set, or with
-``RADIXSERVE_DISABLE_CPU_KERNELS=1``, ``load_cpu_kernels`` returns False and ops are built with
-their torch implementations.
+the kernel releases when its holder dies, and compile in a scratch directory of their own: a
+build killed half-way leaves nothing that later starts wait on. Without a compiler or the
+instruction set, or with ``RADIXSERVE_DISABLE_CPU_KERNELS=1``, ``load_cpu_kernels`` returns False
+and ops are built with their torch implementations.
 """
 
 from __future__ import annotations
@@ -36,6 +35,8 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
+LIBRARY_NAME = "radixserve_cpu_kernels"
 BLOCK_ROWS = 16  # output rows per weight block (csrc/linear_bf16.cpp)
 AMX_MAX_ROWS = 32  # input rows the AMX kernel takes (two tiles of 16)
 AMX_K_MULTIPLE = 32  # inputs per AMX tile row
@@ -87,19 +89,39 @@ def _ninja_on_path() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _exclusive_build(build_dir: Path) -> Iterator[None]:
-    """Hold the build directory against other processes, and drop a dead build's baton.
-
-    ``cpp_extension`` marks a build in progress with a plain ``lock`` file that only a live
-    builder deletes; one left by a killed process makes every later ``load`` sleep forever.
-    Under this flock no other builder is alive, so such a file is stale."""
+def _exclusive(build_dir: Path) -> Iterator[None]:
+    """Hold ``build_dir`` against other processes: an ``fcntl`` lock, which the kernel drops
+    when its holder dies, so a build killed half-way never blocks the next one."""
     with open(build_dir.with_suffix(".lock"), "w") as holder:
         fcntl.flock(holder, fcntl.LOCK_EX)
         try:
-            (build_dir / "lock").unlink(missing_ok=True)
             yield
         finally:
             fcntl.flock(holder, fcntl.LOCK_UN)
+
+
+def _build_and_load(build_dir: Path, library: Path) -> None:
+    """Compile into a scratch directory of this process, then move the library into place.
+
+    ``cpp_extension`` guards its build directory with a plain ``lock`` file that only a live
+    builder deletes; in a shared directory, one left by a killed build makes every later
+    ``load`` wait forever. A private scratch directory has no such file."""
+    from torch.utils.cpp_extension import load
+
+    logger.info("building radixserve's CPU kernels into %s (once)", build_dir)
+    with tempfile.TemporaryDirectory(
+        dir=build_dir.parent, prefix=f"{build_dir.name}.build-"
+    ) as scratch, _ninja_on_path():
+        load(  # builds the library and loads it into this process
+            name=LIBRARY_NAME,
+            sources=[str(s) for s in SOURCES],
+            # -fopenmp: at::parallel_for runs on torch's own OpenMP threads (same libgomp)
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=scratch,
+            is_python_module=False,
+        )
+        os.replace(Path(scratch) / f"{LIBRARY_NAME}.so", library)
 
 
 @functools.cache
@@ -111,22 +133,17 @@ def load_cpu_kernels() -> bool:
     if not {"avx512f", "avx512bw", "avx512_bf16"} <= flags:
         return False
     try:
-        from torch.utils.cpp_extension import load
-
         build_dir = _build_dir(flags)
         build_dir.mkdir(parents=True, exist_ok=True)
-        if not any(build_dir.glob("*.so")):
-            logger.info("building radixserve's CPU kernels into %s (once)", build_dir)
-        with _exclusive_build(build_dir), _ninja_on_path():
-            load(
-                name="radixserve_cpu_kernels",
-                sources=[str(s) for s in SOURCES],
-                # -fopenmp: at::parallel_for runs on torch's own OpenMP threads (same libgomp)
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-                is_python_module=False,
-            )
+        library = build_dir / f"{LIBRARY_NAME}.so"
+        with _exclusive(build_dir):
+            # no other builder is alive: scratch directories are what killed builds left
+            for leftover in build_dir.parent.glob(f"{build_dir.name}.build-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+            if library.exists():
+                torch.ops.load_library(str(library))
+            else:
+                _build_and_load(build_dir, library)
     except Exception as e:  # no compiler, no ninja, a failed build: oneDNN still works
         logger.warning("radixserve's CPU kernels are unavailable, using oneDNN only: %s", e)
         return False
