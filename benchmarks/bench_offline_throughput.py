@@ -1,7 +1,14 @@
-"""Offline throughput: the radixserve Engine vs transformers ``generate``, same run, same prompts.
+"""Offline throughput: the radixserve Engine vs transformers ``generate`` (and llama.cpp), same
+run, same prompts.
 
-Scenarios (each backend runs all of them; the Engine first, shut down before transformers loads,
-so the two never share the CPU):
+Backends (``--backends``, all loaded at once and taking turns per scenario): ``radixserve`` (the
+checkpoint's or ``--dtype``'s floats), ``radixserve-int8`` (``--quantization int8``),
+``radixserve-deterministic`` (``--enable-deterministic-inference``: its cost), ``transformers``,
+``llamacpp-q8_0`` / ``llamacpp-bf16`` (``llamacpp`` = ``llamacpp-q8_0``: the checkpoint
+converted by llama.cpp's own converter, run by llama-cpp-python one prompt at a time; see
+``llamacpp_backend.py``). Every other backend is compared with the first one listed.
+
+Scenarios (each backend runs all of them):
 
 - ``decode`` at each ``--batch-sizes`` B: B random prompts (``--min/--max-input-len`` tokens),
   ``--output-len`` new tokens, greedy, ignore_eos. ``output_tokens_per_s`` is end to end (the
@@ -12,6 +19,11 @@ so the two never share the CPU):
 With ``--step-overhead`` the scheduler runs in this process with the model's forward replaced by a
 stub returning zero logits: ``ms_per_step`` is then what the scheduler + runner + sampler cost per
 decode step without any model compute (the Python overhead a faster model cannot hide).
+
+``--shape-sweep`` runs the decode scenarios on ``--model`` (the reference) and on every shape of
+``make_bench_models.SWEEP`` (other head_dims, hidden sizes, GQA ratios, architectures, an odd
+vocabulary), in bf16 and float32, and prints each one's speedup over transformers next to the
+reference's at the same batch size and dtype.
 
 Prints JSON lines; ``--plot out.png`` draws them (needs matplotlib, the ``bench`` extra).
 See benchmarks/README.md.
@@ -33,20 +45,34 @@ from typing import Any
 
 import torch
 
-BENCH_MODELS = ("tiny", "small")
+# radixserve's variants: the Engine arguments each adds
+RADIXSERVE_VARIANTS: dict[str, dict[str, Any]] = {
+    "radixserve": {},
+    "radixserve-int8": {"quantization": "int8"},
+    "radixserve-deterministic": {"enable_deterministic_inference": True},
+}
+BACKENDS = (*RADIXSERVE_VARIANTS, "transformers", "llamacpp-q8_0", "llamacpp-bf16")
+LLAMACPP_ALIAS = {"llamacpp": "llamacpp-q8_0"}
+BACKEND_COLORS = {"radixserve": "tab:blue", "radixserve-int8": "tab:cyan",
+                  "radixserve-deterministic": "tab:purple",
+                  "transformers": "tab:orange", "llamacpp-q8_0": "tab:green",
+                  "llamacpp-bf16": "tab:olive"}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny",
-                   help="tiny, small (built when missing) or a checkpoint directory")
-    p.add_argument("--batch-sizes", default="1,8,16,32,64",
-                   help="comma-separated decode batch sizes ('' to skip decode)")
+                   help="tiny, small, a sweep-* shape (built when missing) or a checkpoint "
+                        "directory")
+    p.add_argument("--batch-sizes",
+                   help="comma-separated decode batch sizes ('' to skip decode; default "
+                        "1,8,16,32,64, with --shape-sweep 1,32)")
     p.add_argument("--min-input-len", type=int, default=64)
     p.add_argument("--max-input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prefill-len", type=int, default=1024, help="0 skips the prefill scenario")
-    p.add_argument("--backends", default="radixserve,transformers")
+    p.add_argument("--backends", default="radixserve,transformers",
+                   help=f"comma-separated, the first is the reference: any of {BACKENDS}")
     p.add_argument("--step-overhead", action="store_true",
                    help="also time scheduler steps with the model forward stubbed out")
     p.add_argument("--overlap-schedule", action="store_true",
@@ -58,12 +84,18 @@ def parse_args() -> argparse.Namespace:
                    help="best of this many runs per scenario (the backends take turns)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", type=Path, help="write a PNG of the results (needs matplotlib)")
+    p.add_argument("--shape-sweep", action="store_true",
+                   help="decode on --model and every make_bench_models.SWEEP shape, in bf16 and "
+                        "float32; compares each shape's speedup with --model's")
     args = p.parse_args()
+    if args.batch_sizes is None:
+        args.batch_sizes = "1,32" if args.shape_sweep else "1,8,16,32,64"
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     args.backends = [b for b in args.backends.split(",") if b]
-    unknown = set(args.backends) - {"radixserve", "transformers"}
+    args.backends = [LLAMACPP_ALIAS.get(b, b) for b in args.backends]
+    unknown = set(args.backends) - set(BACKENDS)
     if unknown:
-        p.error(f"unknown backend(s) {sorted(unknown)}")
+        p.error(f"unknown backend(s) {sorted(unknown)}; choose from {BACKENDS}")
     if not 0 < args.min_input_len <= args.max_input_len:
         p.error("need 0 < --min-input-len <= --max-input-len")
     return args
@@ -99,10 +131,11 @@ def start_engine(threads: int | None, **kwargs: Any) -> Any:
 
 def resolve_model(name: str) -> tuple[str, str]:
     """``(label, checkpoint dir)``; the benchmark models are built on first use."""
-    if name not in BENCH_MODELS:
-        return Path(name).name, name
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from make_bench_models import DEFAULT_OUT, build
+    from make_bench_models import DEFAULT_OUT, MODELS, build
+
+    if name not in MODELS:
+        return Path(name).name, name
 
     path = DEFAULT_OUT / name
     if not (path / "config.json").is_file():
@@ -147,12 +180,14 @@ Generate = Callable[[list[list[int]], int], tuple[list[list[int]], float]]
 
 
 @contextlib.contextmanager
-def radixserve_backend(args: argparse.Namespace, model_path: str) -> Iterator[Generate]:
+def radixserve_backend(args: argparse.Namespace, model_path: str,
+                       **engine_kwargs: Any) -> Iterator[Generate]:
     """``generate(prompts, n) -> (outputs, wall_s)`` on a running Engine (cache flushed first)."""
     params = {"temperature": 0.0, "ignore_eos": True}
     with start_engine(args.threads, model_path=model_path, dtype=args.dtype,
                       max_running_requests=max(args.batch_sizes, default=1),
-                      enable_overlap_schedule=args.overlap_schedule) as engine:
+                      enable_overlap_schedule=args.overlap_schedule,
+                      **engine_kwargs) as engine:
 
         def generate(prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
             engine.flush_cache()  # nothing may start cached
@@ -186,6 +221,19 @@ def transformers_backend(args: argparse.Namespace, model_path: str,
         return out[:, width:].tolist(), time.perf_counter() - start
 
     yield generate
+
+
+@contextlib.contextmanager
+def llamacpp_backend(args: argparse.Namespace, model_path: str, label: str,
+                     outtype: str) -> Iterator[Generate]:
+    """The same for llama.cpp on the checkpoint converted to GGUF ``outtype``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from llamacpp_backend import LlamaCppGenerator, convert
+
+    gguf = convert(model_path, label, outtype)
+    n_ctx = max(args.max_input_len, args.prefill_len) + args.output_len + 8
+    threads = args.threads or len(os.sched_getaffinity(0))
+    yield LlamaCppGenerator(gguf, threads, n_ctx).generate
 
 
 def measure(backends: dict[str, Generate], work: Workload, repeats: int,
@@ -269,14 +317,16 @@ def run_step_overhead(args: argparse.Namespace, model_path: str,
     return records
 
 
-def comparisons(records: list[dict[str, Any]], our_out: dict[int, list[list[int]]],
-                their_out: dict[int, list[list[int]]]) -> list[dict[str, Any]]:
-    """radixserve over transformers per scenario, and how many greedy outputs are equal."""
-    ours = [r for r in records if r["backend"] == "radixserve"]
-    theirs = [r for r in records if r["backend"] == "transformers"]
+def comparisons(records: list[dict[str, Any]], reference: str, other: str,
+                outputs: dict[str, dict[int, list[list[int]]]]) -> list[dict[str, Any]]:
+    """``reference`` over ``other`` per scenario, and how many greedy outputs are equal."""
+    our_out, their_out = outputs[reference], outputs[other]
+    ours = [r for r in records if r["backend"] == reference]
+    theirs = [r for r in records if r["backend"] == other]
     rows = []
     for a, b in zip(ours, theirs, strict=True):
-        row: dict[str, Any] = {"comparison": a["scenario"], "batch_size": a["batch_size"]}
+        row: dict[str, Any] = {"comparison": a["scenario"], "batch_size": a["batch_size"],
+                               "backend": reference, "against": other}
         for key in ("output_tokens_per_s", "decode_tokens_per_s", "prefill_tokens_per_s"):
             if key in a:
                 row[f"speedup_{key.removesuffix('_tokens_per_s')}"] = round(a[key] / b[key], 2)
@@ -297,7 +347,8 @@ def plot(records: list[dict[str, Any]], label: str, path: Path) -> None:
         print("matplotlib is not installed (pip install -e '.[bench]'); no plot", file=sys.stderr)
         return
     fig, (ax_dec, ax_pre) = plt.subplots(1, 2, figsize=(10, 4), width_ratios=[3, 1])
-    for backend, color in (("radixserve", "tab:blue"), ("transformers", "tab:orange")):
+    for backend in dict.fromkeys(r["backend"] for r in records if r["scenario"] != "step_overhead"):
+        color = BACKEND_COLORS.get(backend)
         dec = [r for r in records if r["backend"] == backend and r["scenario"] == "decode"]
         if dec:
             ax_dec.plot([r["batch_size"] for r in dec], [r["decode_tokens_per_s"] for r in dec],
@@ -313,13 +364,15 @@ def plot(records: list[dict[str, Any]], label: str, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main() -> None:
-    args = parse_args()
+def run_model(args: argparse.Namespace, name: str, dtype: str,
+              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every scenario of ``args`` on model ``name`` in ``dtype``: (records, comparisons)."""
     from transformers import AutoTokenizer
 
     from radixserve.model_config import ModelConfig
 
-    label, model_path = resolve_model(args.model)
+    args = argparse.Namespace(**{**vars(args), "dtype": dtype})
+    label, model_path = resolve_model(name)
     config = ModelConfig.from_path(model_path, dtype=args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     special = set(tokenizer.all_special_ids) | set(config.eos_token_ids)
@@ -332,23 +385,70 @@ def main() -> None:
                       "input_len": [args.min_input_len, args.max_input_len]}), flush=True)
 
     records: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     with torch_threads(args.threads), contextlib.ExitStack() as stack:
         if args.step_overhead and args.batch_sizes:
             records += run_step_overhead(args, model_path, work)
         backends: dict[str, Generate] = {}
-        if "radixserve" in args.backends:
-            backends["radixserve"] = stack.enter_context(radixserve_backend(args, model_path))
-        if "transformers" in args.backends:
-            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-            backends["transformers"] = stack.enter_context(
-                transformers_backend(args, model_path, pad_id))
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        for name in args.backends:
+            if name in RADIXSERVE_VARIANTS:
+                backend = radixserve_backend(args, model_path, **RADIXSERVE_VARIANTS[name])
+            elif name == "transformers":
+                backend = transformers_backend(args, model_path, pad_id)
+            else:
+                backend = llamacpp_backend(args, model_path, label, name.partition("-")[2])
+            backends[name] = stack.enter_context(backend)
         measured, outputs = measure(backends, work, args.repeats)
     records += measured
-    if len(backends) == 2:
-        for row in comparisons(measured, outputs["radixserve"], outputs["transformers"]):
+    reference, *others = args.backends
+    for other in others:
+        for row in comparisons(measured, reference, other, outputs):
+            row.update(model=label, dtype=str(config.torch_dtype).removeprefix("torch."))
             print(json.dumps(row), flush=True)
+            rows.append(row)
+    return records, rows
+
+
+SWEEP_TOLERANCE = 0.2  # a shape's speedup within 20% of the reference model's (issue 17)
+SWEEP_BATCH32_TARGET = 2.0
+
+
+def shape_sweep(args: argparse.Namespace) -> None:
+    """Decode speedups over transformers of every sweep shape against ``--model``'s."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from make_bench_models import SWEEP
+
+    args.prefill_len = 0
+    for dtype in ("bfloat16", "float32"):
+        speedups: dict[str, dict[int, float]] = {}
+        for name in (args.model, *SWEEP):
+            _, rows = run_model(args, name, dtype)
+            speedups[name] = {r["batch_size"]: r["speedup_decode"] for r in rows
+                              if r["against"] == "transformers"}
+        reference = speedups.pop(args.model)
+        for batch, ref in reference.items():
+            shapes = {name: s[batch] for name, s in speedups.items()}
+            worst = min(shapes.values())
+            summary = {
+                "comparison": "shape_sweep", "dtype": dtype, "batch_size": batch,
+                "reference": args.model, "reference_speedup": ref, "speedups": shapes,
+                "worst_over_reference": round(worst / ref, 2),
+                "within_20pct": worst >= (1 - SWEEP_TOLERANCE) * ref,
+            }
+            if batch == 32:
+                summary["every_shape_at_least_2x"] = min(worst, ref) >= SWEEP_BATCH32_TARGET
+            print(json.dumps(summary), flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.shape_sweep:
+        shape_sweep(args)
+        return
+    records, _ = run_model(args, args.model, args.dtype)
     if args.plot:
-        plot(records, label, args.plot)
+        plot(records, Path(args.model).name, args.plot)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,22 @@ one summary per mode (with `ttft_last_over_first`, the last turn's TTFT over the
 check that every mode produced the same conversations. Each mode starts with one warm-up request
 and an empty cache.
 
+``--offload`` measures the session store instead: for each history length of ``--histories``, one
+streaming session (a server with ``--session-store`` and ``--session-offload-after``) runs turns
+of U new ids and O output tokens, the time to first token measured three ways, interleaved
+``--reps`` times: ``resident`` (the slot in the pool), ``restore`` (after the session went idle
+and its KV was offloaded to the store: the turn copies it back) and ``recompute`` (after
+``flush_cache`` dropped it: the turn prefills the whole history). One JSON line per turn, one
+summary per history (median TTFTs, ``restore_over_recompute``, ``resident_over_recompute``, the
+stored file's size), and a last line with the issue's target (restore <= 0.3x recompute at 4k).
+
     # starts its own servers (tiny random model of make_bench_models.py, built on first use):
     python benchmarks/bench_sessions.py --sessions 8 --turns 6 --new-tokens 64 --output-len 32
     # or against running servers (the first started with --enable-streaming-session):
     python benchmarks/bench_sessions.py --base-url http://127.0.0.1:30000 \\
         --no-radix-base-url http://127.0.0.1:30001
+    # the session store: restore vs recompute vs resident, histories of 1k-8k tokens
+    python benchmarks/bench_sessions.py --offload --model small --dtype auto -U 32 -O 8
 """
 
 from __future__ import annotations
@@ -30,8 +41,10 @@ import asyncio
 import json
 import random
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -59,7 +72,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="for the servers this script starts")
     p.add_argument("--max-total-tokens", type=int, help="for the servers this script starts")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--offload", action="store_true",
+                   help="measure the session store: restore vs recompute vs resident TTFT")
+    p.add_argument("--histories", default="1024,2048,4096,8192",
+                   help="--offload: history lengths in tokens (comma-separated)")
+    p.add_argument("--reps", type=int, default=3, help="--offload: rounds of the three modes")
+    p.add_argument("--offload-after", type=float, default=1.0,
+                   help="--offload: the server's --session-offload-after (seconds)")
     args = p.parse_args(argv)
+    args.histories = [int(h) for h in args.histories.split(",") if h]
+    if args.offload and (args.base_url or args.no_radix_base_url):
+        p.error("--offload starts its own server (it needs the store's directory)")
     args.modes = [m for m in args.modes.split(",") if m]
     unknown = set(args.modes) - set(MODES)
     if unknown:
@@ -183,8 +206,113 @@ def report(mode: str, results: list[TurnResult], wall: float) -> list[dict[str, 
     return lines
 
 
+# ---------------------------------------------------------------------------- offload mode
+OFFLOAD_MODES = ("resident", "restore", "recompute")
+TARGET_HISTORY, TARGET_RATIO = 4096, 0.3  # issue #16: restore TTFT <= 0.3x recompute at 4k
+
+
+async def memory(http: httpx.AsyncClient) -> dict[str, int]:
+    r = await http.get("/get_server_info")
+    return r.json()["internal_states"][0]["memory"]
+
+
+async def wait_offloaded(http: httpx.AsyncClient, tokens: int, timeout: float) -> None:
+    """Wait until the server reports ``tokens`` of session KV in the store."""
+    deadline = time.monotonic() + timeout
+    while (await memory(http))["session_offloaded_tokens"] < tokens:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the session was not offloaded within {timeout}s")
+        await asyncio.sleep(0.05)
+
+
+async def flush(http: httpx.AsyncClient) -> None:
+    r = await http.post("/flush_cache")
+    if r.status_code != 200:
+        raise RuntimeError(f"/flush_cache answered {r.status_code}: {r.text}")
+
+
+async def run_offload(base_url: str, args: argparse.Namespace, store: Path) -> list[dict]:
+    rng = random.Random(args.seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(args.vocab_low, args.vocab_high) for _ in range(n)]
+
+    params = {"max_new_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
+    lines: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=args.timeout) as http:
+        await streamed_generate(http, {"input_ids": ids(8), "sampling_params": params})
+        for history_len in args.histories:
+            await flush(http)
+            r = await http.post("/open_session",
+                                json={"capacity_of_str_len": 1 << 22, "streaming": True})
+            if r.status_code != 200:
+                raise RuntimeError(f"/open_session answered {r.status_code}: {r.text}")
+            session = {"id": r.json()}
+            first = ids(history_len)
+            _, out = await streamed_generate(http, {"input_ids": first, "session_params": session,
+                                                    "sampling_params": params})
+            history = first + out["output_ids"]
+            ttfts: dict[str, list[float]] = {m: [] for m in OFFLOAD_MODES}
+            stored_bytes = 0
+            for rep in range(args.reps):
+                for mode in OFFLOAD_MODES:
+                    if mode == "restore":
+                        await wait_offloaded(http, len(history) - 1, 60 + 10 * args.offload_after)
+                        stored_bytes = sum(f.stat().st_size for f in store.iterdir())
+                    elif mode == "recompute":
+                        await flush(http)
+                    new = ids(args.new_tokens)
+                    ttft, out = await streamed_generate(http, {
+                        "input_ids": new, "session_params": session, "sampling_params": params,
+                    })
+                    meta = out["meta_info"]
+                    expected = 0 if mode == "recompute" else len(history) - 1
+                    if meta["cached_tokens"] != expected:
+                        raise RuntimeError(f"{mode}: {meta['cached_tokens']} tokens cached, "
+                                           f"expected {expected}")
+                    history += new + out["output_ids"]
+                    ttfts[mode].append(ttft)
+                    lines.append({"history": history_len, "rep": rep, "mode": mode,
+                                  "ttft_ms": round(1000 * ttft, 2),
+                                  "prompt_tokens": meta["prompt_tokens"],
+                                  "cached_tokens": meta["cached_tokens"]})
+            await http.post("/close_session", json={"session_id": session["id"]})
+            median = {m: statistics.median(v) for m, v in ttfts.items()}
+            lines.append({
+                "history": history_len, "summary": True, "reps": args.reps,
+                **{f"{m}_ttft_ms": round(1000 * median[m], 2) for m in OFFLOAD_MODES},
+                "restore_over_recompute": round(median["restore"] / median["recompute"], 3),
+                "resident_over_recompute": round(median["resident"] / median["recompute"], 3),
+                "stored_mb": round(stored_bytes / 2**20, 2),
+            })
+    return lines
+
+
+def main_offload(args: argparse.Namespace) -> None:
+    model_path = resolve_model(args.model)
+    with tempfile.TemporaryDirectory(prefix="radixserve-session-store-") as store:
+        flags = ["--dtype", args.dtype, "--device", args.device, "--enable-streaming-session",
+                 "--session-store", store, "--session-offload-after", str(args.offload_after),
+                 "--max-total-tokens",
+                 str(args.max_total_tokens or 3 * (max(args.histories) + 64 * args.reps))]
+        with Server(model_path, *flags) as server:
+            lines = asyncio.run(run_offload(server.base_url, args, Path(store)))
+    for line in lines:
+        print(json.dumps(line), flush=True)
+    at_target = [line for line in lines
+                 if line.get("summary") and line["history"] == TARGET_HISTORY]
+    if at_target:
+        ratio = at_target[0]["restore_over_recompute"]
+        print(json.dumps({"target": f"restore TTFT <= {TARGET_RATIO}x recompute at "
+                                    f"{TARGET_HISTORY} tokens of history",
+                          "ratio": ratio, "met": ratio <= TARGET_RATIO}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.offload:
+        main_offload(args)
+        return
     chats = make_chats(args)
     model_path = None if args.base_url and args.no_radix_base_url else resolve_model(args.model)
     server_flags = ["--dtype", args.dtype, "--device", args.device]

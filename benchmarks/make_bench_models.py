@@ -6,8 +6,12 @@
   heads, intermediate 4864, vocab 151936, tied embeddings, qkv bias. It shares the small BPE
   tokenizer; the model's vocab stays 151936 (ids past the tokenizer's decode to nothing).
 
-Both are bfloat16 safetensors written by ``transformers`` from a fixed seed, so every machine
-benchmarks the same weights. Output: ``<out>/{tiny,small}`` (default ``~/.cache/radixserve/bench``);
+- ``sweep-*``: the shapes of ``bench_offline_throughput.py --shape-sweep`` (``SWEEP``): head_dim
+  32 to 256, hidden 384 to 2048, 1 to 8 query heads per KV head, odd intermediate and vocabulary
+  sizes, every architecture; a few layers each, so that a sweep takes minutes.
+
+All are bfloat16 safetensors written by ``transformers`` from a fixed seed, so every machine
+benchmarks the same weights. Output: ``<out>/<name>`` (default ``~/.cache/radixserve/bench``);
 an existing checkpoint is kept unless ``--force``. Prints one JSON line per model.
 """
 
@@ -28,7 +32,27 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|eos|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-MODELS = ("tiny", "small")
+# name -> (transformers class, config fields): the shapes a shape sweep runs
+SWEEP: dict[str, tuple[str, dict[str, object]]] = {
+    "sweep-hd128-mha": ("Llama", dict(hidden_size=1024, num_attention_heads=8,
+                                      num_key_value_heads=8, intermediate_size=2816)),
+    "sweep-hd64-h384": ("Mistral", dict(hidden_size=384, num_attention_heads=6,
+                                        num_key_value_heads=3, intermediate_size=1024,
+                                        sliding_window=None)),
+    "sweep-hd128-gqa8-h2048": ("Qwen2", dict(hidden_size=2048, num_attention_heads=16,
+                                             num_key_value_heads=2, intermediate_size=5504,
+                                             use_sliding_window=False, num_hidden_layers=2)),
+    "sweep-hd80-h640": ("Llama", dict(hidden_size=640, num_attention_heads=8,
+                                      num_key_value_heads=4, head_dim=80,
+                                      intermediate_size=1720)),
+    "sweep-hd256-qknorm": ("Qwen3", dict(hidden_size=1024, num_attention_heads=4,
+                                         num_key_value_heads=1, head_dim=256,
+                                         intermediate_size=3072, use_sliding_window=False)),
+    "sweep-hd32-vocab32003": ("Llama", dict(hidden_size=768, num_attention_heads=24,
+                                            num_key_value_heads=6, head_dim=32,
+                                            intermediate_size=2000, vocab_size=32003)),
+}
+MODELS = ("tiny", "small", *SWEEP)
 
 
 def build_tokenizer(out_dir: Path) -> int:
@@ -99,6 +123,13 @@ def hf_model(name: str, tokenizer_vocab: int) -> torch.nn.Module:
             **special,
         )
         cls = tf.Qwen2ForCausalLM
+    elif name in SWEEP:
+        arch, fields = SWEEP[name]
+        defaults = dict(vocab_size=tokenizer_vocab, num_hidden_layers=4,
+                        max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
+                        tie_word_embeddings=False)
+        config = getattr(tf, f"{arch}Config")(**{**defaults, **fields, **special})
+        cls = getattr(tf, f"{arch}ForCausalLM")
     else:
         raise ValueError(f"unknown benchmark model {name!r}; choose from {MODELS}")
     config.dtype = "bfloat16"
@@ -125,7 +156,8 @@ def build(name: str, out_dir: Path, seed: int) -> dict[str, object]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("models", nargs="*", help=f"any of {', '.join(MODELS)} (default: all)")
+    p.add_argument("models", nargs="*",
+                   help=f"any of {', '.join(MODELS)} (default: tiny and small)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="parent directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="rebuild existing checkpoints")
@@ -133,7 +165,7 @@ def main() -> None:
     unknown = set(args.models) - set(MODELS)
     if unknown:
         p.error(f"unknown model(s) {sorted(unknown)}; choose from {', '.join(MODELS)}")
-    for name in args.models or MODELS:
+    for name in args.models or ("tiny", "small"):
         target = args.out / name
         if (target / "config.json").is_file() and not args.force:
             print(json.dumps({"model": name, "path": str(target), "status": "exists"}), flush=True)

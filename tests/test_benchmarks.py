@@ -59,3 +59,19 @@ def test_bench_constrained_compares_json_schema_with_unconstrained_at_equal_leng
         assert r["all_cut_at_output_len"] and r["output_tokens"] == 6 * r["batch_size"]
     assert summary["num_cached_grammars"] == 1  # compiled once, before timing
     assert summary["ratio_batch_1"] > 0 and summary["ratio_batch_3"] > 0
+
+
+def test_bench_sessions_offload_mode_measures_restore_recompute_and_resident(llama_path):
+    lines = run_benchmark(
+        "bench_sessions.py", "--offload", "--model", str(llama_path), "--histories", "48,96",
+        "--reps", "2", "--new-tokens", "8", "--output-len", "4", "--vocab-high", "400",
+        "--device", "cpu", "--offload-after", "0.2",
+    )
+    turns = [line for line in lines if "mode" in line]
+    assert len(turns) == 2 * 2 * 3
+    for line in turns:
+        # The benchmark checks cached_tokens itself: the whole history unless recomputed.
+        assert (line["cached_tokens"] == 0) == (line["mode"] == "recompute")
+    summaries = [line for line in lines if line.get("summary")]
+    assert [s["history"] for s in summaries] == [48, 96]
+    assert all(s["stored_mb"] > 0 and s["restore_over_recompute"] > 0 for s in summaries)

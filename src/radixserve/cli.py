@@ -16,6 +16,7 @@ from typing import Any
 
 from radixserve import __version__
 from radixserve.layers.attention import ATTENTION_BACKENDS
+from radixserve.layers.quantization import QUANTIZATION_METHODS
 from radixserve.server.openai.reasoning import REASONING_PARSERS
 from radixserve.server.openai.tool_parsers import TOOL_CALL_PARSERS
 from radixserve.server_args import DEVICES, DTYPES, SCHEDULE_POLICIES, ServerArgs
@@ -26,6 +27,7 @@ CHOICES: dict[str, Sequence[str]] = {
     "dtype": DTYPES,
     "device": DEVICES,
     "attention_backend": ATTENTION_BACKENDS,
+    "quantization": QUANTIZATION_METHODS,
     "schedule_policy": SCHEDULE_POLICIES,
     "log_level": LOG_LEVELS,
     "tool_call_parser": tuple(TOOL_CALL_PARSERS),
@@ -48,6 +50,9 @@ HELP: dict[str, str] = {
     "random_seed": "Seed of the sampling random generators.",
     "tp_size": "Tensor-parallel size (only 1 in this build).",
     "dp_size": "Data-parallel size (only 1 in this build).",
+    "quantization": "int8: quantise a float checkpoint's linear layers and LM head to int8 at "
+    "load (per output channel, symmetric; half the weight bytes). Checkpoints already "
+    "quantised with compressed-tensors W8A16 load as such without it.",
     "is_embedding": "Serve a decoder checkpoint as an embedding model (last-token pooling, "
     "normalised): /encode and /v1/embeddings instead of generation.",
     "attention_backend": "Attention kernels: torch_native (plain torch, the reference) or cpu "
@@ -63,12 +68,22 @@ HELP: dict[str, str] = {
     "schedule_policy": "Order of waiting requests (lpm: longest cached prefix first).",
     "schedule_conservativeness": "Scale of the decode-token reservation when admitting requests.",
     "enable_streaming_session": "Keep a streaming session's KV between turns.",
+    "session_store": "Directory of the session store: an idle streaming session's KV is "
+    "offloaded to a file there instead of dropped, restored by its next turn, and sessions "
+    "survive a restart (open_session with resume).",
+    "session_store_max_gb": "Bound of the session store; the least recently used sessions go "
+    "first.",
+    "session_offload_after": "Offload a streaming session's KV to the store after this many "
+    "idle seconds (default: only when the KV pool runs short).",
     "enable_overlap_schedule": "Run the model on a thread of its own and plan each decode step "
     "while the previous one computes (same greedy outputs).",
     "constrained_json_disable_any_whitespace": "JSON-schema output uses the compact separators "
     "', ' and ': ' instead of any whitespace between tokens.",
     "constrained_json_max_whitespace_cnt": "Longest run of whitespace JSON-schema output may "
     "have between tokens (default: unbounded).",
+    "enable_deterministic_inference": "Batch-invariant kernels only: a request's greedy (or "
+    "seeded) output does not depend on the other requests, the prefill chunk size or the radix "
+    "cache (CPU kernels and the cpu attention backend).",
     "stream_interval": "Stream a request's tokens every this many steps (the first and the last "
     "token at once); larger values cost less per token.",
     "enable_metrics": "Serve Prometheus metrics on GET /metrics.",

@@ -113,6 +113,15 @@ def _wait_ready(
     return infos
 
 
+# A scheduler with a session store writes its sessions out before it exits on SIGTERM.
+SESSION_STORE_STOP_TIMEOUT_S = 120.0
+
+
+def stop_timeout(server_args: ServerArgs) -> float:
+    """How long stopping the children may take before they are killed."""
+    return SESSION_STORE_STOP_TIMEOUT_S if server_args.session_store is not None else 5.0
+
+
 def terminate_processes(processes: list[mp.process.BaseProcess], timeout: float = 5.0) -> None:
     """SIGTERM, then SIGKILL whatever is still alive after ``timeout``; reap all."""
     for proc in processes:
@@ -225,7 +234,8 @@ class Engine:
 
         sa = self.server_args
         self.model_config = ModelConfig.from_path(
-            sa.model_path, dtype=sa.dtype, device=sa.device, context_length=sa.context_length
+            sa.model_path, dtype=sa.dtype, device=sa.device, context_length=sa.context_length,
+            quantization=sa.quantization,
         )
         self._closed = False
         self._lock = threading.Lock()
@@ -406,6 +416,18 @@ class Engine:
         reply = self._run(self._tm.flush_cache())
         return {"success": reply.success, "message": reply.message}
 
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Stop running batches until ``continue_generation``; returns once the pause holds.
+
+        ``abort``: every request ends with finish_reason abort; ``retract``: running requests
+        return to the queue and re-prefill later; ``in_place``: they keep their KV and resume.
+        New requests queue up meanwhile. ``ValueError`` for another mode.
+        """
+        self._run(self._tm.pause_generation(mode))
+
+    def continue_generation(self) -> None:
+        self._run(self._tm.continue_generation())
+
     def get_server_info(self) -> dict[str, Any]:
         state = self._run(self._tm.get_internal_state())
         return {
@@ -486,11 +508,13 @@ class Engine:
         session_id: str | None = None,
         streaming: bool = False,
         timeout: float | None = None,
+        resume: bool = False,
     ) -> str:
-        """Open a session; ``ValueError`` with the scheduler's reason when it refuses."""
+        """Open a session (``resume``: a stored streaming session of an earlier run);
+        ``ValueError`` with the scheduler's reason when it refuses."""
         req = OpenSessionReqInput(
             capacity_of_str_len=capacity_of_str_len, session_id=session_id,
-            streaming=streaming, timeout=timeout,
+            streaming=streaming, timeout=timeout, resume=resume,
         )
         return self._run(self._tm.open_session(req))
 
@@ -513,7 +537,7 @@ class Engine:
         try:
             self._stop_loop()
         finally:
-            terminate_processes(self._processes)
+            terminate_processes(self._processes, stop_timeout(self.server_args))
             shutil.rmtree(self.port_args.directory, ignore_errors=True)
 
     def _stop_loop(self) -> None:

@@ -23,8 +23,11 @@ class EnvBool:
 
 # Raise instead of only logging when the idle memory self-check finds a leak (set in tests).
 RADIXSERVE_TEST_STRICT = EnvBool("RADIXSERVE_TEST_STRICT")
-# Do not build or use radixserve's own CPU kernels (layers/cpu_kernels.py): oneDNN only.
+# Do not build or use radixserve's own CPU kernels (layers/cpu_kernels.py): torch only.
 RADIXSERVE_DISABLE_CPU_KERNELS = EnvBool("RADIXSERVE_DISABLE_CPU_KERNELS")
+# Build those kernels for AVX-512 F/BW only, without the BF16, VNNI and AMX instructions this CPU
+# may have: the code older AVX-512 CPUs (Skylake, Cascade Lake) run, checked by the tests here.
+RADIXSERVE_CPU_KERNELS_AVX512_BASE = EnvBool("RADIXSERVE_CPU_KERNELS_AVX512_BASE")
 
 
 @dataclass(frozen=True)
@@ -41,3 +44,6 @@ RADIXSERVE_TORCH_PROFILER_DIR = EnvStr("RADIXSERVE_TORCH_PROFILER_DIR")
 # handles the message, or while it processes their output), to test that one failing request
 # gets a 500 and the others keep running.
 RADIXSERVE_TEST_INJECT_FAULTS = EnvBool("RADIXSERVE_TEST_INJECT_FAULTS")
+# "busy": check the memory invariant after every scheduler step too (raising on a violation),
+# not only when the scheduler goes idle. Costs a little per step; the session tests run with it.
+RADIXSERVE_STRICT_MEM_CHECK = EnvStr("RADIXSERVE_STRICT_MEM_CHECK")

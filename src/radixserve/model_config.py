@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from radixserve.layers.quantization import QuantizationConfig, resolve_quantization
 from radixserve.model_executor.models.registry import (
     ENCODER_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
@@ -168,6 +169,9 @@ class ModelConfig:
     bos_token_id: int | None
     tie_word_embeddings: bool
     hf_config: dict[str, Any] = field(repr=False)
+    # int8 weights (``layers/quantization``): the checkpoint's scheme or --quantization; None
+    # for float weights
+    quantization: QuantizationConfig | None = None
 
     @property
     def is_encoder(self) -> bool:
@@ -181,8 +185,10 @@ class ModelConfig:
         dtype: str = "auto",
         device: str | torch.device = "cpu",
         context_length: int | None = None,
+        quantization: str | None = None,
     ) -> ModelConfig:
-        """Parse a local checkpoint directory; every problem is a ``ValueError`` naming it."""
+        """Parse a local checkpoint directory; every problem is a ``ValueError`` naming it.
+        ``quantization``: ``--quantization`` (the checkpoint's own scheme wins)."""
         model_dir = Path(model_path)
         config_file = model_dir / "config.json"
         if not config_file.is_file():
@@ -263,4 +269,5 @@ class ModelConfig:
             bos_token_id=None if bos is None else int(bos),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             hf_config=hf,
+            quantization=resolve_quantization(quantization, hf),
         )

@@ -32,6 +32,7 @@ class ServerArgs:
     dp_size: int = 1
     is_embedding: bool = False
     attention_backend: str | None = None  # None: cpu on CPUs whose kernels take the model
+    quantization: str | None = None  # "int8": quantise a float checkpoint's weights at load
     # memory
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
@@ -44,10 +45,14 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     enable_streaming_session: bool = False
+    session_store: str | None = None
+    session_store_max_gb: float = 10.0
+    session_offload_after: float | None = None
     enable_overlap_schedule: bool = False
     # constrained decoding (JSON schemas)
     constrained_json_disable_any_whitespace: bool = False
     constrained_json_max_whitespace_cnt: int | None = None
+    enable_deterministic_inference: bool = False
     # serving
     stream_interval: int = 1
     enable_metrics: bool = False
@@ -73,10 +78,12 @@ class ServerArgs:
                 f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
             )
         from radixserve.layers.attention import ATTENTION_BACKENDS
+        from radixserve.layers.quantization import QUANTIZATION_METHODS
         from radixserve.server.openai.reasoning import REASONING_PARSERS
         from radixserve.server.openai.tool_parsers import TOOL_CALL_PARSERS
 
         for name, choices in (("attention_backend", ATTENTION_BACKENDS),
+                              ("quantization", QUANTIZATION_METHODS),
                               ("tool_call_parser", tuple(TOOL_CALL_PARSERS)),
                               ("reasoning_parser", tuple(REASONING_PARSERS))):
             value = getattr(self, name)
@@ -100,6 +107,18 @@ class ServerArgs:
         if self.chunked_prefill_size <= 0:
             raise ValueError(
                 f"chunked_prefill_size must be positive, got {self.chunked_prefill_size}"
+            )
+        if not self.enable_streaming_session:
+            for name in ("session_store", "session_offload_after"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs enable_streaming_session")
+        if self.session_store_max_gb <= 0:
+            raise ValueError(
+                f"session_store_max_gb must be positive, got {self.session_store_max_gb}"
+            )
+        if self.session_offload_after is not None and self.session_offload_after < 0:
+            raise ValueError(
+                f"session_offload_after must be >= 0 seconds, got {self.session_offload_after}"
             )
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")

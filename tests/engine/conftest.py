@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+from tests.sync import STATE_TIMEOUT_S
 
 # Small enough that no test allocates a large KV pool, large enough for every test here.
 ENGINE_KWARGS: dict[str, Any] = {"device": "cpu", "max_total_tokens": 8192,
@@ -26,7 +29,7 @@ def strict_env() -> Iterator[None]:
         os.environ["RADIXSERVE_TEST_STRICT"] = old
 
 
-def wait_idle(engine: Any, timeout: float = 30.0) -> dict[str, Any]:
+def wait_idle(engine: Any, timeout: float = STATE_TIMEOUT_S) -> dict[str, Any]:
     """Poll the scheduler until nothing runs or waits; return its internal state."""
     deadline = time.monotonic() + timeout
     while True:
@@ -36,3 +39,17 @@ def wait_idle(engine: Any, timeout: float = 30.0) -> dict[str, Any]:
         if time.monotonic() > deadline:
             raise AssertionError(f"scheduler still busy after {timeout}s: {state}")
         time.sleep(0.05)
+
+
+def engine_state(engine: Any) -> dict[str, Any]:
+    return engine.get_server_info()["internal_states"][0]
+
+
+@contextlib.contextmanager
+def engine_paused(engine: Any, mode: str = "in_place") -> Iterator[None]:
+    """Generation paused for the block; continued after it, also when the block fails."""
+    engine.pause_generation(mode)
+    try:
+        yield
+    finally:
+        engine.continue_generation()

@@ -9,13 +9,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from radixserve import Engine
-from tests.engine.conftest import ENGINE_KWARGS, wait_idle
+from tests.engine.conftest import ENGINE_KWARGS, engine_paused, engine_state, wait_idle
+from tests.sync import UNTIL_ABORTED, in_background, wait_for
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPT = "The quick brown fox jumps over the lazy dog"
 MEMORY_KEYS = {
     "available_kv_tokens", "evictable_kv_tokens", "protected_kv_tokens",
-    "session_held_kv_tokens", "total_kv_tokens", "free_req_slots", "total_req_slots",
+    "session_held_kv_tokens", "session_offloaded_tokens", "total_kv_tokens", "free_req_slots",
+    "total_req_slots",
 }
 
 
@@ -46,9 +48,15 @@ def tokenizer(llama_path):
 
 
 def long_stream(engine: Engine, rid: str):
-    """A stream that keeps running until aborted; returns it after its first chunk."""
-    params = {"temperature": 0.0, "max_new_tokens": 900, "ignore_eos": True}
+    """A stream that runs until the test ends it (see ``tests/sync.py``); call ``next`` on it
+    for its first chunk."""
+    params = {"temperature": 0.0, "max_new_tokens": UNTIL_ABORTED, "ignore_eos": True}
     return engine.generate(input_ids=[5, 6, 7], sampling_params=params, stream=True, rid=rid)
+
+
+def wait_queued(engine: Engine, n: int = 1) -> dict:
+    return wait_for(lambda: engine_state(engine), lambda s: s["num_waiting_reqs"] == n,
+                    f"{n} request(s) queued in the paused scheduler")
 
 
 def test_generate_single_returns_text_ids_and_meta(engine, tokenizer):
@@ -123,7 +131,7 @@ def test_abort_of_a_running_stream_finishes_it_as_abort(engine):
     chunks = [first, *stream]
     meta = chunks[-1]["meta_info"]
     assert meta["finish_reason"]["type"] == "abort"
-    assert meta["completion_tokens"] < 900
+    assert meta["completion_tokens"] < UNTIL_ABORTED
     wait_idle(engine)
 
 
@@ -137,7 +145,10 @@ def test_closing_a_stream_early_aborts_its_request(engine):
 def test_flush_cache_refused_while_running_and_accepted_when_idle(engine):
     stream = long_stream(engine, "busy")
     next(stream)
-    assert engine.flush_cache()["success"] is False
+    with engine_paused(engine):  # the request holds its KV until the continue
+        assert engine_state(engine)["num_running_reqs"] == 1, "finished before the pause"
+        refused = engine.flush_cache()
+        assert refused["success"] is False and "1 running" in refused["message"]
     stream.close()
     wait_idle(engine)
     assert engine.flush_cache()["success"] is True
@@ -208,14 +219,61 @@ def test_bad_input_raises_value_error_and_engine_keeps_serving(engine, kwargs, m
 
 
 def test_duplicate_rid_in_flight_is_rejected(engine):
-    stream = long_stream(engine, "dup")
-    next(stream)
-    with pytest.raises(ValueError, match="already in flight"):
-        engine.generate("x", GREEDY, rid="dup")
-    assert engine.tokenizer_manager.num_inflight == 1
-    stream.close()
+    with engine_paused(engine):
+        held = in_background(engine.generate, PROMPT, GREEDY, rid="dup")
+        wait_queued(engine)
+        with pytest.raises(ValueError, match="already in flight"):
+            engine.generate("x", GREEDY, rid="dup")
+        assert engine.tokenizer_manager.num_inflight == 1
+    assert held.result(timeout=120)["meta_info"]["finish_reason"]["type"] == "length"
     assert engine.tokenizer_manager.num_inflight == 0
     wait_idle(engine)
+
+
+def test_in_place_pause_holds_requests_and_the_continue_gives_the_uninterrupted_output(engine):
+    expected = engine.generate(PROMPT, GREEDY)
+    with engine_paused(engine):
+        assert engine_state(engine)["paused"] is True
+        held = in_background(engine.generate, PROMPT, GREEDY)
+        state = wait_queued(engine)
+        assert state["num_running_reqs"] == 0 and not held.done()
+        assert engine.flush_cache()["success"] is False
+    assert engine_state(engine)["paused"] is False
+    assert held.result(timeout=120)["output_ids"] == expected["output_ids"]
+
+
+def test_retract_pause_requeues_a_running_stream_that_then_runs_to_its_end(engine):
+    stream = long_stream(engine, "retracted")
+    first = next(stream)
+    with engine_paused(engine, "retract"):
+        state = engine_state(engine)
+        assert state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 1
+        assert state["memory"]["protected_kv_tokens"] == 0
+        assert state["memory"]["free_req_slots"] == state["memory"]["total_req_slots"]
+    last = [first, *stream][-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "length"
+    assert last["output_ids"][: len(first["output_ids"])] == first["output_ids"]
+    assert len(last["output_ids"]) == UNTIL_ABORTED
+
+
+def test_abort_pause_ends_running_and_waiting_requests(engine):
+    stream = long_stream(engine, "ended-by-pause")
+    first = next(stream)
+    with engine_paused(engine):
+        waiting = in_background(engine.generate, PROMPT, GREEDY)
+        wait_queued(engine)
+        engine.pause_generation("abort")
+        assert waiting.result(timeout=120)["meta_info"]["finish_reason"]["type"] == "abort"
+        state = engine_state(engine)
+        assert state["paused"] and state["num_running_reqs"] == state["num_waiting_reqs"] == 0
+        assert engine.flush_cache()["success"] is True
+    assert [first, *stream][-1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_pause_generation_rejects_an_unknown_mode(engine):
+    with pytest.raises(ValueError, match="mode must be one of abort, retract, in_place"):
+        engine.pause_generation("later")
+    assert engine_state(engine)["paused"] is False
 
 
 def test_metrics_callback_gets_timings_of_every_request(engine):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import psutil
 import pytest
 
 from radixserve import Engine
-from tests.engine.conftest import ENGINE_KWARGS
+from tests.engine.conftest import ENGINE_KWARGS, engine_state
+from tests.sync import in_background, wait_for
 
 
 def _children() -> set[int]:
@@ -46,23 +46,15 @@ def test_dead_scheduler_fails_calls_and_shutdown_leaves_no_child(llama_path, str
         scheduler_pid, detokenizer_pid = engine.child_pids
         ipc_dir = engine.port_args.directory
         assert engine.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] <= 2
-        stream = engine.generate(input_ids=[3, 4], stream=True,
-                                 sampling_params={"max_new_tokens": 900, "ignore_eos": True})
-        next(stream)
-        errors: list[BaseException] = []
-
-        def consume() -> None:
-            try:
-                list(stream)
-            except RuntimeError as e:
-                errors.append(e)
-
-        consumer = threading.Thread(target=consume)
-        consumer.start()
+        # Paused in place, the stream cannot finish before the scheduler dies.
+        engine.pause_generation("in_place")
+        consumer = in_background(lambda: list(engine.generate(
+            input_ids=[3, 4], stream=True, sampling_params={"max_new_tokens": 8})))
+        wait_for(lambda: engine_state(engine), lambda s: s["num_waiting_reqs"] == 1,
+                 "the stream queued in the paused scheduler")
         os.kill(scheduler_pid, signal.SIGKILL)
-        consumer.join(timeout=30)
-        assert not consumer.is_alive()
-        assert errors and "scheduler process exited unexpectedly" in str(errors[0])
+        with pytest.raises(RuntimeError, match="scheduler process exited unexpectedly"):
+            consumer.result(timeout=60)
         with pytest.raises(RuntimeError, match="scheduler process exited unexpectedly"):
             engine.generate("hi")
     engine.shutdown()  # idempotent

@@ -8,7 +8,7 @@ from radixserve import envs
 from radixserve.layers.cpu_kernels import _cpu_flags, load_cpu_kernels
 
 # the kernels run here: the CPU has the instructions and RADIXSERVE_DISABLE_CPU_KERNELS is unset
-HAS_KERNELS = {"avx512f", "avx512bw", "avx512_bf16"} <= _cpu_flags() and (
+HAS_KERNELS = {"avx512f", "avx512bw"} <= _cpu_flags() and (
     not envs.RADIXSERVE_DISABLE_CPU_KERNELS.get()
 )
 HAS_AMX = HAS_KERNELS and {"amx_tile", "amx_bf16"} <= _cpu_flags()
@@ -16,7 +16,7 @@ HAS_AMX = HAS_KERNELS and {"amx_tile", "amx_bf16"} <= _cpu_flags()
 
 def kernels_here() -> bool:
     """Load the kernels (whichever test runs first); they load exactly where the CPU has
-    AVX512-BF16, and elsewhere ops keep to torch."""
+    AVX-512 F/BW, and elsewhere ops keep to torch."""
     assert load_cpu_kernels() == HAS_KERNELS
     return HAS_KERNELS
 

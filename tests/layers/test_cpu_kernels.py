@@ -1,10 +1,13 @@
-"""radixserve's CPU kernels, built where the CPU has AVX512-BF16, against float64 references.
+"""radixserve's CPU kernels, built where the CPU has AVX-512, against float64 references.
 
-The small-batch bf16 linear kernels equal a float64 reference up to bf16 rounding. The fused
-RMSNorm, add + RMSNorm and SiluAndMul equal float64 references that round to bf16 where
-transformers' bf16 modules do. The decode attention kernel writes the new K/V and equals a
-float64 attention. Bad input gets a clear error. (The ops and packed weights that call them are
-tested against their native references in ``test_custom_ops.py`` and ``test_packed_weight.py``.)
+The linear kernels (bf16 and float32, any shape) equal a float64 reference up to rounding and
+give a row the same bits in any batch. The fused RMSNorm, add + RMSNorm and SiluAndMul equal
+float64 references that round to bf16 where transformers' bf16 modules do. The decode and
+extend attention kernels write the new K/V and equal a float64 attention; extend gives a token
+the same bits in any chunk or batch. Bad input gets a clear error, a build killed half-way
+does not block later loads, and the code for AVX-512 CPUs without BF16, VNNI or AMX passes these
+tests too. (The ops and packed weights that call them are tested against their
+native references in ``test_custom_ops.py`` and ``test_packed_weight.py``.)
 """
 
 from __future__ import annotations
@@ -20,13 +23,16 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.layers.cpu_kernels import (
-    AMX_MAX_ROWS,
-    BlockedWeight,
+    NEWER_ISA,
+    _cpu_flags,
+    amx_available,
     attention_kernels_support,
     decode_attention,
+    extend_attention,
     fused_add_rms_norm,
-    gemv,
+    linear,
     load_cpu_kernels,
+    pack_linear_weight,
     rms_norm,
     rotary,
     silu_and_mul,
@@ -35,31 +41,78 @@ from radixserve.layers.cpu_kernels import (
 from radixserve.layers.rotary_embedding import RotaryEmbedding
 from tests.layers.helpers import (
     HAS_AMX,
+    HAS_KERNELS,
     assert_bf16_equal_but_for_ties,
     bf16_close,
     bf16_inputs,
     kernels_here,
 )
-from tests.layers.helpers import HAS_KERNELS as HAS_BF16
 
 
-def random_problem(n: int, k: int, m: int, bias: bool):
+def random_problem(n: int, k: int, m: int, bias: bool, dtype: torch.dtype = torch.bfloat16):
     gen = torch.Generator().manual_seed(n + k + m)
-    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
     reference = x.double() @ w.double().T + (b.double() if bias else 0)
     return w, x, b, reference
 
 
 def test_kernels_build_exactly_where_the_cpu_supports_them():
-    assert load_cpu_kernels() == HAS_BF16
-    blocked = BlockedWeight.of(torch.zeros(32, 64, dtype=torch.bfloat16))
-    if not HAS_BF16:
-        assert blocked is None
+    assert load_cpu_kernels() == HAS_KERNELS
+    if HAS_KERNELS:
+        assert amx_available() == HAS_AMX
+
+
+def kernel_linear(x, w, b):
+    """What ``CpuPackedWeight`` calls: the blocked copy, x padded to its input size."""
+    blocked = pack_linear_weight(w)
+    pad = blocked.shape[1] * blocked.shape[3] - x.shape[1]
+    return linear(F.pad(x, (0, pad)) if pad else x, blocked, b, w.shape[0])
+
+
+# rows: one, a part of a tile, whole tiles and a remainder, many; columns: whole panels of four
+# blocks, a partial block (a vocabulary off 16), fewer blocks than a panel; odd K (bf16 pads it)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n, k, m, bias", [
+    (48, 70, 1, True), (1152, 896, 1, True), (896, 4864, 2, False), (1001, 64, 13, True),
+    (40, 71, 7, False), (17, 32, 6, True), (80, 128, 64, False), (7, 9, 100, True),
+])
+def test_linear_kernel_equals_a_float64_reference_up_to_rounding(dtype, n, k, m, bias):
+    if not kernels_here():
         return
-    assert blocked is not None and blocked.amx == HAS_AMX
-    assert blocked.max_rows == (AMX_MAX_ROWS if HAS_AMX else 1)
+    w, x, b, reference = random_problem(n, k, m, bias, dtype)
+    out = kernel_linear(x, w, b)
+    assert out.shape == (m, n) and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5 * k**0.5)
+    else:
+        bf16_close(out, reference)
+
+
+@pytest.mark.skipif(
+    not HAS_KERNELS or not NEWER_ISA.keys() & _cpu_flags(),
+    reason="this CPU runs the AVX-512 F/BW code itself",
+)
+@pytest.mark.timeout(1500)  # a build of its own (minutes on a loaded machine), then the tests
+def test_kernels_for_avx512_cpus_without_bf16_vnni_or_amx_pass_the_kernel_tests():
+    """Older AVX-512 CPUs run other code for the bf16 and int8 products (and no AMX): built
+    here without those instruction sets (the compiler refuses them), it must pass the kernel,
+    packed-weight, op and int8 tests as they stand."""
+    repo = Path(__file__).resolve().parents[2]
+    tests = ["test_cpu_kernels.py", "test_packed_weight.py", "test_custom_ops.py",
+             "test_quantization.py"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+         "not avx512_cpus_without", *[f"tests/layers/{name}" for name in tests]],
+        cwd=repo,
+        env={**os.environ, "RADIXSERVE_CPU_KERNELS_AVX512_BASE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=1400,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout
 
 
 def load_in_a_fresh_process(cache: Path) -> None:
@@ -71,7 +124,7 @@ def load_in_a_fresh_process(cache: Path) -> None:
     assert done.stdout.strip() == "True", done.stderr
 
 
-@pytest.mark.skipif(not HAS_BF16, reason="the kernels are not built on this CPU")
+@pytest.mark.skipif(not HAS_KERNELS, reason="the kernels are not built on this CPU")
 def test_what_a_killed_build_leaves_blocks_no_later_load_or_build(tmp_path):
     """A build killed mid-compile leaves cpp_extension's baton file and a scratch directory;
     neither may make a later start wait, with the library cached or still to build."""
@@ -93,22 +146,34 @@ def test_what_a_killed_build_leaves_blocks_no_later_load_or_build(tmp_path):
         assert (kernels / built.name / f"{cpu_kernels.LIBRARY_NAME}.so").exists()
 
 
-def test_blocked_copy_is_refused_for_weights_the_kernels_cannot_take():
-    assert BlockedWeight.of(torch.zeros(32, 64)) is None  # float32
-    assert BlockedWeight.of(torch.zeros(40, 64, dtype=torch.bfloat16)) is None  # N % 16
-    odd_k = BlockedWeight.of(torch.zeros(32, 70, dtype=torch.bfloat16))  # K % 32: GEMV only
-    assert odd_k is None if not HAS_BF16 else (odd_k.max_rows == 1 and not odd_k.amx)
-
-
-@pytest.mark.parametrize("n, k, bias", [(48, 70, True), (1152, 896, True), (896, 4864, False)])
-def test_gemv_equals_a_float64_reference_up_to_bf16_rounding(n, k, bias):
-    if not HAS_BF16:
-        assert not load_cpu_kernels()  # nothing to run here: layers use oneDNN
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_kernel_gives_a_row_the_same_bits_in_every_batch(dtype):
+    if not kernels_here():
         return
-    w, x, b, reference = random_problem(n, k, 1, bias)
-    out = gemv(x, BlockedWeight.of(w).packed, b)
-    assert out.shape == (1, n) and out.dtype == torch.bfloat16
-    bf16_close(out, reference)
+    w, x, b, _ = random_problem(1001, 896, 70, True, dtype)
+    full = kernel_linear(x, w, b)
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 16), slice(31, 70)):
+        assert torch.equal(kernel_linear(x[rows].contiguous(), w, b), full[rows])
+    # a row-strided view of a wider activation, as the model passes slices
+    wide = torch.cat([x, x], dim=1)
+    assert torch.equal(kernel_linear(wide[:, :896], w, b), full)
+
+
+def test_linear_kernel_rejects_bad_input_with_a_clear_error():
+    if not kernels_here():
+        return
+    blocked = pack_linear_weight(torch.zeros(40, 64, dtype=torch.bfloat16))
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="linear takes bfloat16 or float32, got Half"):
+        linear(x.half(), blocked, None, 40)
+    with pytest.raises(RuntimeError, match="linear: x is Float, the weight BFloat16"):
+        linear(x.float(), blocked, None, 40)
+    with pytest.raises(RuntimeError, match=r"K = 64 \(the weight's padded input size\)"):
+        linear(torch.zeros(2, 62, dtype=torch.bfloat16), blocked, None, 40)
+    with pytest.raises(RuntimeError, match="n = 30 does not fit the weight's 3 blocks"):
+        linear(x, blocked, None, 30)
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous \[40\] tensor"):
+        linear(x, blocked, torch.zeros(39, dtype=torch.bfloat16), 40)
 
 
 # rows: one, a part of a tile, a whole tile, one past it, two tiles; blocks of 16 outputs: whole
@@ -118,29 +183,25 @@ def test_gemv_equals_a_float64_reference_up_to_bf16_rounding(n, k, bias):
     (112, 96, 31, False), (48, 4864, 32, False), (1152, 896, 24, True),
 ])
 def test_amx_kernel_equals_a_float64_reference_up_to_bf16_rounding(n, k, m, bias):
-    w, x, b, reference = random_problem(n, k, m, bias)
-    blocked = BlockedWeight.of(w)
     if not HAS_AMX:
-        assert blocked is None or not blocked.amx  # layers use the GEMV or oneDNN here
-        return
-    out = small_gemm_amx(x, blocked.packed, b)
+        return  # layers use csrc/linear.cpp here (tested above)
+    w, x, b, reference = random_problem(n, k, m, bias)
+    out = small_gemm_amx(x, pack_linear_weight(w), b)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     bf16_close(out, reference)
 
 
 def test_amx_kernel_rejects_what_it_cannot_compute_with_a_clear_error():
-    blocked = BlockedWeight.of(torch.randn(32, 64).to(torch.bfloat16))
     if not HAS_AMX:
-        assert blocked is None or not blocked.amx  # no layer calls the AMX kernel here
         return
-    packed = blocked.packed
+    packed = pack_linear_weight(torch.randn(32, 64).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="1 <= M <= 32"):
         small_gemm_amx(torch.zeros(33, 64, dtype=torch.bfloat16), packed, None)
     with pytest.raises(RuntimeError, match="bfloat16"):
         small_gemm_amx(torch.zeros(2, 64), packed, None)
     with pytest.raises(RuntimeError, match="features"):
         small_gemm_amx(torch.zeros(2, 96, dtype=torch.bfloat16), packed, None)
-    odd_k = BlockedWeight.of(torch.zeros(32, 70, dtype=torch.bfloat16)).packed
+    odd_k = pack_linear_weight(torch.zeros(32, 70, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="multiple of 32"):
         small_gemm_amx(torch.zeros(2, 70, dtype=torch.bfloat16), odd_k, None)
     with pytest.raises(RuntimeError, match=r"bias must be \[N\]"):
@@ -218,18 +279,22 @@ def test_kernels_reject_a_wrong_dtype_or_shape_with_a_clear_error():
         return
     x, residual, weight = bf16_inputs(2, 8, seed=3)
     ops = torch.ops.radixserve_cpu
-    with pytest.raises(RuntimeError, match="rms_norm_bf16 takes bfloat16 tensors, x is Float"):
-        ops.rms_norm_bf16(x.float(), weight, EPS)
+    with pytest.raises(RuntimeError, match="rms_norm: weight is BFloat16, x is Float"):
+        ops.rms_norm(x.float(), weight, EPS)
+    with pytest.raises(RuntimeError, match="rms_norm takes bfloat16 or float32 tensors, got Half"):
+        ops.rms_norm(x.half(), weight.half(), EPS)
     with pytest.raises(RuntimeError, match=r"weight must be \[8\] for x of \[2, 8\], got \[7\]"):
-        ops.rms_norm_bf16(x, weight[:7], EPS)
+        ops.rms_norm(x, weight[:7], EPS)
     with pytest.raises(RuntimeError, match=r"residual is \[1, 8\], x is \[2, 8\]"):
-        ops.fused_add_rms_norm_bf16(x, residual[:1], weight, EPS)
+        ops.fused_add_rms_norm(x, residual[:1], weight, EPS)
     with pytest.raises(RuntimeError, match="x must be contiguous"):
-        ops.fused_add_rms_norm_bf16(x.T, residual.T, weight[:2], EPS)
-    with pytest.raises(RuntimeError, match="silu_and_mul_bf16 takes bfloat16 tensors, x is Half"):
-        ops.silu_and_mul_bf16(x.half())
+        ops.fused_add_rms_norm(x.T, residual.T, weight[:2], EPS)
+    with pytest.raises(RuntimeError, match="silu_and_mul takes bfloat16 or float32 tensors, got"):
+        ops.silu_and_mul(x.half())
     with pytest.raises(RuntimeError, match=r"x must be \[\.\.\., 2d\] \(gate then up\), got"):
-        ops.silu_and_mul_bf16(x[:, :7].contiguous())
+        ops.silu_and_mul(x[:, :7].contiguous())
+    with pytest.raises(RuntimeError, match="rotary: cos is Float, x is BFloat16"):
+        ops.rotary(x.view(2, 1, 8), x.view(2, 1, 8).float(), x.view(2, 1, 8))
 
 
 def decode_attention_reference(q, k_buffer, v_buffer, slots, scale):
@@ -332,9 +397,112 @@ def test_rotary_kernel_equals_torchs_four_bf16_ops_bit_for_bit(heads, head_dim):
     torch_ops = x * cos + torch.cat((x2, x1), dim=-1) * sin
     out = rotary(x, cos, sin)
     assert out.is_contiguous() and torch.equal(out.view(torch.int16), torch_ops.view(torch.int16))
-    with pytest.raises(RuntimeError, match="rotary_bf16 takes bfloat16 tensors, cos is Float"):
+    with pytest.raises(RuntimeError, match="rotary: cos is Float, x is BFloat16"):
         rotary(x, cos.float(), sin)
     with pytest.raises(RuntimeError, match="cos and sin must be contiguous"):
         rotary(x, cos[:3], sin[:3])
 
 
+
+
+def extend_problem(dtype, head_dim, heads, kv_heads, prefix_lens, extend_lens, seed=0):
+    """Requests with cached prefixes (their K/V already in the pool) and new tokens, at
+    scattered slots: (kernel arguments, per-request full K/V, queries)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = sum(p + e for p, e in zip(prefix_lens, extend_lens, strict=True)) + 8
+    k_buffer = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    v_buffer = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    perm = (torch.randperm(num_slots - 1, generator=gen) + 1).tolist()
+    req_to_token = torch.zeros(len(prefix_lens) + 2, 512, dtype=torch.int64)
+    rows = torch.arange(len(prefix_lens)) + 1
+    locs, seq_lens = [], []
+    for row, p, e in zip(rows.tolist(), prefix_lens, extend_lens, strict=True):
+        slots = [perm.pop() for _ in range(p + e)]
+        req_to_token[row, : p + e] = torch.tensor(slots)
+        locs.append(torch.tensor(slots[p:], dtype=torch.int64))
+        seq_lens.append(p + e)
+    tokens = sum(extend_lens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    return dict(q=q, k=k, v=v, loc=torch.cat(locs), k_buffer=k_buffer, v_buffer=v_buffer,
+                req_to_token=req_to_token, req_pool_indices=rows,
+                seq_lens=torch.tensor(seq_lens), extend_lens=torch.tensor(extend_lens),
+                scale=head_dim**-0.5)
+
+
+def extend_reference(args, prefix_lens, extend_lens):
+    """Causal float64 attention of each request's new tokens over its slots' K/V."""
+    q, kb, vb = args["q"], args["k_buffer"], args["v_buffer"]
+    heads, kv_heads = q.shape[1], kb.shape[1]
+    outs, t0 = [], 0
+    for i, (p, e) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
+        slots = args["req_to_token"][args["req_pool_indices"][i], : p + e]
+        keys = kb[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        values = vb[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("thd,lhd->htl", q[t0 : t0 + e].double(), keys) * args["scale"]
+        future = torch.arange(p + e)[None, :] > (torch.arange(e)[:, None] + p)
+        scores = scores.masked_fill(future, float("-inf"))
+        outs.append(torch.einsum("htl,lhd->thd", scores.softmax(-1), values))
+        t0 += e
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [
+    (64, 14, 2), (128, 4, 4), (16, 8, 1), (256, 4, 1), (80, 6, 3),
+])
+def test_extend_attention_kernel_writes_the_new_kv_and_equals_a_float64_reference(
+    dtype, head_dim, heads, kv_heads
+):
+    if not kernels_here():
+        return
+    prefix_lens, extend_lens = [0, 37, 5, 100], [70, 1, 16, 33]
+    args = extend_problem(dtype, head_dim, heads, kv_heads, prefix_lens, extend_lens)
+    out = extend_attention(**args)
+    loc = args["loc"]
+    assert torch.equal(args["k_buffer"][loc], args["k"]) and torch.equal(
+        args["v_buffer"][loc], args["v"])
+    reference = extend_reference(args, prefix_lens, extend_lens)
+    assert out.shape == args["q"].shape and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)
+    else:
+        bf16_close(out, reference)
+
+
+def test_extend_attention_gives_a_token_the_same_bits_in_any_chunk_or_batch():
+    if not kernels_here():
+        return
+    whole = extend_problem(torch.bfloat16, 64, 8, 2, [0], [90], seed=3)
+    expected = extend_attention(**whole)
+    # the same request prefilled in chunks of 37: each chunk attends over the cached ones
+    for start in range(0, 90, 37):
+        end = min(start + 37, 90)
+        chunk = dict(whole, q=whole["q"][start:end], k=whole["k"][start:end],
+                     v=whole["v"][start:end], loc=whole["loc"][start:end],
+                     seq_lens=torch.tensor([end]), extend_lens=torch.tensor([end - start]))
+        assert torch.equal(extend_attention(**chunk), expected[start:end])
+    # and next to other requests in one batch
+    mixed = extend_problem(torch.bfloat16, 64, 8, 2, [12, 0], [5, 90], seed=4)
+    mixed_out = extend_attention(**dict(mixed, q=torch.cat([mixed["q"][:5], whole["q"]]),
+                                        k=torch.cat([mixed["k"][:5], whole["k"]]),
+                                        v=torch.cat([mixed["v"][:5], whole["v"]])))
+    # (the second request's K/V are the whole one's, at other slots)
+    assert torch.equal(mixed_out[5:], expected)
+
+
+def test_extend_attention_kernel_rejects_bad_input_with_a_clear_error():
+    if not kernels_here():
+        return
+    args = extend_problem(torch.float32, 64, 4, 2, [0, 3], [4, 2])
+    with pytest.raises(RuntimeError, match="extend lengths sum to 5, q has 6 tokens"):
+        extend_attention(**dict(args, extend_lens=torch.tensor([3, 2])))
+    with pytest.raises(RuntimeError, match=r"extend_lens must be a contiguous int64 \[2\]"):
+        extend_attention(**dict(args, extend_lens=torch.tensor([4, 2], dtype=torch.int32)))
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16 up to 256"):
+        bad = extend_problem(torch.float32, 40, 4, 2, [0], [3])
+        extend_attention(**bad)
+    with pytest.raises(RuntimeError, match="must share a dtype"):
+        extend_attention(**dict(args, k_buffer=args["k_buffer"].bfloat16()))

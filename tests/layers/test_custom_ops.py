@@ -1,6 +1,7 @@
 """Every ``CustomOp`` picks its implementation once, when it is built, from the build context's
-device and dtype; and on random shapes its CPU implementation returns what its native torch
-reference returns (bit for bit, or up to the bf16 ties its docstring states)."""
+device and dtype; and on random shapes, in bf16 and float32, its CPU implementation returns what
+its native torch reference returns (bit for bit, or up to the ties its docstring states: a bf16
+value on the other side of a rounding, a float32 value an ulp or two away)."""
 
 from __future__ import annotations
 
@@ -43,23 +44,35 @@ def test_an_op_takes_the_cpu_kernels_where_they_load_for_the_models_dtype(name, 
     assert build(OPS[name], dtype, "meta").impl is OpImpl.NATIVE  # no kernels for that device
 
 
-def cpu_op(make):
-    """The op built for bf16 on CPU, or None where the kernels do not run (nothing to test)."""
+def cpu_op(make, dtype: torch.dtype = torch.bfloat16):
+    """The op built for ``dtype`` on CPU, or None where the kernels do not run (nothing to
+    test)."""
     if not kernels_here():
         return None
-    op = build(make, torch.bfloat16)
+    op = build(make, dtype)
     assert op.impl is OpImpl.CPU
     return op
 
 
+def equal_but_for_ties(actual: torch.Tensor, expected: torch.Tensor, steps: int = 1) -> None:
+    if actual.dtype == torch.bfloat16:
+        assert_bf16_equal_but_for_ties(actual, expected, steps)
+    else:  # float32: torch's reductions and exp sum in another order, off by an ulp or two
+        torch.testing.assert_close(actual, expected, rtol=3e-7 * steps, atol=1e-30)
+
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed, rows, hidden", SHAPES)
-def test_rms_norm_cpu_equals_native_but_for_bf16_ties(seed, rows, hidden):
-    op = cpu_op(lambda: RMSNorm(hidden))
+def test_rms_norm_cpu_equals_native_but_for_ties(seed, rows, hidden, dtype):
+    op = cpu_op(lambda: RMSNorm(hidden), dtype)
     if op is None:
         return
-    x, residual, weight = bf16_inputs(rows, hidden, seed=seed)
+    x, residual, weight = (t.to(dtype) for t in bf16_inputs(rows, hidden, seed=seed))
     op.weight.data = weight
-    assert_bf16_equal_but_for_ties(op.forward_cpu(x), op.forward_native(x), steps=2)
+    equal_but_for_ties(op.forward_cpu(x), op.forward_native(x), steps=2)
     # with a residual: the sum is torch's bf16 add exactly, its norm as above; the CPU version
     # writes both into the tensors it was given
     normed, total = op.forward_native(x, residual)
@@ -67,7 +80,7 @@ def test_rms_norm_cpu_equals_native_but_for_bf16_ties(seed, rows, hidden):
     cpu_normed, cpu_total = op.forward_cpu(x2, residual2)
     assert cpu_normed.data_ptr() == x2.data_ptr() and cpu_total.data_ptr() == residual2.data_ptr()
     assert torch.equal(cpu_total, total)
-    assert_bf16_equal_but_for_ties(cpu_normed, normed, steps=2)
+    equal_but_for_ties(cpu_normed, normed, steps=2)
 
 
 def test_rms_norm_cpu_takes_views_out_of_place():
@@ -88,32 +101,35 @@ def test_rms_norm_cpu_takes_views_out_of_place():
     assert_bf16_equal_but_for_ties(normed, native_normed, steps=2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed, rows, d", SHAPES)
-def test_silu_and_mul_cpu_equals_native_but_for_bf16_ties(seed, rows, d):
-    op = cpu_op(SiluAndMul)
+def test_silu_and_mul_cpu_equals_native_but_for_ties(seed, rows, d, dtype):
+    op = cpu_op(SiluAndMul, dtype)
     if op is None:
         return
-    x = bf16_inputs(rows, 2 * d, seed=seed)[0]
-    assert_bf16_equal_but_for_ties(op.forward_cpu(x), op.forward_native(x))
+    x = bf16_inputs(rows, 2 * d, seed=seed)[0].to(dtype)
+    equal_but_for_ties(op.forward_cpu(x), op.forward_native(x))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", range(6))
-def test_rotary_cpu_equals_native_bit_for_bit(seed):
-    op = cpu_op(ApplyRotaryEmbedding)
+def test_rotary_cpu_equals_native_bit_for_bit(seed, dtype):
+    op = cpu_op(ApplyRotaryEmbedding, dtype)
     if op is None:
         return
     rng = random.Random(seed)
     tokens, heads, head_dim = rng.randint(1, 40), rng.randint(1, 20), 2 * rng.randint(1, 128)
     gen = torch.Generator().manual_seed(seed)
     cos, sin = RotaryEmbedding(head_dim, 4096, 10000.0)(
-        torch.randint(0, 4096, (tokens,), generator=gen), torch.bfloat16
+        torch.randint(0, 4096, (tokens,), generator=gen), dtype
     )
     # q and k heads as a row-strided view of a wider qkv row, as the model passes them
-    qkv = (4 * torch.randn(tokens, (heads + 1) * head_dim, generator=gen)).to(torch.bfloat16)
+    qkv = (4 * torch.randn(tokens, (heads + 1) * head_dim, generator=gen)).to(dtype)
     x = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
     out = op.forward_cpu(x, cos, sin)
     assert out.is_contiguous()
-    assert torch.equal(out.view(torch.int16), op.forward_native(x, cos, sin).view(torch.int16))
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(out.view(bits), op.forward_native(x, cos, sin).view(bits))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

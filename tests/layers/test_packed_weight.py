@@ -1,7 +1,7 @@
 """Linear layers multiply with the ``PackedWeight`` that ``prepack_model`` builds once after
 loading: the plain weight kept as loaded, plus the layouts of this device's kernels. Every layer
-type, at every batch size, returns what ``F.linear`` on the plain weight returns (bit for bit in
-float32, to bf16 rounding in bf16); a model that was not packed says so."""
+type, at every batch size, returns what ``F.linear`` on the plain weight returns (to float32
+rounding in float32, bf16 rounding in bf16); a model that was not packed says so."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from radixserve.layers.cpu_kernels import linear
 from radixserve.layers.custom_op import OpImpl, build_context
 from radixserve.layers.linear import (
     ColumnParallelLinear,
@@ -20,11 +21,10 @@ from radixserve.layers.packed_weight import (
     CpuPackedWeight,
     NativeWeight,
     Prepackable,
-    mkldnn_linear,
     prepack_model,
 )
 from radixserve.layers.vocab_embedding import LMHead, VocabEmbedding
-from tests.layers.helpers import bf16_close, kernels_here
+from tests.layers.helpers import HAS_AMX, bf16_close, kernels_here
 from tests.model_executor.harness import make_runner
 
 LAYERS = {
@@ -58,8 +58,7 @@ def test_packed_layers_equal_f_linear_on_the_plain_weight_at_every_batch_size(na
         apply(layer, torch.zeros(1, layer.weight.shape[1], dtype=dtype))
     prepack_model(layer, MEMORY)
     assert layer.packed.weight.data_ptr() == layer.weight.data_ptr()  # the plain weight, kept
-    cpu = kernels_here() and dtype == torch.bfloat16
-    assert isinstance(layer.packed, CpuPackedWeight if cpu else NativeWeight)
+    assert isinstance(layer.packed, CpuPackedWeight if kernels_here() else NativeWeight)
     gen = torch.Generator().manual_seed(1)
     bias = getattr(layer, "bias", None)
     for rows in (1, 2, 5, 16, 31, 32, 33, 64, 100):
@@ -68,36 +67,33 @@ def test_packed_layers_equal_f_linear_on_the_plain_weight_at_every_batch_size(na
         reference = F.linear(x, layer.weight, bias)
         assert out.shape == reference.shape and out.dtype == dtype
         if dtype == torch.float32:
-            assert torch.equal(out, reference)
+            torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
         else:
             bf16_close(out, x.double() @ layer.weight.double().T + (
                 bias.double() if bias is not None else 0))
 
 
-def test_cpu_packed_weight_takes_the_small_batch_kernels_up_to_their_rows_and_onednn_beyond():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_packed_weight_is_one_blocked_copy_for_every_batch_size(dtype):
     if not kernels_here():
         return
-    layer = build_loaded("qkv", torch.bfloat16)
+    layer = build_loaded("lm_head", dtype)  # 1001 rows: the copy pads them to 1008
     prepack_model(layer, MEMORY)
     packed = layer.packed
-    assert packed.blocked is not None and packed.extra_bytes() > 0
-    x = torch.randn(packed.blocked.max_rows + 1, 64).to(torch.bfloat16)
-    for rows in (1, packed.blocked.max_rows, packed.blocked.max_rows + 1):
-        out = layer(x[:rows])
-        if rows <= packed.blocked.max_rows:  # exactly the kernel's result
-            assert torch.equal(out, packed.blocked.linear(x[:rows], layer.bias))
-        else:  # exactly oneDNN's
-            assert torch.equal(out, mkldnn_linear(x[:rows], packed.onednn, layer.bias))
+    assert packed.blocked.shape[0] * 16 == 1008 and packed.extra_bytes() == 1008 * 64 * (
+        dtype.itemsize)
+    x = torch.randn(70, 64).to(dtype)
+    assert packed.amx_rows == 0  # the AMX kernel takes whole blocks of 16 only
+    for rows in (1, 7, 70):
+        assert torch.equal(layer.project(x[:rows]), linear(x[:rows], packed.blocked, None, 1001))
 
 
-def test_without_room_for_copies_the_small_batch_layout_is_not_made():
-    if not kernels_here():
-        return
+def test_without_room_for_a_copy_layers_keep_to_torch():
     layer = build_loaded("row", torch.bfloat16)
     prepack_model(layer, total_memory_bytes=1)
-    assert layer.packed.blocked is None
+    assert isinstance(layer.packed, NativeWeight)
     x = torch.randn(3, 200).to(torch.bfloat16)
-    assert torch.equal(layer(x), mkldnn_linear(x, layer.packed.onednn, layer.bias))
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
 def test_prepack_model_packs_every_linear_and_the_tied_lm_head_keeps_the_embedding():
@@ -120,11 +116,16 @@ def test_prepack_model_packs_every_linear_and_the_tied_lm_head_keeps_the_embeddi
     assert all(m.impl is expected for m in packables)
 
 
+def test_bf16_layers_on_amx_cpus_take_the_amx_kernel_up_to_32_rows():
+    layer = build_loaded("qkv", torch.bfloat16)
+    prepack_model(layer, MEMORY)
+    assert getattr(layer.packed, "amx_rows", 0) == (32 if HAS_AMX else 0)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_runners_linears_carry_the_packed_weight_of_their_dtype(llama_path, dtype):
     runner = make_runner(llama_path, dtype=dtype)
     layer = runner.model.model.layers[0]
     kinds = {type(m.packed) for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj,
                                       runner.model.lm_head)}
-    cpu = kernels_here() and dtype == "bfloat16"
-    assert kinds == {CpuPackedWeight if cpu else NativeWeight}
+    assert kinds == {CpuPackedWeight if kernels_here() else NativeWeight}

@@ -164,3 +164,55 @@ def test_manager_honours_flags_and_drops_state_at_finish(tokenizer_dir, tokenize
     finally:
         manager.close()
         shutil.rmtree(port_args.directory)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_manager_decodes_a_batch_as_each_request_alone(tokenizer_dir, tokenizer, batched):
+    """Every request of a step is decoded in one tokenizer call (``batched``: the Rust
+    tokenizer's decode_batch; else one decode per id list): each gets the deltas its own
+    IncrementalDetokenizer gives, whatever the requests beside it."""
+    rng = random.Random(1)
+    vocab = len(tokenizer)
+    text = "The answer is 42.\n\nEND of the story, emoji 😀 and 世界 🎉"
+    requests = []
+    for i in range(12):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))] + tokenizer.encode(text)
+        stop = ["END"] if i % 3 == 0 else []
+        finished = {"type": "length", "length": len(ids)}
+        if stop:
+            ids = ids[: next(n for n in range(1, len(ids) + 1)
+                             if "END" in tokenizer.decode(ids[:n], skip_special_tokens=True))]
+            finished = {"type": "stop", "matched": "END"}
+        requests.append((f"r{i}", ids, stop, i % 2 == 0, finished))
+    port_args = PortArgs.create()
+    manager = DetokenizerManager(ServerArgs(model_path=str(tokenizer_dir)), port_args)
+    assert manager._rust_decoder is not None  # the test tokenizer is a stock fast one
+    if not batched:
+        manager._rust_decoder = None
+    try:
+        got: dict[str, list[str]] = {rid: [] for rid, *_ in requests}
+        expected: dict[str, list[str]] = {}
+        sent = dict.fromkeys(got, 0)
+        alone = {rid: make(tokenizer, skip, stop=stop) for rid, _, stop, skip, _ in requests}
+        while any(sent[rid] < len(ids) for rid, ids, *_ in requests):
+            step = []
+            for rid, ids, stop, skip, finished in requests:
+                if sent[rid] == len(ids) or rng.random() < 0.3:
+                    continue  # finished, or not in this step's batch
+                new = ids[sent[rid] : sent[rid] + rng.randint(1, 3)]
+                sent[rid] += len(new)
+                done = finished if sent[rid] == len(ids) else None
+                step.append(ReqTokenOutput(
+                    rid=rid, new_token_ids=new, finished_reason=done, prompt_tokens=1,
+                    completion_tokens=sent[rid], cached_tokens=0, stop=stop,
+                    skip_special_tokens=skip))
+                expected.setdefault(rid, []).append(alone[rid].step(new, done))
+            for out in manager.handle_batch(BatchTokenIDOutput(outputs=step)).outputs:
+                got[out.rid].append(out.new_text)
+        assert got == expected and manager._states == {}
+        for rid, ids, stop, skip, _ in requests:
+            full = tokenizer.decode(ids, skip_special_tokens=skip)
+            assert "".join(got[rid]) == (full[: full.find("END")] if stop else full)
+    finally:
+        manager.close()
+        shutil.rmtree(port_args.directory)

@@ -29,7 +29,7 @@ class Pools:
         return PrefillAdder(tree_cache=self.cache, allocator=self.allocator,
                             running_reqs=list(running), new_token_ratio=ratio,
                             max_prefill_tokens=budget, chunked_prefill_size=budget,
-                            free_req_slots=slots)
+                            free_rows=slots, free_running=slots)
 
 
 def req(rid: str, ids: list[int], max_new_tokens: int = 1) -> Req:

@@ -131,7 +131,8 @@ def test_internal_state_reports_memory_and_queues(driver):
     state = driver.replies.pop().state
     assert set(state["memory"]) == {
         "available_kv_tokens", "evictable_kv_tokens", "protected_kv_tokens",
-        "session_held_kv_tokens", "total_kv_tokens", "free_req_slots", "total_req_slots",
+        "session_held_kv_tokens", "session_offloaded_tokens", "total_kv_tokens", "free_req_slots",
+        "total_req_slots",
     }
     mem = state["memory"]
     assert mem["available_kv_tokens"] + mem["evictable_kv_tokens"] == mem["total_kv_tokens"]

@@ -21,6 +21,7 @@ class Req:
     streaming_session_id: str | None = None
     finished_reason: dict[str, Any] | None = None
     kv_len: int = 0
+    all_ids: list[int] = field(default_factory=list)
 
 
 class Driver:

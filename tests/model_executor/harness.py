@@ -93,7 +93,8 @@ def make_runner(model_path: Path, dtype: str = "float32", **server_args: Any) ->
     server_args.setdefault("max_total_tokens", 2048)
     args = ServerArgs(model_path=str(model_path), dtype=dtype, device="cpu", **server_args)
     config = ModelConfig.from_path(
-        model_path, dtype=dtype, device="cpu", context_length=args.context_length
+        model_path, dtype=dtype, device="cpu", context_length=args.context_length,
+        quantization=args.quantization,
     )
     return ModelRunner(config, args, "cpu")
 

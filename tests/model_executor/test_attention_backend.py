@@ -31,7 +31,10 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -
 
 
 def _run(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], page_size: int,
-         dtype: torch.dtype, backend_name: str) -> None:
+         dtype: torch.dtype, backend_name: str, batch_invariant: bool = False) -> torch.Tensor:
+    """One layer's attention over a batch of requests with cached prefixes, checked against
+    ``_reference``; returns its output. A request's K/V and queries depend only on its index
+    and length, so the same token gets the same inputs in an EXTEND and a DECODE batch."""
     gen = torch.Generator().manual_seed(0)
     num_pages = 64
     pool = MHATokenToKVPool(num_pages * page_size, page_size, dtype, KV_HEADS, HEAD_DIM, LAYERS,
@@ -56,12 +59,13 @@ def _run(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], page
                               for p in range(seq_len)])
         req_pool.req_to_token[row, :seq_len] = slots
         k, v = rand(seq_len, KV_HEADS, HEAD_DIM), rand(seq_len, KV_HEADS, HEAD_DIM)
+        q = rand(seq_len, HEADS, HEAD_DIM)
         pool.set_kv_buffer(layer, slots[:prefix], k[:prefix], v[:prefix])  # the cached prefix
         rows.append(row)
         locs.append(slots[prefix:])
         full_k.append(k)
         full_v.append(v)
-        qs.append(rand(extend, HEADS, HEAD_DIM))
+        qs.append(q[prefix:])
 
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     num_tokens = sum(extend_lens)
@@ -77,7 +81,7 @@ def _run(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], page
         extend_prefix_lens_cpu=prefix_lens if mode.is_extend else None,
         extend_seq_lens_cpu=extend_lens if mode.is_extend else None,
     )
-    backend = create_attention_backend(backend_name, req_pool, pool)
+    backend = create_attention_backend(backend_name, req_pool, pool, batch_invariant)
     attn = Attention(HEADS, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, layer, backend)
     backend.init_forward_metadata(fb)
     new_k = torch.cat([k[p:] for k, p in zip(full_k, prefix_lens, strict=True)])
@@ -91,6 +95,7 @@ def _run(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], page
                           zip(qs, full_k, full_v, prefix_lens, strict=True)])
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    return out
 
 
 def backends(dtype: torch.dtype) -> list[str]:
@@ -111,6 +116,27 @@ def test_extend_attends_over_cached_prefix_and_new_tokens(page_size, dtype):
 def test_decode_attends_over_the_whole_sequence(page_size, dtype):
     for backend in backends(dtype):
         _run(ForwardMode.DECODE, [0, 6, 11, 3], [1, 1, 1, 1], page_size, dtype, backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_cpu_backend_decodes_a_token_to_its_prefill_bits(dtype):
+    """--enable-deterministic-inference: a token decoded gets the bits it gets prefilled, so a
+    radix hit on generated tokens equals a cold prefill (without it the two sum differently)."""
+    if "cpu" not in backends(dtype):
+        return
+    prefix_lens, extend_lens = [0, 6, 11, 20], [9, 4, 1, 12]  # 63 of the 64 slots
+    prefill = _run(ForwardMode.EXTEND, prefix_lens, extend_lens, 1, dtype, "cpu", True)
+    # each request's last token again, decoded after the rest
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    decode = _run(ForwardMode.DECODE, [s - 1 for s in seq_lens], [1] * 4, 1, dtype, "cpu", True)
+    last = torch.tensor(extend_lens).cumsum(0) - 1
+    assert torch.equal(decode, prefill[last])
+
+
+def test_torch_native_backend_refuses_to_promise_batch_invariance():
+    pool = MHATokenToKVPool(8, 1, torch.float32, KV_HEADS, HEAD_DIM, LAYERS, "cpu")
+    with pytest.raises(ValueError, match="needs the cpu attention backend"):
+        create_attention_backend("torch_native", ReqToTokenPool(1, 8, "cpu"), pool, True)
 
 
 def test_kv_pool_reserves_a_zeroed_padding_page():

@@ -40,9 +40,7 @@ def test_kernels_model_equals_the_native_model(arch_path, dtype, monkeypatch):
         return
     runner = make_runner(arch_path, dtype=dtype)
     assert runner.attention_backend == "cpu"
-    assert runner.model.model.layers[0].mlp.act_fn.impl is (
-        OpImpl.CPU if dtype == "bfloat16" else OpImpl.NATIVE
-    )
+    assert runner.model.model.layers[0].mlp.act_fn.impl is OpImpl.CPU
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(
         run_steps(arch_path, dtype, "cpu"), native_runner_steps(arch_path, dtype, monkeypatch),

@@ -18,11 +18,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
+
+from tests.sync import STATE_TIMEOUT_S
 
 READY_PREFIX = "radixserve ready: "
 START_TIMEOUT_S = 240.0
@@ -38,7 +41,9 @@ def free_port() -> int:
 class ServerProcess:
     """One server subprocess: its URL, stdout lines, stderr log, and a clean stop."""
 
-    def __init__(self, model_path: Path, extra_args: list[str]) -> None:
+    def __init__(
+        self, model_path: Path, extra_args: list[str], env: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_path)
@@ -58,7 +63,7 @@ class ServerProcess:
             "--log-level", "warning",
             *extra_args,
         ]
-        env = {**os.environ, "RADIXSERVE_TEST_STRICT": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "RADIXSERVE_TEST_STRICT": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env
         )
@@ -102,7 +107,7 @@ class ServerProcess:
     def children(self) -> list[psutil.Process]:
         return psutil.Process(self.proc.pid).children(recursive=True)
 
-    def stop(self, timeout: float = 30.0) -> int:
+    def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM; return the exit code after checking that no child is left."""
         if self.proc.poll() is None:
             children = self.children()
@@ -130,20 +135,51 @@ class ServerProcess:
         assert ready == [f"{READY_PREFIX}{self.base_url} (model {self.model})"], self.stdout_lines
 
 
-def start_server(model_path: Path, *extra_args: str) -> ServerProcess:
-    server = ServerProcess(model_path, list(extra_args))
+def start_server(
+    model_path: Path, *extra_args: str, env: dict[str, str] | None = None
+) -> ServerProcess:
+    """``env``: variables for the server on top of this process's environment."""
+    server = ServerProcess(model_path, list(extra_args), env)
     server.wait_ready()
     return server
 
 
+def internal_state(client: httpx.Client) -> dict:
+    """The scheduler's live state (memory, queues, ``paused``) from ``/get_server_info``."""
+    r = client.get("/get_server_info")
+    assert r.status_code == 200, r.text
+    return r.json()["internal_states"][0]
+
+
+def pause_generation(client: httpx.Client, mode: str = "in_place") -> None:
+    r = client.post("/pause_generation", json={"mode": mode})
+    assert r.status_code == 200, r.text
+
+
+def continue_generation(client: httpx.Client) -> None:
+    """A no-op when not paused: safe in a ``finally``."""
+    r = client.post("/continue_generation")
+    assert r.status_code == 200, r.text
+
+
+@contextlib.contextmanager
+def paused(client: httpx.Client, mode: str = "in_place") -> Iterator[None]:
+    """Generation paused for the block; continued after it, also when the block fails, so
+    that a shared server keeps serving the next tests."""
+    pause_generation(client, mode)
+    try:
+        yield
+    finally:
+        continue_generation(client)
+
+
 def memory_figures(client: httpx.Client) -> dict[str, int]:
-    info = client.get("/get_server_info").json()
-    state = info["internal_states"][0]
+    state = internal_state(client)
     return {**state["memory"], "running": state["num_running_reqs"],
             "waiting": state["num_waiting_reqs"], "aborted": state["num_aborted_reqs"]}
 
 
-def assert_no_leak(client: httpx.Client, timeout: float = 30.0) -> dict[str, int]:
+def assert_no_leak(client: httpx.Client, timeout: float = STATE_TIMEOUT_S) -> dict[str, int]:
     """Wait until the scheduler is idle, then check the memory invariant (DESIGN section 3)."""
     deadline = time.monotonic() + timeout
     while True:

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import start_server
+from tests.sync import STATE_TIMEOUT_S
 
 sync_api = pytest.importorskip("playwright.sync_api")
 
@@ -47,7 +48,8 @@ def test_dashboard_shows_live_numbers_under_load(llama_path, chromium_path, tmp_
         with sync_api.sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium_path, args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(180_000)  # waits are for events; a busy machine is slow
+            # Playwright's 30 s default is a deadline a loaded machine can miss: a failure bound.
+            page.set_default_timeout(STATE_TIMEOUT_S * 1000)
             assert page.goto(f"{srv.base_url}/dashboard").status == 401
             assert page.goto(f"{srv.base_url}/dashboard?key=user-key").status == 401
             assert page.goto(f"{srv.base_url}/dashboard?key={ADMIN}").status == 200

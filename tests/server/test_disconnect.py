@@ -3,52 +3,67 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import json
+import socket
 
 import httpx
-import pytest
 
-from tests.server.conftest import assert_no_leak, memory_figures
+from tests.server.conftest import (
+    assert_no_leak,
+    continue_generation,
+    internal_state,
+    memory_figures,
+    pause_generation,
+    paused,
+)
+from tests.sync import UNTIL_ABORTED, wait_for
 
-LONG = 900  # tokens a dropped request would still generate if it were not aborted
 
-
-def _wait_idle(client: httpx.Client, timeout: float = 60.0) -> None:
-    start = time.monotonic()
-    while memory_figures(client)["running"] > 0:
-        assert time.monotonic() - start < timeout
-        time.sleep(0.02)
+def _aborted(client: httpx.Client, count: int) -> None:
+    """Wait until the scheduler has aborted ``count`` requests in all and runs nothing."""
+    wait_for(lambda: internal_state(client),
+             lambda s: s["num_aborted_reqs"] == count and s["num_running_reqs"] == 0
+             and s["num_waiting_reqs"] == 0, f"{count} aborted requests in all")
 
 
 def test_dropped_stream_is_aborted_at_once(client, server):
     aborted = memory_figures(client)["aborted"]
     body = {"text": "drop me", "stream": True,
-            "sampling_params": {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True}}
-    with httpx.Client(base_url=server.base_url, timeout=60) as c, \
-            c.stream("POST", "/generate", json=body) as r:
-        for n, _ in enumerate(line for line in r.iter_lines() if line.startswith("data")):
-            if n == 4:
-                break
-    _wait_idle(client)
-    # Ended by an abort, not by running out its LONG tokens.
-    assert memory_figures(client)["aborted"] == aborted + 1
+            "sampling_params": {"max_new_tokens": UNTIL_ABORTED, "temperature": 0,
+                                "ignore_eos": True}}
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=60) as c, \
+                c.stream("POST", "/generate", json=body) as r:
+            events = (line for line in r.iter_lines() if line.startswith("data"))
+            for _ in range(5):  # (kept referenced: closing the iterator closes the connection)
+                next(events)
+            # Paused, the request cannot finish: only the disconnect can end it.
+            pause_generation(client)
+            assert internal_state(client)["num_running_reqs"] == 1, "finished before the pause"
+        _aborted(client, aborted + 1)
+    finally:
+        continue_generation(client)
     assert_no_leak(client)
 
 
 def test_non_stream_request_of_a_gone_client_is_aborted(client, server):
     aborted = memory_figures(client)["aborted"]
-    body = {"text": "wait for me", "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
-    with httpx.Client(base_url=server.base_url, timeout=0.2) as c, \
-            pytest.raises(httpx.ReadTimeout):
-        c.post("/generate", json=body)
-    _wait_idle(client)
-    assert memory_figures(client)["aborted"] == aborted + 1
+    body = json.dumps({"text": "wait for me", "sampling_params": {"max_new_tokens": 8}}).encode()
+    request = (f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with paused(client):
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(request + body)
+            wait_for(lambda: internal_state(client), lambda s: s["num_waiting_reqs"] == 1,
+                     "the request queued in the paused scheduler")
+        # The client is gone before its request could run: the server aborts it, paused or not.
+        _aborted(client, aborted + 1)
     assert_no_leak(client)
 
 
 async def _one_stream(client: httpx.AsyncClient, i: int, drop: bool) -> str:
     """Stream request ``i`` (chat or native alternately); drop it after 3 events if asked."""
-    max_tokens = 400 if drop else 6
+    max_tokens = UNTIL_ABORTED if drop else 6
     if i % 2:
         path = "/v1/chat/completions"
         body = {"messages": [{"role": "user", "content": f"tell me {i}"}], "stream": True,

@@ -6,15 +6,21 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
-from tests.server.conftest import READY_PREFIX, free_port, parse_sse, start_server
+from tests.server.conftest import (
+    READY_PREFIX,
+    free_port,
+    internal_state,
+    parse_sse,
+    pause_generation,
+    start_server,
+)
+from tests.sync import in_background, wait_for
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_zero_without_children(llama_path):
@@ -22,34 +28,29 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero_without_children(llam
     try:
         children = srv.children()
         assert len(children) >= 2  # the scheduler and the detokenizer
-        result: dict = {}
-        first_chunk = threading.Event()
 
-        def hold() -> None:
+        def hold() -> dict:
             body = {"text": "long", "stream": True,
-                    "sampling_params": {"max_new_tokens": 600, "ignore_eos": True}}
-            with httpx.Client(base_url=srv.base_url, timeout=60) as c, \
+                    "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
+            with httpx.Client(base_url=srv.base_url, timeout=120) as c, \
                     c.stream("POST", "/generate", json=body) as r:
-                lines = r.iter_lines()
-                head = next(lines)
-                first_chunk.set()
-                result["last"] = parse_sse([head, *lines])[-1]["meta_info"]
+                return parse_sse(list(r.iter_lines()))[-1]["meta_info"]
 
-        holder = threading.Thread(target=hold)
-        holder.start()
-        assert first_chunk.wait(60)
+        # Paused in place, the request stays in flight until the drain gives up on it.
+        with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+            pause_generation(c)
+            holder = in_background(hold)
+            wait_for(lambda: internal_state(c), lambda s: s["num_waiting_reqs"] == 1,
+                     "the request queued in the paused scheduler")
         srv.proc.send_signal(signal.SIGTERM)
+        # The drain lasts DRAIN_TIMEOUT_S (5 s): /health turns 503 within a moment of it.
         with httpx.Client(base_url=srv.base_url, timeout=10) as c:
-            deadline = time.monotonic() + 5
-            while c.get("/health").status_code == 200:  # the drain starts within a moment
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
-            assert c.get("/health").status_code == 503
+            wait_for(lambda: {"health": c.get("/health").status_code},
+                     lambda s: s["health"] == 503, "the drain started", timeout=5)
             r = c.post("/generate", json={"text": "late", "sampling_params": {"max_new_tokens": 1}})
             assert r.status_code == 503 and "Retry-After" in r.headers
-        holder.join(60)
-        # The in-flight stream ended properly: finished, or aborted after the drain timeout.
-        assert result["last"]["finish_reason"]["type"] in ("length", "abort")
+        # The in-flight request was aborted when the drain timed out, and ended properly.
+        assert holder.result(timeout=60)["finish_reason"]["type"] == "abort"
         assert srv.proc.wait(30) == 0
         _, alive = psutil.wait_procs(children, timeout=10)
         assert not alive

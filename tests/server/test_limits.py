@@ -6,7 +6,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import assert_no_leak, start_server
+from tests.server.conftest import assert_no_leak, internal_state, paused, start_server
+from tests.sync import in_background, wait_for
 
 KEY = "test-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -87,24 +88,28 @@ def test_body_over_the_limit_is_413_before_parsing(limited, authed):
 
 
 def test_request_past_max_queued_requests_is_429_with_retry_after(limited, authed):
-    body = {"text": "hold", "stream": True,
-            "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
-    with httpx.Client(base_url=limited.base_url, headers=AUTH, timeout=60) as holder, \
-            holder.stream("POST", "/generate", json=body) as held:
-        assert held.status_code == 200
-        lines = held.iter_lines()  # (kept referenced: a discarded iterator closes the stream)
-        assert next(lines).startswith("data: ")  # the request is in flight
+    def hold() -> int:
+        body = {"text": "hold", "sampling_params": {"max_new_tokens": 4}}
+        with httpx.Client(base_url=limited.base_url, headers=AUTH, timeout=120) as holder:
+            return holder.post("/generate", json=body).status_code
+
+    with paused(authed):  # the held request stays in flight until the continue
+        held = in_background(hold)
+        wait_for(lambda: internal_state(authed), lambda s: s["num_waiting_reqs"] == 1,
+                 "the held request queued")
         r = authed.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["type"] == "rate_limit_error"
         # Non-generation routes are not limited.
         assert authed.get("/get_model_info").status_code == 200
-    # The held request was dropped (aborted): admission opens again.
-    for _ in range(100):
-        r = authed.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 1}})
-        if r.status_code != 429:
-            break
-    assert r.status_code == 200
+    assert held.result(timeout=120) == 200
+    # Admission opens again once the server has counted the held request out (a moment after
+    # its reply was sent): a refused attempt changes nothing, so retrying until then is safe.
+    def attempt() -> dict:
+        body = {"text": "x", "sampling_params": {"max_new_tokens": 1}}
+        return {"status": authed.post("/generate", json=body).status_code}
+
+    assert wait_for(attempt, lambda s: s["status"] != 429, "admission reopened")["status"] == 200
     assert_no_leak(authed)
 
 

@@ -8,11 +8,13 @@ import uuid
 import httpx
 
 from tests.server.conftest import KV_TOKENS, assert_no_leak, parse_sse
+from tests.sync import UNTIL_ABORTED
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 MEMORY_KEYS = {
     "available_kv_tokens", "evictable_kv_tokens", "protected_kv_tokens",
-    "session_held_kv_tokens", "total_kv_tokens", "free_req_slots", "total_req_slots",
+    "session_held_kv_tokens", "session_offloaded_tokens", "total_kv_tokens", "free_req_slots",
+    "total_req_slots",
 }
 
 
@@ -79,7 +81,7 @@ def test_generate_logprobs_match_output_ids(client):
 def test_abort_request_ends_a_running_stream_with_abort(client, server):
     rid = f"to-abort-{uuid.uuid4().hex}"
     body = {"text": "Go on", "rid": rid, "stream": True,
-            "sampling_params": {"max_new_tokens": 900, **GREEDY}}
+            "sampling_params": {"max_new_tokens": UNTIL_ABORTED, **GREEDY}}
     with httpx.Client(base_url=server.base_url, timeout=60) as stream_client, \
             stream_client.stream("POST", "/generate", json=body) as r:
         lines = r.iter_lines()
@@ -89,7 +91,7 @@ def test_abort_request_ends_a_running_stream_with_abort(client, server):
         chunks = parse_sse([first, *lines])
     last = chunks[-1]["meta_info"]
     assert last["finish_reason"]["type"] == "abort"
-    assert last["completion_tokens"] < 900
+    assert last["completion_tokens"] < UNTIL_ABORTED
     assert_no_leak(client)
 
 
@@ -99,7 +101,7 @@ def test_abort_all_ends_every_request(client, server):
 
     def run(i: int) -> None:
         body = {"text": f"req {i}", "stream": True,
-                "sampling_params": {"max_new_tokens": 900, **GREEDY}}
+                "sampling_params": {"max_new_tokens": UNTIL_ABORTED, **GREEDY}}
         with httpx.Client(base_url=server.base_url, timeout=60) as c, \
                 c.stream("POST", "/generate", json=body) as r:
             lines = r.iter_lines()

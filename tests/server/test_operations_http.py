@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -16,7 +17,16 @@ import torch
 from safetensors import safe_open
 
 from tests.checkpoints import build_checkpoint
-from tests.server.conftest import assert_no_leak, parse_sse, start_server
+from tests.server.conftest import (
+    assert_no_leak,
+    continue_generation,
+    internal_state,
+    parse_sse,
+    pause_generation,
+    paused,
+    start_server,
+)
+from tests.sync import UNTIL_ABORTED, in_background, wait_for
 
 USER = {"Authorization": "Bearer user-key"}
 ADMIN = {"Authorization": "Bearer admin-key"}
@@ -101,8 +111,9 @@ def test_update_waits_for_or_aborts_a_running_request(ops, llama_path, abort):
     result: dict = {}
 
     def stream() -> None:
+        # Long enough that the update reaches the scheduler before it ends (tests/sync.py).
         body = {"input_ids": PROMPT_IDS, "stream": True,
-                "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+                "sampling_params": {"max_new_tokens": UNTIL_ABORTED, "ignore_eos": True}}
         with httpx.Client(base_url=str(ops.base_url), headers=ADMIN, timeout=120) as c, \
                 c.stream("POST", "/generate", json=body) as r:
             lines = r.iter_lines()
@@ -120,7 +131,7 @@ def test_update_waits_for_or_aborts_a_running_request(ops, llama_path, abort):
     reason = result["last"]["finish_reason"]["type"]
     assert reason == ("abort" if abort else "length")
     if not abort:
-        assert result["last"]["completion_tokens"] == 300
+        assert result["last"]["completion_tokens"] == UNTIL_ABORTED
     assert_no_leak(ops)
 
 
@@ -180,28 +191,32 @@ def test_profile_writes_a_chrome_trace(ops, tmp_path):
 
 
 # ---------------------------------------------------------------------------- knobs and load
+def finish_type(base_url: str, max_new_tokens: int) -> str:
+    """A greedy request on a connection of its own; its finish reason's type."""
+    body = {"input_ids": PROMPT_IDS, "sampling_params": {
+        "max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    r = httpx.post(f"{base_url}/generate", json=body, headers=ADMIN, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["meta_info"]["finish_reason"]["type"]
+
+
 def test_set_internal_state_limits_the_running_batch(ops):
     r = ops.post("/set_internal_state", json={"server_args": {"max_running_requests": 1}})
     assert r.status_code == 200 and r.json()["server_args"]["max_running_requests"] == 1
-    ops.post("/slow_down", json={"forward_sleep_time": 0.05})
-    done = []
-
-    def run() -> None:
-        with httpx.Client(base_url=str(ops.base_url), headers=ADMIN, timeout=120) as c:
-            done.append(greedy(c, 20))
-
-    threads = [threading.Thread(target=run) for _ in range(3)]
-    for t in threads:
-        t.start()
-    seen_queue = False
-    while any(t.is_alive() for t in threads):
+    try:
+        with paused(ops):  # three requests queue up ...
+            pending = [in_background(finish_type, str(ops.base_url), UNTIL_ABORTED)
+                       for _ in range(3)]
+            wait_for(lambda: internal_state(ops), lambda s: s["num_waiting_reqs"] == 3,
+                     "three requests queued")
+        # ... and the steps after the continue admitted one: the others wait for its row.
+        pause_generation(ops)
         load = ops.get("/get_load").json()[0]
-        assert load["num_running_reqs"] <= 1
-        seen_queue |= load["num_waiting_reqs"] >= 1
-    for t in threads:
-        t.join()
-    assert len(done) == 3 and seen_queue
-    ops.post("/slow_down", json={"forward_sleep_time": None})
+        assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (1, 2), load
+        ops.post("/abort_request", json={"abort_all": True})
+    finally:
+        continue_generation(ops)
+    assert [p.result(timeout=120) for p in pending] == ["abort"] * 3
     r = ops.post("/set_internal_state", json={"server_args": {"max_running_requests": 256}})
     assert r.status_code == 200
     for bad, needle in [({"bogus": 1}, "settable"), ({"max_running_requests": 0}, "integer"),
@@ -213,19 +228,26 @@ def test_set_internal_state_limits_the_running_batch(ops):
 
 def test_slow_down_and_get_load_show_a_running_request(ops):
     assert ops.post("/slow_down", json={"forward_sleep_time": 0.1}).json()["forward_sleep_time"]
-    t = threading.Thread(target=greedy, args=(ops, 12))
-    t.start()
-    running = None
-    while t.is_alive() and running is None:  # the slowed steps leave the request visible
-        load = ops.get("/get_load").json()
-        assert len(load) == 1 and load[0]["dp_rank"] == 0
-        if load[0]["num_running_reqs"] == 1:
-            running = load[0]
-    assert running is not None, "the request was never seen running"
-    assert running["num_tokens"] > 0 and 0 < running["token_usage"] < 1
+    start = time.monotonic()
+    greedy(ops, 12)
+    # Every step sleeps after it ran, so the reply can leave before the 12th step's sleep: 11
+    # sleeps are a lower bound only, which no machine's speed can break.
+    assert time.monotonic() - start >= 11 * 0.1
     assert ops.post("/slow_down", json={"forward_sleep_time": None}).json()[
         "forward_sleep_time"] is None
-    t.join(60)
+    held = in_background(finish_type, str(ops.base_url), UNTIL_ABORTED)
+    try:
+        wait_for(lambda: internal_state(ops), lambda s: s["num_running_reqs"] == 1,
+                 "the request running")
+        pause_generation(ops)  # it keeps running, with its KV, until the abort
+        load = ops.get("/get_load").json()
+        assert len(load) == 1 and load[0]["dp_rank"] == 0
+        assert load[0]["num_running_reqs"] == 1, "finished before the pause"
+        assert load[0]["num_tokens"] > 0 and 0 < load[0]["token_usage"] < 1
+        ops.post("/abort_request", json={"abort_all": True})
+    finally:
+        continue_generation(ops)
+    assert held.result(timeout=120) == "abort"
     assert "forward_sleep_time" in error(ops.post("/slow_down", json={
         "forward_sleep_time": -1}), 400)
     assert_no_leak(ops)
@@ -248,28 +270,21 @@ def test_freeze_gc_and_sglang_metric_names(ops):
 # ---------------------------------------------------------------------------- fault isolation
 @pytest.mark.parametrize("rid", ["inject-fault-handle", "inject-fault-output-x"])
 def test_a_request_failing_inside_the_scheduler_gets_500_and_others_go_on(ops, rid):
-    first = threading.Event()
-    result: dict = {}
+    def boom() -> httpx.Response:
+        return httpx.post(f"{ops.base_url}/generate", headers=ADMIN, timeout=120, json={
+            "text": "boom", "rid": rid, "sampling_params": {"max_new_tokens": 4}})
 
-    def stream() -> None:
-        body = {"input_ids": PROMPT_IDS, "stream": True,
-                "sampling_params": {"max_new_tokens": 120, "ignore_eos": True}}
-        with httpx.Client(base_url=str(ops.base_url), headers=ADMIN, timeout=120) as c, \
-                c.stream("POST", "/generate", json=body) as r:
-            lines = r.iter_lines()
-            head = next(lines)
-            first.set()
-            result["last"] = parse_sse([head, *lines])[-1]["meta_info"]
-
-    t = threading.Thread(target=stream)
-    t.start()
-    assert first.wait(60)
-    r = ops.post("/generate", json={"text": "boom", "rid": rid,
-                                    "sampling_params": {"max_new_tokens": 4}})
-    assert "injected fault" in error(r, 500)
-    t.join(120)
-    assert result["last"]["finish_reason"]["type"] == "length"
-    assert result["last"]["completion_tokens"] == 120
+    # Both requests wait in the paused scheduler, so they run (and fail) side by side.
+    with paused(ops):
+        other = in_background(finish_type, str(ops.base_url), 120)
+        wait_for(lambda: internal_state(ops), lambda s: s["num_waiting_reqs"] == 1,
+                 "the other request queued")
+        failing = in_background(boom)
+        # It fails as the scheduler handles it, or (queued) when its output is processed.
+        wait_for(lambda: {"failed": failing.done(), **internal_state(ops)},
+                 lambda s: s["failed"] or s["num_waiting_reqs"] == 2, "the failing request in")
+    assert "injected fault" in error(failing.result(timeout=120), 500)
+    assert other.result(timeout=120) == "length"
     assert len(greedy(ops, 3)) == 3
     assert ops.get("/health").status_code == 200
     assert_no_leak(ops)

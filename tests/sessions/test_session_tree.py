@@ -15,6 +15,12 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from radixserve.managers.schedule_batch import Req
+from radixserve.mem_cache import (
+    RadixCache,
+    ReqToTokenPool,
+    SessionAwareCache,
+    TokenToKVPoolAllocator,
+)
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.sessions.session import Session, SessionError
 from radixserve.sessions.session_controller import SessionController
@@ -102,12 +108,24 @@ def test_branches_see_their_own_ancestors_only(tree):
     assert resolve(tree, [30], rid="a") == [1, 2, 3, 4, 5, 6, 7, 30]
 
 
-def test_unknown_rid_and_unfinished_parent_are_session_errors(tree):
+def test_unknown_rid_and_appending_to_an_unfinished_parent_are_session_errors(tree):
     with pytest.raises(SessionError, match="Invalid request session id.*'nope'"):
         resolve(tree, [1], rid="nope")
     tree.add_req(req("running", [1, 2]), tree.req_nodes["b"])
     with pytest.raises(SessionError, match="'running' has not finished"):
         resolve(tree, [1], rid="running")
+
+
+def test_replace_naming_an_unfinished_request_inherits_what_it_generated_so_far(tree):
+    running = req("running", [1, 2, 3, 4, 5, 10, 11, 12])
+    running.output_ids = [13, 14]  # generated so far
+    tree.add_req(running, tree.req_nodes["b"])
+    tree.add_req(req("below", [1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 15]), tree.req_nodes["running"])
+    ids, parent, to_remove = tree.resolve_input_ids(params(rid="running", replace=True), [BOS, 16],
+                                                    BOS)
+    assert ids == [1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 16]
+    assert parent is tree.req_nodes["running"]
+    assert [n.req.rid for n in to_remove] == ["below"]
 
 
 def test_resolve_changes_nothing(tree):
@@ -210,8 +228,19 @@ def run(ctrl: SessionController, msg: TokenizedGenerateReqInput, output, reason=
     return created.req
 
 
+def plain_cache() -> RadixCache:
+    """A prefix cache without streaming sessions (real pools, nothing runs on them here)."""
+    pool = ReqToTokenPool(4, 64, "cpu")
+    return RadixCache(pool, TokenToKVPoolAllocator(64, 1, "cpu"), 1)
+
+
+def session_cache() -> SessionAwareCache:
+    inner = plain_cache()
+    return SessionAwareCache(inner, inner.req_to_token_pool, inner.allocator, 1)
+
+
 def test_open_refuses_duplicates_bad_values_and_streaming_when_disabled():
-    ctrl = SessionController(False, None, BOS)
+    ctrl = SessionController(plain_cache(), BOS)
     assert ctrl.open(open_msg(session_id="x")).session_id == "x"
     generated = ctrl.open(open_msg())
     assert generated.success and generated.session_id and generated.session_id != "x"
@@ -221,14 +250,23 @@ def test_open_refuses_duplicates_bad_values_and_streaming_when_disabled():
         (OpenSessionReqInput(capacity_of_str_len=0), "capacity_of_str_len"),
         (open_msg(timeout=-1.0), "timeout"),
         (open_msg(session_id=""), "non-empty"),
+        (open_msg(resume=True), "give its session_id"),
+        (open_msg(session_id="y", resume=True), '"streaming": true'),
     ]:
         reply = ctrl.open(msg)
         assert not reply.success and reply.session_id is None and words in reply.message
     assert set(ctrl.sessions) == {"x", generated.session_id}
 
 
+def test_resume_needs_a_session_store():
+    ctrl = SessionController(session_cache(), BOS)
+    reply = ctrl.open(open_msg(session_id="old", streaming=True, resume=True))
+    assert not reply.success and "--session-store" in reply.message
+    assert "old" not in ctrl.sessions
+
+
 def test_create_req_changes_nothing_until_admitted():
-    ctrl = SessionController(False, None, BOS)
+    ctrl = SessionController(plain_cache(), BOS)
     ctrl.open(open_msg(session_id="s"))
     root = run(ctrl, generate_msg("root", [1, 2]), [3])
     created = ctrl.create_req(generate_msg("child", [BOS, 4], rid="root", replace=True))
@@ -240,7 +278,7 @@ def test_create_req_changes_nothing_until_admitted():
 
 
 def test_rejections_carry_a_message_and_leave_the_session_alone():
-    ctrl = SessionController(False, None, BOS)
+    ctrl = SessionController(plain_cache(), BOS)
     ctrl.open(open_msg(session_id="s"))
     run(ctrl, generate_msg("root", [1, 2]), [3])
     unknown = ctrl.create_req(generate_msg("r1", [4], session_id="gone"))
@@ -250,8 +288,28 @@ def test_rejections_carry_a_message_and_leave_the_session_alone():
     assert set(ctrl.sessions["s"].req_nodes) == {"root"}
 
 
+def test_admitting_a_replace_of_a_running_request_aborts_it_and_its_descendants():
+    ctrl = SessionController(plain_cache(), BOS)
+    ctrl.open(open_msg(session_id="s"))
+    run(ctrl, generate_msg("root", [1, 2]), [3])
+    running = ctrl.create_req(generate_msg("running", [4], rid="root"))
+    ctrl.admit(running)
+    below = ctrl.create_req(generate_msg("below", [5], rid="running"))
+    assert "has not finished" in below.error, "appending to a running request is refused"
+    msg = generate_msg("new", [6], rid="running", replace=True)
+    assert ctrl.running_rid_to_replace(msg) == "running"
+    assert ctrl.running_rid_to_replace(generate_msg("x", [6], rid="root", replace=True)) is None
+    running.req.output_ids = [7, 8]
+    replacing = ctrl.create_req(msg)
+    assert replacing.error is None
+    assert replacing.req.origin_input_ids == [1, 2, 3, 4, 7, 8, 6]
+    assert ctrl.admit(replacing) == [running.req]
+    nodes = ctrl.sessions["s"].req_nodes
+    assert set(nodes) == {"root", "running", "new"} and nodes["new"].parent.req is running.req
+
+
 def test_admitting_a_replace_returns_the_running_requests_to_abort():
-    ctrl = SessionController(False, None, BOS)
+    ctrl = SessionController(plain_cache(), BOS)
     ctrl.open(open_msg(session_id="s"))
     run(ctrl, generate_msg("root", [1, 2]), [3])
     running = ctrl.create_req(generate_msg("running", [4], rid="root"))
@@ -262,7 +320,7 @@ def test_admitting_a_replace_returns_the_running_requests_to_abort():
 
 
 def test_streaming_history_advances_on_finish_and_rolls_back_on_abort():
-    ctrl = SessionController(True, None, BOS)
+    ctrl = SessionController(session_cache(), BOS)
     ctrl.open(open_msg(session_id="s", streaming=True))
     t1 = run(ctrl, generate_msg("t1", [1, 2]), [3, 4])
     assert t1.streaming_session_id == "s"
@@ -277,7 +335,7 @@ def test_streaming_history_advances_on_finish_and_rolls_back_on_abort():
 
 
 def test_a_rejected_request_does_not_clear_the_turn_in_flight():
-    ctrl = SessionController(True, None, BOS)
+    ctrl = SessionController(session_cache(), BOS)
     ctrl.open(open_msg(session_id="s", streaming=True))
     running = ctrl.create_req(generate_msg("t1", [1, 2]))
     ctrl.admit(running)
@@ -289,7 +347,7 @@ def test_a_rejected_request_does_not_clear_the_turn_in_flight():
 
 
 def test_close_of_a_streaming_session_waits_for_its_turn():
-    ctrl = SessionController(True, None, BOS)
+    ctrl = SessionController(session_cache(), BOS)
     ctrl.open(open_msg(session_id="s", streaming=True))
     created = ctrl.create_req(generate_msg("t1", [1, 2]))
     ctrl.admit(created)
@@ -304,28 +362,28 @@ def test_close_of_a_streaming_session_waits_for_its_turn():
 
 def test_close_expired_drops_idle_sessions_only():
     clock = Clock()
-    ctrl = SessionController(True, None, BOS, clock=clock)
+    ctrl = SessionController(session_cache(), BOS, clock=clock)
     ctrl.open(open_msg(session_id="idle", timeout=1.0))
     ctrl.open(open_msg(session_id="busy", streaming=True, timeout=1.0))
     ctrl.open(open_msg(session_id="forever"))
     ctrl.admit(ctrl.create_req(generate_msg("t1", [1], session_id="busy")))
     clock.now = 0.5
-    ctrl.close_expired()
+    ctrl.on_step()
     assert set(ctrl.sessions) == {"idle", "busy", "forever"}
     clock.now = 5.0
-    ctrl.close_expired()
+    ctrl.on_step()
     assert set(ctrl.sessions) == {"busy", "forever"}
 
 
 def test_activity_postpones_expiry_on_the_controller_clock():
     clock = Clock()
-    ctrl = SessionController(False, None, BOS, clock=clock)
+    ctrl = SessionController(plain_cache(), BOS, clock=clock)
     ctrl.open(open_msg(session_id="s", timeout=2.0))
     clock.now = 1.5
     run(ctrl, generate_msg("r", [1]), [2])
     clock.now = 3.0
-    ctrl.close_expired()
+    ctrl.on_step()
     assert "s" in ctrl.sessions, "used 1.5 s ago: not idle for its 2 s timeout yet"
     clock.now = 4.0
-    ctrl.close_expired()
+    ctrl.on_step()
     assert "s" not in ctrl.sessions

@@ -8,20 +8,20 @@ plain ``/generate`` on the ids the session should have assembled (``api.assert_t
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.server.conftest import start_server
-from tests.sessions.conftest import BOS, new_rid, random_ids, sse_events
+from tests.server.conftest import paused, start_server
+from tests.sessions.conftest import BOS, BUSY_CHECK, new_rid, random_ids, sse_events
+from tests.sync import UNTIL_ABORTED, wait_for
 
 N = 6  # new tokens of an ordinary turn
 
 
 @pytest.fixture(scope="module")
 def server(llama_path: Path):
-    srv = start_server(llama_path)
+    srv = start_server(llama_path, env=BUSY_CHECK)
     yield srv
     srv.check_clean_stop()
 
@@ -85,9 +85,12 @@ def test_requests_on_a_closed_session_get_400(api, rng):
 
 
 def test_idle_session_is_closed_after_its_timeout(api, rng):
+    before = api.state()["num_open_sessions"]
     session = api.open(timeout=1)
     first, _ = turn(api, rng, session)
-    time.sleep(3)  # > timeout + the scheduler's idle poll interval
+    assert api.state()["num_open_sessions"] == before + 1
+    # The scheduler closes it once idle for a second; a request before that would keep it open.
+    wait_for(api.state, lambda s: s["num_open_sessions"] == before, "the idle session closed")
     message = api.rejected(random_ids(rng, 3), N, session, rid=rid_of(first))
     assert "does not exist or is closed" in message
 
@@ -194,7 +197,8 @@ def test_replace_aborts_a_running_descendant(api, rng):
     session = api.open()
     root, prompt = turn(api, rng, session)
     running = new_rid("running-child")
-    with api.stream(random_ids(rng, 4), 400, session, req_rid=running, rid=rid_of(root)) as r:
+    with api.stream(random_ids(rng, 4), UNTIL_ABORTED, session, req_rid=running,
+                    rid=rid_of(root)) as r:
         events = sse_events(r)
         first = next(events)
         assert first["meta_info"]["finish_reason"] is None
@@ -202,9 +206,35 @@ def test_replace_aborts_a_running_descendant(api, rng):
         replaced = api.generate(new, N, session, rid=rid_of(root), replace=True)
         last = [first, *events][-1]
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
-    assert last["meta_info"]["completion_tokens"] < 400
+    assert last["meta_info"]["completion_tokens"] < UNTIL_ABORTED
     api.assert_turn(replaced, prompt + root["output_ids"] + new, N)
     assert "Invalid request session id" in api.rejected([7], N, session, rid=running)
+
+
+def test_replace_naming_a_running_request_aborts_it_and_continues_what_it_generated(api, rng):
+    session = api.open()
+    root, prompt = turn(api, rng, session)
+    running = new_rid("running")
+    running_new = random_ids(rng, 4)
+    with api.stream(running_new, UNTIL_ABORTED, session, req_rid=running,
+                    rid=rid_of(root)) as r:
+        events = sse_events(r)
+        first = next(events)
+        assert first["meta_info"]["finish_reason"] is None
+        new = random_ids(rng, 4)
+        replaced = api.generate(new, N, session, rid=running, replace=True)
+        last = [first, *events][-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    generated = last["output_ids"]  # everything the replaced request generated
+    assert 0 < len(generated) < UNTIL_ABORTED
+    api.assert_turn(replaced, prompt + root["output_ids"] + running_new + generated + new, N)
+    # The new request hangs under the aborted one, which stays in the tree.
+    more = random_ids(rng, 3)
+    out = api.generate(more, N, session, rid=rid_of(replaced))
+    api.assert_turn(out, prompt + root["output_ids"] + running_new + generated + new
+                    + replaced["output_ids"] + more, N)
+    sibling = api.generate(more, N, session, rid=running)
+    api.assert_turn(sibling, prompt + root["output_ids"] + running_new + generated + more, N)
 
 
 def test_replace_without_rid_clears_the_whole_tree(api, rng):
@@ -243,17 +273,20 @@ def test_appending_to_an_unfinished_request_gets_400_and_changes_nothing(api, rn
     root, prompt = turn(api, rng, session)
     long_rid = new_rid("long")
     long_new = random_ids(rng, 4)
-    with api.stream(long_new, 400, session, req_rid=long_rid, rid=rid_of(root)) as r:
+    with api.stream(long_new, UNTIL_ABORTED, session, req_rid=long_rid,
+                    rid=rid_of(root)) as r:
         events = sse_events(r)
         next(events)
-        message = api.rejected(random_ids(rng, 3), N, session, rid=long_rid)
-        assert "Invalid request session id" in message and "has not finished" in message
-        api.abort(long_rid)
-        last = list(events)[-1]
+        with paused(api.http):  # the request keeps its KV and output until the abort
+            assert api.state()["num_running_reqs"] == 1, "finished before the pause"
+            message = api.rejected(random_ids(rng, 3), N, session, rid=long_rid)
+            assert "Invalid request session id" in message and "has not finished" in message
+            api.abort(long_rid)
+            last = list(events)[-1]
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
     # The aborted request is finished now: appending continues from its partial output.
     partial = last["output_ids"]
-    assert 0 < len(partial) < 400
+    assert 0 < len(partial) < UNTIL_ABORTED
     new = random_ids(rng, 3)
     out = api.generate(new, N, session, rid=long_rid)
     api.assert_turn(out, prompt + root["output_ids"] + long_new + partial + new, N)

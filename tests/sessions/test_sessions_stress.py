@@ -6,7 +6,12 @@ KV or request rows run out (their next turn re-prefills), streaming turns retrac
 aborted turns rolled back. Afterwards every session still works, every turn's output equals a
 plain ``/generate`` on the ids the session assembled, the memory invariant holds, and no KV is
 held once every session is closed. Choices are seeded; the interleaving is whatever the server
-makes of them.
+makes of them, except at the start: the first turns and a burst of plain requests queue up in the
+paused server and start together, so the pools run short however fast the requests arrive.
+
+Turns that get aborted or disconnected ask for more tokens than the KV pool holds: they can only
+end by an abort (the client's, or the pool's when such a turn is left alone), never finish, so
+what the session holds afterwards does not depend on how far they ran.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,19 +29,18 @@ import httpx
 import pytest
 
 from tests.server.conftest import start_server
-from tests.sessions.conftest import BOS, random_ids, sampling
+from tests.sessions.conftest import BOS, BUSY_CHECK, random_ids, sampling
+from tests.sync import POLL_S, STATE_TIMEOUT_S
 
 SEED = 20240604
 SESSIONS = 16
 TURNS = 8
 TURN_TOKENS = 4  # new tokens of an ordinary turn
-LONG_TOKENS = 40  # turns that get aborted or disconnected are long, so they are still running
 PLAIN_REQUESTS = 20
 PLAIN_TOKENS = 48  # long decodes that admission under-reserves for: retraction
 KV_TOKENS = 256  # 64 pages of 4, for 16 histories of up to ~100 tokens plus running requests
+LONG_TOKENS = KV_TOKENS  # turns that get aborted or disconnected: more than the pool holds
 ROWS = 20  # request rows (= max running requests): 16 idle slots leave 4 for running turns
-RETRY_S = 0.05
-RETRIES = 400  # 20 s for an abort or a disconnect to reach the scheduler
 LIMITS = httpx.Limits(max_connections=64, max_keepalive_connections=64)
 
 
@@ -49,6 +55,7 @@ def server(llama_path: Path):
         "--chunked-prefill-size", "64",
         # Admission counts on little decode growth, so running requests get retracted.
         "--schedule-conservativeness", "0.3",
+        env=BUSY_CHECK,
     )
     yield srv
     srv.check_clean_stop()
@@ -121,18 +128,9 @@ class StressChat:
         await self.turn(random_ids(self.rng, 5))
         return self.outcome.turns[-1]
 
-    async def post_until_free(self, body: dict[str, Any]) -> httpx.Response:
-        """POST /generate; a 400 for the turn still in flight (an abort or a disconnect the
-        server has not processed yet) is retried."""
-        for _ in range(RETRIES):
-            r = await self.http.post("/generate", json=body)
-            if r.status_code != 400 or "in flight" not in r.text:
-                return r
-            await asyncio.sleep(RETRY_S)
-        raise AssertionError(f"session {self.index}: still busy after {RETRIES} retries")
-
     async def turn(self, new: list[int]) -> None:
-        r = await self.post_until_free(self.body(new, TURN_TOKENS))
+        # Sent at once, also right after a disconnect: the server orders the abort first.
+        r = await self.http.post("/generate", json=self.body(new, TURN_TOKENS))
         assert r.status_code == 200, r.text
         self.record(new, r.json())
 
@@ -143,16 +141,13 @@ class StressChat:
 
     async def aborted_turn(self, new: list[int], rid: str) -> None:
         final = await self.stream_until(new, LONG_TOKENS, stop_after=None, abort_rid=rid)
-        assert final is not None
-        if final["meta_info"]["finish_reason"]["type"] == "abort":
-            self.outcome.aborted += 1
-            self.last_len = 0  # the slot went with the turn: nothing to reuse next
-        else:  # the abort came too late: the turn finished and counts
-            self.record(new, final)
+        assert final is not None and final["meta_info"]["finish_reason"]["type"] == "abort"
+        self.outcome.aborted += 1
+        self.last_len = 0  # the slot went with the turn: nothing to reuse next
 
     async def disconnected_turn(self, new: list[int]) -> None:
         final = await self.stream_until(new, LONG_TOKENS, stop_after=1)
-        assert final is None, "a long turn finished before its client went away"
+        assert final is None
         self.outcome.disconnected += 1
         self.last_len = 0
 
@@ -166,27 +161,20 @@ class StressChat:
         if abort_rid is not None:
             extra["rid"] = abort_rid
         body = self.body(new, max_new_tokens, **extra)
-        for _ in range(RETRIES):
-            async with self.http.stream("POST", "/generate", json=body) as r:
-                if r.status_code == 400:
-                    text = (await r.aread()).decode()
-                    assert "in flight" in text, text
-                    await asyncio.sleep(RETRY_S)
+        async with self.http.stream("POST", "/generate", json=body) as r:
+            assert r.status_code == 200, (await r.aread()).decode()
+            events = 0
+            last = None
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                assert r.status_code == 200
-                events = 0
-                last = None
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    last = json.loads(line.removeprefix("data: "))
-                    events += 1
-                    if stop_after is not None and events >= stop_after:
-                        return None  # leaving the block closes the connection
-                    if abort_rid is not None and events == 1:
-                        await self.http.post("/abort_request", json={"rid": abort_rid})
-                return last
-        raise AssertionError(f"session {self.index}: still busy after {RETRIES} retries")
+                last = json.loads(line.removeprefix("data: "))
+                events += 1
+                if stop_after is not None and events >= stop_after:
+                    return None  # leaving the block closes the connection
+                if abort_rid is not None and events == 1:
+                    await self.http.post("/abort_request", json={"rid": abort_rid})
+            return last
 
     def record(self, new: list[int], out: dict[str, Any]) -> None:
         meta = out["meta_info"]
@@ -203,12 +191,17 @@ class StressChat:
         self.last_len = len(self.history)
 
 
-async def plain_traffic(http: httpx.AsyncClient, rng: random.Random) -> list[Turn]:
-    """Plain requests during the chat; some share a prefix (radix cache)."""
+async def plain_traffic(
+    http: httpx.AsyncClient, rng: random.Random, started: asyncio.Event
+) -> list[Turn]:
+    """Plain requests during the chat; some share a prefix (radix cache). A burst is sent at
+    once; the rest follow at random moments (spread, not synchronisation) once ``started``."""
     shared = random_ids(rng, 16)
 
-    async def one(prompt: list[int], delay: float) -> Turn:
-        await asyncio.sleep(delay)
+    async def one(prompt: list[int], delay: float | None) -> Turn:
+        if delay is not None:
+            await started.wait()
+            await asyncio.sleep(delay)
         r = await http.post(
             "/generate", json={"input_ids": prompt, "sampling_params": sampling(PLAIN_TOKENS)}
         )
@@ -219,7 +212,7 @@ async def plain_traffic(http: httpx.AsyncClient, rng: random.Random) -> list[Tur
     for i in range(PLAIN_REQUESTS):
         prefix = shared if rng.random() < 0.5 else []
         # A burst first: admitted together, their decodes outgrow the pool (retraction).
-        delay = 0.0 if i < PLAIN_REQUESTS // 2 else rng.uniform(0, 4)
+        delay = None if i < PLAIN_REQUESTS // 2 else rng.uniform(0, 4)
         jobs.append(one(prefix + random_ids(rng, rng.randrange(8, 24)), delay))
     return list(await asyncio.gather(*jobs))
 
@@ -240,14 +233,38 @@ async def check_against_plain(http: httpx.AsyncClient, turns: list[Turn], max_ne
     await asyncio.gather(*(check(t) for t in turns))
 
 
+async def wait_state(http: httpx.AsyncClient, predicate: Callable[[dict], bool]) -> None:
+    """Poll the scheduler's internal state until ``predicate`` holds (the deadline bounds a
+    failure only)."""
+    deadline = time.monotonic() + STATE_TIMEOUT_S
+    while True:
+        state = (await http.get("/get_server_info")).json()["internal_states"][0]
+        if predicate(state):
+            return
+        assert time.monotonic() < deadline, f"not reached: {state}"
+        await asyncio.sleep(POLL_S)
+
+
 async def stress(base_url: str) -> tuple[list[StressChat], list[Outcome]]:
     """The concurrent chat with plain traffic; then every finished turn checked."""
     async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=LIMITS) as http:
         chats = [StressChat(http, i) for i in range(SESSIONS)]
         await asyncio.gather(*(c.open() for c in chats))
-        results = await asyncio.gather(
-            *(c.run(TURNS) for c in chats), plain_traffic(http, random.Random(SEED))
+        # The first turns and the plain burst queue in the paused scheduler, then start at once.
+        r = await http.post("/pause_generation", json={"mode": "in_place"})
+        assert r.status_code == 200, r.text
+        started = asyncio.Event()
+        traffic = asyncio.gather(
+            *(c.run(TURNS) for c in chats), plain_traffic(http, random.Random(SEED), started)
         )
+        try:
+            queued = SESSIONS + PLAIN_REQUESTS // 2
+            await wait_state(http, lambda s: s["num_waiting_reqs"] == queued)
+        finally:
+            r = await http.post("/continue_generation")
+            assert r.status_code == 200, r.text
+            started.set()
+        results = await traffic
         outcomes, plain = list(results[:-1]), results[-1]
         session_turns = [t for o in outcomes for t in o.turns if len(t.output_ids) == TURN_TOKENS]
         await check_against_plain(http, session_turns, TURN_TOKENS)

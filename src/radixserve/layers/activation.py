@@ -14,7 +14,7 @@ class SiluAndMul(CustomOp):
     kernel is one pass (torch: two, and an intermediate as large as the output) and rounds as
     torch does."""
 
-    cpu_dtypes = (torch.bfloat16,)
+    cpu_dtypes = cpu_kernels.KERNEL_DTYPES
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)

@@ -1,28 +1,35 @@
 """radixserve's own CPU kernels (``layers/csrc``), compiled on first use, once per machine.
 
-- linear layers for small batches (``csrc/linear_bf16.cpp``): decode steps of up to 32 requests
-  read each weight once for a few rows, and these kernels stream it at memory speed where oneDNN
-  reaches 60-70% of it (RESULTS.md). They share one blocked copy of the weight: a GEMV for one
-  row (AVX512-BF16) and an AMX kernel for up to 32 rows (where the CPU has AMX and K is a
-  multiple of 32);
-- fused bf16 RMSNorm, residual add + RMSNorm, SiluAndMul and the rotary embedding, and the
-  greedy argmax of bf16 or float32 logits (``csrc/elementwise_bf16.cpp``): one kernel each where
+- linear layers at every batch size, bf16 and float32 (``csrc/linear.cpp``): one blocked copy of
+  each weight, ``[N/16][K/2][16][2]`` (bf16) or ``[N/16][K][16]``, multiplied in register tiles
+  with FMA (bf16 with AVX512-BF16's ``vdpbf16ps`` where the CPU has it). Decode steps stream the
+  weight at memory speed (oneDNN's GEMV reaches about half of it), prefills run near the GEMM
+  peak, and a row's output does not depend on the batch it is in. On CPUs with AMX, bf16
+  batches of up to 32 rows take an AMX kernel on the same copy (``csrc/linear_amx.cpp``);
+- fused RMSNorm, residual add + RMSNorm, SiluAndMul and the rotary embedding in bf16 and
+  float32, and the greedy argmax of the logits (``csrc/elementwise.cpp``): one kernel each where
   torch runs up to nine, whose start-up costs dominate a decode step's small tensors. They round
-  to bf16 where transformers' bf16 modules do;
-- decode attention straight from the paged KV pool (``csrc/decode_attention.cpp``, float32 and
-  bf16): one call per layer writes the new K/V and attends, where the torch path runs two
-  index_puts, two gathers, a mask and SDPA.
+  where transformers' modules do;
+- attention straight from the paged KV pool (float32 and bf16, head_dim a multiple of 16 up to
+  256, any GQA group): one call per layer writes the new K/V and attends, where the torch path
+  runs two index_puts, two gathers, a mask and SDPA. Decode (``csrc/decode_attention.cpp``):
+  one query per request; prefill (``csrc/extend_attention.cpp``): flash-style, blocks of keys
+  with an online softmax, so a long chunk is not quadratic in memory.
 
 Nothing asks on every call whether they run: each op picks them once, when the model is built
 (``layers/custom_op.py``), weights are packed for them once, after loading
 (``layers/packed_weight.py``), and the ``cpu`` attention backend calls the attention kernel.
 
-They need AVX512-BF16. The build goes through ``torch.utils.cpp_extension`` (ninja and g++,
-about 20 s) into ``~/.cache/radixserve/kernels/<key>``; the key covers the sources, the torch
-version and this CPU's flags (the code is built for the CPU it runs on), so later starts load
-the cached library at once. Builds are serialised by an ``fcntl`` lock on ``<key>.lock``, which
-the kernel releases when its holder dies, and compile in a scratch directory of their own: a
-build killed half-way leaves nothing that later starts wait on. Without a compiler or the
+They need AVX-512 F and BW. BF16, VNNI (int8 weights) and AMX instructions are used where the CPU
+has them and replaced by AVX-512 F/BW sequences of the same sums where it does not, so older AVX-512
+CPUs (Skylake, Cascade Lake) run every kernel, float32 models included;
+``RADIXSERVE_CPU_KERNELS_AVX512_BASE=1`` builds that code on a newer CPU. The build goes through
+``torch.utils.cpp_extension`` (ninja and g++, about 20 s) into
+``~/.cache/radixserve/kernels/<key>``; the key covers the sources, the torch version and this CPU's
+flags (the code is built for the CPU it runs on), so later starts load the cached library at once.
+Builds are serialised by an ``fcntl`` lock on ``<key>.lock``, which the kernel releases when its
+holder dies, and compile in a scratch directory of their own: a build killed half-way leaves
+nothing that later starts wait on. Without a compiler or the
 instruction set, or with ``RADIXSERVE_DISABLE_CPU_KERNELS=1``, ``load_cpu_kernels`` returns False
 and ops are built with their torch implementations.
 """
@@ -38,7 +45,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,18 +56,33 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
 LIBRARY_NAME = "radixserve_cpu_kernels"
-BLOCK_ROWS = 16  # output rows per weight block (csrc/linear_bf16.cpp)
+BLOCK_ROWS = 16  # output rows per weight block (csrc/linear.cpp)
 AMX_MAX_ROWS = 32  # input rows the AMX kernel takes (two tiles of 16)
 AMX_K_MULTIPLE = 32  # inputs per AMX tile row
 
 
+# instruction sets past AVX-512 F/BW the kernels use where present: /proc/cpuinfo flag -> the
+# g++ option that leaves it out of a RADIXSERVE_CPU_KERNELS_AVX512_BASE build
+NEWER_ISA = {
+    "avx512_bf16": "-mno-avx512bf16",
+    "avx512_vnni": "-mno-avx512vnni",
+    "avx_vnni": "-mno-avxvnni",
+    "amx_tile": "-mno-amx-tile",
+    "amx_bf16": "-mno-amx-bf16",
+    "amx_int8": "-mno-amx-int8",
+}
+
+
 def _cpu_flags() -> set[str]:
+    """This CPU's instruction sets, as the kernels are built for them (without ``NEWER_ISA``
+    under ``RADIXSERVE_CPU_KERNELS_AVX512_BASE``)."""
     try:
         with open("/proc/cpuinfo") as f:
             line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return set()
-    return set(line.partition(":")[2].split())
+    flags = set(line.partition(":")[2].split())
+    return flags - NEWER_ISA.keys() if envs.RADIXSERVE_CPU_KERNELS_AVX512_BASE.get() else flags
 
 
 def _build_dir(flags: set[str]) -> Path:
@@ -100,7 +121,7 @@ def _exclusive(build_dir: Path) -> Iterator[None]:
             fcntl.flock(holder, fcntl.LOCK_UN)
 
 
-def _build_and_load(build_dir: Path, library: Path) -> None:
+def _build_and_load(build_dir: Path, library: Path, left_out: list[str]) -> None:
     """Compile into a scratch directory of this process, then move the library into place.
 
     ``cpp_extension`` guards its build directory with a plain ``lock`` file that only a live
@@ -115,8 +136,9 @@ def _build_and_load(build_dir: Path, library: Path) -> None:
         load(  # builds the library and loads it into this process
             name=LIBRARY_NAME,
             sources=[str(s) for s in SOURCES],
-            # -fopenmp: at::parallel_for runs on torch's own OpenMP threads (same libgomp)
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            # -fopenmp: at::parallel_for runs on torch's own OpenMP threads (same libgomp);
+            # no contraction: a product and a sum round separately, as torch's kernels do
+            extra_cflags=["-O3", "-march=native", *left_out, "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],
             build_directory=scratch,
             is_python_module=False,
@@ -130,8 +152,9 @@ def load_cpu_kernels() -> bool:
     if envs.RADIXSERVE_DISABLE_CPU_KERNELS.get():
         return False
     flags = _cpu_flags()
-    if not {"avx512f", "avx512bw", "avx512_bf16"} <= flags:
+    if not {"avx512f", "avx512bw"} <= flags:
         return False
+    left_out = [option for flag, option in NEWER_ISA.items() if flag not in flags]
     try:
         build_dir = _build_dir(flags)
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -143,23 +166,11 @@ def load_cpu_kernels() -> bool:
             if library.exists():
                 torch.ops.load_library(str(library))
             else:
-                _build_and_load(build_dir, library)
-    except Exception as e:  # no compiler, no ninja, a failed build: oneDNN still works
-        logger.warning("radixserve's CPU kernels are unavailable, using oneDNN only: %s", e)
+                _build_and_load(build_dir, library, left_out)
+    except Exception as e:  # no compiler, no ninja, a failed build: torch still works
+        logger.warning("radixserve's CPU kernels are unavailable, using torch's: %s", e)
         return False
     return True
-
-
-def blocked_weight_supported(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` ([N, K] bf16 on CPU) can take the small-batch kernels here."""
-    n, k = weight.shape
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and n % BLOCK_ROWS == 0
-        and k % 2 == 0
-        and load_cpu_kernels()
-    )
 
 
 @functools.cache
@@ -173,51 +184,72 @@ def amx_available() -> bool:
     )
 
 
-def gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for one row ``x`` ([1, K] bf16) and a blocked weight."""
-    return torch.ops.radixserve_cpu.gemv_bf16(x.contiguous(), packed, bias)
+# the activation dtypes every kernel takes
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The blocked copy of an ``[N, K]`` bf16 or float32 weight that ``linear`` multiplies
+    with: ``[ceil(N/16), K/2, 16, 2]`` (bf16, K padded to even) or ``[ceil(N/16), K, 16, 1]``,
+    the padding zero."""
+    return pack_linear_weight_as(weight, step=2 if weight.dtype == torch.bfloat16 else 1)
+
+
+def pack_linear_weight_as(weight: torch.Tensor, step: int) -> torch.Tensor:
+    """``weight`` ``[N, K]`` blocked as ``[ceil(N/16), K/step, 16, step]``, zero-padded."""
+    n, k = weight.shape
+    blocks, padded_k = -(-n // BLOCK_ROWS), -(-k // step) * step
+    padded = torch.zeros(blocks * BLOCK_ROWS, padded_k, dtype=weight.dtype, device=weight.device)
+    padded[:n, :k] = weight.detach()
+    blocked = padded.view(blocks, BLOCK_ROWS, padded_k // step, step).permute(0, 2, 1, 3)
+    return blocked.contiguous()
+
+
+def linear(
+    x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``: ``x`` ``[M, K]`` with K the weight's padded input size and
+    rows contiguous, ``blocked`` from ``pack_linear_weight``, ``n`` the weight's rows."""
+    return torch.ops.radixserve_cpu.linear(x, blocked, bias, n)
+
+
+def pack_int8_weight(
+    weight: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocked copies of an int8 ``[N, K]`` weight and its float32 ``[N, groups]`` scales
+    that ``linear_int8`` reads: ``[ceil(N/16), K/2, 16, 2]`` (K padded to even) and
+    ``[ceil(N/16), groups, 16]``, the padding zero."""
+    n, groups = scales.shape
+    blocks = -(-n // BLOCK_ROWS)
+    padded = torch.zeros(blocks * BLOCK_ROWS, groups, dtype=torch.float32)
+    padded[:n] = scales
+    blocked_scales = padded.view(blocks, BLOCK_ROWS, groups).permute(0, 2, 1).contiguous()
+    return pack_linear_weight_as(weight, step=2), blocked_scales
+
+
+def linear_int8(
+    x: torch.Tensor,
+    blocked: torch.Tensor,
+    blocked_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    n: int,
+) -> torch.Tensor:
+    """``x @ (q * scale).T (+ bias)`` for bf16 or float32 ``x`` ``[M, K]`` (rows contiguous)
+    and the copies of ``pack_int8_weight``; ``n`` the weight's rows."""
+    return torch.ops.radixserve_cpu.linear_int8(x, blocked, blocked_scales, bias, n)
 
 
 def small_gemm_amx(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for up to 32 rows on AMX (K a multiple of 32)."""
-    return torch.ops.radixserve_cpu.small_gemm_amx_bf16(x.contiguous(), packed, bias)
-
-
-@dataclass(frozen=True)
-class BlockedWeight:
-    """A linear weight's blocked copy for the small-batch kernels. ``max_rows``: the most input
-    rows they take for it (32 on AMX, else 1 for the GEMV); larger batches go to oneDNN."""
-
-    packed: torch.Tensor
-    max_rows: int
-    amx: bool
-
-    @classmethod
-    def of(cls, weight: torch.Tensor) -> BlockedWeight | None:
-        """The copy of ``weight`` ([N, K]), or None where the kernels cannot take it."""
-        if not blocked_weight_supported(weight):
-            return None
-        n, k = weight.shape
-        packed = weight.detach().view(n // BLOCK_ROWS, BLOCK_ROWS, k // 2, 2).permute(0, 2, 1, 3)
-        amx = amx_available() and k % AMX_K_MULTIPLE == 0
-        return cls(
-            packed.clone(memory_format=torch.contiguous_format), AMX_MAX_ROWS if amx else 1, amx
-        )
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weight.T (+ bias)`` for at most ``max_rows`` rows of ``x``. AMX takes even
-        one row where it runs: with its prefetch it streams faster than the GEMV."""
-        if self.amx:
-            return small_gemm_amx(x, self.packed, bias)
-        return gemv(x, self.packed, bias)
+    """``x @ weight.T (+ bias)`` for up to 32 bf16 rows on AMX (N a multiple of 16, K of 32)."""
+    return torch.ops.radixserve_cpu.small_gemm_amx_bf16(x.contiguous(), blocked, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' bf16 RMSNorm over the last dimension of ``x`` in one pass per row (torch
-    runs eight kernels); a non-contiguous ``x`` (Qwen3's per-head q/k views) is copied first."""
-    return torch.ops.radixserve_cpu.rms_norm_bf16(x.contiguous(), weight, eps)
+    """transformers' RMSNorm over the last dimension of ``x`` in one pass per row (torch runs
+    eight kernels); a non-contiguous ``x`` (Qwen3's per-head q/k views) is copied first."""
+    return torch.ops.radixserve_cpu.rms_norm(x.contiguous(), weight, eps)
 
 
 def fused_add_rms_norm(
@@ -225,13 +257,13 @@ def fused_add_rms_norm(
 ) -> None:
     """In place: ``residual = x + residual``, then ``x = rms_norm(residual)``: one kernel for the
     residual add and the next norm (torch: nine). Both must be contiguous, of one shape."""
-    torch.ops.radixserve_cpu.fused_add_rms_norm_bf16(x, residual, weight, eps)
+    torch.ops.radixserve_cpu.fused_add_rms_norm(x, residual, weight, eps)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` in one kernel (torch: four), rounding as torch's bf16
-    ops do; ``x`` ``[n, heads, head_dim]`` may be a row-strided view of the qkv output."""
-    return torch.ops.radixserve_cpu.rotary_bf16(x, cos, sin)
+    """``x * cos + rotate_half(x) * sin`` in one kernel (torch: four), rounding as torch's ops
+    do; ``x`` ``[n, heads, head_dim]`` may be a row-strided view of the qkv output."""
+    return torch.ops.radixserve_cpu.rotary(x, cos, sin)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -243,10 +275,9 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [..., gate | up]``, in one kernel (torch: two, and an
     intermediate as large as the output)."""
-    return torch.ops.radixserve_cpu.silu_and_mul_bf16(x.contiguous())
+    return torch.ops.radixserve_cpu.silu_and_mul(x.contiguous())
 
 
-ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 ATTENTION_MAX_HEAD_DIM = 256
 
 
@@ -255,7 +286,7 @@ def attention_kernels_support(dtype: torch.dtype, head_dim: int) -> str | None:
     when they can (head_dim a multiple of 16 up to 256, float32 or bf16, any GQA group)."""
     if not load_cpu_kernels():
         return "radixserve's CPU kernels do not run on this machine"
-    if dtype not in ATTENTION_DTYPES:
+    if dtype not in KERNEL_DTYPES:
         return f"the CPU attention kernels take float32 or bfloat16, not {dtype}"
     if head_dim % 16 or head_dim > ATTENTION_MAX_HEAD_DIM:
         return (
@@ -283,5 +314,29 @@ def decode_attention(
     out = torch.empty_like(q)
     torch.ops.radixserve_cpu.decode_attention(
         q, k, v, loc, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale, out
+    )
+    return out
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    loc: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Prefill: write the new tokens' K/V (``[tokens, kv_heads, head_dim]``) at ``loc``; each
+    request's ``extend_lens`` new tokens (the last of its ``seq_lens``) attend causally over its
+    slots. Returns ``[tokens, heads, head_dim]`` for ``q`` of that shape."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    torch.ops.radixserve_cpu.extend_attention(
+        q, k, v, loc, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, extend_lens,
+        scale, out,
     )
     return out

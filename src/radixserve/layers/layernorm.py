@@ -23,7 +23,7 @@ class RMSNorm(CustomOp):
     ``residual``, so callers pass tensors they are done with.
     """
 
-    cpu_dtypes = (torch.bfloat16,)
+    cpu_dtypes = cpu_kernels.KERNEL_DTYPES
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()

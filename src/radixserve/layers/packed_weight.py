@@ -9,8 +9,8 @@ module once, and each builds the ``PackedWeight`` its forward multiplies with:
     + the layouts that this device's kernels read, and the choice among them by batch rows
 
     NativeWeight     torch's ``F.linear`` on the plain weight (any device, any dtype)
-    CpuPackedWeight  bf16 on CPU: oneDNN's reordered copy (any batch), and radixserve's blocked
-                     copy for small batches (``layers/cpu_kernels.py``) where memory allows
+    CpuPackedWeight  bf16 or float32 on CPU: radixserve's blocked copy (``layers/cpu_kernels.py``)
+                     for every batch size, where memory allows a second copy of the weights
 
 How a new linear type plugs in: subclass ``LinearBase`` (``layers/linear.py``) for a new split or
 a new loader; its ``prepack`` is inherited and packs whatever shard the rank holds. A new weight
@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import abc
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.layers.cpu_kernels import BlockedWeight
+from radixserve.layers import cpu_kernels
 from radixserve.layers.custom_op import OpImpl
 
 logger = logging.getLogger(__name__)
@@ -35,8 +36,20 @@ logger = logging.getLogger(__name__)
 _GIB = 1 << 30
 
 
+@dataclass(frozen=True)
+class PackOptions:
+    """What ``prepack_model`` tells every module it packs."""
+
+    room_for_copy: bool  # memory allows layouts that copy the weight
+    batch_invariant: bool = False  # only kernels whose row results ignore the batch
+
+
 class PackedWeight(abc.ABC):
     """``weight`` (``[out, in]``, as loaded) plus the layouts a device's kernels read."""
+
+    # Whether a row's result is the same bits whatever the other rows of its batch: true of
+    # radixserve's CPU kernels, not promised by torch's (oneDNN picks kernels by shape).
+    batch_invariant = False
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
@@ -68,60 +81,97 @@ class NotPacked(PackedWeight):
         raise RuntimeError("weights not packed: call prepack_model() after loading the model")
 
 
-def mkldnn_linear(
-    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """``x @ weight.T (+ bias)``, the weight reordered by ``mkldnn._reorder_linear_weight``."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight, bias, "none", [], "")
-
-
 class CpuPackedWeight(PackedWeight):
-    """bf16 on CPU. oneDNN's reordered copy streams the weight about twice as fast as
-    ``F.linear`` on the plain layout, at every batch size, with the same products; batches of up
-    to ``blocked.max_rows`` rows take radixserve's small-batch kernels on their blocked copy,
-    which stream it at memory speed."""
+    """bf16 or float32 on CPU: radixserve's blocked copy at every batch size. Decode batches
+    stream it at memory speed where oneDNN reaches about half of it, prefills run near the GEMM
+    peak, and a row's result does not depend on its batch. On AMX CPUs, bf16 batches of up to
+    32 rows take the AMX kernel on the same copy, unless ``batch_invariant``."""
 
-    def __init__(self, weight: torch.Tensor, small_batch_copy: bool) -> None:
+    def __init__(self, weight: torch.Tensor, batch_invariant: bool = False) -> None:
         super().__init__(weight)
-        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        self.blocked = BlockedWeight.of(weight) if small_batch_copy else None
+        self.n, k = weight.shape
+        self.blocked = cpu_kernels.pack_linear_weight(weight)
+        self.pad_k = self.blocked.shape[1] * self.blocked.shape[3] - k  # 1 for an odd bf16 K
+        amx = (
+            not batch_invariant
+            and weight.dtype == torch.bfloat16
+            and self.n % cpu_kernels.BLOCK_ROWS == 0
+            and k % cpu_kernels.AMX_K_MULTIPLE == 0
+            and cpu_kernels.amx_available()
+        )
+        self.amx_rows = cpu_kernels.AMX_MAX_ROWS if amx else 0
+        self.batch_invariant = not amx  # the AMX tiles sum in an order of their own
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.blocked is not None and x.shape[0] <= self.blocked.max_rows:
-            return self.blocked.linear(x, bias)
-        return mkldnn_linear(x, self.onednn, bias)
+        if x.shape[0] <= self.amx_rows:
+            return cpu_kernels.small_gemm_amx(x, self.blocked, bias)
+        if self.pad_k:
+            x = F.pad(x, (0, self.pad_k))
+        elif x.stride(-1) != 1:
+            x = x.contiguous()
+        return cpu_kernels.linear(x, self.blocked, bias, self.n)
 
     def extra_bytes(self) -> int:
-        copies = [self.onednn] + ([self.blocked.packed] if self.blocked is not None else [])
-        return sum(t.numel() * t.element_size() for t in copies)
+        return self.blocked.numel() * self.blocked.element_size()
 
 
-def pack_float_weight(weight: torch.Tensor, impl: OpImpl, small_batch_copy: bool) -> PackedWeight:
+def pack_float_weight(weight: torch.Tensor, impl: OpImpl, options: PackOptions) -> PackedWeight:
     """The ``PackedWeight`` of an unquantised weight for a layer built with ``impl``."""
-    if impl is OpImpl.CPU and weight.dtype == torch.bfloat16:
-        return CpuPackedWeight(weight, small_batch_copy)
+    if impl is OpImpl.CPU and weight.dtype in cpu_kernels.KERNEL_DTYPES and options.room_for_copy:
+        return CpuPackedWeight(weight, options.batch_invariant)
     return NativeWeight(weight)
 
 
 class Prepackable(nn.Module):
     """A module whose weights are packed once after loading (linear layers, the LM head)."""
 
-    @abc.abstractmethod
-    def prepack(self, small_batch_copy: bool) -> PackedWeight:
-        """Build and keep this module's ``PackedWeight`` from its loaded parameters; returns it.
-        ``small_batch_copy``: memory allows layouts that only some batch sizes use."""
+    def prepack(self, options: PackOptions) -> PackedWeight:
+        """Build and keep this module's ``PackedWeight`` from its loaded parameters; returns it."""
+        raise NotImplementedError
 
 
-# The small-batch kernels keep another copy of every linear weight: only when that copy is
-# small next to the machine's memory.
-SMALL_BATCH_COPY_MAX_RAM_FRACTION = 0.1
+# The kernels' layouts are a second copy of the weights: taken while the weights are at most
+# this fraction of the machine's memory (so weights and copy stay under 80% of it).
+PACKED_COPY_MAX_RAM_FRACTION = 0.4
 
 
-def prepack_model(model: nn.Module, total_memory_bytes: int) -> None:
-    """Pack every ``Prepackable`` module of a loaded ``model`` (once; again after a reload)."""
-    modules = [m for m in model.modules() if isinstance(m, Prepackable)]
-    weight_bytes = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
-    small_batch_copy = weight_bytes <= SMALL_BATCH_COPY_MAX_RAM_FRACTION * total_memory_bytes
-    extra = sum(m.prepack(small_batch_copy).extra_bytes() for m in modules)
+def room_for_packed_copy(weight_bytes: int, total_memory_bytes: int) -> bool:
+    """Whether weights of ``weight_bytes`` get the kernels' copies on this machine."""
+    return weight_bytes <= PACKED_COPY_MAX_RAM_FRACTION * total_memory_bytes
+
+
+def planned_copy_bytes(
+    weight_bytes: int, device: torch.device, dtype: torch.dtype, total_memory_bytes: int
+) -> int:
+    """Memory ``prepack_model`` will take for the kernels' copies of a model whose weights are
+    ``weight_bytes`` in ``dtype`` on ``device``, for planning before the model is built."""
+    packs = (
+        device.type == "cpu"
+        and dtype in cpu_kernels.KERNEL_DTYPES
+        and cpu_kernels.load_cpu_kernels()
+        and room_for_packed_copy(weight_bytes, total_memory_bytes)
+    )
+    return weight_bytes if packs else 0
+
+
+def prepack_model(
+    model: nn.Module, total_memory_bytes: int, batch_invariant: bool = False
+) -> None:
+    """Pack every ``Prepackable`` module of a loaded ``model`` (once; again after a reload).
+    ``batch_invariant``: only kernels whose row results ignore the batch, or ValueError."""
+    modules = {name: m for name, m in model.named_modules() if isinstance(m, Prepackable)}
+    weight_bytes = sum(
+        p.numel() * p.element_size() for m in modules.values() for p in m.parameters()
+    )
+    options = PackOptions(room_for_packed_copy(weight_bytes, total_memory_bytes), batch_invariant)
+    packed = {name: m.prepack(options) for name, m in modules.items()}
+    variant = [name for name, p in packed.items() if not p.batch_invariant]
+    if batch_invariant and variant:
+        raise ValueError(
+            f"no batch-invariant kernel for {', '.join(variant[:3])}: deterministic inference "
+            "needs radixserve's CPU kernels (AVX-512, bf16 or float32) and memory for their "
+            "weight copies"
+        )
+    extra = sum(p.extra_bytes() for p in packed.values())
     if extra:
         logger.info("packed weights for this device's kernels: +%.2f GiB", extra / _GIB)

@@ -95,7 +95,7 @@ class ApplyRotaryEmbedding(CustomOp):
     contiguous tensor. The CPU kernel is one pass where torch runs four, and computes and rounds
     exactly as these four ops."""
 
-    cpu_dtypes = (torch.bfloat16,)
+    cpu_dtypes = cpu_kernels.KERNEL_DTYPES
 
     def forward_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)

@@ -64,7 +64,7 @@ class GreedyArgmax(CustomOp):
     a half, for the model's dtype and the float32 logits the sampler computes.
     """
 
-    cpu_dtypes = (torch.bfloat16, torch.float32)
+    cpu_dtypes = cpu_kernels.KERNEL_DTYPES
 
     def forward_native(self, logits: torch.Tensor) -> torch.Tensor:
         bs, vocab = logits.shape

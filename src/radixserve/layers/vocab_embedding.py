@@ -5,13 +5,25 @@ Both are replicated on every rank (not vocab-parallel): only ``tp_size == 1`` ru
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.layers import cpu_kernels
 from radixserve.layers.custom_op import select_impl
 from radixserve.layers.linear import default_weight_loader
-from radixserve.layers.packed_weight import NotPacked, PackedWeight, Prepackable, pack_float_weight
+from radixserve.layers.packed_weight import (
+    NotPacked,
+    PackedWeight,
+    PackOptions,
+    Prepackable,
+    pack_float_weight,
+)
+
+if TYPE_CHECKING:
+    from radixserve.layers.quantization import QuantizationConfig
 
 
 def _vocab_weight(vocab_size: int, hidden_size: int) -> nn.Parameter:
@@ -30,19 +42,31 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(Prepackable):
-    """``[vocab, hidden]`` output projection; ``LogitsProcessor`` applies it (no forward). Its
-    ``PackedWeight`` keeps the plain weight, which a tied model shares with the embedding."""
+    """``[vocab, hidden]`` output projection; ``LogitsProcessor`` applies it (no forward).
 
-    cpu_dtypes = (torch.bfloat16,)
+    Its ``weight`` stays the plain float parameter, which a tied model shares with the
+    embedding; its ``PackedWeight`` is that weight's kernels' copy, or an int8 quantisation of
+    it when the model's quantisation covers the LM head (the embedding keeps the float copy).
+    """
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+    cpu_dtypes = cpu_kernels.KERNEL_DTYPES
+
+    def __init__(
+        self, vocab_size: int, hidden_size: int, quant_config: QuantizationConfig | None = None
+    ) -> None:
         super().__init__()
         self.impl = select_impl(self.cpu_dtypes)
         self.weight = _vocab_weight(vocab_size, hidden_size)
+        self.quantized = quant_config is not None and quant_config.quantizes_lm_head()
         self.packed: PackedWeight = NotPacked()
 
-    def prepack(self, small_batch_copy: bool) -> PackedWeight:
-        self.packed = pack_float_weight(self.weight.detach(), self.impl, small_batch_copy)
+    def prepack(self, options: PackOptions) -> PackedWeight:
+        if self.quantized:
+            from radixserve.layers.quantization.int8 import pack_int8, quantize_int8
+
+            self.packed = pack_int8(*quantize_int8(self.weight), self.impl)
+        else:
+            self.packed = pack_float_weight(self.weight.detach(), self.impl, options)
         return self.packed
 
     def project(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 A worker exits at once with code 0 on SIGTERM (it holds nothing to flush: interpreter teardown
 would only cost seconds), and SIGTERMs itself when its parent dies, so it never outlives the
-server or Engine that started it.
+server or Engine that started it. A worker that does hold something to flush (a scheduler with a
+session store) replaces that with ``on_sigterm``: it finishes its step, flushes, then exits.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 _PARENT_POLL_S = 0.5
@@ -35,3 +37,9 @@ def install_exit_handlers() -> None:
     """Call first thing in a worker process."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     _exit_when_parent_dies()
+
+
+def on_sigterm(callback: Callable[[], None]) -> None:
+    """From now on SIGTERM (also the one sent when the parent dies) calls ``callback`` on the
+    main thread instead of exiting; the worker exits when it is done."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: callback())

@@ -3,9 +3,13 @@
 Data flow per request (``rid``)::
 
     ReqTokenOutput(new_token_ids, finished_reason)      from the scheduler
-        │  IncrementalDetokenizer.step()
+        │  IncrementalDetokenizer.begin() ... finish()
         ▼
     ReqStrOutput(new_text = the part of the text no client has seen yet)   to the TokenizerManager
+
+A scheduler step's outputs are decoded together: every request's pending id lists go to the
+tokenizer in one batch call (per decoding option), not two Python-level ``decode`` calls per
+request and step, whose overhead would be paid on every streamed token.
 
 Two things are held back from ``new_text`` until they are safe to show:
 
@@ -50,16 +54,20 @@ class IncrementalDetokenizer:
     ``ids[prefix_offset:read_offset]`` is the new text.
 
     ``text[:sent]`` has been emitted; ``text[sent:]`` is held back (a possible stop-string start).
+
+    ``step`` decodes with ``decode``; a batch of detokenizers instead runs ``begin`` (the id lists
+    to decode), decodes all of them at once, and hands each its texts with ``finish``.
     """
 
     def __init__(
         self,
-        decode: Callable[[list[int]], str],
+        decode: Callable[[list[int]], str] | None = None,
         stop: Sequence[str] = (),
         no_stop_trim: bool = False,
         stop_regex: Sequence[str] = (),
     ) -> None:
         self._decode = decode
+        self._finished_reason: dict[str, Any] | None = None
         self._stop = [s for s in stop if s]
         self._stop_regex = list(stop_regex)
         self._no_stop_trim = no_stop_trim
@@ -71,21 +79,32 @@ class IncrementalDetokenizer:
 
     def step(self, new_ids: Sequence[int], finished_reason: dict[str, Any] | None) -> str:
         """Add ``new_ids``; return the text that became safe to emit (all of it at finish)."""
+        assert self._decode is not None, "step needs a decode function"
+        return self.finish([self._decode(ids) for ids in self.begin(new_ids, finished_reason)])
+
+    def begin(
+        self, new_ids: Sequence[int], finished_reason: dict[str, Any] | None
+    ) -> list[list[int]]:
+        """Add ``new_ids``; return the id lists whose texts ``finish`` needs (none or two)."""
+        self._finished_reason = finished_reason
         matched = finished_reason.get("matched") if finished_reason else None
-        trim = (
-            finished_reason is not None
-            and finished_reason.get("type") == "stop"
-            and not self._no_stop_trim
-        )
-        if trim and isinstance(matched, int) and new_ids and new_ids[-1] == matched:
+        if self._trims() and isinstance(matched, int) and new_ids and new_ids[-1] == matched:
             new_ids = new_ids[:-1]  # the stop token itself is not part of the text
         self.ids.extend(new_ids)
-        self._decode_new(force=finished_reason is not None)
+        if self.read_offset == len(self.ids):
+            return []
+        return [self.ids[self.prefix_offset : self.read_offset], self.ids[self.prefix_offset :]]
 
+    def finish(self, texts: list[str]) -> str:
+        """Take the texts of ``begin``'s id lists; return the text that became safe to emit."""
+        finished_reason, trim = self._finished_reason, self._trims()
+        if texts:
+            self._take_new_text(*texts, force=finished_reason is not None)
         if finished_reason is None:
             end = len(self.text) if self._no_stop_trim else self._safe_end()
         else:
             end = len(self.text)
+            matched = finished_reason.get("matched")
             if trim and isinstance(matched, str):
                 pos = self._match_start(matched)
                 if pos != -1:
@@ -94,11 +113,12 @@ class IncrementalDetokenizer:
         self.sent = end
         return delta
 
-    def _decode_new(self, force: bool) -> None:
-        if self.read_offset == len(self.ids):
-            return
-        surrounding = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
+    def _trims(self) -> bool:
+        """Whether the request finished on a stop condition that is cut from the text."""
+        reason = self._finished_reason
+        return reason is not None and reason.get("type") == "stop" and not self._no_stop_trim
+
+    def _take_new_text(self, surrounding: str, full: str, force: bool) -> None:
         if len(full) > len(surrounding) and (force or not full.endswith(_REPLACEMENT_CHAR)):
             self.text += full[len(surrounding) :]
             self.prefix_offset = self.read_offset
@@ -131,7 +151,7 @@ class DetokenizerManager:
     """Receives ``BatchTokenIDOutput``, keeps one ``IncrementalDetokenizer`` per running rid."""
 
     def __init__(self, server_args: ServerArgs, port_args: ipc.PortArgs) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         self.tokenizer = AutoTokenizer.from_pretrained(
             server_args.tokenizer, local_files_only=True
@@ -140,21 +160,36 @@ class DetokenizerManager:
         self._recv = ipc.pull_socket(self._ctx, port_args.detokenizer_input)
         self._send = ipc.push_socket(self._ctx, port_args.tokenizer_input)
         self._states: dict[str, IncrementalDetokenizer] = {}
+        # A fast tokenizer whose decode is the stock one only calls its Rust tokenizer (which has
+        # no use for spaces_between_special_tokens): a batch of id lists then takes one call.
+        stock = type(self.tokenizer)._decode is PreTrainedTokenizerFast._decode
+        fast = isinstance(self.tokenizer, PreTrainedTokenizerFast) and stock
+        self._rust_decoder = self.tokenizer.backend_tokenizer if fast else None
 
     def handle_batch(self, batch: BatchTokenIDOutput) -> BatchStrOutput:
         """Decode one scheduler output into text deltas; drop the state of finished requests."""
-        outputs = []
+        states, pending = [], []
+        # every request's id lists, grouped by decoding options, decoded in one call per group
+        groups: dict[tuple[bool, bool], list[list[int]]] = {}
         for out in batch.outputs:
             state = self._states.get(out.rid)
             if state is None:
                 state = IncrementalDetokenizer(
-                    self._decoder(out.skip_special_tokens, out.spaces_between_special_tokens),
-                    stop=out.stop,
-                    no_stop_trim=out.no_stop_trim,
-                    stop_regex=out.stop_regex,
+                    stop=out.stop, no_stop_trim=out.no_stop_trim, stop_regex=out.stop_regex
                 )
                 self._states[out.rid] = state
-            new_text = state.step(out.new_token_ids, out.finished_reason)
+            ids = state.begin(out.new_token_ids, out.finished_reason)
+            options = (out.skip_special_tokens, out.spaces_between_special_tokens)
+            group = groups.setdefault(options, [])
+            pending.append((options, len(group), len(ids)))
+            group.extend(ids)
+            states.append(state)
+        texts = {options: self._decode_batch(ids, *options) if ids else []
+                 for options, ids in groups.items()}
+        outputs = []
+        for out, state, (options, first, count) in zip(batch.outputs, states, pending,
+                                                       strict=True):
+            new_text = state.finish(texts[options][first : first + count])
             if out.finished_reason is not None:
                 del self._states[out.rid]
             outputs.append(
@@ -171,16 +206,21 @@ class DetokenizerManager:
             )
         return BatchStrOutput(outputs=outputs)
 
-    def _decoder(self, skip_special: bool, spaces_between_special: bool) -> Callable:
-        def decode(ids: list[int]) -> str:
-            return self.tokenizer.decode(
+    def _decode_batch(
+        self, batch: list[list[int]], skip_special: bool, spaces_between_special: bool
+    ) -> list[str]:
+        """The texts of ``batch``, as ``tokenizer.decode`` gives them one by one."""
+        if self._rust_decoder is not None:  # what a fast tokenizer's decode runs, in one call
+            return self._rust_decoder.decode_batch(batch, skip_special_tokens=skip_special)
+        return [
+            self.tokenizer.decode(
                 ids,
                 skip_special_tokens=skip_special,
                 spaces_between_special_tokens=spaces_between_special,
                 clean_up_tokenization_spaces=False,
             )
-
-        return decode
+            for ids in batch
+        ]
 
     def close(self) -> None:
         self._recv.close(linger=0)

@@ -6,9 +6,9 @@ ever sent between processes (never pickle).
     TokenizerManager ──▶ Scheduler:        TokenizedGenerateReqInput, TokenizedEmbeddingReqInput,
                                            AbortReq, FlushCacheReq, GetInternalStateReq,
                                            OpenSessionReqInput, CloseSessionReqInput, and the
-                                           control requests (weights, memory, profiling,
-                                           internal state, slow-down, GC, load, health,
-                                           inspector): each ``*ReqInput``/``*Req`` below
+                                           control requests (pause/continue, weights, memory,
+                                           profiling, internal state, slow-down, GC, load,
+                                           health, inspector): each ``*ReqInput``/``*Req``
     Scheduler ──▶ DetokenizerManager:      BatchTokenIDOutput
     DetokenizerManager ──▶ TokenizerManager: BatchStrOutput
     Scheduler ──▶ TokenizerManager:        BatchEmbeddingOutput (embeddings need no
@@ -20,7 +20,7 @@ ever sent between processes (never pickle).
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Literal, Union, get_args
 
 import msgspec
 
@@ -80,6 +80,7 @@ class OpenSessionReqInput(_Msg):
     session_id: str | None = None
     streaming: bool = False
     timeout: float | None = None
+    resume: bool = False  # continue the stored streaming session ``session_id`` (restart)
 
 
 class CloseSessionReqInput(_Msg):
@@ -87,6 +88,26 @@ class CloseSessionReqInput(_Msg):
 
 
 # The control requests; each is answered by the ``*Output`` of the same name.
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+
+
+class PauseGenerationReqInput(_Msg):
+    """Stop running batches until ``ContinueGenerationReqInput`` (SGLang's modes).
+
+    ``abort``: every waiting and running request is aborted. ``retract``: running requests go
+    back to the waiting queue (their KV to the prefix cache; they re-prefill after the
+    continue). ``in_place``: requests keep their KV and resume where they stopped. In every mode
+    new requests queue up, and aborts, sessions and internal state are still handled.
+    """
+
+    mode: PauseMode = "abort"
+
+
+class ContinueGenerationReqInput(_Msg):
+    pass
+
+
 class UpdateWeightFromDiskReqInput(_Msg):
     model_path: str
     load_format: str | None = None
@@ -237,6 +258,17 @@ class OpenSessionReqOutput(_Msg):
     message: str = ""
 
 
+class PauseGenerationReqOutput(_Msg):
+    """Sent once the pause holds: no step is in flight and the mode's work is done."""
+
+    num_aborted: int = 0
+    num_retracted: int = 0
+
+
+class ContinueGenerationReqOutput(_Msg):
+    pass
+
+
 class UpdateWeightFromDiskReqOutput(_Msg):
     success: bool
     message: str
@@ -310,6 +342,8 @@ Message = Union[  # noqa: UP007 - msgspec needs a real Union object here
     GetInternalStateReq,
     OpenSessionReqInput,
     CloseSessionReqInput,
+    PauseGenerationReqInput,
+    ContinueGenerationReqInput,
     UpdateWeightFromDiskReqInput,
     GetWeightsByNameReqInput,
     ReleaseMemoryOccupationReqInput,
@@ -327,6 +361,8 @@ Message = Union[  # noqa: UP007 - msgspec needs a real Union object here
     FlushCacheReqOutput,
     GetInternalStateReqOutput,
     OpenSessionReqOutput,
+    PauseGenerationReqOutput,
+    ContinueGenerationReqOutput,
     UpdateWeightFromDiskReqOutput,
     GetWeightsByNameReqOutput,
     ReleaseMemoryOccupationReqOutput,

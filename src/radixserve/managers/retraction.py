@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radixserve.managers.schedule_batch import Req, ScheduleBatch, release_kv
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 
 # A retracted batch is assumed to decode at least this many more steps when re-estimating the
 # ratio, so the estimate does not collapse to what was decoded so far.
@@ -84,3 +85,12 @@ def retract_for_decode(batch: ScheduleBatch, ratio: NewTokenRatio) -> RetractRes
         max_new = sum(r.sampling_params.max_new_tokens for r in batch.reqs)
         ratio.raise_to((decoded + _RETRACT_DECODE_STEPS * len(batch.reqs)) / max(max_new, 1))
     return result
+
+
+def retract_all(reqs: list[Req], tree_cache: BasePrefixCache) -> list[Req]:
+    """Retract every one of ``reqs`` (a pause in retract mode): KV to the prefix cache, rows
+    freed, outputs kept; returns them for the front of the waiting queue."""
+    for req in reqs:
+        release_kv(req, tree_cache)
+        req.reset_after_retract()
+    return reqs

@@ -9,7 +9,8 @@ and admits requests in that order while they fit:
   chunked request, and continues first in the next step's batch;
 - KV memory: free slots plus what the prefix cache could evict, minus a reservation of the tokens
   running (and newly admitted) requests will still decode, scaled by the new-token ratio;
-- free request slots.
+- request rows: a turn that resumes its streaming session's slot takes over the slot's row; any
+  other request needs a free row; and at most ``max_running_requests`` requests run.
 
 Eviction itself happens at allocation (``ScheduleBatch.prepare_for_extend``); every admitted
 request's prefix is locked first, so that eviction can only take what admission did not count on.
@@ -76,7 +77,8 @@ class PrefillAdder:
         new_token_ratio: float,
         max_prefill_tokens: int,
         chunked_prefill_size: int,
-        free_req_slots: int,
+        free_rows: int,
+        free_running: int,
         allow_chunking: bool = True,
     ) -> None:
         self.tree_cache = tree_cache
@@ -84,7 +86,8 @@ class PrefillAdder:
         self.page_size: int = allocator.page_size
         self.new_token_ratio = new_token_ratio
         self.rem_batch_tokens = min(max_prefill_tokens, chunked_prefill_size)
-        self.free_req_slots = free_req_slots
+        self.free_rows = free_rows  # free rows of the request pool
+        self.free_running = free_running  # requests that may still join the running set
         # False for encoders: a request is computed whole or waits for the next batch.
         self.allow_chunking = allow_chunking
         self.nothing_running = not running_reqs
@@ -110,11 +113,14 @@ class PrefillAdder:
 
     def add_one_req(self, req: Req) -> AddResult:
         """Match ``req``'s cached prefix, lock it, then admit it if it still fits."""
-        if self.free_req_slots == 0:
+        if self.free_running == 0:
             return AddResult.STOP
         # At least the last token is computed, so the step has logits to sample from (and
         # every position whose logits give the request's input logprobs: ``max_prefix_len``).
         match = self.tree_cache.match_req(req, req.all_ids[: req.max_prefix_len])
+        needs_row = match.req_pool_idx is None
+        if needs_row and self.free_rows == 0:
+            return AddResult.STOP
         # Lock first, then check capacity: the lock turns the prefix from evictable to
         # protected, so the check below cannot count on evicting it.
         self.tree_cache.inc_lock_ref(match.last_node)
@@ -125,10 +131,12 @@ class PrefillAdder:
             return AddResult.STOP
         req.prefix_indices = match.device_indices
         req.last_node = match.last_node
+        req.req_pool_idx = match.req_pool_idx
         req.kv_len = prefix_len
         if not req.is_retracted:  # a retracted request matching its own KV reuses nothing
             req.cached_tokens = max(req.cached_tokens, prefix_len)
-        self.free_req_slots -= 1
+        self.free_running -= 1
+        self.free_rows -= needs_row
         return self._commit(req, *plan)
 
     def _plan(self, req: Req, prefix_len: int) -> tuple[int, int, bool] | None:

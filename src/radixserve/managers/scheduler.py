@@ -7,6 +7,10 @@
                  run it, process its result      # output_processor.py
                  or, idle: wait briefly for a grammar that compiles, or
                            self_check_during_idle() and block on the socket
+                 (paused: no steps; messages are still handled)
+
+``PauseGenerationReqInput`` stops the steps until ``ContinueGenerationReqInput``; see
+``handle_pause_generation``.
 
 With ``--enable-overlap-schedule`` the model runs on a thread of its own (``OverlapWorker``) and
 a decode step N+1 is launched before step N's tokens are processed (``_step_overlapped``).
@@ -37,12 +41,14 @@ from radixserve import envs
 from radixserve.constrained import GrammarCache, create_grammar_backend
 from radixserve.layers.sampler import SampleOutput
 from radixserve.managers import ipc
-from radixserve.managers.child_process import install_exit_handlers
+from radixserve.managers.child_process import install_exit_handlers, on_sigterm
 from radixserve.managers.dispatcher import TypeBasedDispatcher
 from radixserve.managers.grammar_queue import GrammarQueue
 from radixserve.managers.io_struct import (
     AbortReq,
     CloseSessionReqInput,
+    ContinueGenerationReqInput,
+    ContinueGenerationReqOutput,
     ControlErrorOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
@@ -50,20 +56,32 @@ from radixserve.managers.io_struct import (
     GetInternalStateReqOutput,
     OpenSessionReqInput,
     OpenSessionReqOutput,
+    PauseGenerationReqInput,
+    PauseGenerationReqOutput,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
+from radixserve.managers.memory_check import MemoryChecker, busy_check_enabled
 from radixserve.managers.output_processor import OutputProcessor
 from radixserve.managers.overlap_worker import OverlapWorker
-from radixserve.managers.retraction import NewTokenRatio, decode_fits, retract_for_decode
+from radixserve.managers.retraction import (
+    NewTokenRatio,
+    decode_fits,
+    retract_all,
+    retract_for_decode,
+)
 from radixserve.managers.schedule_batch import BatchResources, Req, ScheduleBatch, pages_to_alloc
-from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
+from radixserve.managers.schedule_policy import (
+    AddResult,
+    PrefillAdder,
+    SchedulePolicy,
+    decode_reservation,
+)
 from radixserve.managers.scheduler_control import SchedulerControl
 from radixserve.managers.scheduler_stats import SchedulerStats
 from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.managers.watchdog import Watchdog
-from radixserve.mem_cache import create_prefix_cache
-from radixserve.mem_cache.session_aware_cache import SessionAwareCache
+from radixserve.mem_cache import create_prefix_cache, create_session_store
 from radixserve.model_config import ModelConfig, resolve_device
 from radixserve.sampling.sampling_batch_info import reads_output_ids
 from radixserve.sampling.sampling_params import SamplingParams
@@ -105,7 +123,8 @@ class Scheduler:
         self.send_to_tokenizer = send_to_tokenizer
         device = resolve_device(server_args.device)
         self.model_config = ModelConfig.from_path(
-            server_args.model_path, server_args.dtype, device, server_args.context_length
+            server_args.model_path, server_args.dtype, device, server_args.context_length,
+            server_args.quantization,
         )
         # Embedding models (an encoder, or a decoder run with --is-embedding) only prefill.
         self.is_generation = not (server_args.is_embedding or self.model_config.is_encoder)
@@ -123,18 +142,20 @@ class Scheduler:
             )
         # An encoder's tokens attend to what follows them: no prefix can be reused.
         self.radix_enabled = not (server_args.disable_radix_cache or self.model_config.is_encoder)
-        self.tree_cache = create_prefix_cache(
-            not self.radix_enabled, self.req_to_token_pool, self.allocator, self.page_size
-        )
-        # Streaming sessions keep their KV in per-session slots around the prefix cache.
-        self.session_cache: SessionAwareCache | None = None
+        store = None
         if server_args.enable_streaming_session:
-            self.session_cache = SessionAwareCache(
-                self.tree_cache, self.req_to_token_pool, self.allocator, self.page_size
+            store = create_session_store(
+                server_args.session_store, runner.token_to_kv_pool, server_args.model_path,
+                server_args.session_store_max_gb,
             )
-            self.tree_cache = self.session_cache
-        self.sessions = SessionController(
-            server_args.enable_streaming_session, self.session_cache, self.model_config.bos_token_id
+            if server_args.session_offload_after is not None and store is None:
+                raise ValueError("--session-offload-after needs a session store: give "
+                                 "--session-store DIR (on a GPU, host memory is the default)")
+        # With streaming sessions, the cache keeps each session's KV in a slot of its own.
+        self.tree_cache = create_prefix_cache(
+            not self.radix_enabled, self.req_to_token_pool, self.allocator,
+            self.page_size, streaming_sessions=server_args.enable_streaming_session,
+            session_store=store, session_offload_after=server_args.session_offload_after,
         )
         # For stop strings and grammars; the detokenizer makes the text.
         tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer, local_files_only=True)
@@ -149,6 +170,11 @@ class Scheduler:
             )
         )
         self.grammar_queue = GrammarQueue(self.grammars)
+        self.sessions = SessionController(self.tree_cache, self.model_config.bos_token_id)
+        self.memory = MemoryChecker(
+            self.tree_cache, self.allocator, self.req_to_token_pool, self.max_total_num_tokens
+        )
+        self.check_busy = busy_check_enabled()
         self.res = BatchResources(
             req_to_token_pool=self.req_to_token_pool,
             allocator=self.allocator,
@@ -179,7 +205,11 @@ class Scheduler:
         self.chunked_req: Req | None = None  # holds KV between its prefill chunks
         self.num_retracted_reqs = 0
         self.num_aborted_reqs = 0  # running or waiting requests ended by an abort
+        # Session turns that arrived while their session's turn in flight was being aborted:
+        # judged once the abort took effect (``_finish_aborted``), so that they find it gone.
+        self._after_aborts: list[TokenizedGenerateReqInput] = []
         self.last_leak_check: dict[str, Any] = {}
+        self.stop_requested = False
         self._idle_checked = False
         self._last_was_prefill = False
         self.overlap: OverlapWorker | None = None
@@ -187,6 +217,7 @@ class Scheduler:
             self.overlap = OverlapWorker(self.tp_worker)
         self._in_flight: _InFlight | None = None
         self.num_overlapped_steps = 0  # decode steps launched before the previous one's result
+        self.paused = False  # by PauseGenerationReqInput: no step runs until continued
         self.stats = SchedulerStats()
         self.control = SchedulerControl(self)
         self._step_start = time.perf_counter()
@@ -201,6 +232,8 @@ class Scheduler:
                 (GetInternalStateReq, self.handle_get_internal_state),
                 (OpenSessionReqInput, self.handle_open_session),
                 (CloseSessionReqInput, self.handle_close_session),
+                (PauseGenerationReqInput, self.handle_pause_generation),
+                (ContinueGenerationReqInput, self.handle_continue_generation),
                 *self.control.handlers(),
             ]
         )
@@ -216,19 +249,22 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the loop
     def event_loop(self, recv_socket: zmq.Socket) -> None:
-        """Run forever; an idle scheduler blocks on ``recv_socket`` instead of spinning. The
-        watchdog ends the process if one step hangs for ``--watchdog-timeout`` seconds."""
+        """Run until ``stop_requested``; an idle scheduler blocks on ``recv_socket`` instead of
+        spinning. The watchdog ends the process if one step hangs for ``--watchdog-timeout``
+        seconds. On a stop, streaming sessions are written to a session store that outlives the
+        process (``--session-store``), so that a restarted server resumes them."""
         poller = zmq.Poller()
         poller.register(recv_socket, zmq.POLLIN)
         watchdog = Watchdog(self.server_args.watchdog_timeout)
         watchdog.start()
-        while True:
+        while not self.stop_requested:
             self.process_input_requests(ipc.recv_nowait(recv_socket))
             watchdog.step_started()
             busy = self.step()
             watchdog.step_finished()
             if not busy:
                 poller.poll(_IDLE_POLL_MS)
+        self.sessions.persist_all()
 
     def process_input_requests(self, msgs: list[Any]) -> None:
         """Dispatch each message; one that raises fails alone (its request gets a 500, a
@@ -254,10 +290,13 @@ class Scheduler:
         return ControlErrorOutput(request=type(msg).__name__, message=message)
 
     def step(self) -> bool:
-        """Run one batch; False when there was nothing to run."""
+        """Run one batch; False when there was nothing to run or generation is paused."""
+        if self.paused:
+            self.sessions.on_step()
+            return False
         if self.overlap is not None:
             return self._step_overlapped(self.overlap)
-        self.sessions.close_expired()
+        self.sessions.on_step()
         self._admit_compiled_grammars()
         self._step_start = time.perf_counter()
         batch = self.get_next_batch_to_run()
@@ -270,6 +309,7 @@ class Scheduler:
             result = self.tp_worker.forward_batch_embedding(batch.to_forward_batch())
         self._process_result(batch, result)
         self.control.after_step()
+        self._check_busy()
         return True
 
     def _on_idle(self) -> bool:
@@ -323,7 +363,7 @@ class Scheduler:
         its last token and samples one token more, which ``process_batch_result`` discards.
         Greedy outputs are those of ``step``.
         """
-        self.sessions.close_expired()
+        self.sessions.on_step()
         self._admit_compiled_grammars()
         self._step_start = time.perf_counter()
         previous, self._in_flight = self._in_flight, None
@@ -334,6 +374,7 @@ class Scheduler:
             self.num_overlapped_steps += 1
             self._finish_in_flight(previous)
             self.control.after_step()
+            self._check_busy()
             return True
         if previous is not None:
             self._finish_in_flight(previous)
@@ -347,6 +388,7 @@ class Scheduler:
             self.control.after_step()
         else:
             self._in_flight = self._launch_decode(worker)
+        self._check_busy()
         return True
 
     def _can_decode_ahead(self) -> bool:
@@ -374,7 +416,10 @@ class Scheduler:
         ``max_running_requests``, or an idle streaming session's row could be released."""
         if len(self.running_batch) >= self.max_running_requests:
             return False
-        return self.req_to_token_pool.available_size() > 0 or self.session_cache is not None
+        return (
+            self.req_to_token_pool.available_size() > 0
+            or self.tree_cache.session_held_rows() > 0
+        )
 
     def _launch_decode(self, worker: OverlapWorker) -> _InFlight:
         """Launch the running batch's prepared decode step."""
@@ -418,19 +463,31 @@ class Scheduler:
         self.num_aborted_reqs += len(aborted)
         if aborted:
             self.running_batch.filter_batch()
+        deferred, self._after_aborts = self._after_aborts, []
+        for msg in deferred:
+            self.handle_generate_request(msg)
 
     def _get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting_queue and self.chunked_req is None:
             return None
         running = self.running_batch.reqs
-        holding = len(running) + (self.chunked_req is not None)
-        if self.session_cache is not None and self.req_to_token_pool.available_size() == 0:
-            # Idle sessions must not starve new requests of rows: their next turn re-prefills.
-            # Release no more than can be admitted, sparing sessions whose own turn waits.
-            self.session_cache.release_idle_rows(
-                min(len(self.waiting_queue), self.max_running_requests - holding),
+        free_running = self.max_running_requests - len(running) - (self.chunked_req is not None)
+        if self.req_to_token_pool.available_size() == 0:
+            # Idle sessions must not starve new requests of rows: their KV goes to the store
+            # (or is dropped). Give back no more than can be admitted, sparing sessions whose
+            # own turn waits (it takes its slot's row over).
+            self.tree_cache.evict_session_rows(
+                min(len(self.waiting_queue), free_running),
                 spare={r.streaming_session_id for r in self.waiting_queue},
             )
+        # Offloaded sessions of waiting turns come back first, within what admission could
+        # give them: free and reclaimable KV less what running requests will still decode.
+        reserved = sum(decode_reservation(r, self.new_token_ratio.value) for r in running)
+        self.tree_cache.load_back(
+            self.waiting_queue,
+            self.allocator.available_size() + self.tree_cache.reclaimable_size() - reserved,
+            min(self.req_to_token_pool.available_size(), free_running),
+        )
         adder = PrefillAdder(
             tree_cache=self.tree_cache,
             allocator=self.allocator,
@@ -438,10 +495,9 @@ class Scheduler:
             new_token_ratio=self.new_token_ratio.value,
             max_prefill_tokens=self.server_args.max_prefill_tokens,
             chunked_prefill_size=self.server_args.chunked_prefill_size,
+            free_rows=self.req_to_token_pool.available_size(),
+            free_running=free_running,
             allow_chunking=not self.model_config.is_encoder,
-            free_req_slots=min(
-                self.req_to_token_pool.available_size(), self.max_running_requests - holding
-            ),
         )
         if self.chunked_req is not None:
             if adder.add_chunked_req(self.chunked_req) is AddResult.CONTINUE:
@@ -496,6 +552,16 @@ class Scheduler:
                     req, "this server serves an embedding model: use /encode or /v1/embeddings"
                 )
             return
+        if msg.session_params is not None:
+            # A request of a session is judged after what it depends on has ended: a replaced
+            # running request (aborted here), or its streaming session's turn whose abort
+            # (a client that went away) arrived just before it.
+            replaced = self.sessions.running_rid_to_replace(msg)
+            if replaced is not None:
+                self.handle_abort(AbortReq(rid=replaced))
+            if self._aborting(replaced or self.sessions.inflight_rid(msg)):
+                self._after_aborts.append(msg)
+                return
         if msg.session_params is not None:
             created = self.sessions.create_req(msg)
             req, error = created.req, created.error
@@ -612,6 +678,13 @@ class Scheduler:
             return str(e)
         return None
 
+    def _aborting(self, rid: str | None) -> bool:
+        """Whether ``rid`` is a request an abort has marked, which ends at the next step."""
+        if rid is None:
+            return False
+        holding = [*self.running_batch.reqs, self.chunked_req]
+        return any(r is not None and r.rid == rid and r.to_abort is not None for r in holding)
+
     def handle_abort(self, msg: AbortReq) -> None:
         """Waiting requests finish now; those holding KV are marked and finish at the next step
         (``_finish_aborted``), so that a batch in flight is never changed under its feet."""
@@ -630,6 +703,8 @@ class Scheduler:
         for req in holding:
             if hit(req):
                 req.to_abort = reason["message"]
+        if self.paused:  # no step is in flight and none will come to finish them
+            self._finish_aborted()
 
     def handle_flush_cache(self, msg: FlushCacheReq) -> FlushCacheReqOutput:
         if not self.is_idle():
@@ -665,12 +740,50 @@ class Scheduler:
                 "num_retracted_reqs": self.num_retracted_reqs,
                 "num_aborted_reqs": self.num_aborted_reqs,
                 "num_overlapped_steps": self.num_overlapped_steps,
+                "paused": self.paused,
+                "num_open_sessions": len(self.sessions.sessions),
                 "max_running_requests": self.max_running_requests,
                 **self.stats.summary(),
                 "new_token_ratio": self.new_token_ratio.value,
                 "last_leak_check": self.last_leak_check,
             }
         )
+
+    def handle_pause_generation(self, msg: PauseGenerationReqInput) -> PauseGenerationReqOutput:
+        """Stop running batches (see ``PauseGenerationReqInput`` for the modes).
+
+        The step in flight (overlap schedule) is finished and its tokens processed first, so the
+        reply means: nothing computes until ``handle_continue_generation``. Aborts arriving
+        while paused take effect at once, as no step will come to finish the marked requests.
+        Pausing a paused scheduler applies the new mode to what is there.
+        """
+        self.paused = True
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            self._finish_in_flight(step)
+        aborted_before = self.num_aborted_reqs
+        self._finish_aborted()
+        retracted: list[Req] = []
+        if msg.mode == "abort":
+            self.handle_abort(AbortReq(abort_all=True))
+        elif msg.mode == "retract":
+            chunked = [self.chunked_req] if self.chunked_req is not None else []
+            retracted = retract_all([*self.running_batch.reqs, *chunked], self.tree_cache)
+            self.running_batch.reqs, self.chunked_req = [], None
+            self.waiting_queue[:0] = retracted
+            self.num_retracted_reqs += len(retracted)
+        aborted = self.num_aborted_reqs - aborted_before
+        logger.info("generation paused (%s): %d request(s) aborted, %d retracted",
+                    msg.mode, aborted, len(retracted))
+        return PauseGenerationReqOutput(num_aborted=aborted, num_retracted=len(retracted))
+
+    def handle_continue_generation(
+        self, msg: ContinueGenerationReqInput
+    ) -> ContinueGenerationReqOutput:
+        if self.paused:
+            logger.info("generation continued")
+        self.paused = False
+        return ContinueGenerationReqOutput()
 
     def handle_open_session(self, msg: OpenSessionReqInput) -> OpenSessionReqOutput:
         return self.sessions.open(msg)
@@ -696,46 +809,25 @@ class Scheduler:
         return len(self.waiting_queue) + len(self.grammar_queue)
 
     def memory_state(self) -> dict[str, int]:
-        return {
-            "available_kv_tokens": self.allocator.available_size(),
-            "evictable_kv_tokens": self.tree_cache.evictable_size(),
-            "protected_kv_tokens": self.tree_cache.protected_size(),
-            "session_held_kv_tokens": self.tree_cache.session_held_size(),
-            "total_kv_tokens": self.max_total_num_tokens,
-            "free_req_slots": self.req_to_token_pool.available_size(),
-            "total_req_slots": self.req_to_token_pool.size,
-        }
-
-    def _session_held_rows(self) -> int:
-        return self.session_cache.session_held_rows() if self.session_cache is not None else 0
+        """KV and request-slot figures (``memory_check.py``)."""
+        return self.memory.figures()
 
     def self_check_during_idle(self) -> None:
-        """Check the memory invariant (DESIGN section 3) when no request runs or waits.
+        """Check the memory invariant (``memory_check.py``) when no request runs or waits:
+        every KV slot is free, evictable, held for a session or locked by one."""
+        if self.is_idle():
+            self.last_leak_check = self.memory.check([])
 
-        Idle, every KV slot is free, evictable or held for a session (nothing may stay locked),
-        and every request slot is free or held by a session. A violation is a bug: logged, and
-        raised in tests.
-        """
-        if not self.is_idle():
-            return
-        m = self.memory_state()
-        accounted = (
-            m["available_kv_tokens"]
-            + m["evictable_kv_tokens"]
-            + m["protected_kv_tokens"]
-            + m["session_held_kv_tokens"]
-        )
-        ok = (
-            accounted == m["total_kv_tokens"]
-            and m["protected_kv_tokens"] == 0
-            and m["free_req_slots"] + self._session_held_rows() == m["total_req_slots"]
-        )
-        self.last_leak_check = {"ok": ok, "time": time.time(), **m}
-        if not ok:
-            message = f"memory leak detected: {m}"
-            logger.error(message)
-            if envs.RADIXSERVE_TEST_STRICT.get():
-                raise RuntimeError(message)
+    def _check_busy(self) -> None:
+        """``RADIXSERVE_STRICT_MEM_CHECK=busy``: the invariant after every step, counting
+        what running requests (and the chunked one) hold."""
+        if self.check_busy:
+            chunked = [self.chunked_req] if self.chunked_req is not None else []
+            self.memory.check(self.running_batch.reqs + chunked)
+
+    def request_stop(self) -> None:
+        """Leave ``event_loop`` after the current step (SIGTERM with a session store)."""
+        self.stop_requested = True
 
 
 # ---------------------------------------------------------------------- process entry point
@@ -779,9 +871,13 @@ def run_scheduler_process(server_args_json: str, port_args_json: str, ready_conn
                 json.dumps({"status": "error", "message": f"{type(e).__name__}: {e}"}).encode()
             )
             raise SystemExit(1) from e
+        if server_args.session_store is not None:
+            # Sessions are written to the store before the process ends.
+            on_sigterm(scheduler.request_stop)
         ready_conn.send_bytes(json.dumps(scheduler.ready_info()).encode())
         ready_conn.close()
         logger.info("scheduler ready: %s", scheduler.ready_info())
         scheduler.event_loop(recv)
+        os._exit(0)
     finally:
         ctx.destroy(linger=0)

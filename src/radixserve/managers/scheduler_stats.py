@@ -34,6 +34,7 @@ class SchedulerStats:
     def __init__(self) -> None:
         self.num_steps = 0
         self.num_prefill_steps = 0
+        self.num_prefill_tokens = 0  # tokens prefill steps computed (cached prefixes excluded)
         self.num_generated_tokens = 0  # over the server's life
         self.gen_throughput = 0.0  # tokens/s over the last decode log interval
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY_STEPS)
@@ -70,6 +71,7 @@ class SchedulerStats:
         })
         if prefill:
             self.num_prefill_steps += 1
+            self.num_prefill_tokens += new_tokens
             logger.info(
                 "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, "
                 "token usage: %.2f, #running-req: %d, #queue-req: %d",
@@ -94,6 +96,7 @@ class SchedulerStats:
         return {
             "num_steps": self.num_steps,
             "num_prefill_steps": self.num_prefill_steps,
+            "num_prefill_tokens": self.num_prefill_tokens,
             "num_generated_tokens": self.num_generated_tokens,
             "gen_throughput": self.gen_throughput,
         }

@@ -7,7 +7,7 @@ Flow of a generate call::
         → register one _ReqState per rid → TokenizedGenerateReqInput ──ZMQ──▶ scheduler
     handle_loop (task reading the PULL socket)
         BatchStrOutput (from the detokenizer) → append to the rid's state → wake its generate call
-        FlushCacheReqOutput / GetInternalStateReqOutput / OpenSessionReqOutput → waiting future
+        replies of control requests (flush, internal state, sessions, pause, ...) → waiting future
     generate_request yields SGLang-shaped dicts built from the state; when its consumer stops
     early (generator closed, task cancelled: a client disconnect) it sends AbortReq for every
     request of the call that has not finished.
@@ -37,10 +37,13 @@ import zmq.asyncio
 from radixserve.managers import io_struct, ipc
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.io_struct import (
+    PAUSE_MODES,
     AbortReq,
     BatchEmbeddingOutput,
     BatchStrOutput,
     CloseSessionReqInput,
+    ContinueGenerationReqInput,
+    ContinueGenerationReqOutput,
     ControlErrorOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
@@ -58,6 +61,8 @@ from radixserve.managers.io_struct import (
     HealthCheckReqOutput,
     OpenSessionReqInput,
     OpenSessionReqOutput,
+    PauseGenerationReqInput,
+    PauseGenerationReqOutput,
     ProfileReq,
     ProfileReqOutput,
     ReleaseMemoryOccupationReqInput,
@@ -82,8 +87,13 @@ from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+# Event loop rounds a session request waits for an earlier request of its session to be
+# cancelled by a disconnect the server has already read (``_let_disconnects_land``): two at
+# most were seen under the session stress test's load.
+_DISCONNECT_ROUNDS = 32
 _CONTROL_REPLIES = (
     FlushCacheReqOutput, GetInternalStateReqOutput, OpenSessionReqOutput,
+    PauseGenerationReqOutput, ContinueGenerationReqOutput,
     UpdateWeightFromDiskReqOutput, GetWeightsByNameReqOutput, ReleaseMemoryOccupationReqOutput,
     ResumeMemoryOccupationReqOutput, ProfileReqOutput, SetInternalStateReqOutput,
     SlowDownReqOutput, FreezeGCReqOutput, GetLoadReqOutput, GetInspectorStateReqOutput,
@@ -124,6 +134,7 @@ class _ReqState:
     logprobs: LogprobMeta | None  # with return_logprob
     metrics: RequestMetrics
     log_metrics: bool = True
+    session_id: str | None = None
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
@@ -249,6 +260,7 @@ class TokenizerManager:
             raise ValueError(
                 "this server serves an embedding model: use /encode or /v1/embeddings"
             )
+        await self._let_disconnects_land(_session_ids(obj))
         await self._admit()  # the last await before the requests are sent
         obj.normalize()
         reqs = [self._tokenize(obj[i], i if not obj.is_single else None)
@@ -302,6 +314,7 @@ class TokenizerManager:
                 logprobs=logprobs[i] if logprobs else None,
                 metrics=RequestMetrics(rid=req.rid, arrival_time=now),
                 log_metrics=log_metrics,
+                session_id=_session_id(req),
             )
             for i, req in enumerate(reqs)
         ]
@@ -387,6 +400,20 @@ class TokenizerManager:
             def decode(ids: list[int]) -> list[str]:
                 return self.tokenizer.batch_decode([[t] for t in ids])
         return LogprobMeta(req.top_logprobs_num, req.token_ids_logprob, decode)
+
+    async def _let_disconnects_land(self, sessions: set[str]) -> None:
+        """Before a session's request goes out while an earlier request of the same session
+        is still in flight here, let the loop run a few rounds: when that earlier request's
+        client has just gone away (the usual reason for a next turn to come at once), the
+        server has read the disconnect already and the earlier request's abort goes out first,
+        so that the scheduler sees the turn after the abort. Rounds of the loop, not time:
+        a client that is really still there is answered as before."""
+        if not sessions:
+            return
+        for _ in range(_DISCONNECT_ROUNDS):
+            if not any(s.session_id in sessions for s in self._states.values()):
+                return
+            await asyncio.sleep(0)
 
     def _tokenize(self, obj: GenerateReqInput, index: int | None) -> TokenizedGenerateReqInput:
         """Build the scheduler message of one prompt; ``ValueError`` names the batch index."""
@@ -593,6 +620,27 @@ class TokenizerManager:
         self._check_alive()
         ipc.send(self._send_sock, CloseSessionReqInput(session_id=session_id))
 
+    async def pause_generation(self, mode: str = "abort") -> PauseGenerationReqOutput:
+        """Pause the scheduler; returns once the pause holds (``ValueError`` for a bad mode).
+
+        New requests are still accepted and queue up in the scheduler. With ``abort``, the
+        call also waits until every request it aborted has returned to its caller.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        in_flight = set(self._states)
+        reply = await self._control(
+            PauseGenerationReqInput(mode=mode), PauseGenerationReqOutput  # type: ignore[arg-type]
+        )
+        while mode == "abort" and not in_flight.isdisjoint(self._states):
+            await asyncio.sleep(0.01)  # their final outputs are on the way (the detokenizer)
+            self._check_alive()
+        return reply
+
+    async def continue_generation(self) -> None:
+        """Let a paused scheduler run batches again (a no-op when it is not paused)."""
+        await self._control(ContinueGenerationReqInput(), ContinueGenerationReqOutput)
+
     # ------------------------------------------------------------------ operations
     async def _admit(self) -> None:
         """Wait while a weight update or a memory release holds admission closed."""
@@ -762,3 +810,15 @@ def _raise_if_rejected(states: list[_ReqState], is_single: bool) -> None:
             message = reason.get("message", "invalid request")
             error = _REJECTIONS[reason["status_code"]]
             raise error(message if is_single else f"prompt {i}: {message}")
+
+
+def _session_ids(obj: GenerateReqInput) -> set[str]:
+    """The session ids a (not yet normalized) generate call names."""
+    params = obj.session_params
+    items = params if isinstance(params, list) else [params]
+    return {p["id"] for p in items if isinstance(p, dict) and isinstance(p.get("id"), str)}
+
+
+def _session_id(req: Any) -> str | None:
+    params = getattr(req, "session_params", None)
+    return params.id if params is not None else None

@@ -7,6 +7,8 @@ from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
+from radixserve.mem_cache.session_aware_cache import SessionAwareCache
+from radixserve.mem_cache.session_store import SessionStore, create_session_store
 
 __all__ = [
     "BasePrefixCache",
@@ -15,8 +17,11 @@ __all__ = [
     "MatchResult",
     "RadixCache",
     "ReqToTokenPool",
+    "SessionAwareCache",
+    "SessionStore",
     "TokenToKVPoolAllocator",
     "create_prefix_cache",
+    "create_session_store",
 ]
 
 
@@ -25,7 +30,19 @@ def create_prefix_cache(
     req_to_token_pool: ReqToTokenPool,
     allocator: TokenToKVPoolAllocator,
     page_size: int,
+    *,
+    streaming_sessions: bool = False,
+    session_store: SessionStore | None = None,
+    session_offload_after: float | None = None,
 ) -> BasePrefixCache:
-    """``RadixCache`` by default; ``ChunkCache`` (no sharing) with ``--disable-radix-cache``."""
+    """``RadixCache`` by default; ``ChunkCache`` (no sharing) with ``--disable-radix-cache``;
+    either composed into a ``SessionAwareCache`` with ``--enable-streaming-session`` (with the
+    store its idle sessions go to)."""
     cache_cls = ChunkCache if disable_radix_cache else RadixCache
-    return cache_cls(req_to_token_pool, allocator, page_size)
+    cache = cache_cls(req_to_token_pool, allocator, page_size)
+    if not streaming_sessions:
+        return cache
+    return SessionAwareCache(
+        cache, req_to_token_pool, allocator, page_size,
+        store=session_store, offload_after=session_offload_after,
+    )

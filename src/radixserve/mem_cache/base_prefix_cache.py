@@ -14,11 +14,17 @@ Ownership of KV slots of one request (row ``req_to_token[req.req_pool_idx]``):
     | [len(prefix_indices), kv_len)  | the request; handed to the cache or freed at finish    |
 
 All sizes are in tokens (KV slots), never pages.
+
+Streaming sessions (``SessionAwareCache``) compose with this contract rather than beside it: a
+session's slot answers ``match_req`` with a row that already holds the prefix, its node locks
+like a tree node, and the session-facing methods below have defaults that mean "no sessions
+here", so the scheduler and the session controller never ask which cache they hold.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,11 +37,15 @@ if TYPE_CHECKING:
 
 @dataclass
 class MatchResult:
-    """``device_indices``: KV slots of the longest cached prefix (page aligned, int64).
-    ``last_node``: the node to lock to pin exactly that prefix (opaque to callers)."""
+    """``device_indices``: KV slots of the longest cached prefix (page aligned, int64; a
+    session's slot may end inside its own last page).
+    ``last_node``: the node to lock to pin exactly that prefix (opaque to callers).
+    ``req_pool_idx``: a request row that already holds the prefix and that the request takes
+    over when admitted (a streaming session's slot), or ``None``: the request needs a free row."""
 
     device_indices: torch.Tensor
     last_node: Any
+    req_pool_idx: int | None = None
 
 
 class CacheableReq(Protocol):
@@ -47,6 +57,7 @@ class CacheableReq(Protocol):
     last_node: Any
     streaming_session_id: str | None  # set on a streaming session's turn (SessionAwareCache)
     finished_reason: dict[str, Any] | None  # None while the request runs
+    all_ids: list[int]  # prompt + output so far
 
 
 class BasePrefixCache(ABC):
@@ -139,9 +150,71 @@ class BasePrefixCache(ABC):
         """Tokens ``evict`` could free: evictable tree tokens (plus idle session slots)."""
         return self.evictable_size()
 
-    def session_held_size(self) -> int:
-        """Tokens held for streaming sessions outside the tree (0 unless sessions exist)."""
+    def protected_prefix_len(self, req: CacheableReq) -> int:
+        """Leading tokens of ``req``'s row whose KV the cache owns (pinned by its lock); the
+        rest of the row up to its KV length is the request's own. Page aligned."""
+        return len(req.prefix_indices) // self.page_size * self.page_size
+
+    def pinned_size(self, nodes: list[Any]) -> int:
+        """Tokens that locking every node of ``nodes`` pins (shared ancestors counted once)."""
         return 0
+
+    def releasable_size(self, nodes: list[Any]) -> int:
+        """Tokens that would become evictable if one lock on each node of ``nodes`` (a
+        node may repeat) were released: those pinned by these locks alone."""
+        return 0
+
+    # ------------------------------------------------------------------ streaming sessions
+    # Defaults for a cache without streaming sessions; ``SessionAwareCache`` overrides them.
+
+    @property
+    def supports_streaming_session(self) -> bool:
+        return False
+
+    def release_session(self, session_id: str) -> None:
+        """Forget ``session_id``'s KV everywhere (pool and store): the session closed."""
+        return None
+
+    def session_held_tokens(self) -> int:
+        """KV tokens idle sessions hold outside the tree, in whole pages."""
+        return 0
+
+    def session_held_rows(self) -> int:
+        """Request rows idle sessions hold."""
+        return 0
+
+    def session_protected_tokens(self) -> int:
+        """Tree tokens that sessions (not running requests) keep locked."""
+        return 0
+
+    def session_offloaded_tokens(self) -> int:
+        """KV tokens of sessions that left the pool for the session store."""
+        return 0
+
+    def evict_session_rows(self, num_rows: int, spare: Container[str | None] = ()) -> int:
+        """Give back up to ``num_rows`` request rows that idle sessions hold (their KV goes
+        to the store, or is dropped); sessions in ``spare`` go last. Returns rows freed."""
+        return 0
+
+    def load_back(self, reqs: list[Any], max_tokens: int, max_rows: int) -> None:
+        """Bring back into the pool what waiting ``reqs`` will match but the pool no longer
+        holds (an offloaded session), taking at most ``max_tokens`` KV tokens (free or
+        reclaimable) and ``max_rows`` request rows."""
+        return None
+
+    def offload_idle_sessions(self) -> None:
+        """Move sessions idle for longer than the configured time to the store."""
+        return None
+
+    def resume_session(self, session_id: str) -> list[int]:
+        """The stored history of ``session_id`` (a session kept across a restart); its KV
+        stays in the store until its next turn. ``LookupError`` says why it cannot resume."""
+        raise LookupError("resuming a session needs a session store (--session-store DIR)")
+
+    def persist_session(self, session_id: str, history: list[int]) -> None:
+        """Write ``session_id`` (its history, and its KV where the pool holds it) to a store
+        that outlives the process, so that a restarted server can resume it."""
+        return None
 
     def snapshot(self, max_nodes: int) -> dict[str, Any] | None:
         """For the inspector page: the tree's nodes (at most ``max_nodes``, breadth first) and

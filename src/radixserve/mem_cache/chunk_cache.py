@@ -46,6 +46,10 @@ class ChunkCache(BasePrefixCache):
         row = req.req_pool_idx
         req.prefix_indices = self.req_to_token_pool.req_to_token[row, : len(token_ids)].clone()
 
+    def protected_prefix_len(self, req: CacheableReq) -> int:
+        """Nothing is shared: a request's whole row is its own."""
+        return 0
+
     def evictable_size(self) -> int:
         return 0
 

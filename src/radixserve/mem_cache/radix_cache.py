@@ -103,6 +103,26 @@ class RadixCache(BasePrefixCache):
         """Tokens held by the tree (evictable + protected)."""
         return self._evictable_size + self._protected_size
 
+    def releasable_size(self, nodes: list[_TreeNode]) -> int:
+        passes: dict[int, int] = {}
+        on_paths: dict[int, _TreeNode] = {}
+        for node in nodes:
+            while node is not self._root:
+                passes[node.id] = passes.get(node.id, 0) + 1
+                on_paths[node.id] = node
+                node = node.parent
+        return sum(len(n.key) for i, n in on_paths.items() if n.lock_ref == passes[i])
+
+    def pinned_size(self, nodes: list[_TreeNode]) -> int:
+        seen: set[int] = set()
+        total = 0
+        for node in nodes:
+            while node is not self._root and node.id not in seen:
+                seen.add(node.id)
+                total += len(node.key)
+                node = node.parent
+        return total
+
     # ---- updates -----------------------------------------------------------------------------
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:

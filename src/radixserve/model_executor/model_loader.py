@@ -83,7 +83,10 @@ def checkpoint_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def load_model(
-    config: ModelConfig, attn_backend: AttentionBackend, device: torch.device
+    config: ModelConfig,
+    attn_backend: AttentionBackend | None,
+    device: torch.device,
+    batch_invariant: bool = False,
 ) -> LlamaForCausalLM:
     """Build ``config.architecture`` on ``device`` in ``config.torch_dtype``, load its weights
     and pack them for the device's kernels."""
@@ -91,7 +94,7 @@ def load_model(
     with build_context(device, config.torch_dtype):
         model = model_cls(config, attn_backend)
     load_weights(model, config.model_path)
-    prepack_model(model, psutil.virtual_memory().total)
+    prepack_model(model, psutil.virtual_memory().total, batch_invariant)
     return model.eval()
 
 

@@ -20,6 +20,7 @@ import torch
 
 from radixserve.layers.attention import create_attention_backend, default_attention_backend
 from radixserve.layers.custom_op import build_context
+from radixserve.layers.packed_weight import planned_copy_bytes
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -60,6 +61,10 @@ class ModelRunner:
         self.model_config = model_config
         self.device = resolve_device(device)
         self.dtype = model_config.torch_dtype
+        # --enable-deterministic-inference: only batch-invariant kernels (checked when packing)
+        self.batch_invariant = server_args.enable_deterministic_inference
+        if self.batch_invariant and self.device.type != "cpu":
+            raise ValueError("--enable-deterministic-inference runs on CPU only in this build")
         self.page_size = server_args.page_size
         self.vocab_size = model_config.vocab_size
 
@@ -82,11 +87,17 @@ class ModelRunner:
                 self.device, self.dtype, model_config.head_dim
             )
             self.attn_backend = create_attention_backend(
-                self.attention_backend, self.req_to_token_pool, self.token_to_kv_pool
+                self.attention_backend,
+                self.req_to_token_pool,
+                self.token_to_kv_pool,
+                self.batch_invariant,
             )
             logger.info("attention backend: %s", self.attention_backend)
-        self.model: Any = load_model(model_config, self.attn_backend, self.device)
+        self.model: Any = self._load_model(model_config)
         self.released: set[str] = set()  # memory given back by release_memory (MEMORY_TAGS)
+
+    def _load_model(self, config: ModelConfig) -> Any:
+        return load_model(config, self.attn_backend, self.device, self.batch_invariant)
 
     def _create_kv_pool(self) -> MHATokenToKVPool:
         cfg = self.model_config
@@ -113,7 +124,8 @@ class ModelRunner:
         """KV slots to allocate, rounded down to whole pages.
 
         ``max_total_tokens`` wins when set; otherwise ``mem_fraction_static`` (default 0.3 on
-        CPU, 0.85 on CUDA) of the memory left after the weights, divided by one token's KV bytes.
+        CPU, 0.85 on CUDA) of the memory left after the weights (and the kernels' packed copies
+        of them), divided by one token's KV bytes.
         """
         cfg = self.model_config
         if server_args.max_total_tokens is not None:
@@ -123,6 +135,9 @@ class ModelRunner:
                 self.device.type, _DEFAULT_MEM_FRACTION["cuda"]
             )
             weight_bytes = checkpoint_weight_bytes(cfg, self.dtype)
+            weight_bytes += planned_copy_bytes(
+                weight_bytes, self.device, self.dtype, psutil.virtual_memory().total
+            )
             budget = (available_memory_bytes(self.device) - weight_bytes) * fraction
             per_token = MHATokenToKVPool.bytes_per_token(
                 cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers, self.dtype
@@ -174,7 +189,7 @@ class ModelRunner:
                     f"{getattr(self.model_config, name)!r}"
                 )
         config = dataclasses.replace(self.model_config, model_path=new.model_path)
-        model = load_model(config, self.attn_backend, self.device)
+        model = self._load_model(config)
         self.model, self.model_config = model, config
         logger.info("weights updated from %s", model_path)
 
@@ -213,7 +228,7 @@ class ModelRunner:
         (``model_path``, or the last ``update_weights_from_disk``)."""
         tags = tags & self.released
         if "weights" in tags:
-            self.model = load_model(self.model_config, self.attn_backend, self.device)
+            self.model = self._load_model(self.model_config)
         if "kv_cache" in tags and self.token_to_kv_pool is not None:
             self.token_to_kv_pool.allocate()
         self.released -= tags

@@ -1,4 +1,4 @@
-"""Operator routes (SGLang's names): weights, memory, profiling, internal state, load.
+"""Operator routes (SGLang's names): pause, weights, memory, profiling, internal state, load.
 
 All but ``/get_load`` are in ``app.CONTROL_PATHS``: with ``--admin-api-key`` they need that key.
 Each calls the ``TokenizerManager`` method of the same name; a refusal (``ValueError``) is a 400
@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from radixserve.managers.io_struct import ProfileReq
+from radixserve.managers.io_struct import PauseMode, ProfileReq
 from radixserve.server.app import get_ctx
 
 router = APIRouter()
@@ -20,6 +20,10 @@ router = APIRouter()
 
 class _StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt field is a 400, never ignored
+
+
+class PauseGenerationRequest(_StrictModel):
+    mode: PauseMode = "abort"
 
 
 class UpdateWeightsFromDiskRequest(_StrictModel):
@@ -55,6 +59,27 @@ class SlowDownRequest(_StrictModel):
 
 class EmptyRequest(_StrictModel):
     pass
+
+
+@router.post("/pause_generation")
+async def pause_generation(
+    request: Request, body: PauseGenerationRequest | None = None
+) -> dict[str, Any]:
+    """Stop running batches until /continue_generation (``mode``: abort, retract, in_place).
+
+    Returns once the pause holds; generation requests sent meanwhile wait in the queue.
+    """
+    mode = (body or PauseGenerationRequest()).mode
+    await get_ctx(request).tokenizer_manager.pause_generation(mode)
+    return {"status": "ok", "message": "Generation paused successfully."}
+
+
+@router.post("/continue_generation")
+async def continue_generation(
+    request: Request, body: EmptyRequest | None = None
+) -> dict[str, Any]:
+    await get_ctx(request).tokenizer_manager.continue_generation()
+    return {"status": "ok", "message": "Generation continued successfully."}
 
 
 @router.post("/update_weights_from_disk")

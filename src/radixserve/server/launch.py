@@ -27,7 +27,12 @@ from typing import Any
 
 import uvicorn
 
-from radixserve.engine import start_subprocesses, terminate_processes, watch_processes
+from radixserve.engine import (
+    start_subprocesses,
+    stop_timeout,
+    terminate_processes,
+    watch_processes,
+)
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer_manager import RequestMetrics, TokenizerManager
 from radixserve.model_config import ModelConfig
@@ -61,6 +66,7 @@ def launch_server(server_args: ServerArgs) -> int:
         dtype=server_args.dtype,
         device=server_args.device,
         context_length=server_args.context_length,
+        quantization=server_args.quantization,
     )
     sock = bind_socket(server_args.host, server_args.port)
     previous_term = signal.signal(signal.SIGTERM, _raise_stop)
@@ -93,7 +99,7 @@ def _run(
         return asyncio.run(lifecycle.run(port_args, processes, sock))
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the clean-up finish
-        terminate_processes(processes)
+        terminate_processes(processes, stop_timeout(server_args))
         shutil.rmtree(port_args.directory, ignore_errors=True)
 
 

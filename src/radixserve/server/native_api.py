@@ -134,6 +134,7 @@ class OpenSessionRequest(_StrictModel):
     session_id: str | None = None
     streaming: bool = False
     timeout: float | None = None
+    resume: bool = False
 
 
 class CloseSessionRequest(_StrictModel):

@@ -4,6 +4,10 @@ The scheduler calls ``create_req`` for every generate request that carries ``ses
 the controller turns it into a ``Req`` with the assembled prompt (or a rejection message) and
 records it in the session. ``on_req_finished`` is called for every finished request, so streaming
 sessions learn their new history (or roll back after an abort) and deferred closes happen.
+
+A streaming session's KV is the prefix cache's business (``SessionAwareCache``): the controller
+only tells the cache when a session goes away, comes back after a restart, or must be written
+out, through the cache's session methods (no-ops on a cache without streaming sessions).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from radixserve.managers.schedule_batch import Req
-from radixserve.mem_cache.session_aware_cache import SessionAwareCache
+from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.sessions.session import Session, SessionError, SessionReqNode
 
 logger = logging.getLogger(__name__)
@@ -37,18 +41,17 @@ class CreatedReq:
     error: str | None = None
     parent: SessionReqNode | None = None
     to_remove: list[SessionReqNode] = field(default_factory=list)
+    replaces_parent: bool = False  # a replace naming ``parent``: it ends if still running
 
 
 class SessionController:
     def __init__(
         self,
-        streaming_enabled: bool,
-        session_cache: SessionAwareCache | None,
+        cache: BasePrefixCache,
         bos_token_id: int | None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.streaming_enabled = streaming_enabled
-        self.session_cache = session_cache
+        self.cache = cache
         self.bos_token_id = bos_token_id
         self.clock = clock
         self.sessions: dict[str, Session] = {}
@@ -58,7 +61,7 @@ class SessionController:
         def fail(message: str) -> OpenSessionReqOutput:
             return OpenSessionReqOutput(session_id=None, success=False, message=message)
 
-        if msg.streaming and not self.streaming_enabled:
+        if msg.streaming and not self.cache.supports_streaming_session:
             return fail(
                 "streaming sessions need the server to be started with --enable-streaming-session"
             )
@@ -68,6 +71,9 @@ class SessionController:
             return fail(f"timeout must be positive seconds, got {msg.timeout}")
         if msg.session_id is not None and not msg.session_id:
             return fail("session_id must be a non-empty string")
+        if msg.resume and (msg.session_id is None or not msg.streaming):
+            return fail('resume continues a stored streaming session: give its session_id and '
+                        '"streaming": true')
         session = Session(
             capacity_of_str_len=msg.capacity_of_str_len,
             streaming=msg.streaming,
@@ -78,8 +84,17 @@ class SessionController:
             session.session_id = msg.session_id
         if session.session_id in self.sessions:
             return fail(f"session id {session.session_id!r} already exists")
+        if msg.resume:
+            try:
+                session.history_ids = self.cache.resume_session(session.session_id)
+            except LookupError as e:
+                return fail(f"cannot resume session {session.session_id!r}: {e.args[0]}")
+        elif msg.session_id is not None:
+            self.cache.release_session(session.session_id)  # a new session starts empty
         self.sessions[session.session_id] = session
-        logger.info("session %s opened (streaming=%s)", session.session_id, msg.streaming)
+        logger.info("session %s %s (streaming=%s, %d tokens of history)", session.session_id,
+                    "resumed" if msg.resume else "opened", msg.streaming,
+                    len(session.history_ids))
         return OpenSessionReqOutput(session_id=session.session_id, success=True)
 
     def close(self, session_id: str) -> list[Req]:
@@ -100,16 +115,40 @@ class SessionController:
 
     def _drop(self, session: Session) -> None:
         del self.sessions[session.session_id]
-        if session.streaming and self.session_cache is not None:
-            self.session_cache.release_slot(session.session_id)
+        if session.streaming:
+            self.cache.release_session(session.session_id)
         logger.info("session %s closed", session.session_id)
 
-    def close_expired(self) -> None:
-        """Close sessions idle for longer than their timeout."""
+    def on_step(self) -> None:
+        """Every scheduler step: close sessions idle past their timeout, and let the cache
+        offload sessions idle past ``--session-offload-after``."""
         now = self.clock()
         for session in [s for s in self.sessions.values() if s.is_expired(now)]:
             logger.info("session %s timed out", session.session_id)
             self._drop(session)
+        self.cache.offload_idle_sessions()
+
+    def persist_all(self) -> None:
+        """Write every streaming session to a store that outlives the process (shutdown)."""
+        for session in self.sessions.values():
+            if session.streaming:
+                self.cache.persist_session(session.session_id, session.history_ids)
+
+    # ------------------------------------------------------------------ ordering
+    def inflight_rid(self, msg: TokenizedGenerateReqInput) -> str | None:
+        """The turn in flight on ``msg``'s streaming session, if any."""
+        session = self.sessions.get(msg.session_params.id) if msg.session_params else None
+        return session.inflight_rid if session is not None and session.streaming else None
+
+    def running_rid_to_replace(self, msg: TokenizedGenerateReqInput) -> str | None:
+        """The unfinished request that ``msg`` replaces (``replace`` naming a running
+        ``rid``): it must end, keeping what it generated, before ``msg`` is assembled."""
+        params = msg.session_params
+        session = self.sessions.get(params.id) if params is not None else None
+        if session is None or session.streaming or not params.replace or params.rid is None:
+            return None
+        node = session.req_nodes.get(params.rid)
+        return params.rid if node is not None and not node.req.finished() else None
 
     # ------------------------------------------------------------------ requests
     def create_req(self, msg: TokenizedGenerateReqInput) -> CreatedReq:
@@ -128,13 +167,16 @@ class SessionController:
         req = self._make_req(msg, input_ids)
         if session.streaming:
             req.streaming_session_id = session.session_id
-        return CreatedReq(req, parent=parent, to_remove=to_remove)
+        replaces = params.replace and parent is not None
+        return CreatedReq(req, parent=parent, to_remove=to_remove, replaces_parent=replaces)
 
     def admit(self, created: CreatedReq) -> list[Req]:
         """Record a validated request in its session; returns the requests to abort.
 
-        A ``replace`` removes the replaced branch now; its unfinished requests must be aborted.
-        A streaming session keeps no tree: only its history and the request in flight.
+        A ``replace`` removes the replaced branch now; its unfinished requests must be aborted,
+        and so must the request it names if that still runs (the scheduler ends it first, so
+        that the new request inherits all it generated). A streaming session keeps no tree:
+        only its history and the request in flight.
         """
         req = created.req
         session = self.sessions[req.session_params.id]
@@ -142,9 +184,12 @@ class SessionController:
         if session.streaming:
             session.inflight_rid = req.rid
             return []
-        to_abort = session.remove_nodes(created.to_remove)
-        session.add_req(req, created.parent)
-        return to_abort  # type: ignore[return-value]
+        to_abort: list = session.remove_nodes(created.to_remove)
+        parent = created.parent
+        if created.replaces_parent and parent is not None and not parent.req.finished():
+            to_abort.append(parent.req)
+        session.add_req(req, parent)
+        return to_abort
 
     def on_req_finished(self, req: Req) -> None:
         """A session request finished (any reason): update history, run a deferred close."""

@@ -43,14 +43,18 @@ def default_attention_backend(device: torch.device, dtype: torch.dtype, head_dim
 
 
 def create_attention_backend(
-    name: str, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: MHATokenToKVPool
+    name: str,
+    req_to_token_pool: ReqToTokenPool,
+    token_to_kv_pool: MHATokenToKVPool,
+    batch_invariant: bool = False,
 ) -> AttentionBackend:
     """Build the backend ``name`` over the given request-slot and KV pools; ValueError naming
-    the reason when it cannot run on them."""
+    the reason when it cannot run on them. ``batch_invariant``: a token's result may not depend
+    on its batch, chunk or cache state (``--enable-deterministic-inference``), or ValueError."""
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}"
         )
     module_name, class_name = _BACKENDS[name]
     module = importlib.import_module(f"radixserve.layers.attention.{module_name}")
-    return getattr(module, class_name)(req_to_token_pool, token_to_kv_pool)
+    return getattr(module, class_name)(req_to_token_pool, token_to_kv_pool, batch_invariant)

@@ -54,14 +54,24 @@ class _Metadata:
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: MHATokenToKVPool):
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        token_to_kv_pool: MHATokenToKVPool,
+        batch_invariant: bool = False,
+    ):
+        if batch_invariant:
+            raise ValueError(
+                "--enable-deterministic-inference needs the cpu attention backend: "
+                "torch_native's SDPA sums in an order that depends on the batch's padded shape"
+            )
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
         self._batch: ForwardBatch | None = None
         self._metadata: _Metadata | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        # Built by the first layer that needs it (a subclass's kernels may need none).
+        # Built by the first layer that needs it.
         self._batch = forward_batch
         self._metadata = None
 

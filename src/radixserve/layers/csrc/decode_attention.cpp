@@ -45,7 +45,9 @@ void with_head_regs(int64_t regs, Fn&& fn) {
   }
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+// c10::BFloat16 storage, next to vec_math.h's float32 and uint16_t overloads
+using radixserve_cpu::load16;
+using radixserve_cpu::store16;
 inline __m512 load16(const c10::BFloat16* p) {
   return load_bf16(reinterpret_cast<const uint16_t*>(p));
 }
@@ -59,7 +61,6 @@ inline void prefetch_row(const T* row, int64_t head_dim) {
   }
 }
 
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(c10::BFloat16* p, __m512 v) {
   store_bf16(reinterpret_cast<uint16_t*>(p), round_to_bf16(v));
 }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 namespace radixserve_cpu {
 
@@ -38,6 +39,21 @@ inline __m512 round_to_bf16(__m512 v) {
 inline void store_bf16(uint16_t* p, __m512 rounded, __mmask16 m = 0xFFFF) {
   __m512i high = _mm512_srli_epi32(_mm512_castps_si512(rounded), 16);
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(high));
+}
+
+// Loads, stores and the rounding to the storage type, for bf16 (as uint16_t) and float32.
+inline __m512 load16(const float* p, __mmask16 m = 0xFFFF) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m = 0xFFFF) { return load_bf16(p, m); }
+inline void store16(float* p, __m512 v, __mmask16 m = 0xFFFF) { _mm512_mask_storeu_ps(p, m, v); }
+// bf16: v must hold bf16 values already (round_to<uint16_t>)
+inline void store16(uint16_t* p, __m512 v, __mmask16 m = 0xFFFF) { store_bf16(p, v, m); }
+template <typename T>
+inline __m512 round_to(__m512 v) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    return round_to_bf16(v);
+  } else {
+    return v;
+  }
 }
 
 // e^x within about one float32 ulp: x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor series to

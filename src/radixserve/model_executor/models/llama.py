@@ -21,6 +21,7 @@ from radixserve.layers.linear import (
 )
 from radixserve.layers.logits_processor import LogitsProcessor
 from radixserve.layers.pooler import Pooler, PoolingType
+from radixserve.layers.quantization import QuantizationConfig
 from radixserve.layers.rotary_embedding import ApplyRotaryEmbedding, RotaryEmbedding
 from radixserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from radixserve.model_config import ModelConfig
@@ -46,11 +47,13 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads,
             config.num_key_value_heads,
             bias=qkv_bias,
+            quant_config=config.quantization,
         )
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * head_dim,
             config.hidden_size,
             bias=bool(config.hf_config.get("attention_bias", False)),
+            quant_config=config.quantization,
         )
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
@@ -85,12 +88,21 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], bias=bias
+            hidden_size, [intermediate_size, intermediate_size], bias=bias,
+            quant_config=quant_config,
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, quant_config=quant_config
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,6 +124,7 @@ class LlamaDecoderLayer(nn.Module):
             config.hidden_size,
             config.intermediate_size,
             bias=bool(config.hf_config.get("mlp_bias", False)),
+            quant_config=config.quantization,
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -189,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(
             config, attn_backend, qkv_bias=self.qkv_bias(config), qk_norm=self.qk_norm
         )
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, config.quantization)
         if config.tie_word_embeddings:
             self.tie_word_embeddings()
         self.logits_processor = LogitsProcessor()

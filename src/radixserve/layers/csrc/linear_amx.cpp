@@ -1,15 +1,12 @@
-// Small-batch bf16 linear layers for CPUs, streaming the weight at memory speed.
+// Small-batch bf16 linear layers on AMX (Sapphire Rapids and later).
 //
-// A decode step with few requests reads every weight once for a handful of input rows, so its
-// speed is the speed at which the weights stream from memory, and oneDNN's kernels for few rows
-// stream them at 60-70% of it (RESULTS.md). Both kernels here read one blocked copy of the weight,
-// [N/16][K/2][16][2]: 16 output rows' input pairs (k, k+1) side by side, 64 bytes per pair.
-// - gemv_bf16 (one row, AVX512-BF16): one 64-byte load feeds `vdpbf16ps`, which multiplies it by
-//   the broadcast input pair and adds into 16 float32 sums; no horizontal sums, no reordering.
-// - small_gemm_amx_bf16 (up to 32 rows, AMX): a block's 32 inputs of 16 outputs are one 1 KiB B
-//   tile, and one `tdpbf16ps` applies it to up to 16 input rows; software prefetch runs ahead.
-// Products and sums are float32 (bf16 x bf16 is exact in float32); each output is rounded to bf16
-// once, after the bias.
+// A decode step with few requests reads every weight once for a handful of input rows. The
+// blocked weight of csrc/linear.cpp, [N/16][K/2][16][2], is exactly a column of AMX B tiles: a
+// block's 32 inputs of 16 outputs are one 1 KiB tile, and one `tdpbf16ps` applies it to up to
+// 16 input rows; software prefetch runs ahead. Products and sums are float32 (bf16 x bf16 is
+// exact in float32); each output is rounded to bf16 once, after the bias. The tile sums its 32
+// inputs in an order of its own, so the AMX path is left out where batch invariance is asked for
+// (csrc/linear.cpp's kernel is batch invariant).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,43 +29,12 @@ namespace {
 using namespace radixserve_cpu;
 
 constexpr int64_t kRows = 16;     // output rows per block: one register of float32 sums
-constexpr int64_t kAhead = 1024;  // bytes of the block prefetched ahead of the loads
 
 __m512 load_bias(const c10::BFloat16* bias) {
   return load_bf16(reinterpret_cast<const uint16_t*>(bias));
 }
 
-void gemv_blocks(const uint32_t* x_pairs, const uint16_t* weight, const c10::BFloat16* bias,
-                 uint16_t* out, int64_t pairs, int64_t first, int64_t last) {
-  for (int64_t b = first; b < last; ++b) {
-    const uint16_t* block = weight + b * pairs * 2 * kRows;
-    const char* ahead = reinterpret_cast<const char*>(block) + kAhead;
-    // Four independent sums hide the latency of vdpbf16ps.
-    __m512 acc[4] = {bias ? load_bias(bias + b * kRows) : _mm512_setzero_ps(),
-                     _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    int64_t p = 0;
-    for (; p + 4 <= pairs; p += 4) {
-      _mm_prefetch(ahead + p * 64, _MM_HINT_T0);
-      _mm_prefetch(ahead + p * 64 + 128, _MM_HINT_T0);
-      for (int i = 0; i < 4; ++i) {
-        __m512i w = _mm512_loadu_si512(block + (p + i) * 2 * kRows);
-        __m512i x = _mm512_set1_epi32(static_cast<int32_t>(x_pairs[p + i]));
-        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)x, (__m512bh)w);
-      }
-    }
-    for (; p < pairs; ++p) {
-      __m512i w = _mm512_loadu_si512(block + p * 2 * kRows);
-      __m512i x = _mm512_set1_epi32(static_cast<int32_t>(x_pairs[p]));
-      acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)x, (__m512bh)w);
-    }
-    __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-    // round to nearest even, as c10::BFloat16 does
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * kRows),
-                        (__m256i)_mm512_cvtneps_pbh(sum));
-  }
-}
-
-// Checks what both kernels take (bf16, a blocked weight matching x's features, an optional [N]
+// Checks what the kernel takes (bf16, a blocked weight matching x's features, an optional [N]
 // bias) and returns the bias pointer (null without one).
 const c10::BFloat16* check_blocked(const char* op, const at::Tensor& x, const at::Tensor& weight,
                                    const std::optional<at::Tensor>& bias) {
@@ -84,22 +50,6 @@ const c10::BFloat16* check_blocked(const char* op, const at::Tensor& x, const at
                   bias->is_contiguous(),
               "bias must be [N] bfloat16, contiguous");
   return bias->data_ptr<c10::BFloat16>();
-}
-
-// x: [1, K] bf16 contiguous; weight: blocked [N/16, K/2, 16, 2] bf16; bias: [N] bf16 or None.
-at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight,
-                     const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "x must be [1, K], contiguous");
-  const c10::BFloat16* bias_ptr = check_blocked("gemv_bf16", x, weight, bias);
-  const int64_t blocks = weight.size(0), pairs = weight.size(1), n = blocks * kRows;
-  at::Tensor out = at::empty({1, n}, x.options());
-  const auto* x_pairs = reinterpret_cast<const uint32_t*>(x.data_ptr());
-  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  auto* y = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, blocks, 4, [&](int64_t first, int64_t last) {
-    gemv_blocks(x_pairs, w, bias_ptr, y, pairs, first, last);
-  });
-  return out;
 }
 
 // AMX: tiles 0-3 hold float32 sums, 4-5 input rows, 6-7 weight tiles. Up to 16 rows: four
@@ -146,7 +96,8 @@ TileConfig tile_config(int64_t m) {
 }
 
 // float32 sums [rows][16 * blocks] (+ bias) -> bf16 outputs at column `col` of `out` [M, N]
-void store_rows(const float* sums, int64_t sum_stride, int64_t rows, int64_t cols,
+// (AMX CPUs all have AVX512-BF16; the build may leave it out elsewhere)
+__attribute__((target("avx512bf16"))) void store_rows(const float* sums, int64_t sum_stride, int64_t rows, int64_t cols,
                 const c10::BFloat16* bias, int64_t col, uint16_t* out, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; c += kRows) {
@@ -245,7 +196,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_blocks(
   _tile_release();
 }
 
-// x: [M, K] bf16 contiguous, 1 <= M <= 32, K a multiple of 32; weight and bias as gemv_bf16.
+// x: [M, K] bf16 contiguous, 1 <= M <= 32, K a multiple of 32; weight: blocked [N/16, K/2, 16,
+// 2] bf16 (N a multiple of 16); bias: [N] bf16 or None.
 at::Tensor small_gemm_amx_bf16(const at::Tensor& x, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(amx_permitted(), "AMX is not available to this process");
@@ -267,8 +219,6 @@ at::Tensor small_gemm_amx_bf16(const at::Tensor& x, const at::Tensor& weight,
 }  // namespace
 
 TORCH_LIBRARY(radixserve_cpu, m) {
-  m.def("gemv_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.impl("gemv_bf16", c10::DispatchKey::CPU, &gemv_bf16);
   m.def("amx_permitted() -> bool", &amx_permitted);
   m.def("small_gemm_amx_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("small_gemm_amx_bf16", c10::DispatchKey::CPU, &small_gemm_amx_bf16);

@@ -1,0 +1,281 @@
+// Prefill (EXTEND) attention straight from the paged KV pool, for CPUs (float32 and bf16):
+// flash-style, so a 4096-token chunk costs time linear in the keys each query sees, not a
+// padded [queries x keys] score matrix per request.
+//
+// Each request's new tokens attend causally over its whole KV (cached prefix + new tokens). One
+// call per layer first writes the new K/V into the pool, then runs tasks of (request, KV head,
+// block of 16 query positions): the rows of a task are those positions times the query heads
+// that share the KV head. A task walks the keys in blocks of 16 (aligned to absolute key
+// positions), converts each block to float32 once (K transposed, so that 16 scores come out of
+// one register), and for every row keeps an online softmax: running maximum m, running sum l and
+// the weighted sum of values, rescaled by e^(m_old - m_new) when the maximum grows. Keys past a
+// row's position get probability exactly 0; key blocks past it are skipped.
+//
+// A row's result depends only on its query, its position and the keys up to it, never on the
+// other rows of its task, the chunk it is prefilled in or the tokens cached before it: the same
+// operations run in the same order for it whatever the batch (batch invariance, which
+// `--enable-deterministic-inference` relies on: chunked prefill of 64 or 4096 tokens and a radix
+// cache hit give the bits of a cold prefill).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
+
+#include "vec_math.h"
+
+namespace {
+
+using namespace radixserve_cpu;
+
+constexpr int64_t kKeys = 16;     // keys per block: one register of scores
+constexpr int64_t kQueries = 16;  // query positions per task
+constexpr int kRowTile = 4;       // rows whose scores are computed together
+
+template <typename T>
+inline const uint16_t* as_u16(const T* p) {
+  return reinterpret_cast<const uint16_t*>(p);
+}
+inline __m512 load_row(const float* p, __mmask16 m = 0xFFFF) { return load16(p, m); }
+inline __m512 load_row(const c10::BFloat16* p, __mmask16 m = 0xFFFF) {
+  return load16(as_u16(p), m);
+}
+
+struct Shape {
+  int64_t heads, kv_heads, group, head_dim;
+  int64_t q_stride, kv_row, table_stride, out_stride;
+};
+
+// One task: rows = positions [first, first + count) of request b (absolute positions
+// prefix + i) times the `group` query heads of KV head h.
+template <typename T>
+void attend_block(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots,
+                  int64_t token0, int64_t prefix, int64_t first, int64_t count, int64_t h,
+                  float scale, T* out, const Shape& s, std::vector<float>& scratch) {
+  const int64_t D = s.head_dim, G = s.group, rows = count * G;
+  const int64_t max_pos = prefix + first + count - 1;
+  scratch.resize(rows * D * 2 + 2 * rows + kKeys * D * 2 + rows * kKeys);
+  float* qs = scratch.data();             // [rows][D] scaled queries
+  float* acc = qs + rows * D;             // [rows][D] weighted sums of values
+  float* m = acc + rows * D;              // [rows] running maximum
+  float* l = m + rows;                    // [rows] running sum
+  float* kt = l + rows;                   // [D][kKeys] keys, transposed
+  float* vb = kt + kKeys * D;             // [kKeys][D] values
+  float* probs = vb + kKeys * D;          // [rows][kKeys]
+  std::vector<int64_t> pos(rows);
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < count; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      const T* qr = q + (token0 + first + i) * s.q_stride + (h * G + g) * D;
+      for (int64_t d = 0; d < D; d += kLanes) {
+        _mm512_storeu_ps(qs + r * D + d, _mm512_mul_ps(load_row(qr + d), scale_v));
+        _mm512_storeu_ps(acc + r * D + d, _mm512_setzero_ps());
+      }
+      m[r] = -INFINITY;
+      l[r] = 0.0f;
+      pos[r] = prefix + first + i;
+    }
+  }
+  const int64_t head_off = h * D;
+  for (int64_t k0 = 0; k0 <= max_pos; k0 += kKeys) {
+    const int64_t n = std::min(kKeys, max_pos + 1 - k0);
+    for (int64_t j = 0; j < kKeys; ++j) {  // a short last block is zero-padded
+      const T* kr = k_buf + slots[std::min(k0 + j, max_pos)] * s.kv_row + head_off;
+      const T* vr = v_buf + slots[std::min(k0 + j, max_pos)] * s.kv_row + head_off;
+      for (int64_t d = 0; d < D; d += kLanes) {
+        const __m512 kv = j < n ? load_row(kr + d) : _mm512_setzero_ps();
+        alignas(64) float tmp[kLanes];
+        _mm512_store_ps(tmp, kv);
+        for (int64_t e = 0; e < kLanes; ++e) kt[(d + e) * kKeys + j] = tmp[e];
+        _mm512_storeu_ps(vb + j * D + d, j < n ? load_row(vr + d) : _mm512_setzero_ps());
+      }
+    }
+    // scores of kRowTile rows at a time: 16 keys per register, one FMA per dimension
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+      const int64_t tile = std::min<int64_t>(kRowTile, rows - r0);
+      __m512 sc[kRowTile] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                             _mm512_setzero_ps()};
+      for (int64_t d = 0; d < D; ++d) {
+        const __m512 kd = _mm512_loadu_ps(kt + d * kKeys);
+        for (int t = 0; t < kRowTile; ++t) {
+          if (t < tile) sc[t] = _mm512_fmadd_ps(_mm512_set1_ps(qs[(r0 + t) * D + d]), kd, sc[t]);
+        }
+      }
+      for (int t = 0; t < tile; ++t) _mm512_storeu_ps(probs + (r0 + t) * kKeys, sc[t]);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      if (k0 > pos[r]) continue;  // every key of the block is in this row's future
+      const __mmask16 visible = lanes(std::min(n, pos[r] + 1 - k0));
+      const __m512 sc = _mm512_loadu_ps(probs + r * kKeys);
+      const float block_max = _mm512_mask_reduce_max_ps(visible, sc);
+      const float m_new = std::max(m[r], block_max);
+      const float alpha = std::exp(m[r] - m_new);  // 0 for the first block (m = -inf)
+      const __m512 p = _mm512_maskz_mov_ps(visible, exp_ps(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+      l[r] = l[r] * alpha + _mm512_reduce_add_ps(p);
+      m[r] = m_new;
+      alignas(64) float pj[kKeys];
+      _mm512_store_ps(pj, p);
+      const __m512 alpha_v = _mm512_set1_ps(alpha);
+      for (int64_t d = 0; d < D; d += kLanes) {
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), alpha_v);
+        for (int64_t j = 0; j < kKeys; ++j) {
+          a = _mm512_fmadd_ps(_mm512_set1_ps(pj[j]), _mm512_loadu_ps(vb + j * D + d), a);
+        }
+        _mm512_storeu_ps(acc + r * D + d, a);
+      }
+    }
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      T* dst = out + (token0 + first + i) * s.out_stride + (h * G + g) * D;
+      const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+      for (int64_t d = 0; d < D; d += kLanes) {
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), inv);
+        if constexpr (std::is_same_v<T, float>) {
+          _mm512_storeu_ps(dst + d, v);
+        } else {
+          store_bf16(reinterpret_cast<uint16_t*>(dst + d), round_to_bf16(v));
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void extend_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& loc, at::Tensor& k_buffer, at::Tensor& v_buffer,
+                           const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                           const at::Tensor& seq_lens, const at::Tensor& extend_lens,
+                           double scale, at::Tensor& out) {
+  const int64_t tokens = q.size(0), batch = seq_lens.size(0);
+  Shape s{q.size(1), k_buffer.size(1), q.size(1) / k_buffer.size(1), q.size(2), q.stride(0),
+          k_buffer.size(1) * q.size(2), req_to_token.stride(0), out.stride(0)};
+  const T* qp = q.data_ptr<T>();
+  T* kb = k_buffer.data_ptr<T>();
+  T* vbuf = v_buffer.data_ptr<T>();
+  const int64_t* loc_p = loc.data_ptr<int64_t>();
+  // the new tokens' K/V into the pool
+  const T* kn = k.data_ptr<T>();
+  const T* vn = v.data_ptr<T>();
+  const int64_t k_stride = k.stride(0), v_stride = v.stride(0), row = s.kv_row;
+  at::parallel_for(0, tokens, 64, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      std::copy_n(kn + t * k_stride, row, kb + loc_p[t] * row);
+      std::copy_n(vn + t * v_stride, row, vbuf + loc_p[t] * row);
+    }
+  });
+  // tasks: (request, KV head, block of kQueries new positions), longest first
+  struct Task {
+    int64_t b, token0, prefix, first, count, h;
+  };
+  std::vector<Task> tasks;
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* ext = extend_lens.data_ptr<int64_t>();
+  int64_t token0 = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t prefix = lens[b] - ext[b];
+    for (int64_t first = 0; first < ext[b]; first += kQueries) {
+      for (int64_t h = 0; h < s.kv_heads; ++h) {
+        tasks.push_back({b, token0, prefix, first, std::min(kQueries, ext[b] - first), h});
+      }
+    }
+    token0 += ext[b];
+  }
+  TORCH_CHECK(token0 == tokens, "extend_attention: the extend lengths sum to ", token0,
+              ", q has ", tokens, " tokens");
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
+    return a.prefix + a.first > b.prefix + b.first;
+  });
+  const int64_t* table = req_to_token.data_ptr<int64_t>();
+  const int64_t* pool_idx = req_pool_indices.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks.size());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch;
+    for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
+      const Task& t = tasks[i];
+      attend_block(qp, kb, vbuf, table + pool_idx[t.b] * s.table_stride, t.token0, t.prefix,
+                   t.first, t.count, t.h, static_cast<float>(scale), op, s, scratch);
+    }
+  });
+}
+
+void check_long_vector(const at::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.size(0) == n && t.is_contiguous(),
+              "extend_attention: ", name, " must be a contiguous int64 [", n, "] tensor");
+}
+
+// q, out: [tokens, heads, head_dim] (q may be row-strided); k, v: [tokens, kv_heads,
+// head_dim], the new tokens' K/V, written at slots loc[t]; k_buffer, v_buffer: [slots,
+// kv_heads, head_dim]; request b's tokens are the next extend_lens[b] rows, at positions
+// seq_lens[b] - extend_lens[b] onwards, its slots the first seq_lens[b] of req_to_token's row
+// req_pool_indices[b].
+void extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& loc, at::Tensor k_buffer, at::Tensor v_buffer,
+                      const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                      const at::Tensor& seq_lens, const at::Tensor& extend_lens, double scale,
+                      at::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k_buffer.dim() == 3 &&
+                  v_buffer.dim() == 3 && out.sizes() == q.sizes(),
+              "extend_attention: q and out must be [tokens, heads, head_dim], k, v and the KV "
+              "buffers [n, kv_heads, head_dim]");
+  const int64_t tokens = q.size(0), head_dim = q.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == tokens && k.size(1) == k_buffer.size(1) &&
+                  k.size(2) == head_dim && k_buffer.sizes() == v_buffer.sizes() &&
+                  k_buffer.size(2) == head_dim,
+              "extend_attention: the new K/V and the KV buffers do not match q");
+  TORCH_CHECK(q.size(1) % k_buffer.size(1) == 0,
+              "extend_attention: heads must be a multiple of kv_heads");
+  TORCH_CHECK(head_dim % kLanes == 0 && head_dim <= 256,
+              "extend_attention: head_dim must be a multiple of 16 up to 256, got ", head_dim);
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &k_buffer,
+                                                                     &v_buffer, &out}) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(),
+                "extend_attention: q, K/V and out must share a dtype");
+  }
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "extend_attention: q, k and v must have contiguous heads in each row");
+  }
+  TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous() && out.is_contiguous(),
+              "extend_attention: the KV buffers and out must be contiguous");
+  const int64_t batch = seq_lens.size(0);
+  check_long_vector(loc, tokens, "loc");
+  check_long_vector(req_pool_indices, batch, "req_pool_indices");
+  check_long_vector(seq_lens, batch, "seq_lens");
+  check_long_vector(extend_lens, batch, "extend_lens");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.dim() == 2 &&
+                  req_to_token.stride(1) == 1,
+              "extend_attention: req_to_token must be int64 [requests, context] with "
+              "contiguous rows");
+  if (tokens == 0) return;
+  if (q.scalar_type() == at::kFloat) {
+    extend_attention_impl<float>(q, k, v, loc, k_buffer, v_buffer, req_to_token,
+                                 req_pool_indices, seq_lens, extend_lens, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    extend_attention_impl<c10::BFloat16>(q, k, v, loc, k_buffer, v_buffer, req_to_token,
+                                         req_pool_indices, seq_lens, extend_lens, scale, out);
+  } else {
+    TORCH_CHECK(false, "extend_attention takes float32 or bfloat16, got ", q.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
+  m.def("extend_attention(Tensor q, Tensor k, Tensor v, Tensor loc, Tensor(a!) k_buffer, "
+        "Tensor(b!) v_buffer, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
+        "Tensor extend_lens, float scale, Tensor(c!) out) -> ()");
+  m.impl("extend_attention", c10::DispatchKey::CPU, &extend_attention);
+}

@@ -1,0 +1,87 @@
+"""The session store through the offline ``Engine``, on the plain and the overlap schedule.
+
+An idle streaming session goes to the store after ``session_offload_after`` seconds; its next
+turn restores it (``cached_tokens``: the whole history but its last token) and continues as a
+plain request on the same ids. ``Engine.shutdown`` writes the open session out, and a second
+Engine on the same store resumes it (``open_session(..., resume=True)``) with its KV.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from radixserve import Engine
+from tests.engine.conftest import ENGINE_KWARGS, engine_state, wait_idle
+from tests.sessions.conftest import BUSY_CHECK, random_ids, sampling
+from tests.sync import wait_for
+
+N = 6
+
+
+def store_engine(llama_path: Path, store: Path, overlap: bool, **extra: Any) -> Engine:
+    return Engine(model_path=str(llama_path), enable_overlap_schedule=overlap,
+                  enable_streaming_session=True, session_store=str(store), **ENGINE_KWARGS,
+                  **extra)
+
+
+class EngineChat:
+    """A streaming session on an Engine, and the history it should hold."""
+
+    def __init__(self, engine: Engine, session_id: str, history: list[int] | None = None):
+        self.engine, self.id = engine, session_id
+        self.history = list(history or [])
+
+    def turn(self, rng: random.Random) -> dict[str, Any]:
+        """One turn, checked against a plain request on the assembled ids."""
+        new = random_ids(rng, 5)
+        out = self.engine.generate(input_ids=new, sampling_params=sampling(N),
+                                   session_params={"id": self.id})
+        assembled = self.history + new
+        plain = self.engine.generate(input_ids=assembled, sampling_params=sampling(N))
+        assert out["meta_info"]["prompt_tokens"] == len(assembled)
+        assert out["output_ids"] == plain["output_ids"]
+        self.history = assembled + out["output_ids"]
+        return out
+
+
+def offloaded(engine: Engine) -> int:
+    return engine_state(engine)["memory"]["session_offloaded_tokens"]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_engine_offloads_restores_and_resumes_a_session_across_engines(
+    llama_path, tmp_path, monkeypatch, overlap,
+):
+    for name, value in {**BUSY_CHECK, "RADIXSERVE_TEST_STRICT": "1"}.items():
+        monkeypatch.setenv(name, value)  # the Engine's children inherit it: a leak raises
+    store = tmp_path / "store"
+    rng = random.Random(f"engine-store-{overlap}")
+    with store_engine(llama_path, store, overlap, session_offload_after=0.2) as engine:
+        assert engine.open_session(4096, session_id="chat", streaming=True) == "chat"
+        chat = EngineChat(engine, "chat")
+        chat.turn(rng)
+        for _ in range(2):
+            # Idle past session_offload_after: the slot's KV goes to the store, out of the pool.
+            held = len(chat.history) - 1
+            wait_for(lambda: offloaded(engine), lambda tokens, held=held: tokens == held,
+                     "the idle session offloaded")
+            memory = wait_idle(engine)["memory"]
+            assert memory["session_held_kv_tokens"] == memory["protected_kv_tokens"] == 0
+            out = chat.turn(rng)
+            assert out["meta_info"]["cached_tokens"] == held, "restored, not recomputed"
+        history = chat.history
+    # The first Engine's shutdown wrote the session out; a second one resumes it.
+    with store_engine(llama_path, store, overlap) as engine:
+        assert engine.open_session(4096, session_id="chat", streaming=True, resume=True) == "chat"
+        assert offloaded(engine) == len(history) - 1
+        chat = EngineChat(engine, "chat", history)
+        out = chat.turn(rng)
+        assert out["meta_info"]["cached_tokens"] == len(history) - 1
+        engine.close_session("chat")
+        memory = wait_idle(engine)["memory"]
+        assert memory["session_offloaded_tokens"] == memory["session_held_kv_tokens"] == 0
+    assert list(store.iterdir()) == [], "closing the session deleted its file"
