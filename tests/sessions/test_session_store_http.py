@@ -9,7 +9,6 @@ model, or a truncated or corrupt file, is refused and the session re-prefills it
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import pytest
 from tests.checkpoints import build_checkpoint
 from tests.server.conftest import ServerProcess, start_server
 from tests.sessions.conftest import BUSY_CHECK, SessionAPI, random_ids
+from tests.sync import wait_for
 
 N = 6
 
@@ -61,17 +61,6 @@ def resume(api: SessionAPI, session_id: str) -> httpx.Response:
     return api.http.post("/open_session", json={
         "capacity_of_str_len": 4096, "session_id": session_id, "streaming": True, "resume": True,
     })
-
-
-def wait_for(api: SessionAPI, condition, what: str, timeout: float = 60.0) -> dict:
-    """Poll the server's memory figures until ``condition(figures)`` (a server-side event)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        memory = api.memory()
-        if condition(memory):
-            return memory
-        assert time.monotonic() < deadline, f"{what}: not after {timeout}s: {memory}"
-        time.sleep(0.05)
 
 
 def serve(model: Path, store: Path, *flags: str) -> ServerProcess:
@@ -184,8 +173,8 @@ def test_sessions_survive_a_restart_and_untrustworthy_files_re_prefill(
             # Idle past --session-offload-after: the session goes to the store; its next
             # turn restores it.
             chat = chats["intact"]
-            wait_for(api, lambda m: m["session_offloaded_tokens"] >= len(chat.history) - 1,
-                     "the idle session's KV was not offloaded")
+            wait_for(api.memory, lambda m: m["session_offloaded_tokens"] >= len(chat.history) - 1,
+                     "the idle session's KV offloaded")
             before = len(chat.history)
             out = chat.turn()
             assert cached(out) == before - 1
