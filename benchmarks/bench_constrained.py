@@ -11,8 +11,8 @@ run). Unconstrained and constrained runs take turns ``--repeats`` times, each wi
 each counts. ``ratio`` = constrained / unconstrained output tokens/s (issue #12's target: at least
 0.9 at batch 32).
 
-Prints JSON lines (one per run kind and batch size, then a summary with the machine's load
-average). See benchmarks/README.md.
+Prints a JSON line per run as soon as it ends (a run cut short by a time limit still reports),
+then a summary of the best runs with the machine's load average. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -81,13 +81,13 @@ def main() -> None:
         "unconstrained": greedy,
         "json_schema": {**greedy, "json_schema": json.dumps(schema(args.items))},
     }
-    records: dict[tuple[str, int], dict[str, Any]] = {}
+    best: dict[tuple[str, int], dict[str, Any]] = {}
     with Engine(model_path=model_path, dtype=args.dtype, device=args.device,
                 max_running_requests=max(args.batch_sizes)) as engine:
         for params in modes.values():  # warm-up; compiles and caches the grammar
             engine.generate(input_ids=prompts(2), sampling_params={**params, "max_new_tokens": 4})
         for batch in args.batch_sizes:
-            for _ in range(args.repeats):
+            for repeat in range(args.repeats):
                 for mode, params in modes.items():
                     start = time.perf_counter()
                     outs = engine.generate(input_ids=prompts(batch), sampling_params=params)
@@ -95,19 +95,19 @@ def main() -> None:
                     tokens = sum(len(o["output_ids"]) for o in outs)
                     cut = all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
                     record = {
-                        "mode": mode, "batch_size": batch, "output_tokens": tokens,
-                        "wall_s": round(wall, 3), "output_tokens_per_s": round(tokens / wall, 1),
+                        "mode": mode, "batch_size": batch, "repeat": repeat,
+                        "output_tokens": tokens, "wall_s": round(wall, 3),
+                        "output_tokens_per_s": round(tokens / wall, 1),
                         "all_cut_at_output_len": cut,
                     }
-                    best = records.get((mode, batch))
-                    if best is None or record["wall_s"] < best["wall_s"]:
-                        records[(mode, batch)] = record
+                    print(json.dumps(record), flush=True)  # at once: a cut-off run still tells
+                    kept = best.get((mode, batch))
+                    if kept is None or record["wall_s"] < kept["wall_s"]:
+                        best[(mode, batch)] = record
         state = engine.get_server_info()["internal_states"][0]
-    for record in records.values():
-        print(json.dumps(record), flush=True)
     ratios = {
-        f"ratio_batch_{b}": round(records[("json_schema", b)]["output_tokens_per_s"]
-                                  / records[("unconstrained", b)]["output_tokens_per_s"], 3)
+        f"ratio_batch_{b}": round(best[("json_schema", b)]["output_tokens_per_s"]
+                                  / best[("unconstrained", b)]["output_tokens_per_s"], 3)
         for b in args.batch_sizes
     }
     print(json.dumps({

@@ -29,14 +29,16 @@ def _corpus() -> list[str]:
     return [topics[k] for k in sorted(topics)]
 
 
-def build_tokenizer(out_dir: Path) -> None:
-    """Train a small byte-level BPE tokenizer and save it in transformers' format."""
+def build_tokenizer(out_dir: Path, chat_template: str = CHAT_TEMPLATE,
+                    extra_special_tokens: tuple[str, ...] = ()) -> None:
+    """Train a small byte-level BPE tokenizer and save it in transformers' format
+    (``extra_special_tokens`` after the usual ones, as a model's control tokens)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list(extra_special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -51,7 +53,7 @@ def build_tokenizer(out_dir: Path) -> None:
                 "pad_token": "<|pad|>",
                 "add_bos_token": False,
                 "model_max_length": 4096,
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": chat_template,
             }
         )
     )
@@ -94,10 +96,11 @@ def _hf_config(arch: str, vocab_size: int):
 
 
 def build_checkpoint(out_dir: Path, arch: str = "llama", seed: int = 0,
-                     max_shard_size: str | None = None, **config_overrides) -> Path:
+                     max_shard_size: str | None = None, chat_template: str = CHAT_TEMPLATE,
+                     extra_special_tokens: tuple[str, ...] = (), **config_overrides) -> Path:
     """Write a tiny random checkpoint of ``arch`` to ``out_dir`` and return it."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out_dir)
+    build_tokenizer(out_dir, chat_template, extra_special_tokens)
     vocab = len(json.loads((out_dir / "tokenizer.json").read_text())["model"]["vocab"])
     model_cls, config = _hf_config(arch, vocab)
     for key, value in config_overrides.items():

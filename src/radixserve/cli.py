@@ -17,6 +17,8 @@ from typing import Any
 from radixserve import __version__
 from radixserve.layers.attention import ATTENTION_BACKENDS
 from radixserve.layers.quantization import QUANTIZATION_METHODS
+from radixserve.server.openai.reasoning import REASONING_PARSERS
+from radixserve.server.openai.tool_parsers import TOOL_CALL_PARSERS
 from radixserve.server_args import (
     DEVICES,
     DTYPES,
@@ -35,6 +37,8 @@ CHOICES: dict[str, Sequence[str]] = {
     "schedule_policy": SCHEDULE_POLICIES,
     "load_balance_method": LOAD_BALANCE_METHODS,
     "log_level": LOG_LEVELS,
+    "tool_call_parser": tuple(TOOL_CALL_PARSERS),
+    "reasoning_parser": tuple(REASONING_PARSERS),
 }
 
 HELP: dict[str, str] = {
@@ -101,6 +105,12 @@ HELP: dict[str, str] = {
     "enable_metrics": "Serve Prometheus metrics on GET /metrics.",
     "max_queued_requests": "Answer 429 when this many generation requests are in flight.",
     "chat_template": "Jinja chat template, or a file holding one (default: the tokenizer's).",
+    "tool_call_parser": "The tool-call format the model writes (hermes = qwen25 = qwen: "
+    "<tool_call>{json}</tool_call>; llama3 = llama3_json: Llama 3.x JSON calls; mistral: "
+    "[TOOL_CALLS]): needed for tool_choice 'auto' (default: none; 'required' and named "
+    "functions are enforced with a grammar and need no parser).",
+    "reasoning_parser": "Separate a thinking model's <think>...</think> into reasoning_content "
+    "(qwen3: the model or the template opens the block; deepseek-r1: the output starts in it).",
     "log_requests": "Log every request and HTTP access.",
     "log_level": "Logging level.",
     "skip_warmup": "Skip the warm-up generation before the server reports ready.",

@@ -66,6 +66,8 @@ class ServerArgs:
     enable_metrics: bool = False
     max_queued_requests: int | None = None
     chat_template: str | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     log_requests: bool = False
     log_level: str = "info"
     skip_warmup: bool = False
@@ -83,22 +85,18 @@ class ServerArgs:
             raise ValueError(
                 f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
             )
-        if self.attention_backend is not None:
-            from radixserve.layers.attention import ATTENTION_BACKENDS
+        from radixserve.layers.attention import ATTENTION_BACKENDS
+        from radixserve.layers.quantization import QUANTIZATION_METHODS
+        from radixserve.server.openai.reasoning import REASONING_PARSERS
+        from radixserve.server.openai.tool_parsers import TOOL_CALL_PARSERS
 
-            if self.attention_backend not in ATTENTION_BACKENDS:
-                raise ValueError(
-                    f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                    f"got {self.attention_backend!r}"
-                )
-        if self.quantization is not None:
-            from radixserve.layers.quantization import QUANTIZATION_METHODS
-
-            if self.quantization not in QUANTIZATION_METHODS:
-                raise ValueError(
-                    f"quantization must be one of {QUANTIZATION_METHODS}, "
-                    f"got {self.quantization!r}"
-                )
+        for name, choices in (("attention_backend", ATTENTION_BACKENDS),
+                              ("quantization", QUANTIZATION_METHODS),
+                              ("tool_call_parser", tuple(TOOL_CALL_PARSERS)),
+                              ("reasoning_parser", tuple(REASONING_PARSERS))):
+            value = getattr(self, name)
+            if value is not None and value not in choices:
+                raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         self._check_parallelism()

@@ -17,11 +17,12 @@ README.md has the table.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.server.openai.structured_outputs import ResponseFormat, grammar_params
@@ -32,13 +33,11 @@ MAX_TOP_LOGPROBS = 20
 
 
 # Fields of OpenAI's API that radixserve does not implement, with the values that mean "unused".
-_TOOLS = "tool calling is not implemented yet"
+_FUNCTIONS = "the deprecated functions API is not supported; use tools and tool_choice"
+_COMPLETION_TOOLS = "tool calling is only supported on /v1/chat/completions"
 UNSUPPORTED_SHARED: Unsupported = {
-    "tools": ((None, []), _TOOLS),
-    "tool_choice": ((None, "none"), _TOOLS),
-    "parallel_tool_calls": ((None,), _TOOLS),
-    "functions": ((None, []), _TOOLS),
-    "function_call": ((None, "none"), _TOOLS),
+    "functions": ((None, []), _FUNCTIONS),
+    "function_call": ((None, "none"), _FUNCTIONS),
     "audio": ((None,), "audio output is not supported"),
     "modalities": ((None, ["text"]), "only text output is supported"),
     "prediction": ((None,), "predicted outputs are not supported"),
@@ -55,8 +54,12 @@ UNSUPPORTED_CHAT: Unsupported = {
     "continue_final_message": (
         (None, False), "continuing the last assistant message is not supported"
     ),
+    "stream_reasoning": ((None, True), "reasoning is always streamed as it is parsed"),
 }
 UNSUPPORTED_COMPLETIONS: Unsupported = {
+    "tools": ((None, []), _COMPLETION_TOOLS),
+    "tool_choice": ((None, "none"), _COMPLETION_TOOLS),
+    "parallel_tool_calls": ((None,), _COMPLETION_TOOLS),
     "best_of": ((None, 1), "best_of is not supported (use n)"),
     "suffix": ((None, ""), "suffix (insertion) is not supported"),
 }
@@ -165,11 +168,13 @@ class _SamplingRequest(StrictRequest):
         prompts: list[list[int]],
         context_len: int,
         top_logprobs_num: int | None,
+        extra_params: dict[str, Any] | None = None,
     ) -> list[GenerateReqInput]:
         """One single-prompt request per choice: prompt p's choice j is at ``p * n + j``.
 
         Without ``max_tokens`` a choice may generate up to the end of the context (as OpenAI);
-        ``top_logprobs_num`` None means no logprobs. The TokenizerManager validates the rest.
+        ``top_logprobs_num`` None means no logprobs; ``extra_params`` are sampling parameters the
+        route adds (a tool grammar, say). The TokenizerManager validates the rest.
         """
         requested = self.requested_max_tokens()
         inputs = []
@@ -179,7 +184,8 @@ class _SamplingRequest(StrictRequest):
                 inputs.append(
                     GenerateReqInput(
                         input_ids=ids,
-                        sampling_params=self.sampling_params(max_new, j),
+                        sampling_params={**self.sampling_params(max_new, j),
+                                         **(extra_params or {})},
                         stream=self.stream,
                         return_logprob=top_logprobs_num is not None,
                         top_logprobs_num=top_logprobs_num or 0,
@@ -189,10 +195,54 @@ class _SamplingRequest(StrictRequest):
 
 
 # ---------------------------------------------------------------------------- chat requests
+class FunctionDefinition(StrictRequest):
+    # OpenAI's rule for function names.
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    # Enforced with required / named tool_choice; in auto mode the model writes freely.
+    strict: bool | None = None
+
+
+class Tool(StrictRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictRequest):
+    name: str
+
+
+class NamedToolChoice(StrictRequest):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(StrictRequest):
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+    def arguments_object(self) -> Any:
+        """The arguments decoded (chat templates render them as JSON themselves)."""
+        try:
+            return json.loads(self.arguments)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"tool call arguments are not valid JSON: {e}") from None
+
+
+class MessageToolCall(StrictRequest):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(StrictRequest):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this result answers
+    reasoning_content: str | None = None  # assistant messages (templates may render it)
 
     @field_validator("content")
     @classmethod
@@ -206,6 +256,19 @@ class ChatMessage(StrictRequest):
                     )
         return content
 
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise ValueError("tool_call_id is only allowed on tool messages")
+        for name in ("tool_calls", "reasoning_content"):
+            if self.role != "assistant" and getattr(self, name) is not None:
+                raise ValueError(f"{name} is only allowed on assistant messages")
+        for call in self.tool_calls or []:
+            call.function.arguments_object()
+        return self
+
     def text(self) -> str:
         """The content as one string (text parts joined by newlines)."""
         if self.content is None:
@@ -214,20 +277,44 @@ class ChatMessage(StrictRequest):
             return self.content
         return "\n".join(part["text"] for part in self.content)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: ``developer`` is ``system``, tool-call
+        arguments are objects (templates write them with ``tojson``)."""
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(),
+        }
+        if self.name:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name,
+                              "arguments": c.function.arguments_object()}}
+                for c in self.tool_calls
+            ]
+        return message
+
 
 class ChatCompletionRequest(_SamplingRequest):
     UNSUPPORTED = {**UNSUPPORTED_SHARED, **UNSUPPORTED_CHAT}
 
     messages: list[ChatMessage] = Field(min_length=1)
-    # SGLang's: without effect here, as in SGLang without --reasoning-parser (radixserve has
-    # none, so no reasoning is split from the content); sglang-router sends them.
-    separate_reasoning: bool = True
-    stream_reasoning: bool = True
     # Extra keyword arguments of the chat template (say, {"enable_thinking": false}).
     chat_template_kwargs: dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # SGLang's switch: False keeps a thinking model's reasoning inline in the content (no
+    # effect without --reasoning-parser, as in SGLang: sglang-router always sends true).
+    separate_reasoning: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -315,9 +402,32 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class _WithoutNulls(BaseModel):
+    """Leaves out unset (None) fields, as OpenAI's tool-call deltas do: the SDK's stream
+    accumulator overwrites ``type`` with every delta's value, so a later ``"type": null`` would
+    erase the first delta's ``"function"``."""
+
+    @model_serializer(mode="wrap")
+    def _drop_nulls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionCallOut(_WithoutNulls):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -337,9 +447,20 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaToolCall(_WithoutNulls):
+    """A piece of one call: ``id``, ``type`` and ``function.name`` come with its first piece."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallOut
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

@@ -1,11 +1,18 @@
-"""``POST /v1/chat/completions``: messages → chat template → token ids → n generations.
+"""``POST /v1/chat/completions``: messages → chat template → token ids → n generations → parsed
+messages.
 
-The conversation is rendered with the checkpoint's chat template (``tokenizer_config.json``) or
-the one given with ``--chat-template`` (with the request's ``chat_template_kwargs``), tokenized
-without adding special tokens again (the template writes them), and sent as ``n`` single-prompt
-generations. Streaming sends, per choice, a
-first chunk with the role, content deltas, exactly one chunk carrying ``finish_reason``, then a
-usage chunk (``stream_options.include_usage``) and ``data: [DONE]``.
+The conversation (tool calls and tool results included) is rendered with the checkpoint's chat
+template or the one given with ``--chat-template``, with the request's tools and
+``chat_template_kwargs``, tokenized without adding special tokens again (the template writes
+them), and sent as ``n`` single-prompt generations. Each choice's text is then parsed
+(``chat_parsing.py``): reasoning apart (``--reasoning-parser``), tool calls out of the content
+(``--tool-call-parser``, or the enforced JSON of ``required`` / named ``tool_choice``). A choice
+that calls tools finishes with ``tool_calls``.
+
+Streaming sends, per choice, a first chunk with the role, then reasoning, content and tool-call
+deltas (a call's id and name first, its arguments in pieces, under a stable ``index``), exactly
+one chunk carrying ``finish_reason``, then a usage chunk (``stream_options.include_usage``) and
+``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import jinja2
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from radixserve.sampling.sampling_params import GRAMMAR_FIELDS
 from radixserve.server.app import (
     ServerContext,
     cancel_on_disconnect,
@@ -26,6 +34,7 @@ from radixserve.server.app import (
     prime,
 )
 from radixserve.server.errors import APIError
+from radixserve.server.openai.chat_parsing import ChoiceParser, ParsedMessage, ToolPlan, plan_tools
 from radixserve.server.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -36,6 +45,9 @@ from radixserve.server.openai.protocol import (
     ChatMessageOut,
     ChatTokenLogprob,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCallOut,
     TopLogprob,
     UsageInfo,
     finish_reason_name,
@@ -43,6 +55,7 @@ from radixserve.server.openai.protocol import (
     new_id,
     now,
 )
+from radixserve.server.openai.reasoning import create_reasoning_parser
 from radixserve.server.openai.streaming import Delta, stream_choices
 from radixserve.server.sse import sse_response
 
@@ -59,20 +72,43 @@ _TEMPLATE_ARGUMENTS = frozenset({
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = get_ctx(request)
     ctx.check_model(body.model)
-    prompt_ids = render_chat(ctx, body)
+    plan = plan_tools(body, ctx.server_args.tool_call_parser, ctx.tokenizer)
+    reasoning_parser = _reasoning_parser_name(ctx, body)
+    prompt_text = render_chat(ctx, body, plan.template_tools)
+    prompt_ids = ctx.tokenizer.encode(prompt_text, add_special_tokens=False)
     top_logprobs_num = (body.top_logprobs or 0) if body.logprobs else None
-    inputs = body.generate_inputs([prompt_ids], ctx.context_len, top_logprobs_num)
+    inputs = body.generate_inputs([prompt_ids], ctx.context_len, top_logprobs_num, plan.sampling)
+    constrained = any(k in GRAMMAR_FIELDS for k in inputs[0].sampling_params)
+    parsers = [_choice_parser(plan, reasoning_parser, prompt_text, constrained) for _ in inputs]
     merged = merge_generations([ctx.tokenizer_manager.generate_request(obj) for obj in inputs])
     response_id, created = new_id("chatcmpl"), now()
     if not body.stream:
         outputs = await cancel_on_disconnect(request, collect_final(merged, len(inputs)))
-        return JSONResponse(_response(ctx, body, outputs, response_id, created).model_dump())
-    events = _stream(ctx, body, await prime(merged), len(inputs), response_id, created)
+        response = _response(ctx, body, outputs, parsers, response_id, created)
+        return JSONResponse(response.model_dump())
+    events = _stream(ctx, body, await prime(merged), parsers, response_id, created)
     return sse_response(events)
 
 
-def render_chat(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
-    """The prompt token ids of the conversation, generation prompt included."""
+def _reasoning_parser_name(ctx: ServerContext, body: ChatCompletionRequest) -> str | None:
+    """The parser that splits reasoning out; ``separate_reasoning`` without one has nothing to
+    split (SGLang's behaviour, and what sglang-router sends with every request)."""
+    return ctx.server_args.reasoning_parser if body.separate_reasoning else None
+
+
+def _choice_parser(plan: ToolPlan, reasoning: str | None, prompt_text: str,
+                   constrained: bool) -> ChoiceParser:
+    return ChoiceParser(
+        create_reasoning_parser(reasoning, prompt_text, constrained) if reasoning else None,
+        plan.new_parser() if plan.new_parser else None,
+        plan.max_calls,
+    )
+
+
+def render_chat(
+    ctx: ServerContext, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
+) -> str:
+    """The prompt text of the conversation, generation prompt included."""
     tok = ctx.tokenizer
     if ctx.chat_template is None and not getattr(tok, "chat_template", None):
         raise APIError(
@@ -80,11 +116,6 @@ def render_chat(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
             "This model has no chat template; use /v1/completions or start the server with "
             "--chat-template.",
         )
-    conversation = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-         **({"name": m.name} if m.name else {})}
-        for m in body.messages
-    ]
     extra = body.chat_template_kwargs or {}
     reserved = sorted(set(extra) & _TEMPLATE_ARGUMENTS)
     if reserved:
@@ -93,9 +124,10 @@ def render_chat(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
             param="chat_template_kwargs",
         )
     try:
-        text = tok.apply_chat_template(
-            conversation,
+        return tok.apply_chat_template(
+            [m.for_template() for m in body.messages],
             chat_template=ctx.chat_template,
+            tools=tools,
             tokenize=False,
             add_generation_prompt=True,
             **extra,
@@ -104,7 +136,6 @@ def render_chat(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
         raise APIError(
             400, f"the chat template rejected the messages: {e}", param="messages"
         ) from e
-    return tok.encode(text, add_special_tokens=False)
 
 
 def _logprobs(ctx: ServerContext, meta: dict[str, Any], start: int = 0) -> ChatChoiceLogprobs:
@@ -127,22 +158,39 @@ def _logprobs(ctx: ServerContext, meta: dict[str, Any], start: int = 0) -> ChatC
     return ChatChoiceLogprobs(content=content)
 
 
+def _finish_reason(reason: dict[str, Any] | None, calls: bool) -> str | None:
+    """``tool_calls`` for a choice that stopped having called tools."""
+    name = finish_reason_name(reason)
+    return "tool_calls" if calls and name == "stop" else name
+
+
+def _message(parsed: ParsedMessage) -> ChatMessageOut:
+    calls = [
+        ToolCallOut(id=call_id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+        for c, call_id in zip(parsed.calls, parsed.ids, strict=True)
+    ]
+    return ChatMessageOut(content=parsed.content, reasoning_content=parsed.reasoning,
+                          tool_calls=calls or None)
+
+
 def _response(
     ctx: ServerContext,
     body: ChatCompletionRequest,
     outputs: list[dict[str, Any]],
+    parsers: list[ChoiceParser],
     response_id: str,
     created: int,
 ) -> ChatCompletionResponse:
     choices = []
-    for i, out in enumerate(outputs):
+    for i, (out, parser) in enumerate(zip(outputs, parsers, strict=True)):
         reason = out["meta_info"]["finish_reason"]
+        parsed = parser.final(out["text"])
         choices.append(
             ChatCompletionChoice(
                 index=i,
-                message=ChatMessageOut(content=out["text"]),
+                message=_message(parsed),
                 logprobs=_logprobs(ctx, out["meta_info"]) if body.logprobs else None,
-                finish_reason=finish_reason_name(reason),
+                finish_reason=_finish_reason(reason, bool(parsed.calls)),
                 matched_stop=matched_stop(reason),
             )
         )
@@ -159,7 +207,7 @@ def _stream(
     ctx: ServerContext,
     body: ChatCompletionRequest,
     merged: AsyncIterator[tuple[int, dict[str, Any]]],
-    num_choices: int,
+    parsers: list[ChoiceParser],
     response_id: str,
     created: int,
 ) -> AsyncIterator[bytes]:
@@ -170,22 +218,33 @@ def _stream(
 
     def to_choice(delta: Delta) -> ChatCompletionStreamChoice | None:
         reason = delta.finish_reason
+        parser = parsers[delta.index]
+        parsed = parser.stream(delta.new_text, reason is not None)
         meta = delta.out["meta_info"]
         logprobs = _logprobs(ctx, meta, delta.tokens_sent) if body.logprobs else None
-        if reason is None and not delta.new_text and not (logprobs and logprobs.content):
+        calls = [
+            DeltaToolCall(index=c.index, id=c.id, type="function" if c.name else None,
+                          function=FunctionCallOut(name=c.name, arguments=c.arguments))
+            for c in parsed.calls
+        ]
+        if (reason is None and not parsed.content and not parsed.reasoning and not calls
+                and not (logprobs and logprobs.content)):
             return None
+        message = DeltaMessage(content=parsed.content or None,
+                               reasoning_content=parsed.reasoning or None,
+                               tool_calls=calls or None)
         return ChatCompletionStreamChoice(
             index=delta.index,
-            delta=DeltaMessage(content=delta.new_text),
+            delta=message,
             logprobs=logprobs,
-            finish_reason=finish_reason_name(reason),
+            finish_reason=_finish_reason(reason, parser.calls_sent > 0),
             matched_stop=matched_stop(reason),
         )
 
     # The first chunk of every choice carries the role.
     head = [
         ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-        for i in range(num_choices)
+        for i in range(len(parsers))
     ]
     usage_n = body.n if body.include_usage else None
-    return stream_choices(merged, num_choices, to_choice, frame, usage_n, head)
+    return stream_choices(merged, len(parsers), to_choice, frame, usage_n, head)
