@@ -322,6 +322,8 @@ ROUTES_ADMIN = [
     ("POST", "/set_internal_state", {"server_args": {}}),
     ("POST", "/slow_down", {"forward_sleep_time": None}),
     ("POST", "/freeze_gc", None),
+    ("POST", "/pause_generation", {"mode": "nope"}),  # as admin: a 400, nothing paused
+    ("POST", "/continue_generation", None),
     ("GET", "/dashboard", None),
     ("GET", "/dashboard/state", None),
 ]
