@@ -20,6 +20,8 @@ any number of query heads per KV head); ``create_attention_backend`` reports why
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from radixserve.layers import cpu_kernels
@@ -61,23 +63,8 @@ class CpuAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         assert self._extend_lens is not None, "init_forward_metadata must run before attention"
-        n, heads, kv_heads = q.shape[0], layer.num_heads, layer.num_kv_heads
-        head_dim = layer.head_dim
-        pool = self.token_to_kv_pool
-        out = cpu_kernels.extend_attention(
-            q.view(n, heads, head_dim).to(pool.dtype),
-            k.view(n, kv_heads, head_dim).to(pool.dtype),
-            v.view(n, kv_heads, head_dim).to(pool.dtype),
-            forward_batch.out_cache_loc,
-            pool.get_key_buffer(layer.layer_id),
-            pool.get_value_buffer(layer.layer_id),
-            self.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices,
-            forward_batch.seq_lens,
-            self._extend_lens,
-            layer.scaling,
-        )
-        return out.view(n, heads * head_dim).to(q.dtype)
+        return self._run(cpu_kernels.extend_attention, q, k, v, layer, forward_batch,
+                         self._extend_lens)
 
     def forward_decode(
         self,
@@ -89,10 +76,24 @@ class CpuAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         if self.batch_invariant:
             return self.forward_extend(q, k, v, layer, forward_batch)
+        return self._run(cpu_kernels.decode_attention, q, k, v, layer, forward_batch)
+
+    def _run(
+        self,
+        kernel: Callable[..., torch.Tensor],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Attention,
+        forward_batch: ForwardBatch,
+        *lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Call an attention kernel, which writes this step's K/V into the pool and attends:
+        per-head views in the pool's dtype in, ``[tokens, heads * head_dim]`` in q's dtype out."""
         n, heads, kv_heads = q.shape[0], layer.num_heads, layer.num_kv_heads
         head_dim = layer.head_dim
         pool = self.token_to_kv_pool
-        out = cpu_kernels.decode_attention(
+        out = kernel(
             q.view(n, heads, head_dim).to(pool.dtype),
             k.view(n, kv_heads, head_dim).to(pool.dtype),
             v.view(n, kv_heads, head_dim).to(pool.dtype),
@@ -102,6 +103,7 @@ class CpuAttnBackend(AttentionBackend):
             self.req_to_token_pool.req_to_token,
             forward_batch.req_pool_indices,
             forward_batch.seq_lens,
+            *lens,
             layer.scaling,
         )
         return out.view(n, heads * head_dim).to(q.dtype)
