@@ -91,6 +91,10 @@ HELP: dict[str, str] = {
     "first.",
     "session_offload_after": "Offload a streaming session's KV to the store after this many "
     "idle seconds (default: only when the KV pool runs short).",
+    "max_sessions": "Most open sessions (per data-parallel replica); opening one more answers "
+    "429 until a session closes or times out.",
+    "session_idle_timeout": "Seconds after which a session opened without a timeout of its own "
+    "is closed when idle (no request running); 0: such sessions stay open until closed.",
     "enable_overlap_schedule": "Run the model on a thread of its own and plan each decode step "
     "while the previous one computes (same greedy outputs).",
     "constrained_json_disable_any_whitespace": "JSON-schema output uses the compact separators "

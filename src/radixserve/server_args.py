@@ -57,6 +57,8 @@ class ServerArgs:
     session_store_max_gb: float = 10.0
     session_offload_after: float | None = None
     enable_overlap_schedule: bool = False
+    max_sessions: int = 1024
+    session_idle_timeout: float = 3600.0  # seconds; 0: sessions opened without one never expire
     # constrained decoding (JSON schemas)
     constrained_json_disable_any_whitespace: bool = False
     constrained_json_max_whitespace_cnt: int | None = None
@@ -130,6 +132,13 @@ class ServerArgs:
         if self.session_offload_after is not None and self.session_offload_after < 0:
             raise ValueError(
                 f"session_offload_after must be >= 0 seconds, got {self.session_offload_after}"
+            )
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
+        if not 0 <= self.session_idle_timeout < float("inf"):
+            raise ValueError(
+                f"session_idle_timeout must be >= 0 seconds (0: none), got "
+                f"{self.session_idle_timeout}"
             )
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
