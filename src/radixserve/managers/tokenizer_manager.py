@@ -449,6 +449,7 @@ class TokenizerManager:
             )
         sampling_params = SamplingParams.from_dict(obj.sampling_params)
         sampling_params.validate(vocab_size)
+        self._check_amplification(obj, sampling_params)
         bad = sorted({t for t in obj.token_ids_logprob or [] if not 0 <= t < vocab_size})
         if bad:
             raise ValueError(
@@ -499,6 +500,22 @@ class TokenizerManager:
             session_params=session_params,
             data_parallel_rank=rank,
         )
+
+    def _check_amplification(self, obj: GenerateReqInput, params: SamplingParams) -> None:
+        """Bounds on what one generation may cost: ``--max-completion-tokens`` and
+        ``--max-top-logprobs-num`` (a reply grows by that many entries per token)."""
+        cap = self.server_args.max_completion_tokens
+        if params.max_new_tokens > cap:
+            raise ValueError(
+                f"max_new_tokens (max_tokens) is {params.max_new_tokens}: this server generates "
+                f"at most {cap} tokens per request (--max-completion-tokens)"
+            )
+        top = self.server_args.max_top_logprobs_num
+        if obj.top_logprobs_num > top:
+            raise ValueError(
+                f"top_logprobs_num is {obj.top_logprobs_num}: at most {top} top logprobs per "
+                "position (--max-top-logprobs-num)"
+            )
 
     def _check_alive(self) -> None:
         if self._dead_message is not None:

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from radixserve.server.admission import admit, num_prompts
 from radixserve.server.app import (
     ServerContext,
     cancel_on_disconnect,
@@ -44,8 +45,10 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     ctx = get_ctx(request)
     ctx.check_model(body.model)
+    admit(request, num_prompts(body.prompt), body.n)
     prompts = _prompt_ids(ctx, body.prompt)
-    inputs = body.generate_inputs(prompts, ctx.context_len, body.logprobs)
+    inputs = body.generate_inputs(prompts, ctx.context_len, body.logprobs,
+                                  max_completion_tokens=ctx.server_args.max_completion_tokens)
     merged = merge_generations([ctx.tokenizer_manager.generate_request(obj) for obj in inputs])
     # Echo: the prompt text of each choice (an empty prefix without echo).
     echoes = [_prompt_text(ctx, body.prompt, p) if body.echo else "" for p in range(len(prompts))]
