@@ -3,8 +3,8 @@ negative examples each in CI (``RADIXSERVE_FUZZ_EXAMPLES``: ``make fuzz`` sends 
 fresh random seed). No 5xx, every 4xx the OpenAI error object, and afterwards the server is
 healthy and holds nothing: no KV, no request state, no session.
 
-The server runs with a context of 64 tokens, so that no fuzzed request, however large its
-``max_tokens`` or ``n``, generates for long.
+The server runs with ``--max-completion-tokens 16`` (larger requests are refused, requests
+without a bound get 16), so that no fuzzed request generates for long.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(1800)
 
 @pytest.fixture(scope="module")
 def fuzz_server(llama_path):
-    srv = start_server(llama_path, "--context-length", "64", "--enable-metrics")
+    srv = start_server(llama_path, "--max-completion-tokens", "16", "--enable-metrics")
     yield srv
     srv.check_clean_stop()
 
