@@ -6,8 +6,10 @@ Each step sends a burst of mixed requests concurrently: native and OpenAI genera
 read to the end, streams dropped mid-way (a disconnect), requests aborted by rid, and a session
 with two turns then closed. Then it waits until the scheduler is idle and checks that nothing is
 held: the KV invariant, no request state in the server process, no open session, and the
-scheduler's own idle leak check. The server runs with ``RADIXSERVE_TEST_STRICT=1``, so a leak
-the scheduler notices itself crashes it (and the soak reports the dead server).
+scheduler's own idle leak check. The server runs with ``RADIXSERVE_TEST_STRICT=1`` and
+``RADIXSERVE_STRICT_MEM_CHECK=busy`` (the memory invariant checked after every scheduler step,
+busy or not), so a leak the scheduler notices itself crashes it (the soak reports the dead
+server).
 
 Prints one JSON line per step, then a summary (requests of each kind, failures with samples,
 resident memory of the server's processes after the first step and at the end: the growth);
@@ -151,7 +153,7 @@ class Soak:
 
 
 def run(model_path: Path, duration: float) -> dict[str, Any]:
-    server = start_server(model_path)
+    server = start_server(model_path, env={"RADIXSERVE_STRICT_MEM_CHECK": "busy"})
     soak = Soak(server)
     steps, rss, started = 0, [], time.monotonic()
     try:

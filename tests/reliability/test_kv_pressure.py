@@ -26,7 +26,9 @@ POOL_TOKENS = WORKING_SET // 4
 
 @pytest.fixture(scope="module")
 def small_pool_server(llama_path):
-    srv = start_server(llama_path, "--max-total-tokens", str(POOL_TOKENS))
+    # The memory invariant is checked after every step, through every retraction.
+    srv = start_server(llama_path, "--max-total-tokens", str(POOL_TOKENS),
+                       env={"RADIXSERVE_STRICT_MEM_CHECK": "busy"})
     yield srv
     srv.check_clean_stop()
 
