@@ -207,8 +207,8 @@ def test_input_items_render_like_chat_messages(oai, server):
     assert r.usage.input_tokens == chat.usage.prompt_tokens
 
 
-def test_truncation_auto_drops_the_oldest_messages(client, server):
-    long = " ".join(["word"] * 400)
+def test_truncation_auto_drops_the_oldest_messages(client, oai, server):
+    long = " ".join(["word"] * 150)  # about 450 tokens: two fit in the context, three not
     items = [{"role": "user", "content": long}, {"role": "assistant", "content": long},
              {"role": "user", "content": long}, {"role": "assistant", "content": "ok"},
              {"role": "user", "content": "Short question?"}]
@@ -218,7 +218,22 @@ def test_truncation_auto_drops_the_oldest_messages(client, server):
     r = client.post("/v1/responses", json={**body, "truncation": "auto"})
     assert r.status_code == 200, r.text
     assert r.json()["truncation"] == "auto"
-    assert r.json()["usage"]["input_tokens"] + 4 <= 1024
+    # one message dropped, then the assistant's: the conversation starts with the user
+    kept = oai.chat.completions.create(model=server.model, messages=items[2:], max_tokens=1)
+    assert r.json()["usage"]["input_tokens"] == kept.usage.prompt_tokens
+
+
+def test_truncation_auto_keeps_as_much_as_fits(client, oai, server):
+    turn = " ".join(["word"] * 30)
+    items = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{i} {turn}"}
+             for i in range(61)]
+    r = client.post("/v1/responses", json={"model": server.model, "input": items,
+                                           "max_output_tokens": 4, "truncation": "auto"})
+    assert r.status_code == 200, r.text
+    pair = [oai.chat.completions.create(model=server.model, messages=items[:n], max_tokens=1)
+            .usage.prompt_tokens for n in (1, 3)]
+    used = r.json()["usage"]["input_tokens"] + 4
+    assert 1024 - (pair[1] - pair[0]) < used <= 1024
 
 
 BAD_BODIES = [
@@ -255,6 +270,10 @@ BAD_BODIES = [
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
     ({"input": "x", "model": "other-model"}, "model"),
     ({"input": "word " * 2000}, None),
+    ({"input": "x", "stream": True, "temperature": -1}, None),
+    ({"input": "x", "stream": True, "text": {"format": {"type": "json_schema",
+                                                         "schema": {"type": "nonsense"}}}},
+     None),
 ]
 
 
