@@ -180,7 +180,7 @@ def _prompt(ctx: ServerContext, body: ResponsesRequest, chat: ChatCompletionRequ
 
     def attempt(drop: int) -> tuple[ChatCompletionRequest, str, list[int], bool]:
         kept = conversation[drop:]
-        while len(kept) > 1 and kept[0].role != "user":  # a conversation starts with the user
+        while drop and len(kept) > 1 and kept[0].role != "user":  # cut: start with the user
             kept = kept[1:]
         request = chat.model_copy(update={"messages": [*system, *kept]})
         text = render_chat(ctx, request, plan.template_tools)
