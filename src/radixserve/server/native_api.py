@@ -297,6 +297,7 @@ async def get_server_info(request: Request) -> dict[str, Any]:
         page_size=ctx.scheduler_info.get("page_size", ctx.server_args.page_size),
         internal_states=await ctx.tokenizer_manager.get_internal_states(),
         num_inflight_requests=ctx.tokenizer_manager.num_inflight,
+        queued_generations=ctx.queued_generations,  # admitted, counted against the limit
         processes=ctx.scheduler_info.get("processes", {}),
         version=__version__,
     )
