@@ -166,7 +166,7 @@ def _raise_stop(signum: int, frame: Any) -> None:
 
 def _log_finished_request(m: RequestMetrics) -> None:
     """``--log-requests``: one line per finished request."""
-    reason = (m.finish_reason or {}).get("type")
+    reason = m.finish_reason.kind if m.finish_reason is not None else None
     e2e = (m.finish_time or m.arrival_time) - m.arrival_time
     logger.info(
         "request %s finished (%s): %d prompt tokens (%d cached), %d output tokens, %.3fs",

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from radixserve.finish_reason import FinishAbort
 from radixserve.managers.io_struct import (
     OpenSessionReqInput,
     OpenSessionReqOutput,
@@ -203,7 +204,7 @@ class SessionController:
         if not session.streaming or session.inflight_rid != req.rid:
             return
         session.inflight_rid = None
-        if (req.finished_reason or {}).get("type") != "abort":
+        if not isinstance(req.finished_reason, FinishAbort):
             # Each turn continues from the last successfully finished one.
             session.history_ids = req.origin_input_ids + req.output_ids
         if session.close_pending:
