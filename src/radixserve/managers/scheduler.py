@@ -799,7 +799,7 @@ class Scheduler:
         self.num_aborted_reqs += len(waiting)
         for req in self.holding_reqs():
             if hit(req):
-                req.to_abort = reason["message"]
+                req.to_abort = reason.message
         if self.paused:  # no step is in flight and none will come to finish them
             self._finish_aborted()
 
