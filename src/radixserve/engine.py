@@ -30,7 +30,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.io_struct import OpenSessionReqInput, ProfileReq
@@ -251,6 +251,34 @@ def watch_processes(
 _END = object()
 
 
+class GenerateOptions(TypedDict, total=False):
+    """The keyword options of ``Engine.generate`` and ``async_generate`` besides the prompt
+    and its sampling parameters (SGLang's names; defaults those of ``GenerateReqInput``)."""
+
+    input_ids: list[int] | list[list[int]] | None  # instead of ``prompt``
+    stream: bool
+    return_logprob: bool | list[bool]
+    top_logprobs_num: int | list[int]
+    rid: str | list[str] | None
+    session_params: dict[str, Any] | list[dict[str, Any]] | None
+    logprob_start_len: int | list[int]
+    token_ids_logprob: list[int] | list[list[int]] | None
+    return_text_in_logprobs: bool
+    data_parallel_rank: int | None  # the replica that runs it (``--dp-size``)
+
+
+def _generate_req(
+    prompt: str | list[str] | None,
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None,
+    options: GenerateOptions,
+) -> GenerateReqInput:
+    """The one request builder of ``generate`` and ``async_generate``."""
+    unknown = sorted(options.keys() - GenerateOptions.__annotations__.keys())
+    if unknown:
+        raise TypeError(f"generate() got unexpected keyword argument(s): {', '.join(unknown)}")
+    return GenerateReqInput(text=prompt, sampling_params=sampling_params, **options)
+
+
 async def _anext(agen: AsyncIterator) -> Any:
     """``__anext__`` as a coroutine that returns ``_END`` instead of raising (futures can't)."""
     try:
@@ -360,32 +388,17 @@ class Engine:
         self,
         prompt: str | list[str] | None = None,
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
-        stream: bool = False,
-        return_logprob: bool | list[bool] = False,
-        top_logprobs_num: int | list[int] = 0,
-        rid: str | list[str] | None = None,
-        session_params: dict[str, Any] | list[dict[str, Any]] | None = None,
-        logprob_start_len: int | list[int] = -1,
-        token_ids_logprob: list[int] | list[list[int]] | None = None,
-        return_text_in_logprobs: bool = False,
-        data_parallel_rank: int | None = None,
+        **options: Unpack[GenerateOptions],
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (→ dict) or a batch (→ list); ``stream`` → an iterator.
-        ``data_parallel_rank``: the replica that runs it (``--dp-size``; default: the policy's).
+        The other options are ``GenerateOptions``'.
 
         Invalid input raises ``ValueError`` here, also for streams (the first chunk is awaited
         before returning). Closing a stream iterator early aborts its unfinished requests.
         """
-        obj = GenerateReqInput(
-            text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
-            stream=stream, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-            session_params=session_params, logprob_start_len=logprob_start_len,
-            token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
-            data_parallel_rank=data_parallel_rank,
-        )
+        obj = _generate_req(prompt, sampling_params, options)
         agen = self._tm.generate_request(obj)
-        if not stream:
+        if not obj.stream:
             return self._run(_first_and_close(agen))
         first = self._run(_anext(agen))
         return self._sync_stream(agen, first)
@@ -404,27 +417,12 @@ class Engine:
         self,
         prompt: str | list[str] | None = None,
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
-        stream: bool = False,
-        return_logprob: bool | list[bool] = False,
-        top_logprobs_num: int | list[int] = 0,
-        rid: str | list[str] | None = None,
-        session_params: dict[str, Any] | list[dict[str, Any]] | None = None,
-        logprob_start_len: int | list[int] = -1,
-        token_ids_logprob: list[int] | list[list[int]] | None = None,
-        return_text_in_logprobs: bool = False,
-        data_parallel_rank: int | None = None,
+        **options: Unpack[GenerateOptions],
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """``generate`` for the caller's own asyncio loop; ``stream`` → an async iterator."""
-        obj = GenerateReqInput(
-            text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
-            stream=stream, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-            session_params=session_params, logprob_start_len=logprob_start_len,
-            token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
-            data_parallel_rank=data_parallel_rank,
-        )
+        obj = _generate_req(prompt, sampling_params, options)
         agen = self._tm.generate_request(obj)
-        if not stream:
+        if not obj.stream:
             return await asyncio.wrap_future(self._submit(_first_and_close(agen)))
         first = await asyncio.wrap_future(self._submit(_anext(agen)))
         return self._async_stream(agen, first)

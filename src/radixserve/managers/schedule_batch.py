@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from radixserve.finish_reason import FinishLength, FinishReason, FinishStop
-from radixserve.managers.io_struct import SessionParams
+from radixserve.managers.io_struct import SessionParams, TokenizedGenerateReqInput
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -140,6 +140,22 @@ class Req:
         # An abort message, set when an abort arrives while the request holds KV; the scheduler
         # finishes it before the next batch forms.
         self.to_abort: str | None = None
+
+    @classmethod
+    def from_message(cls, msg: TokenizedGenerateReqInput, input_ids: list[int]) -> Req:
+        """The request ``msg`` asks for, with ``input_ids`` as its prompt (the message's own,
+        or the prompt a session assembled from it)."""
+        return cls(
+            msg.rid,
+            input_ids,
+            msg.sampling_params,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
+            logprob_start_len=msg.logprob_start_len,
+            token_ids_logprob=msg.token_ids_logprob,
+            stream=msg.stream,
+            session_params=msg.session_params,
+        )
 
     # ------------------------------------------------------------------ derived state
     @property

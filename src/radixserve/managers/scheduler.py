@@ -666,17 +666,7 @@ class Scheduler:
             created = self.sessions.create_req(msg)
             req, error = created.req, created.error
         else:
-            req = Req(
-                msg.rid,
-                list(msg.input_ids),
-                msg.sampling_params,
-                return_logprob=msg.return_logprob,
-                top_logprobs_num=msg.top_logprobs_num,
-                logprob_start_len=msg.logprob_start_len,
-                token_ids_logprob=msg.token_ids_logprob,
-                stream=msg.stream,
-            )
-            error = None
+            req, error = Req.from_message(msg, list(msg.input_ids)), None
         error = error or self._validate(req.origin_input_ids, msg)
         if error is not None:
             self._reject(req, error)
