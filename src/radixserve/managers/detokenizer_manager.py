@@ -36,8 +36,8 @@ import zmq
 
 from radixserve.finish_reason import FinishReason, FinishStop
 from radixserve.managers import io_struct, ipc
-from radixserve.managers.child_process import install_exit_handlers
 from radixserve.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, ReqStrOutput
+from radixserve.managers.launcher import install_exit_handlers, report_failure, report_ready
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -247,9 +247,7 @@ def run_detokenizer_process(server_args_json: str, port_args_json: str, ready_co
         logging.basicConfig(level=server_args.log_level.upper())
         manager = DetokenizerManager(server_args, ipc.PortArgs(**json.loads(port_args_json)))
     except Exception as e:  # report any start-up failure to the parent, then exit
-        error = {"status": "error", "message": f"{type(e).__name__}: {e}"}
-        ready_conn.send_bytes(json.dumps(error).encode())
+        report_failure(ready_conn, e)
         raise
-    ready_conn.send_bytes(json.dumps({"status": "ready"}).encode())
-    ready_conn.close()
+    report_ready(ready_conn)
     manager.event_loop()

@@ -31,13 +31,13 @@ from typing import Any
 
 import uvicorn
 
-from radixserve.engine import (
+from radixserve.managers.generate_request import GenerateReqInput
+from radixserve.managers.launcher import (
     start_subprocesses,
     stop_timeout,
     terminate_processes,
     watch_processes,
 )
-from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer_manager import RequestMetrics, TokenizerManager
 from radixserve.model_config import ModelConfig
 from radixserve.server.app import ServerContext, ServerState, create_app, first_item
