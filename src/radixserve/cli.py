@@ -111,6 +111,10 @@ HELP: dict[str, str] = {
     "functions are enforced with a grammar and need no parser).",
     "reasoning_parser": "Separate a thinking model's <think>...</think> into reasoning_content "
     "(qwen3: the model or the template opens the block; deepseek-r1: the output starts in it).",
+    "responses_store_size": "Keep at most this many stored /v1/responses responses in memory "
+    "(the oldest goes first); GET, DELETE and previous_response_id see only those.",
+    "responses_store_ttl": "Forget a stored /v1/responses response this many seconds after it "
+    "was stored.",
     "log_requests": "Log every request and HTTP access.",
     "log_level": "Logging level.",
     "skip_warmup": "Skip the warm-up generation before the server reports ready.",

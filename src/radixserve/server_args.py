@@ -68,6 +68,8 @@ class ServerArgs:
     chat_template: str | None = None
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    responses_store_size: int = 1000
+    responses_store_ttl: float = 3600.0
     log_requests: bool = False
     log_level: str = "info"
     skip_warmup: bool = False
@@ -105,7 +107,8 @@ class ServerArgs:
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
             )
         for name in ("max_total_tokens", "max_running_requests", "context_length",
-                     "max_queued_requests", "constrained_json_max_whitespace_cnt"):
+                     "max_queued_requests", "constrained_json_max_whitespace_cnt",
+                     "responses_store_size", "responses_store_ttl"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")

@@ -180,7 +180,8 @@ def memory_figures(client: httpx.Client) -> dict[str, int]:
 
 
 def assert_no_leak(client: httpx.Client, timeout: float = STATE_TIMEOUT_S) -> dict[str, int]:
-    """Wait until the scheduler is idle, then check the memory invariant (DESIGN section 3)."""
+    """Wait until the scheduler is idle, then check the memory invariant
+    (docs/architecture.md §3)."""
     deadline = time.monotonic() + timeout
     while True:
         m = memory_figures(client)

@@ -1,4 +1,4 @@
-"""The memory invariant of DESIGN section 3, one check for idle and busy schedulers.
+"""The memory invariant of docs/architecture.md §3, one check for idle and busy schedulers.
 
     KV slots:      available + evictable + protected + session_held + in_batch == total
     request rows:  free + session_held_rows + rows of running requests == pool size

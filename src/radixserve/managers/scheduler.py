@@ -1,4 +1,4 @@
-"""The scheduler process: the loop of DESIGN section 4 and the handlers of incoming messages.
+"""The scheduler process: the loop of docs/architecture.md §4 and the handlers of incoming messages.
 
     while True:
         process_input_requests(recv_nowait())   # TypeBasedDispatcher: type → handler

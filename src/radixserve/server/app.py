@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from radixserve.managers.tokenizer_manager import TokenizerManager
 from radixserve.server.errors import APIError, install_error_handlers, send_error
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.openai.responses_store import ResponseStore
 from radixserve.server_args import ServerArgs
 
 T = TypeVar("T")
@@ -41,7 +42,8 @@ T = TypeVar("T")
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # Routes that run the model: they count as in flight (drain, --max-queued-requests).
 GENERATION_PATHS = frozenset(
-    {"/generate", "/v1/chat/completions", "/v1/completions", "/encode", "/v1/embeddings"}
+    {"/generate", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/encode",
+     "/v1/embeddings"}
 )
 # Operator routes: they need --admin-api-key when it is set (else --api-key, like the rest).
 CONTROL_PATHS = frozenset({
@@ -346,9 +348,12 @@ def create_app(ctx: ServerContext, max_body_bytes: int = MAX_BODY_BYTES) -> Fast
     from radixserve.server.openai.serving_completions import router as completions_router
     from radixserve.server.openai.serving_embedding import router as embedding_router
     from radixserve.server.openai.serving_models import router as models_router
+    from radixserve.server.openai.serving_responses import router as responses_router
 
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
+    app.state.response_store = ResponseStore(ctx.server_args.responses_store_size,
+                                             ctx.server_args.responses_store_ttl)
     install_error_handlers(app)
     app.include_router(native_router)
     app.include_router(control_router)
@@ -357,6 +362,7 @@ def create_app(ctx: ServerContext, max_body_bytes: int = MAX_BODY_BYTES) -> Fast
     app.include_router(completions_router)
     app.include_router(embedding_router)
     app.include_router(models_router)
+    app.include_router(responses_router)
     app.add_middleware(RequestGuard, ctx=ctx, max_body_bytes=max_body_bytes)
     return app
 

@@ -329,7 +329,8 @@ async def abort_request(body: AbortRequest, request: Request) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- sessions
 @router.post("/open_session")
 async def open_session(body: OpenSessionRequest, request: Request) -> str:
-    """Open a session (DESIGN section 5) and return its id; 400 with the scheduler's reason."""
+    """Open a session (docs/architecture.md §5) and return its id; 400 with the scheduler's
+    reason."""
     req = OpenSessionReqInput(**body.model_dump())
     return await get_ctx(request).tokenizer_manager.open_session(req)
 

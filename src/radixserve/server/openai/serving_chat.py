@@ -73,13 +73,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     ctx = get_ctx(request)
     ctx.check_model(body.model)
     plan = plan_tools(body, ctx.server_args.tool_call_parser, ctx.tokenizer)
-    reasoning_parser = _reasoning_parser_name(ctx, body)
+    reasoning_parser = reasoning_parser_name(ctx, body)
     prompt_text = render_chat(ctx, body, plan.template_tools)
     prompt_ids = ctx.tokenizer.encode(prompt_text, add_special_tokens=False)
     top_logprobs_num = (body.top_logprobs or 0) if body.logprobs else None
     inputs = body.generate_inputs([prompt_ids], ctx.context_len, top_logprobs_num, plan.sampling)
     constrained = any(k in GRAMMAR_FIELDS for k in inputs[0].sampling_params)
-    parsers = [_choice_parser(plan, reasoning_parser, prompt_text, constrained) for _ in inputs]
+    parsers = [choice_parser(plan, reasoning_parser, prompt_text, constrained) for _ in inputs]
     merged = merge_generations([ctx.tokenizer_manager.generate_request(obj) for obj in inputs])
     response_id, created = new_id("chatcmpl"), now()
     if not body.stream:
@@ -90,13 +90,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return sse_response(events)
 
 
-def _reasoning_parser_name(ctx: ServerContext, body: ChatCompletionRequest) -> str | None:
+def reasoning_parser_name(ctx: ServerContext, body: ChatCompletionRequest) -> str | None:
     """The parser that splits reasoning out; ``separate_reasoning`` without one has nothing to
     split (SGLang's behaviour, and what sglang-router sends with every request)."""
     return ctx.server_args.reasoning_parser if body.separate_reasoning else None
 
 
-def _choice_parser(plan: ToolPlan, reasoning: str | None, prompt_text: str,
+def choice_parser(plan: ToolPlan, reasoning: str | None, prompt_text: str,
                    constrained: bool) -> ChoiceParser:
     return ChoiceParser(
         create_reasoning_parser(reasoning, prompt_text, constrained) if reasoning else None,

@@ -1,0 +1,69 @@
+"""Stored responses (``store: true``), in the server's memory and bounded.
+
+A stored response keeps what ``GET /v1/responses/{id}`` returns and what a request with
+``previous_response_id`` continues: the conversation as chat messages (the response's own output
+included, the request's ``instructions`` not, as OpenAI does), and the token ids and text of the
+conversation as the model saw and wrote it, so that the next turn's prompt starts with exactly
+those tokens and the radix cache serves their KV.
+
+The store holds at most ``--responses-store-size`` responses, each for at most
+``--responses-store-ttl`` seconds: the oldest goes when a new one would exceed the count, an
+expired one when it is next looked at or a response is stored. Nothing survives a restart.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.server.openai.protocol import ChatMessage
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    body: dict[str, Any]  # the response object as the API returned it
+    messages: list[ChatMessage]  # the conversation, this response's output included
+    token_ids: array  # the conversation's tokens as the model saw and wrote them
+    text: str  # the text those tokens decode to (the rendered prompt + the output text)
+    stored_at: float
+
+
+class ResponseStore:
+    def __init__(self, max_size: int, ttl_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_size = max_size
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, response_id: str, body: dict[str, Any], messages: list[ChatMessage],
+            token_ids: list[int], text: str) -> None:
+        self._expire()
+        self._items[response_id] = StoredResponse(body, messages, array("q", token_ids), text,
+                                                  self._clock())
+        while len(self._items) > self.max_size:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        self._expire()
+        return self._items.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        self._expire()
+        return self._items.pop(response_id, None) is not None
+
+    def _expire(self) -> None:
+        """Drop the responses older than the ttl (the dict is in storing order)."""
+        limit = self._clock() - self.ttl_s
+        while self._items:
+            oldest = next(iter(self._items.values()))
+            if oldest.stored_at > limit:
+                break
+            self._items.popitem(last=False)
