@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from radixserve.sampling.sampling_params import GRAMMAR_FIELDS
+from radixserve.server.admission import admit
 from radixserve.server.app import (
     ServerContext,
     cancel_on_disconnect,
@@ -80,6 +81,7 @@ def response_store(request: Request) -> ResponseStore:
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     ctx = get_ctx(request)
     ctx.check_model(body.model)
+    admit(request, 1)
     store = response_store(request)
     previous = _previous(store, body.previous_response_id)
     history = [*(previous.messages if previous else []), *_input_messages(body)]
@@ -92,7 +94,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         plan = dataclasses.replace(plan, max_calls=min(plan.max_calls or body.max_tool_calls,
                                                        body.max_tool_calls))
     chat, prompt_text, prompt_ids = _prompt(ctx, body, chat, plan, previous)
-    obj = chat.generate_inputs([prompt_ids], ctx.context_len, None, plan.sampling)[0]
+    obj = chat.generate_inputs([prompt_ids], ctx.context_len, None, plan.sampling,
+                               max_completion_tokens=ctx.server_args.max_completion_tokens)[0]
     constrained = any(k in GRAMMAR_FIELDS for k in obj.sampling_params)
     parser = choice_parser(plan, reasoning_parser_name(ctx, chat), prompt_text, constrained)
     turn = Turn(body, item_id("resp"), now(), chat.messages[len(_instructions(body)):],
@@ -173,18 +176,33 @@ def _chat_request(body: ResponsesRequest, history: list[ChatMessage]) -> ChatCom
 def _prompt(ctx: ServerContext, body: ResponsesRequest, chat: ChatCompletionRequest,
             plan: ToolPlan, previous: StoredResponse | None
             ) -> tuple[ChatCompletionRequest, str, list[int]]:
-    """The rendered prompt and its ids; ``truncation: "auto"`` drops old messages to fit."""
-    while True:
-        text = render_chat(ctx, chat, plan.template_tools)
-        ids = _token_ids(ctx, text, previous)
-        fits = len(ids) + (body.max_output_tokens or 1) <= ctx.context_len
-        first = len(_instructions(body))
-        if fits or body.truncation != "auto" or len(chat.messages) - first <= 1:
-            return chat, text, ids
-        kept = chat.messages[first + 1:]
-        while len(kept) > 1 and kept[0].role != "user":  # a conversation starts with the user
+    """The rendered prompt and its ids. ``truncation: "auto"`` drops the fewest oldest messages
+    that make it fit (found by bisection: a few renderings, however long the conversation)."""
+    first = len(_instructions(body))
+    system, conversation = chat.messages[:first], chat.messages[first:]
+
+    def attempt(drop: int) -> tuple[ChatCompletionRequest, str, list[int], bool]:
+        kept = conversation[drop:]
+        while drop and len(kept) > 1 and kept[0].role != "user":  # cut: start with the user
             kept = kept[1:]
-        chat = chat.model_copy(update={"messages": [*chat.messages[:first], *kept]})
+        request = chat.model_copy(update={"messages": [*system, *kept]})
+        text = render_chat(ctx, request, plan.template_tools)
+        ids = _token_ids(ctx, text, previous)
+        return request, text, ids, len(ids) + (body.max_output_tokens or 1) <= ctx.context_len
+
+    best = attempt(0)
+    if best[3] or body.truncation != "auto" or len(conversation) == 1:
+        return best[:3]
+    low, high = 1, len(conversation) - 1
+    best = attempt(high)  # the last message alone; if even that is too long, the 400 follows
+    while best[3] and low < high:
+        middle = (low + high) // 2
+        result = attempt(middle)
+        if result[3]:
+            high, best = middle, result
+        else:
+            low = middle + 1
+    return best[:3]
 
 
 def _token_ids(ctx: ServerContext, text: str, previous: StoredResponse | None) -> list[int]:
