@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import hypothesis
 import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
@@ -208,15 +210,16 @@ class ServerKeeper:
 
 
 def fuzz_operation(operation: Any, keeper: ServerKeeper, examples: int,
-                   derandomize: bool) -> OperationReport:
-    """Send ``examples`` positive and negative requests to ``operation``."""
+                   seed: int | None) -> OperationReport:
+    """Send ``examples`` positive and negative requests to ``operation``; ``seed`` None: the
+    same examples on every run (hypothesis' derandomized mode)."""
     report = OperationReport(f"{operation.method.upper()} {operation.path}")
     strategy = st.one_of(operation.as_strategy(GenerationMode.POSITIVE),
                          operation.as_strategy(GenerationMode.NEGATIVE))
 
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=derandomize,
-              phases=[Phase.generate], suppress_health_check=list(HealthCheck),
-              verbosity=Verbosity.quiet)
+    @settings(max_examples=examples, deadline=None, database=None,
+              derandomize=seed is None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet)
     @given(case=strategy, data=st.data())
     def run(case: Any, data: st.DataObject) -> None:
         case = keeper.tame(case, data.draw)
@@ -231,6 +234,8 @@ def fuzz_operation(operation: Any, keeper: ServerKeeper, examples: int,
             keeper.restore(case)
         judge(report, case, response)
 
+    if seed is not None:
+        run = hypothesis.seed(seed)(run)
     run()
     return report
 
@@ -238,3 +243,13 @@ def fuzz_operation(operation: Any, keeper: ServerKeeper, examples: int,
 def examples_per_operation() -> int:
     """``RADIXSERVE_FUZZ_EXAMPLES`` (``make fuzz``), else CI's 200."""
     return int(os.environ.get("RADIXSERVE_FUZZ_EXAMPLES", "200"))
+
+
+def fuzz_seed() -> int | None:
+    """None in CI (the same examples every run); ``RADIXSERVE_FUZZ_SEED`` replays a run;
+    ``RADIXSERVE_FUZZ_RANDOM=1`` (``make fuzz``) draws a fresh seed, which the test prints."""
+    if "RADIXSERVE_FUZZ_SEED" in os.environ:
+        return int(os.environ["RADIXSERVE_FUZZ_SEED"])
+    if os.environ.get("RADIXSERVE_FUZZ_RANDOM") == "1":
+        return random.randrange(2**32)
+    return None

@@ -45,6 +45,7 @@ class Soak:
         self.sent: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
         self.samples: list[str] = []
+        self.pids: dict[str, int] = {}
 
     def fail(self, kind: str, detail: str) -> None:
         self.failures[kind] += 1
@@ -147,9 +148,13 @@ class Soak:
             assert state["num_open_sessions"] == 0, state["session_ids"]
             assert state["last_leak_check"]["ok"], state["last_leak_check"]
 
-    def rss_mib(self) -> float:
-        procs = [psutil.Process(self.server.proc.pid), *self.server.children()]
-        return sum(p.memory_info().rss for p in procs) / 2**20
+    def rss_mib(self) -> dict[str, float]:
+        """Resident memory of each of the server's processes (``http`` and the workers)."""
+        if not self.pids:
+            info = httpx.get(self.server.base_url + "/get_server_info", timeout=60).json()
+            self.pids = {"http": self.server.proc.pid, **info["processes"]}
+        return {name: round(psutil.Process(pid).memory_info().rss / 2**20, 1)
+                for name, pid in self.pids.items()}
 
 
 def run(model_path: Path, duration: float) -> dict[str, Any]:
@@ -167,7 +172,7 @@ def run(model_path: Path, duration: float) -> dict[str, Any]:
                 break
             rss.append(soak.rss_mib())
             print(json.dumps({"step": steps, "elapsed_s": round(time.monotonic() - started, 1),
-                              "rss_mib": round(rss[-1], 1),
+                              "rss_mib": rss[-1],
                               "failures": sum(soak.failures.values())}), flush=True)
     except httpx.TransportError as exc:  # the server is gone
         soak.fail("server", f"{exc!r}\n{server.stderr_tail()}")
@@ -180,9 +185,9 @@ def run(model_path: Path, duration: float) -> dict[str, Any]:
         "duration_s": round(elapsed, 1), "steps": steps, "requests": dict(soak.sent),
         "leak_checks_passed": len(rss), "failures": dict(soak.failures),
         "failure_samples": soak.samples,
-        "rss_mib_after_first_step": round(rss[0], 1) if rss else None,
-        "rss_mib_at_end": round(rss[-1], 1) if rss else None,
-        "rss_growth_mib": round(rss[-1] - rss[0], 1) if rss else None,
+        "rss_mib_after_first_step": rss[0] if rss else None,
+        "rss_mib_at_end": rss[-1] if rss else None,
+        "rss_growth_mib": {k: round(rss[-1][k] - rss[0][k], 1) for k in rss[0]} if rss else None,
     }
 
 

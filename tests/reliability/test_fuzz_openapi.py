@@ -9,9 +9,10 @@ without a bound get 16), so that no fuzzed request generates for long.
 
 from __future__ import annotations
 
-import os
+import time
 
 import httpx
+import psutil
 import pytest
 import requests
 
@@ -19,6 +20,7 @@ from tests.reliability.fuzz import (
     ServerKeeper,
     examples_per_operation,
     fuzz_operation,
+    fuzz_seed,
     load_schema,
     operations,
 )
@@ -43,14 +45,22 @@ def fuzz_server(llama_path):
 
 def test_every_operation_keeps_the_error_contract(fuzz_server, tmp_path):
     examples = examples_per_operation()
-    derandomize = os.environ.get("RADIXSERVE_FUZZ_RANDOM") != "1"  # CI: the same run each time
+    seed = fuzz_seed()
     schema = load_schema(fuzz_server.base_url)
     ops = operations(schema)
+    server = psutil.Process(fuzz_server.proc.pid)
+    procs = [server, *server.children(recursive=True)]
+    cpu_before = [sum(p.cpu_times()[:2]) for p in procs]
+    started, test_cpu = time.monotonic(), time.process_time()
     with requests.Session() as session:
         keeper = ServerKeeper(fuzz_server.base_url, session, str(tmp_path))
-        reports = [fuzz_operation(op, keeper, examples, derandomize) for op in ops]
-    summary = "\n".join(f"{r.label}: {r.calls} calls {r.statuses}" for r in reports)
-    print(summary)
+        reports = [fuzz_operation(op, keeper, examples, seed) for op in ops]
+    server_cpu = sum(sum(p.cpu_times()[:2]) - b for p, b in zip(procs, cpu_before, strict=True))
+    print("\n".join(f"{r.label}: {r.calls} calls {r.statuses}" for r in reports))
+    # Where the time goes (generating examples, or serving them) on a machine of any speed.
+    print(f"fuzz seed {seed}: {sum(r.calls for r in reports)} calls in "
+          f"{time.monotonic() - started:.0f}s; CPU {time.process_time() - test_cpu:.0f}s "
+          f"in the test (schemathesis), {server_cpu:.0f}s in the server")
     # Every route: the schema holds all of them, and each with inputs got its examples (one
     # without inputs has a single request to send).
     labels = {r.label for r in reports}
