@@ -355,3 +355,15 @@ def test_raw_stream_is_numbered_sse_without_done(server):
     assert [d["type"] for d in data] == events
     assert [d["sequence_number"] for d in data] == list(range(len(data)))
     assert events[0] == "response.created" and events[-1] == "response.incomplete"
+
+
+def test_a_stream_closed_early_leaks_nothing(client, server):
+    body = {"model": server.model, "input": "Count to a hundred.", "stream": True,
+            "max_output_tokens": 400, "temperature": 0}
+    with httpx.stream("POST", server.base_url + "/v1/responses", json=body, timeout=60) as r:
+        lines = (line for line in r.iter_lines() if line.startswith("data: "))
+        first = [json.loads(next(lines).removeprefix("data: ")) for _ in range(3)]
+    assert [e["type"] for e in first][:2] == ["response.created", "response.in_progress"]
+    assert_no_leak(client)
+    assert client.post("/v1/responses", json={"input": "x", "max_output_tokens": 2}) \
+        .status_code == 200
