@@ -204,7 +204,8 @@ def test_get_and_delete_return_openai_shapes(client, server):
     deleted = client.delete(f"/v1/responses/{body['id']}")
     assert deleted.json() == {"id": body["id"], "object": "response", "deleted": True}
     for path, status in ((f"/v1/responses/{body['id']}", 404), ("/v1/responses/nope", 400),
-                         ("/v1/responses/resp_XYZ", 400)):
+                         ("/v1/responses/resp_x.y", 400), ("/v1/responses/resp_" + "a" * 65, 400),
+                         ("/v1/responses/resp_" + "a" * 48, 404)):
         for method in ("GET", "DELETE"):
             bad = client.request(method, path)
             assert bad.status_code == status, (method, path, bad.text)
@@ -286,6 +287,7 @@ BAD_BODIES = [
     ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
     ({"input": "x", "truncation": "sometimes"}, "truncation"),
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "previous_response_id": "chatcmpl-1"}, "previous_response_id"),
     ({"input": []}, "input"),
     ({}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
