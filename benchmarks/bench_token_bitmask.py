@@ -1,4 +1,4 @@
-"""A grammar's token bitmask applied to a batch of logits: xgrammar's CPU apply vs radixserve's kernel.
+"""A grammar's token bitmask applied to logits: xgrammar's CPU apply vs radixserve's kernel.
 
 The part of a constrained decode step that grows with batch x vocabulary (issue #12). Each
 implementation masks ``--batch`` rows of ``--vocab`` logits in bf16 and float32, with bitmasks
@@ -60,12 +60,12 @@ def main() -> None:
         logits = torch.randn(args.batch, args.vocab, generator=gen).to(dtype)
         for name, bitmask in bitmasks.items():
             xgrammar_ms = best_ms(
-                lambda b=bitmask: xgr.apply_token_bitmask_inplace(logits, b, indices=rows),
+                lambda x=logits, b=bitmask: xgr.apply_token_bitmask_inplace(x, b, indices=rows),
                 args.calls, args.repeats)
             kernel_ms = best_ms(
-                lambda b=bitmask: cpu_kernels.apply_token_bitmask(logits, b, rows),
+                lambda x=logits, b=bitmask: cpu_kernels.apply_token_bitmask(x, b, rows),
                 args.calls, args.repeats)
-            argmax_ms = best_ms(lambda: cpu_kernels.argmax(logits), args.calls, args.repeats)
+            argmax_ms = best_ms(lambda x=logits: cpu_kernels.argmax(x), args.calls, args.repeats)
             print(json.dumps({
                 "dtype": str(dtype).removeprefix("torch."), "bitmask": name,
                 "batch": args.batch, "vocab": args.vocab, "xgrammar_ms": round(xgrammar_ms, 3),
