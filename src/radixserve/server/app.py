@@ -6,8 +6,10 @@ A request passes, in order:
    ``CONTROL_PATHS`` need ``--admin-api-key`` instead when it is set),
    the server state (503 while starting or draining), admission of generation requests (429 with
    ``Retry-After`` past ``--max-queued-requests``; the in-flight count the drain waits on), and
-   the body size (413 past ``MAX_BODY_BYTES``, from ``Content-Length`` or counted while reading);
-   POST bodies are read as JSON whatever their Content-Type says.
+   the body size (413 past ``MAX_BODY_BYTES``, from ``Content-Length`` or counted while reading),
+   the values in a JSON body (400 naming an integer past 64 bits, NaN, a lone surrogate or
+   nesting too deep: ``managers/request_values.py``); POST bodies are read as JSON whatever their
+   Content-Type says.
 2. The route (``native_api``, ``openai/*``), which validates its body with pydantic (errors → 400)
    and calls the ``TokenizerManager`` (``ValueError`` → 400).
 
@@ -22,6 +24,7 @@ import asyncio
 import contextlib
 import enum
 import hmac
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +34,8 @@ from urllib.parse import parse_qs
 from fastapi import FastAPI, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from radixserve.managers.generate_request import GenerateReqInput
+from radixserve.managers.request_values import MAX_DEPTH, describe, find_unrepresentable
 from radixserve.managers.tokenizer_manager import TokenizerManager
 from radixserve.server.errors import APIError, install_error_handlers, send_error
 from radixserve.server.metrics import ServerMetrics
@@ -145,6 +150,15 @@ async def collect_final(merged: AsyncIterator[tuple[int, T]], n: int) -> list[T]
     return [finals[i] for i in range(n)]
 
 
+def merged_choices(
+    tm: TokenizerManager, inputs: Sequence[GenerateReqInput]
+) -> AsyncIterator[tuple[int, Any]]:
+    """``merge_generations`` of one generation per input (the OpenAI routes' choices), every
+    input validated before any is sent: a bad one fails the request with nothing running."""
+    prepared = [tm.prepare_generate(obj) for obj in inputs]
+    return merge_generations([tm.generate_request(p) for p in prepared])
+
+
 _END = object()
 
 
@@ -233,7 +247,8 @@ class RequestGuard:
                 self._check_state()
             if generation:
                 self._check_admission()
-            receive = await self._read_body(scope, receive)
+            body, receive = await self._read_body(scope, receive)
+            _check_values(body)
         except APIError as err:
             await send_error(send, err)
             return
@@ -288,8 +303,8 @@ class RequestGuard:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> Receive:
-        """Read the whole body within the limit and return a ``receive`` that replays it."""
+    async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, Receive]:
+        """Read the whole body within the limit; return it and a ``receive`` that replays it."""
         limit = self.max_body_bytes
         too_large = APIError(413, f"The request body is larger than {limit} bytes.")
         length = dict(scope["headers"]).get(b"content-length")
@@ -305,7 +320,7 @@ class RequestGuard:
         while True:
             message = await receive()
             if message["type"] != "http.request":  # the client went away while sending
-                return _replay([], message, receive)
+                return b"", _replay([], message, receive)
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
@@ -313,7 +328,29 @@ class RequestGuard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        return _replay(chunks, None, receive)
+        return b"".join(chunks), _replay(chunks, None, receive)
+
+
+def _check_values(body: bytes) -> None:
+    """400 naming the first value of a JSON body that the server cannot carry (an integer past
+    64 bits, NaN, a lone surrogate, deep nesting: ``request_values``), before any route reads
+    it. A body that is not JSON is left to the route, which says so."""
+    if not body:
+        return
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        raise APIError(
+            400, f"The request body is nested more than {MAX_DEPTH} levels deep."
+        ) from None
+    except json.JSONDecodeError:
+        return
+    except ValueError as e:  # an integer of more than 4300 digits, bytes that are not UTF-8
+        raise APIError(400, f"The request body is not valid JSON: {e}") from None
+    found = find_unrepresentable(data)
+    if found is not None:
+        path, why = found
+        raise APIError(400, describe(path, why), param=path or None)
 
 
 def _as_json(scope: Scope) -> Scope:

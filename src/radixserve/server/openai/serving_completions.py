@@ -19,7 +19,7 @@ from radixserve.server.app import (
     cancel_on_disconnect,
     collect_final,
     get_ctx,
-    merge_generations,
+    merged_choices,
     prime,
 )
 from radixserve.server.openai.protocol import (
@@ -46,7 +46,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     ctx.check_model(body.model)
     prompts = _prompt_ids(ctx, body.prompt)
     inputs = body.generate_inputs(prompts, ctx.context_len, body.logprobs)
-    merged = merge_generations([ctx.tokenizer_manager.generate_request(obj) for obj in inputs])
+    merged = merged_choices(ctx.tokenizer_manager, inputs)
     # Echo: the prompt text of each choice (an empty prefix without echo).
     echoes = [_prompt_text(ctx, body.prompt, p) if body.echo else "" for p in range(len(prompts))]
     prefixes = [echoes[k // body.n] for k in range(len(inputs))]
