@@ -6,7 +6,9 @@ A request passes, in order:
    ``CONTROL_PATHS`` need ``--admin-api-key`` instead when it is set),
    the server state (503 while starting or draining), admission of generation requests (429 with
    ``Retry-After`` past ``--max-queued-requests``; the in-flight count the drain waits on), and
-   the body size (413 past ``MAX_BODY_BYTES``, from ``Content-Length`` or counted while reading),
+   the body size (413 past ``MAX_BODY_BYTES``, from ``Content-Length`` or counted while reading)
+   and the time to read it (408 past ``--request-read-timeout``; the headers have the same time,
+   ``http_protocol.py``),
    the values in a JSON body (400 naming an integer past 64 bits, NaN, a lone surrogate or
    nesting too deep: ``managers/request_values.py``); POST bodies are read as JSON whatever their
    Content-Type says.
@@ -271,10 +273,17 @@ class RequestGuard:
             accepted.append(self._expected_auth)
         if self._expected_auth is None and not (control and self._expected_admin_auth):
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        headers = [value for name, value in scope["headers"] if name == b"authorization"]
+        given = headers[0] if headers else b""
         if scope["path"] in DASHBOARD_PATHS and not given:  # a browser opening the page
-            key = parse_qs(scope.get("query_string", b"").decode()).get("key", [""])[0]
-            given = f"Bearer {key}".encode()
+            keys = parse_qs(scope.get("query_string", b"").decode()).get("key", [""])
+            headers = keys
+            given = f"Bearer {keys[0]}".encode()
+        if len(headers) > 1:  # which one counts would depend on the proxy in front: none
+            raise APIError(
+                401, "More than one Authorization header (or key): send exactly one.",
+                code="invalid_api_key",
+            )
         if not any(key and hmac.compare_digest(given, key) for key in accepted):
             which = "admin API key" if control and self.ctx.server_args.admin_api_key else "API key"
             raise APIError(
@@ -308,6 +317,7 @@ class RequestGuard:
         limit = self.max_body_bytes
         too_large = APIError(413, f"The request body is larger than {limit} bytes.")
         length = dict(scope["headers"]).get(b"content-length")
+        declared = 0
         if length is not None:
             try:
                 declared = int(length)
@@ -317,8 +327,20 @@ class RequestGuard:
                 raise too_large
         chunks: list[bytes] = []
         size = 0
+        timeout = self.ctx.server_args.request_read_timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+            except asyncio.TimeoutError:
+                of = f" of {declared}" if length is not None else ""
+                raise APIError(
+                    408,
+                    f"The request body did not arrive within {timeout:g}s "
+                    f"(--request-read-timeout): {size}{of} bytes were received.",
+                    headers={"Connection": "close"},
+                ) from None
             if message["type"] != "http.request":  # the client went away while sending
                 return b"", _replay([], message, receive)
             chunk = message.get("body", b"")

@@ -33,6 +33,7 @@ ERROR_TYPES: dict[int, str] = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "request_timeout",
     413: "request_too_large",
     429: "rate_limit_error",
     500: "server_error",
