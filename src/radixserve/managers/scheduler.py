@@ -75,7 +75,13 @@ from radixserve.managers.retraction import (
     retract_all,
     retract_for_decode,
 )
-from radixserve.managers.schedule_batch import BatchResources, Req, ScheduleBatch, pages_to_alloc
+from radixserve.managers.schedule_batch import (
+    BatchResources,
+    Req,
+    ScheduleBatch,
+    num_live_reqs,
+    pages_to_alloc,
+)
 from radixserve.managers.schedule_policy import (
     AddResult,
     PrefillAdder,
@@ -196,7 +202,11 @@ class Scheduler:
             )
         )
         self.grammar_queue = GrammarQueue(self.grammars)
-        self.sessions = SessionController(self.tree_cache, self.model_config.bos_token_id)
+        self.sessions = SessionController(
+            self.tree_cache, self.model_config.bos_token_id,
+            max_sessions=server_args.max_sessions,
+            default_timeout=server_args.session_idle_timeout or None,
+        )
         self.memory = MemoryChecker(
             self.tree_cache, self.allocator, self.req_to_token_pool, self.max_total_num_tokens
         )
@@ -416,7 +426,7 @@ class Scheduler:
         compiled = self.grammar_queue.pop_compiled(wait_all=self.parallel.distributed)
         self.waiting_queue.extend(compiled.ready)
         for req, reason in compiled.failed:
-            logger.info("request %s rejected: %s", req.rid, reason["message"])
+            logger.info("request %r rejected: %s", req.rid, reason["message"])
             self.output_processor.finish_now([req], reason)
 
     def process_batch_result(
@@ -734,7 +744,7 @@ class Scheduler:
         return None
 
     def _reject(self, req: Req, error: str, status_code: int = 400) -> None:
-        logger.info("request %s rejected: %s", req.rid, error)
+        logger.info("request %r rejected: %s", req.rid, error)
         # status_code 400: bad input, raised to the caller as a ValueError; 503: unavailable.
         reason = {"type": "abort", "message": error, "status_code": status_code}
         self.output_processor.finish_now([req], reason)
@@ -838,6 +848,8 @@ class Scheduler:
                 "num_overlapped_steps": self.num_overlapped_steps,
                 "paused": self.paused,
                 "num_open_sessions": len(self.sessions.sessions),
+                "num_session_reqs": self.sessions.num_reqs(),
+                "num_live_reqs": num_live_reqs(),
                 "max_running_requests": self.max_running_requests,
                 **self.stats.summary(),
                 "new_token_ratio": self.new_token_ratio.value,

@@ -28,7 +28,6 @@ from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.server.openai.structured_outputs import ResponseFormat, grammar_params
 from radixserve.server.strict_request import StrictRequest, Unsupported
 
-MAX_N = 64
 MAX_TOP_LOGPROBS = 20
 
 
@@ -51,9 +50,6 @@ UNSUPPORTED_SHARED: Unsupported = {
     "return_hidden_states": ((None, False), "hidden states are not returned"),
 }
 UNSUPPORTED_CHAT: Unsupported = {
-    "continue_final_message": (
-        (None, False), "continuing the last assistant message is not supported"
-    ),
     "stream_reasoning": ((None, True), "reasoning is always streamed as it is parsed"),
 }
 UNSUPPORTED_COMPLETIONS: Unsupported = {
@@ -73,7 +69,7 @@ class _SamplingRequest(StrictRequest):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: int = Field(default=1, ge=1)  # at most --max-n (server/admission.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -169,17 +165,24 @@ class _SamplingRequest(StrictRequest):
         context_len: int,
         top_logprobs_num: int | None,
         extra_params: dict[str, Any] | None = None,
+        prompt_logprobs: bool = False,
+        *,
+        max_completion_tokens: int,
     ) -> list[GenerateReqInput]:
         """One single-prompt request per choice: prompt p's choice j is at ``p * n + j``.
 
-        Without ``max_tokens`` a choice may generate up to the end of the context (as OpenAI);
-        ``top_logprobs_num`` None means no logprobs; ``extra_params`` are sampling parameters the
-        route adds (a tool grammar, say). The TokenizerManager validates the rest.
+        Without ``max_tokens`` a choice may generate up to the end of the context (as OpenAI),
+        at most ``max_completion_tokens`` (``--max-completion-tokens``; a larger ``max_tokens`` is
+        refused by the TokenizerManager); ``top_logprobs_num`` None means no logprobs;
+        ``extra_params`` are sampling parameters the route adds (a tool grammar, say);
+        ``prompt_logprobs`` asks for the logprobs of the prompt's tokens too. The
+        TokenizerManager validates the rest.
         """
         requested = self.requested_max_tokens()
         inputs = []
         for ids in prompts:
-            max_new = requested if requested is not None else max(context_len - len(ids), 0)
+            rest = min(max(context_len - len(ids), 0), max_completion_tokens)
+            max_new = requested if requested is not None else rest
             for j in range(self.n):
                 inputs.append(
                     GenerateReqInput(
@@ -188,6 +191,7 @@ class _SamplingRequest(StrictRequest):
                                          **(extra_params or {})},
                         stream=self.stream,
                         return_logprob=top_logprobs_num is not None,
+                        logprob_start_len=0 if prompt_logprobs else -1,
                         top_logprobs_num=top_logprobs_num or 0,
                     )
                 )
@@ -315,6 +319,12 @@ class ChatCompletionRequest(_SamplingRequest):
     # SGLang's switch: False keeps a thinking model's reasoning inline in the content (no
     # effect without --reasoning-parser, as in SGLang: sglang-router always sends true).
     separate_reasoning: bool = True
+    # vLLM's and SGLang's prompt controls: open a new assistant message (the default unless
+    # continue_final_message), or continue the last (assistant) message where it stops.
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    # vLLM's: the reply's content starts with the last message's when that is the assistant's.
+    echo: bool = False
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -340,12 +350,6 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(prompt, list) and not prompt:
             raise ValueError("prompt must not be an empty list")
         return prompt
-
-    @model_validator(mode="after")
-    def _no_echo_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs is not supported (no prompt logprobs)")
-        return self
 
 
 # ---------------------------------------------------------------------------- responses
@@ -481,9 +485,12 @@ class ChatCompletionStreamResponse(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """Per token; with ``echo`` the prompt's tokens come first, the very first of them with a
+    ``null`` logprob and ``null`` alternatives (nothing precedes it)."""
+
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

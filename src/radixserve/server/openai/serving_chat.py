@@ -9,6 +9,11 @@ them), and sent as ``n`` single-prompt generations. Each choice's text is then p
 (``--tool-call-parser``, or the enforced JSON of ``required`` / named ``tool_choice``). A choice
 that calls tools finishes with ``tool_calls``.
 
+``continue_final_message`` (vLLM's and SGLang's) renders the last message, an assistant's, open:
+the model continues it instead of closing it and starting a new one (``add_generation_prompt``
+is then off; asking for both is a 400, as in vLLM). ``echo`` (vLLM's) starts each choice's
+content with that last assistant message; logprobs cover only the generated tokens.
+
 Streaming sends, per choice, a first chunk with the role, then reasoning, content and tool-call
 deltas (a call's id and name first, its arguments in pieces, under a stable ``index``), exactly
 one chunk carrying ``finish_reason``, then a usage chunk (``stream_options.include_usage``) and
@@ -25,6 +30,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from radixserve.sampling.sampling_params import GRAMMAR_FIELDS
+from radixserve.server.admission import admit
 from radixserve.server.app import (
     ServerContext,
     cancel_on_disconnect,
@@ -72,21 +78,24 @@ _TEMPLATE_ARGUMENTS = frozenset({
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = get_ctx(request)
     ctx.check_model(body.model)
+    admit(request, 1, body.n)
     plan = plan_tools(body, ctx.server_args.tool_call_parser, ctx.tokenizer)
     reasoning_parser = reasoning_parser_name(ctx, body)
     prompt_text = render_chat(ctx, body, plan.template_tools)
+    echo = _echo_text(body)
     prompt_ids = ctx.tokenizer.encode(prompt_text, add_special_tokens=False)
     top_logprobs_num = (body.top_logprobs or 0) if body.logprobs else None
-    inputs = body.generate_inputs([prompt_ids], ctx.context_len, top_logprobs_num, plan.sampling)
+    inputs = body.generate_inputs([prompt_ids], ctx.context_len, top_logprobs_num, plan.sampling,
+                                  max_completion_tokens=ctx.server_args.max_completion_tokens)
     constrained = any(k in GRAMMAR_FIELDS for k in inputs[0].sampling_params)
     parsers = [choice_parser(plan, reasoning_parser, prompt_text, constrained) for _ in inputs]
     merged = merged_choices(ctx.tokenizer_manager, inputs)
     response_id, created = new_id("chatcmpl"), now()
     if not body.stream:
         outputs = await cancel_on_disconnect(request, collect_final(merged, len(inputs)))
-        response = _response(ctx, body, outputs, parsers, response_id, created)
+        response = _response(ctx, body, outputs, parsers, echo, response_id, created)
         return JSONResponse(response.model_dump())
-    events = _stream(ctx, body, await prime(merged), parsers, response_id, created)
+    events = _stream(ctx, body, await prime(merged), parsers, echo, response_id, created)
     return sse_response(events)
 
 
@@ -105,10 +114,44 @@ def choice_parser(plan: ToolPlan, reasoning: str | None, prompt_text: str,
     )
 
 
+def _generation_prompt(body: ChatCompletionRequest) -> bool:
+    """Whether the template opens a new assistant message after the conversation; refuses
+    what cannot be continued (vLLM's checks, with its messages)."""
+    if not body.continue_final_message:
+        return body.add_generation_prompt is not False
+    if body.add_generation_prompt:
+        raise APIError(
+            400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            param="continue_final_message",
+        )
+    last = body.messages[-1]
+    if last.role != "assistant":
+        raise APIError(
+            400, "Cannot set `continue_final_message` to True when the last message is not "
+            f"from the assistant (it is from the {last.role}).",
+            param="continue_final_message",
+        )
+    if last.tool_calls:
+        raise APIError(
+            400, "continue_final_message cannot continue an assistant message with tool_calls",
+            param="continue_final_message",
+        )
+    return False
+
+
+def _echo_text(body: ChatCompletionRequest) -> str:
+    """What ``echo`` puts before each choice's content: the last message's text when the
+    assistant wrote it (vLLM's rule, the reply being the assistant's)."""
+    last = body.messages[-1]
+    return last.text() if body.echo and last.role == "assistant" else ""
+
+
 def render_chat(
     ctx: ServerContext, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
 ) -> str:
-    """The prompt text of the conversation, generation prompt included."""
+    """The prompt text of the conversation: with the generation prompt, without it, or
+    ending inside the last message (``continue_final_message``)."""
+    add_generation_prompt = _generation_prompt(body)
     tok = ctx.tokenizer
     if ctx.chat_template is None and not getattr(tok, "chat_template", None):
         raise APIError(
@@ -129,7 +172,8 @@ def render_chat(
             chat_template=ctx.chat_template,
             tools=tools,
             tokenize=False,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=body.continue_final_message,
             **extra,
         )
     except (jinja2.TemplateError, ValueError, TypeError) as e:  # TypeError: a kwarg's type
@@ -164,12 +208,13 @@ def _finish_reason(reason: dict[str, Any] | None, calls: bool) -> str | None:
     return "tool_calls" if calls and name == "stop" else name
 
 
-def _message(parsed: ParsedMessage) -> ChatMessageOut:
+def _message(parsed: ParsedMessage, echo: str) -> ChatMessageOut:
     calls = [
         ToolCallOut(id=call_id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
         for c, call_id in zip(parsed.calls, parsed.ids, strict=True)
     ]
-    return ChatMessageOut(content=parsed.content, reasoning_content=parsed.reasoning,
+    content = echo + (parsed.content or "") if echo else parsed.content
+    return ChatMessageOut(content=content, reasoning_content=parsed.reasoning,
                           tool_calls=calls or None)
 
 
@@ -178,6 +223,7 @@ def _response(
     body: ChatCompletionRequest,
     outputs: list[dict[str, Any]],
     parsers: list[ChoiceParser],
+    echo: str,
     response_id: str,
     created: int,
 ) -> ChatCompletionResponse:
@@ -188,7 +234,7 @@ def _response(
         choices.append(
             ChatCompletionChoice(
                 index=i,
-                message=_message(parsed),
+                message=_message(parsed, echo),
                 logprobs=_logprobs(ctx, out["meta_info"]) if body.logprobs else None,
                 finish_reason=_finish_reason(reason, bool(parsed.calls)),
                 matched_stop=matched_stop(reason),
@@ -208,6 +254,7 @@ def _stream(
     body: ChatCompletionRequest,
     merged: AsyncIterator[tuple[int, dict[str, Any]]],
     parsers: list[ChoiceParser],
+    echo: str,
     response_id: str,
     created: int,
 ) -> AsyncIterator[bytes]:
@@ -241,9 +288,9 @@ def _stream(
             matched_stop=matched_stop(reason),
         )
 
-    # The first chunk of every choice carries the role.
+    # The first chunk of every choice carries the role, and the echo (vLLM's order).
     head = [
-        ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+        ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=echo))
         for i in range(len(parsers))
     ]
     usage_n = body.n if body.include_usage else None

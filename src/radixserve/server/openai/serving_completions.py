@@ -2,8 +2,11 @@
 
 Prompts are tokenized here (as the TokenizerManager would) so that a request without
 ``max_tokens`` can be given the rest of the context. Choice ``p * n + j`` is prompt p's j-th
-sample. ``echo`` prefixes the prompt text; ``logprobs=k`` returns the chosen tokens' logprobs and
-the top k alternatives per position.
+sample. ``logprobs=k`` returns the chosen tokens' logprobs and the top k alternatives per
+position. ``echo`` prefixes the prompt text (a token-id prompt decoded without its special
+tokens, as SGLang and vLLM echo it); with ``logprobs`` it also returns the prompt tokens'
+logprobs, first in the list (as OpenAI, SGLang and vLLM do). A stream sends the echo, and the
+prompt's logprobs, with each choice's first chunk.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from radixserve.server.admission import admit, num_prompts
 from radixserve.server.app import (
     ServerContext,
     cancel_on_disconnect,
@@ -44,19 +48,18 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     ctx = get_ctx(request)
     ctx.check_model(body.model)
+    admit(request, num_prompts(body.prompt), body.n)
     prompts = _prompt_ids(ctx, body.prompt)
-    inputs = body.generate_inputs(prompts, ctx.context_len, body.logprobs)
+    prompt_logprobs = body.echo and body.logprobs is not None
+    inputs = body.generate_inputs(prompts, ctx.context_len, body.logprobs,
+                                  prompt_logprobs=prompt_logprobs,
+                                  max_completion_tokens=ctx.server_args.max_completion_tokens)
     merged = merged_choices(ctx.tokenizer_manager, inputs)
-    # Echo: the prompt text of each choice (an empty prefix without echo).
-    echoes = [_prompt_text(ctx, body.prompt, p) if body.echo else "" for p in range(len(prompts))]
-    prefixes = [echoes[k // body.n] for k in range(len(inputs))]
     response_id, created = new_id("cmpl"), now()
     if not body.stream:
         outputs = await cancel_on_disconnect(request, collect_final(merged, len(inputs)))
-        return JSONResponse(
-            _response(ctx, body, outputs, prefixes, response_id, created).model_dump()
-        )
-    events = _stream(ctx, body, await prime(merged), prefixes, response_id, created)
+        return JSONResponse(_response(ctx, body, outputs, response_id, created).model_dump())
+    events = _stream(ctx, body, await prime(merged), len(inputs), response_id, created)
     return sse_response(events)
 
 
@@ -69,54 +72,77 @@ def _prompt_ids(ctx: ServerContext, prompt: Any) -> list[list[int]]:
     return [ctx.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
 
+def _echo(ctx: ServerContext, body: CompletionRequest, choice: int) -> str:
+    """What choice ``choice`` starts with: its prompt's text with ``echo``, else nothing.
+    Called once the choice has output, so a token-id prompt was checked before it is decoded."""
+    return _prompt_text(ctx, body.prompt, choice // body.n) if body.echo else ""
+
+
 def _prompt_text(ctx: ServerContext, prompt: Any, index: int) -> str:
-    """The text of prompt ``index`` for ``echo`` (token-id prompts are decoded)."""
+    """The text of prompt ``index``: token-id prompts are decoded without their special tokens
+    (a leading BOS the client sent is not part of the text)."""
     if isinstance(prompt, str):
         return prompt
     if all(isinstance(x, int) for x in prompt):
-        return ctx.tokenizer.decode(prompt)
+        return ctx.tokenizer.decode(prompt, skip_special_tokens=True)
     item = prompt[index]
-    return item if isinstance(item, str) else ctx.tokenizer.decode(item)
+    return item if isinstance(item, str) else ctx.tokenizer.decode(item, skip_special_tokens=True)
 
 
 def _logprobs(
-    ctx: ServerContext, meta: dict[str, Any], start: int, offset: int
-) -> CompletionLogprobs:
-    """Legacy-completions logprobs of output tokens from ``start`` on; text offsets from
-    ``offset`` (the characters of the choice's text before them)."""
-    tok = ctx.tokenizer
+    ctx: ServerContext, body: CompletionRequest, meta: dict[str, Any], start: int, offset: int,
+    with_prompt: bool = False,
+) -> tuple[CompletionLogprobs, int]:
+    """Legacy-completions logprobs of output tokens from ``start`` on, text offsets from
+    ``offset``, and the offset after them; ``with_prompt`` puts the prompt's tokens first, at
+    offsets from 0 in the echoed text. Offsets add up each token's own text, the same whether
+    the choice streams or not."""
     result = CompletionLogprobs()
-    tokens = meta.get("output_token_logprobs", [])[start:]
-    tops = meta.get("output_top_logprobs") or []
-    for k, (lp, tid, _) in enumerate(tokens):
-        text = tok.decode([tid])
-        result.tokens.append(text)
+    if with_prompt:
+        _add_logprobs(ctx, result, meta["input_token_logprobs"],
+                      meta.get("input_top_logprobs") or [], 0, True)
+    tops = (meta.get("output_top_logprobs") or [])[start:]
+    end = _add_logprobs(ctx, result, meta.get("output_token_logprobs", [])[start:], tops,
+                        offset, body.skip_special_tokens)
+    return result, end
+
+
+def _add_logprobs(
+    ctx: ServerContext, result: CompletionLogprobs, entries: list[Any],
+    tops: list[Any], offset: int, skip_special_tokens: bool,
+) -> int:
+    """Append ``[logprob, id, text]`` entries; a token advances the offset by the characters
+    it adds to the choice's text (none for a special token the text leaves out)."""
+    tok = ctx.tokenizer
+    for k, (lp, tid, _) in enumerate(entries):
+        result.tokens.append(tok.decode([tid]))
         result.token_logprobs.append(lp)
         result.text_offset.append(offset)
-        offset += len(text)
-        top = (tops[start + k] if start + k < len(tops) else None) or []
-        result.top_logprobs.append({tok.decode([t]): v for v, t, _ in top})
-    return result
+        offset += len(tok.decode([tid], skip_special_tokens=skip_special_tokens))
+        top = (tops[k] if k < len(tops) else None) or []
+        # The prompt's first token has no logprob and no alternatives.
+        result.top_logprobs.append(None if lp is None else {tok.decode([t]): v for v, t, _ in top})
+    return offset
 
 
 def _response(
     ctx: ServerContext,
     body: CompletionRequest,
     outputs: list[dict[str, Any]],
-    prefixes: list[str],
     response_id: str,
     created: int,
 ) -> CompletionResponse:
     choices = []
     for i, out in enumerate(outputs):
         reason = out["meta_info"]["finish_reason"]
+        prefix = _echo(ctx, body, i)
         logprobs = None
         if body.logprobs is not None:
-            logprobs = _logprobs(ctx, out["meta_info"], 0, 0)
+            logprobs, _ = _logprobs(ctx, body, out["meta_info"], 0, len(prefix), body.echo)
         choices.append(
             CompletionChoice(
                 index=i,
-                text=prefixes[i] + out["text"],
+                text=prefix + out["text"],
                 logprobs=logprobs,
                 finish_reason=finish_reason_name(reason),
                 matched_stop=matched_stop(reason),
@@ -135,7 +161,7 @@ def _stream(
     ctx: ServerContext,
     body: CompletionRequest,
     merged: AsyncIterator[tuple[int, dict[str, Any]]],
-    prefixes: list[str],
+    num_choices: int,
     response_id: str,
     created: int,
 ) -> AsyncIterator[bytes]:
@@ -144,23 +170,29 @@ def _stream(
             id=response_id, created=created, model=ctx.model_name, choices=choices, usage=usage
         )
 
+    offsets: dict[int, int] = {}  # choice → text offset of its next token, once it started
+
     def to_choice(delta: Delta) -> CompletionChoice | None:
         reason = delta.finish_reason
+        # The echo rides the choice's first chunk, with the prompt's logprobs (SGLang's order).
+        first = delta.index not in offsets
+        prefix = _echo(ctx, body, delta.index) if first else ""
+        offsets.setdefault(delta.index, len(prefix))
         logprobs = None
         if body.logprobs is not None:
             meta = delta.out["meta_info"]
-            logprobs = _logprobs(ctx, meta, delta.tokens_sent, delta.text_sent)
-        if reason is None and not delta.new_text and not (logprobs and logprobs.tokens):
+            logprobs, offsets[delta.index] = _logprobs(
+                ctx, body, meta, delta.tokens_sent, offsets[delta.index], body.echo and first)
+        text = prefix + delta.new_text
+        if reason is None and not text and not (logprobs and logprobs.tokens):
             return None
         return CompletionChoice(
             index=delta.index,
-            text=delta.new_text,
+            text=text,
             logprobs=logprobs,
             finish_reason=finish_reason_name(reason),
             matched_stop=matched_stop(reason),
         )
 
-    # With echo, each choice's prompt text goes first.
-    head = [CompletionChoice(index=i, text=p) for i, p in enumerate(prefixes) if p]
     usage_n = body.n if body.include_usage else None
-    return stream_choices(merged, len(prefixes), to_choice, frame, usage_n, head)
+    return stream_choices(merged, num_choices, to_choice, frame, usage_n)

@@ -1,4 +1,9 @@
-"""``GET /v1/models`` and ``GET /v1/models/{id}``: the one model this server serves."""
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: the one model this server serves.
+
+The card names the model as clients name it: ``id`` and ``root`` are both the served model name
+(``--served-model-name``, else the model path), as in SGLang; the path on disk is not shown.
+``max_model_len`` is the context length.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ def _card(ctx: ServerContext) -> ModelCard:
     return ModelCard(
         id=ctx.model_name,
         created=ctx.created,
-        root=ctx.server_args.model_path,
+        root=ctx.model_name,
         max_model_len=ctx.context_len,
     )
 
