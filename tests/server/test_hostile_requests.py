@@ -192,6 +192,9 @@ CASES = [
     Case("logit_bias_past_vocabulary", CHAT, chat(logit_bias={str(i): 1 for i in range(50_000)}),
          message="vocabulary"),
     Case("huge_n", COMPLETIONS, completion(n=1_000_000), param="n"),
+    Case("huge_native_n", GENERATE, generate({"n": 1_000_000}), message="n"),
+    Case("batch_of_a_hundred_thousand_prompts", GENERATE, {"text": ["a"] * 100_000},
+         message="batch"),
     Case("huge_top_logprobs", CHAT, chat(logprobs=True, top_logprobs=1_000_000),
          param="top_logprobs"),
     # --- nesting

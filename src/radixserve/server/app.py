@@ -342,7 +342,8 @@ class RequestGuard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        return b"".join(chunks), _replay(chunks, None, receive)
+        body = b"".join(chunks)
+        return body, _replay([body], None, receive)
 
 
 def _check_values(body: bytes) -> None:
