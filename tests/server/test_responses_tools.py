@@ -23,6 +23,7 @@ import pytest
 
 from tests.checkpoints import build_checkpoint
 from tests.server.conftest import CONSTRAINED_FLAGS, assert_no_leak, start_server
+from tests.server.test_responses_api import assert_sdk_shapes, flush_cache
 from tests.server.tool_templates import HERMES_THINKING
 
 WEATHER = {
@@ -83,42 +84,54 @@ def test_required_tool_choice_calls_a_function(oai, hermes):
 
 
 def test_function_call_round_trip_matches_chat(oai, hermes):
-    """The call and its result sent back (as items, or with previous_response_id) are the chat
-    conversation with ``tool_calls`` and a ``tool`` message: the same prompt, the same
-    (greedy) answer."""
+    """The call and its result sent back (with previous_response_id, or as items) are the chat
+    conversation with ``tool_calls`` and a ``tool`` message: token for token the same prompt
+    (each request finds the previous one's whole prompt in the cache), the same answer."""
     first = oai.responses.create(model=hermes.model, input=QUESTION, tools=TOOLS,
                                  tool_choice="required", parallel_tool_calls=False,
                                  max_output_tokens=100, temperature=0)
     [call] = first.output
     assert call.type == "function_call"
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 C, sunny"}
-    as_items = oai.responses.create(
-        model=hermes.model, tools=TOOLS, max_output_tokens=8, temperature=0,
-        input=[{"role": "user", "content": QUESTION}, call.model_dump(exclude_none=True),
-               result])
+    items = [{"role": "user", "content": QUESTION}, call.model_dump(exclude_none=True), result]
+    messages = [{"role": "user", "content": QUESTION},
+                {"role": "assistant", "tool_calls": [
+                    {"id": call.call_id, "type": "function",
+                     "function": {"name": call.name, "arguments": call.arguments}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "18 C, sunny"}]
+
+    def as_items():
+        return oai.responses.create(model=hermes.model, tools=TOOLS, max_output_tokens=8,
+                                    temperature=0, input=items)
+
+    def as_chat():
+        return oai.chat.completions.create(model=hermes.model, tools=CHAT_TOOLS, max_tokens=8,
+                                           temperature=0, messages=messages)
+
     chained = oai.responses.create(model=hermes.model, tools=TOOLS, max_output_tokens=8,
                                    temperature=0, input=[result],
                                    previous_response_id=first.id)
-    chat = oai.chat.completions.create(
-        model=hermes.model, tools=CHAT_TOOLS, max_tokens=8, temperature=0,
-        messages=[{"role": "user", "content": QUESTION},
-                  {"role": "assistant", "tool_calls": [
-                      {"id": call.call_id, "type": "function",
-                       "function": {"name": call.name, "arguments": call.arguments}}]},
-                  {"role": "tool", "tool_call_id": call.call_id, "content": "18 C, sunny"}])
-    for r in (as_items, chained):
-        assert r.usage.input_tokens == chat.usage.prompt_tokens
-        # deepseek-r1: the unconstrained answer is reasoning until </think>
-        assert r.output[0].type == "reasoning"
-        assert r.output[0].content[0].text == chat.choices[0].message.reasoning_content
     assert chained.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    listed, chat = as_items(), as_chat()
+    assert listed.usage.input_tokens == chat.usage.prompt_tokens == chained.usage.input_tokens
+    assert listed.usage.input_tokens_details.cached_tokens >= listed.usage.input_tokens - 1
+    assert chat.usage.prompt_tokens_details.cached_tokens >= chat.usage.prompt_tokens - 1
+    flush_cache(hermes.base_url)
+    listed = as_items()
+    flush_cache(hermes.base_url)
+    chat = as_chat()
+    # deepseek-r1: the unconstrained answer is reasoning until </think>
+    assert listed.output[0].type == "reasoning"
+    assert listed.output[0].content[0].text == chat.choices[0].message.reasoning_content
 
 
 def test_streamed_function_call(oai, hermes):
     kwargs = dict(model=hermes.model, input=QUESTION, tools=TOOLS,
                   tool_choice={"type": "function", "name": "get_weather"},
                   max_output_tokens=100, temperature=0)
+    flush_cache(hermes.base_url)
     plain = oai.responses.create(**kwargs)
+    flush_cache(hermes.base_url)
     with oai.responses.stream(**kwargs) as stream:
         events = list(stream)
         final = stream.get_final_response()
@@ -137,19 +150,52 @@ def test_streamed_function_call(oai, hermes):
 def test_reasoning_is_an_output_item(oai, hermes):
     kwargs = dict(model=hermes.model, input="Think about Oslo.", max_output_tokens=10,
                   temperature=0)
+    flush_cache(hermes.base_url)
     plain = oai.responses.create(**kwargs)
+    flush_cache(hermes.base_url)
     chat = oai.chat.completions.create(model=hermes.model, max_tokens=10, temperature=0,
                                        messages=[{"role": "user", "content": "Think about Oslo."}])
     [reasoning] = plain.output
     assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
     assert reasoning.content[0].text == chat.choices[0].message.reasoning_content
     assert plain.usage.output_tokens_details.reasoning_tokens > 0
+    flush_cache(hermes.base_url)
     events = list(oai.responses.create(stream=True, **kwargs))
     deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
     [done] = [e for e in events if e.type == "response.reasoning_text.done"]
     assert "".join(deltas) == done.text == reasoning.content[0].text
     assert events[-1].type == "response.incomplete"
     assert [item.type for item in events[-1].response.output] == ["reasoning"]
+
+
+def test_a_call_cut_short_is_incomplete_and_can_be_continued(oai, hermes):
+    kwargs = dict(model=hermes.model, input=QUESTION, tools=TOOLS, max_output_tokens=5,
+                  tool_choice={"type": "function", "name": "get_weather"}, temperature=0)
+    flush_cache(hermes.base_url)
+    cut = oai.responses.create(**kwargs)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.output[-1].status == "incomplete"
+    flush_cache(hermes.base_url)
+    events = list(oai.responses.create(stream=True, **kwargs))
+    assert events[-1].type == "response.incomplete"
+    streamed = events[-1].response
+    assert streamed.output[-1].status == "incomplete"
+    for call in (i for i in streamed.output if i.type == "function_call"):
+        # streamed as a call before the limit cut it (the final parse of the whole text
+        # finds no call in it: the plain response has its text as a message)
+        assert call.status == "incomplete"
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(call.arguments)
+    follow = oai.responses.create(model=hermes.model, input="Go on.", max_output_tokens=4,
+                                  tools=TOOLS, previous_response_id=streamed.id)
+    assert follow.status == "incomplete"
+    assert follow.usage.input_tokens_details.cached_tokens >= streamed.usage.input_tokens
+
+
+def test_calls_and_reasoning_have_the_sdk_types_shapes(hermes):
+    assert_sdk_shapes(hermes.base_url, {"input": QUESTION, "tools": TOOLS,
+                                        "tool_choice": "required", "max_output_tokens": 100})
+    assert_sdk_shapes(hermes.base_url, {"input": "Think.", "max_output_tokens": 6})
 
 
 def test_the_store_keeps_the_newest(oai, hermes):
