@@ -28,13 +28,6 @@ from tests.server.conftest import assert_no_leak, internal_state, start_server
 
 pytestmark = pytest.mark.timeout(1800)
 
-# 5xx answers the fuzz finds that are known and being fixed: a response text marker → the bug.
-# Anything else fails the test; these alone make it an expected failure that names them.
-KNOWN_BUGS = {
-    "internal server error: OverflowError": "an integer past 64 bits in a body is a 500 "
-                                            "(issue #18, hostile-input fixes)",
-}
-
 
 @pytest.fixture(scope="module")
 def fuzz_server(llama_path):
@@ -74,10 +67,7 @@ def test_every_operation_keeps_the_error_contract(fuzz_server, tmp_path):
         assert next(r for r in reports if r.label == label).statuses.get(200, 0) > 0, label
     failures = [f"{r.label} [{kind}]: {detail}"
                 for r in reports for kind, detail in r.failures.items()]
-    unknown = [f for f in failures if not any(k in f for k in KNOWN_BUGS)]
-    assert not unknown, "\n".join(unknown)
-    if failures:
-        pytest.xfail(f"known bugs only ({', '.join(KNOWN_BUGS.values())}):\n" + "\n".join(failures))
+    assert not failures, "\n".join(failures)
 
 
 def test_the_fuzzed_server_is_healthy_and_holds_nothing(fuzz_server):
