@@ -91,6 +91,10 @@ HELP: dict[str, str] = {
     "first.",
     "session_offload_after": "Offload a streaming session's KV to the store after this many "
     "idle seconds (default: only when the KV pool runs short).",
+    "max_sessions": "Most open sessions (per data-parallel replica); opening one more answers "
+    "429 until a session closes or times out.",
+    "session_idle_timeout": "Seconds after which a session opened without a timeout of its own "
+    "is closed when idle (no request running); 0: such sessions stay open until closed.",
     "enable_overlap_schedule": "Run the model on a thread of its own and plan each decode step "
     "while the previous one computes (same greedy outputs).",
     "constrained_json_disable_any_whitespace": "JSON-schema output uses the compact separators "
@@ -103,7 +107,17 @@ HELP: dict[str, str] = {
     "stream_interval": "Stream a request's tokens every this many steps (the first and the last "
     "token at once); larger values cost less per token.",
     "enable_metrics": "Serve Prometheus metrics on GET /metrics.",
-    "max_queued_requests": "Answer 429 when this many generation requests are in flight.",
+    "max_queued_requests": "Most generations in flight (a request counts prompts x n, after its "
+    "body is parsed): past it 429 with Retry-After; a request that alone asks for more is a "
+    "400 (default: unbounded).",
+    "max_n": "Most samples per prompt (n) one request may ask for (more: 400).",
+    "max_batch_size": "Most prompts in one request (/generate, /v1/completions, /encode, "
+    "/v1/embeddings; more: 400).",
+    "max_top_logprobs_num": "Most top logprobs per position a request may ask for "
+    "(top_logprobs_num, top_logprobs, logprobs; more: 400).",
+    "max_completion_tokens": "Most tokens one generation may produce: a request without "
+    "max_tokens gets at most this many (and no more than its context leaves); one asking for "
+    "more is a 400.",
     "chat_template": "Jinja chat template, or a file holding one (default: the tokenizer's).",
     "tool_call_parser": "The tool-call format the model writes (hermes = qwen25 = qwen: "
     "<tool_call>{json}</tool_call>; llama3 = llama3_json: Llama 3.x JSON calls; mistral: "

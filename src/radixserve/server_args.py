@@ -57,6 +57,8 @@ class ServerArgs:
     session_store_max_gb: float = 10.0
     session_offload_after: float | None = None
     enable_overlap_schedule: bool = False
+    max_sessions: int = 1024
+    session_idle_timeout: float = 3600.0  # seconds; 0: sessions opened without one never expire
     # constrained decoding (JSON schemas)
     constrained_json_disable_any_whitespace: bool = False
     constrained_json_max_whitespace_cnt: int | None = None
@@ -65,6 +67,10 @@ class ServerArgs:
     stream_interval: int = 1
     enable_metrics: bool = False
     max_queued_requests: int | None = None
+    max_n: int = 64
+    max_batch_size: int = 2048
+    max_top_logprobs_num: int = 20
+    max_completion_tokens: int = 16384
     chat_template: str | None = None
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
@@ -133,6 +139,20 @@ class ServerArgs:
         if self.session_offload_after is not None and self.session_offload_after < 0:
             raise ValueError(
                 f"session_offload_after must be >= 0 seconds, got {self.session_offload_after}"
+            )
+        for name in ("max_n", "max_batch_size", "max_completion_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_top_logprobs_num < 0:
+            raise ValueError(
+                f"max_top_logprobs_num must be >= 0, got {self.max_top_logprobs_num}"
+            )
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
+        if not 0 <= self.session_idle_timeout < float("inf"):
+            raise ValueError(
+                f"session_idle_timeout must be >= 0 seconds (0: none), got "
+                f"{self.session_idle_timeout}"
             )
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")

@@ -249,7 +249,10 @@ def test_open_refuses_duplicates_bad_values_and_streaming_when_disabled():
         (open_msg(streaming=True), "--enable-streaming-session"),
         (OpenSessionReqInput(capacity_of_str_len=0), "capacity_of_str_len"),
         (open_msg(timeout=-1.0), "timeout"),
-        (open_msg(session_id=""), "non-empty"),
+        (open_msg(timeout=float("nan")), "positive finite"),
+        (open_msg(timeout=float("inf")), "positive finite"),
+        (open_msg(session_id=""), "1 to 128 visible ASCII characters"),
+        (open_msg(session_id="a\nb"), "'a\\nb'"),
         (open_msg(resume=True), "give its session_id"),
         (open_msg(session_id="y", resume=True), '"streaming": true'),
     ]:
@@ -394,3 +397,14 @@ def test_activity_postpones_expiry_on_the_controller_clock():
     clock.now = 4.0
     close_expired(ctrl)
     assert "s" not in ctrl.sessions
+
+
+def test_open_past_max_sessions_is_refused_as_at_capacity_and_the_default_timeout_applies():
+    ctrl = SessionController(plain_cache(), BOS, max_sessions=2, default_timeout=30.0)
+    assert ctrl.open(open_msg(session_id="a")).success
+    assert ctrl.open(open_msg(session_id="b", timeout=5.0)).success
+    reply = ctrl.open(open_msg(session_id="c"))
+    assert not reply.success and reply.at_capacity and "--max-sessions" in reply.message
+    assert (ctrl.sessions["a"].timeout, ctrl.sessions["b"].timeout) == (30.0, 5.0)
+    ctrl.close("a")
+    assert ctrl.open(open_msg(session_id="c")).success

@@ -261,6 +261,7 @@ class OpenSessionReqOutput(_Msg):
     session_id: str | None
     success: bool
     message: str = ""
+    at_capacity: bool = False  # refused because --max-sessions sessions are open (HTTP 429)
 
 
 class PauseGenerationReqOutput(_Msg):

@@ -51,7 +51,7 @@ class RequestReceiver:
             msgs: list[Message] = []
             if self.socket is not None:
                 for session_id in self.expired_sessions():
-                    logger.info("session %s timed out", session_id)
+                    logger.info("session %r timed out", session_id)
                     msgs.append(CloseSessionReqInput(session_id=session_id))
                 msgs.extend(ipc.recv_nowait(self.socket))
             if parallel.tp.size > 1:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import re
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,9 @@ except ImportError:  # pragma: no cover - Python 3.10
     import sre_parse  # type: ignore[no-redef]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+# Every ``Req`` alive in this process, for the internal state's ``num_live_reqs``: once no
+# request runs, waits or belongs to an open session it must be 0 (nothing holds on to them).
+_LIVE_REQS: weakref.WeakSet[Req] = weakref.WeakSet()
 # A stop regex that can match more characters than this is searched in the whole output.
 _MAX_REGEX_WINDOW = 1024
 
@@ -90,6 +94,7 @@ class Req:
         stream: bool = False,
         session_params: SessionParams | None = None,
     ) -> None:
+        _LIVE_REQS.add(self)
         self.rid = rid
         self.origin_input_ids = origin_input_ids
         self.output_ids: list[int] = []
@@ -279,6 +284,16 @@ def release_kv(req: Req, tree_cache: BasePrefixCache) -> None:
     """
     tree_cache.cache_finished_req(req, req.all_ids[: req.kv_len])
     assert req.req_pool_idx is None, "cache_finished_req frees the request row"
+    # Nor does it keep its slot indices or a tree node: a finished request may live on in
+    # its session's tree for as long as the session is open.
+    req.prefix_indices = _EMPTY
+    req.last_node = None
+    req.fill_ids = []
+
+
+def num_live_reqs() -> int:
+    """``Req`` objects alive in this process (see ``_LIVE_REQS``)."""
+    return len(_LIVE_REQS)
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,13 @@ from radixserve.managers.retraction import (
     retract_all,
     retract_for_decode,
 )
-from radixserve.managers.schedule_batch import BatchResources, Req, ScheduleBatch, pages_to_alloc
+from radixserve.managers.schedule_batch import (
+    BatchResources,
+    Req,
+    ScheduleBatch,
+    num_live_reqs,
+    pages_to_alloc,
+)
 from radixserve.managers.schedule_policy import (
     AddResult,
     PrefillAdder,
@@ -197,7 +203,11 @@ class Scheduler:
             )
         )
         self.grammar_queue = GrammarQueue(self.grammars)
-        self.sessions = SessionController(self.tree_cache, self.model_config.bos_token_id)
+        self.sessions = SessionController(
+            self.tree_cache, self.model_config.bos_token_id,
+            max_sessions=server_args.max_sessions,
+            default_timeout=server_args.session_idle_timeout or None,
+        )
         self.memory = MemoryChecker(
             self.tree_cache, self.allocator, self.req_to_token_pool, self.max_total_num_tokens
         )
@@ -817,6 +827,8 @@ class Scheduler:
                 "num_overlapped_steps": self.num_overlapped_steps,
                 "paused": self.paused,
                 "num_open_sessions": len(self.sessions.sessions),
+                "num_session_reqs": self.sessions.num_reqs(),
+                "num_live_reqs": num_live_reqs(),
                 "max_running_requests": self.max_running_requests,
                 **self.stats.summary(),
                 "new_token_ratio": self.new_token_ratio.value,

@@ -88,7 +88,7 @@ from radixserve.managers.logprob_meta import LogprobMeta
 from radixserve.managers.request_checks import check_embedding, check_generate
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
-from radixserve.sessions.session import RESUME_NEEDS_ID
+from radixserve.sessions.session import RESUME_NEEDS_ID, check_session_id
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,10 @@ _CONTROL_REPLIES = (
 
 class ServiceUnavailableError(RuntimeError):
     """The engine cannot take requests now (its memory is released): HTTP 503."""
+
+
+class CapacityError(RuntimeError):
+    """A server-wide bound is reached (``--max-sessions``): HTTP 429, retry later."""
 
 
 class SchedulerError(RuntimeError):
@@ -433,6 +437,7 @@ class TokenizerManager:
             top_logprobs_num=obj.top_logprobs_num, token_ids_logprob=obj.token_ids_logprob,
             whole_prompt=not obj.session_params,
         )
+        self._check_amplification(obj, sampling_params)
         rank = obj.data_parallel_rank
         if rank is not None and rank >= self.server_args.dp_size:
             raise ValueError(
@@ -445,6 +450,7 @@ class TokenizerManager:
                 session_params = msgspec.convert(obj.session_params, SessionParams)
             except msgspec.ValidationError as e:
                 raise ValueError(f"invalid session_params: {e}") from e
+            check_session_id(session_params.id)
         return TokenizedGenerateReqInput(
             rid=obj.rid,
             input_ids=input_ids,
@@ -458,6 +464,22 @@ class TokenizerManager:
             session_params=session_params,
             data_parallel_rank=rank,
         )
+
+    def _check_amplification(self, obj: GenerateReqInput, params: SamplingParams) -> None:
+        """Bounds on what one generation may cost: ``--max-completion-tokens`` and
+        ``--max-top-logprobs-num`` (a reply grows by that many entries per token)."""
+        cap = self.server_args.max_completion_tokens
+        if params.max_new_tokens > cap:
+            raise ValueError(
+                f"max_new_tokens (max_tokens) is {params.max_new_tokens}: this server generates "
+                f"at most {cap} tokens per request (--max-completion-tokens)"
+            )
+        top = self.server_args.max_top_logprobs_num
+        if obj.top_logprobs_num > top:
+            raise ValueError(
+                f"top_logprobs_num is {obj.top_logprobs_num}: at most {top} top logprobs per "
+                "position (--max-top-logprobs-num)"
+            )
 
     def _check_alive(self) -> None:
         if self._dead_message is not None:
@@ -603,12 +625,16 @@ class TokenizerManager:
                 raise ValueError(RESUME_NEEDS_ID)
             req = msgspec.structs.replace(req, session_id=uuid.uuid4().hex)
         [reply] = await self._control_all(req, OpenSessionReqOutput, fan_out=1)
+        if reply.at_capacity:
+            raise CapacityError(reply.message)
         if not reply.success or reply.session_id is None:
             raise ValueError(reply.message or "failed to open the session")
         return reply.session_id
 
     async def close_session(self, session_id: str) -> None:
+        """Close a session (unknown ids are ignored); ``ValueError`` for a malformed id."""
         self._check_alive()
+        check_session_id(session_id)
         ipc.send(self._send_sock, CloseSessionReqInput(session_id=session_id))
 
     async def pause_generation(self, mode: str = "abort") -> PauseGenerationReqOutput:

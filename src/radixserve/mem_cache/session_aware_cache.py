@@ -437,7 +437,7 @@ class SessionAwareCache(BasePrefixCache):
         slot = SessionSlot(session_id, row, list(kv_token_ids), list(history), stored=True)
         self._mark_idle(slot)
         self.slots[session_id] = slot
-        logger.info("session %s loaded back from the store (%d tokens)", session_id, kv_tokens)
+        logger.info("session %r loaded back from the store (%d tokens)", session_id, kv_tokens)
         return True
 
 

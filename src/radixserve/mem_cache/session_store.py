@@ -163,7 +163,7 @@ class SessionStore(ABC):
         nbytes = self._size(len(token_ids) + len(kv_token_ids), len(kv_token_ids))
         self.discard(session_id)
         if self.max_bytes is not None and nbytes > self.max_bytes:
-            logger.info("session %s (%d bytes) exceeds the store's bound", session_id, nbytes)
+            logger.info("session %r (%d bytes) exceeds the store's bound", session_id, nbytes)
             return False
         self._make_room(nbytes)
         payload = self._gather(kv_indices)
@@ -232,7 +232,7 @@ class SessionStore(ABC):
         for entry in sorted(self.entries.values(), key=lambda e: e.last_used):
             if self.total_bytes() + nbytes <= self.max_bytes:
                 return
-            logger.info("session store full: dropping session %s", entry.session_id)
+            logger.info("session store full: dropping session %r", entry.session_id)
             self.discard(entry.session_id)
 
     def _gather(self, kv_indices: torch.Tensor) -> torch.Tensor:
@@ -328,7 +328,7 @@ class DiskSessionStore(SessionStore):
         if refusal is None and path.stat().st_size - offset != header.get("payload_bytes"):
             refusal = "the file is truncated"
         if refusal is not None:
-            logger.warning("stored KV of session %s refused: %s; it resumes by re-prefilling "
+            logger.warning("stored KV of session %r refused: %s; it resumes by re-prefilling "
                            "its %d token ids", session_id, refusal, len(token_ids))
             kv_token_ids = []
         size, mtime = self._unopened.pop(path.name, (path.stat().st_size, time.time()))
@@ -372,13 +372,13 @@ class DiskSessionStore(SessionStore):
                 f.seek(offset)
                 got = f.readinto(memoryview(payload.numpy()))
         except (OSError, SessionStoreError, KeyError) as e:
-            logger.warning("stored KV of session %s refused: %s", session_id, e)
+            logger.warning("stored KV of session %r refused: %s", session_id, e)
             return None
         if got != nbytes or nbytes != kv_tokens * self.layout.bytes_per_token():
-            logger.warning("stored KV of session %s refused: the file is truncated", session_id)
+            logger.warning("stored KV of session %r refused: the file is truncated", session_id)
             return None
         if zlib.crc32(payload.numpy()) != header.get("payload_crc32"):
-            logger.warning("stored KV of session %s refused: its checksum fails", session_id)
+            logger.warning("stored KV of session %r refused: its checksum fails", session_id)
             return None
         return payload
 

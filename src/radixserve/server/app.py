@@ -4,12 +4,14 @@ A request passes, in order:
 
 1. ``RequestGuard`` (pure ASGI, before any parsing): the API key (every route but ``/health``;
    ``CONTROL_PATHS`` need ``--admin-api-key`` instead when it is set),
-   the server state (503 while starting or draining), admission of generation requests (429 with
-   ``Retry-After`` past ``--max-queued-requests``; the in-flight count the drain waits on), and
-   the body size (413 past ``MAX_BODY_BYTES``, from ``Content-Length`` or counted while reading);
-   POST bodies are read as JSON whatever their Content-Type says.
-2. The route (``native_api``, ``openai/*``), which validates its body with pydantic (errors → 400)
-   and calls the ``TokenizerManager`` (``ValueError`` → 400).
+   the server state (503 while starting or draining), the in-flight count of generation requests
+   (the drain waits on it) with an admission ``Ticket`` each, and the body size (413 past
+   ``MAX_BODY_BYTES``, from ``Content-Length`` or counted while reading); POST bodies are read
+   as JSON whatever their Content-Type says.
+2. The route (``native_api``, ``openai/*``), which validates its body with pydantic (errors → 400),
+   admits the generations it asks for (``admission.py``: 400 past ``--max-n`` or
+   ``--max-batch-size``, 429 past ``--max-queued-requests``) and calls the ``TokenizerManager``
+   (``ValueError`` → 400).
 
 Generation is driven by async generators from ``TokenizerManager.generate_request``; closing or
 cancelling one aborts its request in the scheduler. Streaming responses are cancelled by Starlette
@@ -32,6 +34,7 @@ from fastapi import FastAPI, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixserve.managers.tokenizer_manager import TokenizerManager
+from radixserve.server.admission import RETRY_AFTER_S, TICKET_KEY, Ticket
 from radixserve.server.errors import APIError, install_error_handlers, send_error
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.openai.responses_store import ResponseStore
@@ -40,7 +43,7 @@ from radixserve.server_args import ServerArgs
 T = TypeVar("T")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-# Routes that run the model: they count as in flight (drain, --max-queued-requests).
+# Routes that run the model: they count as in flight (drain) and get an admission ticket.
 GENERATION_PATHS = frozenset(
     {"/generate", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/encode",
      "/v1/embeddings"}
@@ -56,7 +59,6 @@ CONTROL_PATHS = frozenset({
 DASHBOARD_PATHS = frozenset({"/dashboard", "/dashboard/state"})
 # Reachable without an API key and in every state (it reports the state itself).
 HEALTH_PATH = "/health"
-RETRY_AFTER_S = 1
 
 
 class ServerState(enum.Enum):
@@ -75,7 +77,8 @@ class ServerContext:
     metrics: ServerMetrics | None = None
     chat_template: str | None = None
     state: ServerState = ServerState.STARTING
-    in_flight: int = 0
+    in_flight: int = 0  # generation requests
+    queued_generations: int = 0  # what they were admitted with (``admission.py``)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -211,7 +214,8 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 class RequestGuard:
-    """Pure ASGI middleware: API key, server state, admission, body size (see module doc)."""
+    """Pure ASGI middleware: API key, server state, in-flight count, body size (see module
+    doc)."""
 
     def __init__(self, app: ASGIApp, ctx: ServerContext, max_body_bytes: int) -> None:
         self.app = app
@@ -231,8 +235,6 @@ class RequestGuard:
             if path != HEALTH_PATH:
                 self._check_api_key(scope)
                 self._check_state()
-            if generation:
-                self._check_admission()
             receive = await self._read_body(scope, receive)
         except APIError as err:
             await send_error(send, err)
@@ -242,11 +244,13 @@ class RequestGuard:
         if not generation:
             await self.app(scope, receive, send)
             return
+        ticket = Ticket()
         self.ctx.in_flight += 1
         try:
-            await self.app(scope, receive, send)
+            await self.app({**scope, TICKET_KEY: ticket}, receive, send)
         finally:
             self.ctx.in_flight -= 1
+            self.ctx.queued_generations -= ticket.generations
 
     def _check_api_key(self, scope: Scope) -> None:
         control = scope["path"] in CONTROL_PATHS
@@ -274,17 +278,6 @@ class RequestGuard:
             raise APIError(
                 503,
                 f"The server is {state.value}; try again later.",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
-
-    def _check_admission(self) -> None:
-        limit = self.ctx.server_args.max_queued_requests
-        if limit is not None and self.ctx.in_flight >= limit:
-            raise APIError(
-                429,
-                f"Too many requests in flight ({self.ctx.in_flight}, the limit is {limit}); "
-                "retry later.",
-                code="rate_limit_exceeded",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
 

@@ -22,7 +22,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
-from radixserve.managers.tokenizer_manager import SchedulerError, ServiceUnavailableError
+from radixserve.managers.tokenizer_manager import (
+    CapacityError,
+    SchedulerError,
+    ServiceUnavailableError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +151,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceUnavailableError)
     async def _unavailable(_: Request, exc: ServiceUnavailableError) -> JSONResponse:
         return error_response(APIError(503, str(exc), headers={"Retry-After": "1"}))
+
+    @app.exception_handler(CapacityError)
+    async def _capacity(_: Request, exc: CapacityError) -> JSONResponse:
+        return error_response(APIError(429, str(exc), code="rate_limit_exceeded",
+                                       headers={"Retry-After": "1"}))
 
     @app.exception_handler(SchedulerError)
     async def _scheduler_error(_: Request, exc: SchedulerError) -> JSONResponse:

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from radixserve import __version__
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.io_struct import OpenSessionReqInput
+from radixserve.server.admission import admit, num_prompts, requested_n
 from radixserve.server.app import (
     ServerState,
     cancel_on_disconnect,
@@ -159,6 +160,8 @@ class DetokenizeRequest(_StrictModel):
 async def generate(body: GenerateRequest, request: Request) -> Response:
     ctx = get_ctx(request)
     ctx.check_model(body.model)
+    prompt, field = (body.text, "text") if body.text is not None else (body.input_ids, "input_ids")
+    admit(request, num_prompts(prompt), requested_n(body.sampling_params), prompt_param=field)
     fields = body.model_dump(exclude_none=True, exclude={"model", "routed_dp_rank"})
     fields["data_parallel_rank"] = _dp_rank(body, ctx.server_args.dp_size)
     obj = GenerateReqInput(**fields)

@@ -14,6 +14,7 @@ Everything here runs inside the scheduler process, which owns the authoritative 
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,8 +29,27 @@ RESUME_NEEDS_ID = (
 )
 
 
+# Session ids are client strings that appear in logs, error messages and internal state: 1 to
+# ``SESSION_ID_MAX_LEN`` visible ASCII characters (no spaces, no control characters).
+SESSION_ID_MAX_LEN = 128
+_SESSION_ID = re.compile(rf"[\x21-\x7e]{{1,{SESSION_ID_MAX_LEN}}}")
+
+
 class SessionError(ValueError):
     """A session request that cannot be served; the session is left unchanged."""
+
+
+def check_session_id(session_id: object) -> None:
+    """``SessionError`` unless ``session_id`` is 1 to ``SESSION_ID_MAX_LEN`` visible ASCII
+    characters; the message shows (escaped) at most the first 40 characters of it."""
+    if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
+        shown = repr(session_id)
+        if isinstance(session_id, str) and len(shown) > 40:
+            shown = f"{shown[:40]}... ({len(session_id)} characters)"
+        raise SessionError(
+            f"session_id must be 1 to {SESSION_ID_MAX_LEN} visible ASCII characters (no spaces "
+            f"or control characters), got {shown}"
+        )
 
 
 class SessionReq(Protocol):
@@ -157,7 +177,8 @@ class Session:
         self.req_nodes[req.rid] = node
 
     def remove_nodes(self, nodes: list[SessionReqNode]) -> list[SessionReq]:
-        """Detach ``nodes`` from the tree; return their unfinished requests (to abort)."""
+        """Detach ``nodes`` (whole subtrees) from the tree; return their unfinished requests
+        (to abort)."""
         unfinished = []
         for node in nodes:
             if self.req_nodes.get(node.req.rid) is node:
@@ -166,7 +187,22 @@ class Session:
                 node.parent.children.remove(node)
             if not node.req.finished():
                 unfinished.append(node.req)
+        _unlink(nodes)
         return unfinished
+
+    def clear(self) -> None:
+        """Drop the whole tree (the session closes). The links are cut so that the requests
+        are freed at once, not at the next full garbage collection (parent and child nodes
+        refer to each other)."""
+        _unlink(list(self.req_nodes.values()))
+        self.req_nodes.clear()
+        self.history_ids = []
+
+
+def _unlink(nodes: list[SessionReqNode]) -> None:
+    for node in nodes:
+        node.parent = None
+        node.children = []
 
 
 def _strip_bos(ids: list[int], bos_token_id: int | None) -> list[int]:

@@ -13,6 +13,7 @@ out, through the cache's session methods (no-ops on a cache without streaming se
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +25,13 @@ from radixserve.managers.io_struct import (
 )
 from radixserve.managers.schedule_batch import Req
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
-from radixserve.sessions.session import RESUME_NEEDS_ID, Session, SessionError, SessionReqNode
+from radixserve.sessions.session import (
+    RESUME_NEEDS_ID,
+    Session,
+    SessionError,
+    SessionReqNode,
+    check_session_id,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +52,22 @@ class CreatedReq:
 
 
 class SessionController:
+    """``max_sessions`` bounds the open sessions (None: unbounded); ``default_timeout`` is the
+    idle timeout of a session opened without one (None: such sessions never expire)."""
+
     def __init__(
         self,
         cache: BasePrefixCache,
         bos_token_id: int | None,
         clock: Callable[[], float] = time.monotonic,
+        max_sessions: int | None = None,
+        default_timeout: float | None = None,
     ) -> None:
         self.cache = cache
         self.bos_token_id = bos_token_id
         self.clock = clock
+        self.max_sessions = max_sessions
+        self.default_timeout = default_timeout
         self.sessions: dict[str, Session] = {}
 
     # ------------------------------------------------------------------ open / close
@@ -67,22 +81,31 @@ class SessionController:
             )
         if msg.capacity_of_str_len <= 0:
             return fail(f"capacity_of_str_len must be positive, got {msg.capacity_of_str_len}")
-        if msg.timeout is not None and msg.timeout <= 0:
-            return fail(f"timeout must be positive seconds, got {msg.timeout}")
-        if msg.session_id is not None and not msg.session_id:
-            return fail("session_id must be a non-empty string")
+        if msg.timeout is not None and not (math.isfinite(msg.timeout) and msg.timeout > 0):
+            return fail(f"timeout must be a positive finite number of seconds, got {msg.timeout}")
+        if msg.session_id is not None:
+            try:
+                check_session_id(msg.session_id)
+            except SessionError as e:
+                return fail(str(e))
         if msg.resume and (msg.session_id is None or not msg.streaming):
             return fail(RESUME_NEEDS_ID)
         session = Session(
             capacity_of_str_len=msg.capacity_of_str_len,
             streaming=msg.streaming,
-            timeout=msg.timeout,
+            timeout=msg.timeout if msg.timeout is not None else self.default_timeout,
             last_active=self.clock(),
         )
         if msg.session_id is not None:
             session.session_id = msg.session_id
         if session.session_id in self.sessions:
             return fail(f"session id {session.session_id!r} already exists")
+        if self.max_sessions is not None and len(self.sessions) >= self.max_sessions:
+            return OpenSessionReqOutput(
+                session_id=None, success=False, at_capacity=True,
+                message=f"too many open sessions (the limit is {self.max_sessions}, "
+                "--max-sessions): close a session or wait for idle ones to time out",
+            )
         if msg.resume:
             try:
                 session.history_ids = self.cache.resume_session(session.session_id)
@@ -91,7 +114,7 @@ class SessionController:
         elif msg.session_id is not None:
             self.cache.release_session(session.session_id)  # a new session starts empty
         self.sessions[session.session_id] = session
-        logger.info("session %s %s (streaming=%s, %d tokens of history)", session.session_id,
+        logger.info("session %r %s (streaming=%s, %d tokens of history)", session.session_id,
                     "resumed" if msg.resume else "opened", msg.streaming,
                     len(session.history_ids))
         return OpenSessionReqOutput(session_id=session.session_id, success=True)
@@ -114,9 +137,14 @@ class SessionController:
 
     def _drop(self, session: Session) -> None:
         del self.sessions[session.session_id]
+        session.clear()
         if session.streaming:
             self.cache.release_session(session.session_id)
-        logger.info("session %s closed", session.session_id)
+        logger.info("session %r closed", session.session_id)
+
+    def num_reqs(self) -> int:
+        """Requests kept in the trees of open sessions."""
+        return sum(len(s.req_nodes) for s in self.sessions.values())
 
     def expired_ids(self) -> list[str]:
         """Sessions idle for longer than their timeout. The scheduler's first rank closes them

@@ -28,7 +28,6 @@ from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.server.openai.structured_outputs import ResponseFormat, grammar_params
 from radixserve.server.strict_request import StrictRequest, Unsupported
 
-MAX_N = 64
 MAX_TOP_LOGPROBS = 20
 
 
@@ -70,7 +69,7 @@ class _SamplingRequest(StrictRequest):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: int = Field(default=1, ge=1)  # at most --max-n (server/admission.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -167,18 +166,23 @@ class _SamplingRequest(StrictRequest):
         top_logprobs_num: int | None,
         extra_params: dict[str, Any] | None = None,
         prompt_logprobs: bool = False,
+        *,
+        max_completion_tokens: int,
     ) -> list[GenerateReqInput]:
         """One single-prompt request per choice: prompt p's choice j is at ``p * n + j``.
 
-        Without ``max_tokens`` a choice may generate up to the end of the context (as OpenAI);
-        ``top_logprobs_num`` None means no logprobs; ``extra_params`` are sampling parameters the
-        route adds (a tool grammar, say); ``prompt_logprobs`` asks for the logprobs of the
-        prompt's tokens too. The TokenizerManager validates the rest.
+        Without ``max_tokens`` a choice may generate up to the end of the context (as OpenAI),
+        at most ``max_completion_tokens`` (``--max-completion-tokens``; a larger ``max_tokens`` is
+        refused by the TokenizerManager); ``top_logprobs_num`` None means no logprobs;
+        ``extra_params`` are sampling parameters the route adds (a tool grammar, say);
+        ``prompt_logprobs`` asks for the logprobs of the prompt's tokens too. The
+        TokenizerManager validates the rest.
         """
         requested = self.requested_max_tokens()
         inputs = []
         for ids in prompts:
-            max_new = requested if requested is not None else max(context_len - len(ids), 0)
+            rest = min(max(context_len - len(ids), 0), max_completion_tokens)
+            max_new = requested if requested is not None else rest
             for j in range(self.n):
                 inputs.append(
                     GenerateReqInput(

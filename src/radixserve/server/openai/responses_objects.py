@@ -1,10 +1,10 @@
 """The objects ``/v1/responses`` returns, in the shapes of ``openai.types.responses``.
 
 A response's ``output`` lists, in order: a ``reasoning`` item (with ``--reasoning-parser``),
-a ``message`` item with one ``output_text`` part (unless the model only called tools), and a
-``function_call`` item per call. ``status`` follows the generation's finish reason: ``stop`` is
-``completed``; ``length`` is ``incomplete`` with ``incomplete_details.reason:
-"max_output_tokens"``; an aborted generation is ``cancelled``.
+a ``message`` item with one ``output_text`` part (when the model wrote text, or wrote nothing
+else), and a ``function_call`` item per call. ``status`` follows the generation's finish
+reason: ``stop`` is ``completed``; ``length`` is ``incomplete`` with
+``incomplete_details.reason: "max_output_tokens"``; an aborted generation is ``cancelled``.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def output_items(parsed: ParsedMessage, status: Status) -> list[OutputItem]:
     if parsed.reasoning:
         items.append(OutputReasoning(id=item_id("rs"), status=status,
                                    content=[ReasoningPart(text=parsed.reasoning)]))
-    if parsed.content or not parsed.calls:
+    if parsed.content or not (parsed.calls or parsed.reasoning):
         items.append(OutputMessage(id=item_id("msg"), status=status,
                                  content=[OutputText(text=parsed.content or "")]))
     for call, call_id in zip(parsed.calls, parsed.ids, strict=True):

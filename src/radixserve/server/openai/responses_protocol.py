@@ -12,7 +12,9 @@ route's pieces do the rest: the chat template, ``plan_tools`` and the tool-call 
 - ``instructions``: a system message in front (not carried over ``previous_response_id``,
   as OpenAI does);
 - ``tools`` (function tools, flat: ``{"type": "function", "name", "parameters", ...}``),
-  ``tool_choice``, ``parallel_tool_calls``; ``text.format`` → ``response_format``.
+  ``tool_choice``, ``parallel_tool_calls``; ``text.format`` → ``response_format``;
+- SGLang's sampling extensions (``top_k``, ``min_p``, ``repetition_penalty``,
+  ``frequency_penalty``, ``presence_penalty``, ``stop``), as SGLang's Responses API takes them.
 
 Fields follow ``protocol.py``'s rule: honoured, accepted without effect on the output (``user``,
 ``safety_identifier``, ``prompt_cache_key``, ``metadata``: stored and returned), refused with a
@@ -50,6 +52,10 @@ _UNSUPPORTED_RESPONSES = {
     "stream_options": ((None, {}, {"include_obfuscation": False}),
                        "stream obfuscation is not supported"),
 }
+
+
+_SGLANG_SAMPLING = ("top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                    "presence_penalty", "stop")
 
 
 class TextPart(StrictRequest):
@@ -212,6 +218,13 @@ class ResponsesRequest(StrictRequest):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
+    # SGLang's sampling extensions of the Responses API.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stop: str | list[str] | None = None
     # Accepted without effect on the output (see the module docstring).
     user: str | None = None
     safety_identifier: str | None = None
@@ -294,5 +307,6 @@ class ResponsesRequest(StrictRequest):
             "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
+            **{name: getattr(self, name) for name in _SGLANG_SAMPLING},
             "stream": self.stream,
         })

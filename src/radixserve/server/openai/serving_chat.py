@@ -30,6 +30,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from radixserve.sampling.sampling_params import GRAMMAR_FIELDS
+from radixserve.server.admission import admit
 from radixserve.server.app import (
     ServerContext,
     cancel_on_disconnect,
@@ -77,13 +78,15 @@ _TEMPLATE_ARGUMENTS = frozenset({
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = get_ctx(request)
     ctx.check_model(body.model)
+    admit(request, 1, body.n)
     plan = plan_tools(body, ctx.server_args.tool_call_parser, ctx.tokenizer)
     reasoning_parser = reasoning_parser_name(ctx, body)
     prompt_text = render_chat(ctx, body, plan.template_tools)
     echo = _echo_text(body)
     prompt_ids = ctx.tokenizer.encode(prompt_text, add_special_tokens=False)
     top_logprobs_num = (body.top_logprobs or 0) if body.logprobs else None
-    inputs = body.generate_inputs([prompt_ids], ctx.context_len, top_logprobs_num, plan.sampling)
+    inputs = body.generate_inputs([prompt_ids], ctx.context_len, top_logprobs_num, plan.sampling,
+                                  max_completion_tokens=ctx.server_args.max_completion_tokens)
     constrained = any(k in GRAMMAR_FIELDS for k in inputs[0].sampling_params)
     parsers = [choice_parser(plan, reasoning_parser, prompt_text, constrained) for _ in inputs]
     merged = merge_generations([ctx.tokenizer_manager.generate_request(obj) for obj in inputs])

@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from radixserve.server.admission import admit, num_prompts
 from radixserve.server.app import (
     ServerContext,
     cancel_on_disconnect,
@@ -47,10 +48,12 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     ctx = get_ctx(request)
     ctx.check_model(body.model)
+    admit(request, num_prompts(body.prompt), body.n)
     prompts = _prompt_ids(ctx, body.prompt)
     prompt_logprobs = body.echo and body.logprobs is not None
     inputs = body.generate_inputs(prompts, ctx.context_len, body.logprobs,
-                                  prompt_logprobs=prompt_logprobs)
+                                  prompt_logprobs=prompt_logprobs,
+                                  max_completion_tokens=ctx.server_args.max_completion_tokens)
     merged = merge_generations([ctx.tokenizer_manager.generate_request(obj) for obj in inputs])
     response_id, created = new_id("cmpl"), now()
     if not body.stream:

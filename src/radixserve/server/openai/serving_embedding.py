@@ -16,6 +16,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from radixserve.server.admission import admit, num_prompts
 from radixserve.server.app import cancel_on_disconnect, get_ctx
 from radixserve.server.errors import APIError
 from radixserve.server.strict_request import StrictRequest
@@ -60,6 +61,7 @@ def _encoded(embedding: list[float], encoding_format: str) -> list[float] | str:
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
     ctx = get_ctx(request)
     ctx.check_model(body.model)
+    admit(request, num_prompts(body.input), prompt_param="input")
     size = int(ctx.tokenizer_manager.model_config.hidden_size)
     if body.dimensions is not None and body.dimensions != size:
         raise APIError(
@@ -91,5 +93,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
 async def encode(body: EncodeRequest, request: Request) -> Any:
     """SGLang's native embedding route; the reply is what ``Engine.encode`` returns."""
     tm = get_ctx(request).tokenizer_manager
+    prompt, field = (body.text, "text") if body.text is not None else (body.input_ids, "input_ids")
+    admit(request, num_prompts(prompt), prompt_param=field)
     work = tm.encode_request(text=body.text, input_ids=body.input_ids, rid=body.rid)
     return await cancel_on_disconnect(request, work)

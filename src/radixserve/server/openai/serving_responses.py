@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from radixserve.sampling.sampling_params import GRAMMAR_FIELDS
+from radixserve.server.admission import admit
 from radixserve.server.app import (
     ServerContext,
     cancel_on_disconnect,
@@ -80,6 +81,7 @@ def response_store(request: Request) -> ResponseStore:
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     ctx = get_ctx(request)
     ctx.check_model(body.model)
+    admit(request, 1)
     store = response_store(request)
     previous = _previous(store, body.previous_response_id)
     history = [*(previous.messages if previous else []), *_input_messages(body)]
@@ -92,7 +94,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         plan = dataclasses.replace(plan, max_calls=min(plan.max_calls or body.max_tool_calls,
                                                        body.max_tool_calls))
     chat, prompt_text, prompt_ids = _prompt(ctx, body, chat, plan, previous)
-    obj = chat.generate_inputs([prompt_ids], ctx.context_len, None, plan.sampling)[0]
+    obj = chat.generate_inputs([prompt_ids], ctx.context_len, None, plan.sampling,
+                               max_completion_tokens=ctx.server_args.max_completion_tokens)[0]
     constrained = any(k in GRAMMAR_FIELDS for k in obj.sampling_params)
     parser = choice_parser(plan, reasoning_parser_name(ctx, chat), prompt_text, constrained)
     turn = Turn(body, item_id("resp"), now(), chat.messages[len(_instructions(body)):],
