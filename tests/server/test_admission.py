@@ -105,6 +105,7 @@ def test_the_queue_counts_generations_not_requests(http, server):
     with paused(http):  # admitted requests stay queued until the continue
         three = in_background(post, {"prompt": "x", "n": 3, "max_tokens": 1})
         wait_for(waiting, lambda s: s["num_waiting_reqs"] == 3, "n=3 queued")
+        assert http.get("/get_server_info").json()["queued_generations"] == 3
         error = error_of(http.post("/v1/completions", json={"prompt": "x", "n": 2,
                                                            "max_tokens": 1}), 429)
         assert error["type"] == "rate_limit_error" and "limit is 4" in error["message"]

@@ -38,6 +38,28 @@ class Trip(BaseModel):
     days: int = Field(ge=1, le=9)
 
 
+def flush_cache(base_url: str) -> None:
+    """Empty the radix cache, so that the next request computes its whole prompt: two greedy
+    generations compared token for token must run the same kernels on the same inputs (a
+    cached prefix changes the order of floating-point sums, and random weights have near
+    ties)."""
+    r = httpx.post(base_url + "/flush_cache", timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def same_prompt_as_chat(oai, server, response, messages: list[dict]):
+    """Asserts that ``response``'s prompt was exactly the chat messages' (the chat request that
+    follows it finds the whole prompt in the cache); returns the chat completion of those
+    messages computed from an empty cache, to compare outputs with."""
+    kwargs = dict(model=server.model, messages=messages,
+                  max_tokens=response.max_output_tokens, temperature=0)
+    chat = oai.chat.completions.create(**kwargs)
+    assert chat.usage.prompt_tokens == response.usage.input_tokens
+    assert chat.usage.prompt_tokens_details.cached_tokens >= chat.usage.prompt_tokens - 1
+    flush_cache(server.base_url)
+    return oai.chat.completions.create(**kwargs)
+
+
 @pytest.fixture
 def oai(server):
     with openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0) as c:
@@ -45,12 +67,12 @@ def oai(server):
 
 
 def test_plain_response_is_the_chat_generation(oai, server):
+    flush_cache(server.base_url)
     r = oai.responses.create(model=server.model, input="Tell me about Paris.",
                              instructions="Be brief.", max_output_tokens=12, temperature=0)
-    chat = oai.chat.completions.create(
-        model=server.model, max_tokens=12, temperature=0,
-        messages=[{"role": "system", "content": "Be brief."},
-                  {"role": "user", "content": "Tell me about Paris."}])
+    chat = same_prompt_as_chat(oai, server, r, [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Tell me about Paris."}])
     assert r.id.startswith("resp_") and r.object == "response"
     assert r.model == server.model and r.instructions == "Be brief."
     [message] = r.output
@@ -65,11 +87,13 @@ def test_plain_response_is_the_chat_generation(oai, server):
 
 
 def test_max_output_tokens_makes_it_incomplete(oai, server):
+    flush_cache(server.base_url)
     r = oai.responses.create(model=server.model, input="Count to a hundred.",
                              max_output_tokens=3, temperature=0)
     assert r.status == "incomplete"
     assert r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 3 and r.output[0].status == "incomplete"
+    flush_cache(server.base_url)
     events = list(oai.responses.create(model=server.model, input="Count to a hundred.",
                                        max_output_tokens=3, temperature=0, stream=True))
     assert events[-1].type == "response.incomplete"
@@ -96,7 +120,9 @@ def test_structured_output_follows_the_schema(oai, server):
 
 def test_streams_deliver_the_plain_output(oai, server):
     kwargs = dict(model=server.model, input="Plan a trip.", max_output_tokens=64, temperature=0)
+    flush_cache(server.base_url)
     plain = oai.responses.create(text=CITY_FORMAT, **kwargs)
+    flush_cache(server.base_url)
     with oai.responses.stream(text_format=Trip, **kwargs) as stream:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         final = stream.get_final_response()
@@ -104,6 +130,7 @@ def test_streams_deliver_the_plain_output(oai, server):
     assert final.output_parsed == Trip.model_validate_json(plain.output_text)
     assert final.usage.output_tokens == plain.usage.output_tokens
 
+    flush_cache(server.base_url)
     events = list(oai.responses.create(text=CITY_FORMAT, stream=True, **kwargs))
     assert [e.sequence_number for e in events] == list(range(len(events)))
     types = [e.type for e in events]
@@ -195,20 +222,19 @@ def test_input_items_render_like_chat_messages(oai, server):
          "content": [{"type": "output_text", "text": "In France.", "annotations": []}]},
         {"role": "user", "content": "And Oslo?"},
     ]
+    flush_cache(server.base_url)
     r = oai.responses.create(model=server.model, input=items, max_output_tokens=8,
                              temperature=0)
-    chat = oai.chat.completions.create(
-        model=server.model, max_tokens=8, temperature=0,
-        messages=[{"role": "system", "content": "Be brief."},
-                  {"role": "user", "content": "Where is Paris?"},
-                  {"role": "assistant", "content": "In France."},
-                  {"role": "user", "content": "And Oslo?"}])
+    chat = same_prompt_as_chat(oai, server, r, [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Where is Paris?"},
+        {"role": "assistant", "content": "In France."},
+        {"role": "user", "content": "And Oslo?"}])
     assert r.output_text == chat.choices[0].message.content
-    assert r.usage.input_tokens == chat.usage.prompt_tokens
 
 
-def test_truncation_auto_drops_the_oldest_messages(client, server):
-    long = " ".join(["word"] * 400)
+def test_truncation_auto_drops_the_oldest_messages(client, oai, server):
+    long = " ".join(["word"] * 150)  # about 450 tokens: two fit in the context, three not
     items = [{"role": "user", "content": long}, {"role": "assistant", "content": long},
              {"role": "user", "content": long}, {"role": "assistant", "content": "ok"},
              {"role": "user", "content": "Short question?"}]
@@ -218,7 +244,22 @@ def test_truncation_auto_drops_the_oldest_messages(client, server):
     r = client.post("/v1/responses", json={**body, "truncation": "auto"})
     assert r.status_code == 200, r.text
     assert r.json()["truncation"] == "auto"
-    assert r.json()["usage"]["input_tokens"] + 4 <= 1024
+    # one message dropped, then the assistant's: the conversation starts with the user
+    kept = oai.chat.completions.create(model=server.model, messages=items[2:], max_tokens=1)
+    assert r.json()["usage"]["input_tokens"] == kept.usage.prompt_tokens
+
+
+def test_truncation_auto_keeps_as_much_as_fits(client, oai, server):
+    turn = " ".join(["word"] * 30)
+    items = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{i} {turn}"}
+             for i in range(61)]
+    r = client.post("/v1/responses", json={"model": server.model, "input": items,
+                                           "max_output_tokens": 4, "truncation": "auto"})
+    assert r.status_code == 200, r.text
+    pair = [oai.chat.completions.create(model=server.model, messages=items[:n], max_tokens=1)
+            .usage.prompt_tokens for n in (1, 3)]
+    used = r.json()["usage"]["input_tokens"] + 4
+    assert 1024 - (pair[1] - pair[0]) < used <= 1024
 
 
 BAD_BODIES = [
@@ -255,6 +296,10 @@ BAD_BODIES = [
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
     ({"input": "x", "model": "other-model"}, "model"),
     ({"input": "word " * 2000}, None),
+    ({"input": "x", "stream": True, "temperature": -1}, None),
+    ({"input": "x", "stream": True, "text": {"format": {"type": "json_schema",
+                                                         "schema": {"type": "nonsense"}}}},
+     None),
 ]
 
 

@@ -23,6 +23,7 @@ import pytest
 
 from tests.checkpoints import build_checkpoint
 from tests.server.conftest import CONSTRAINED_FLAGS, assert_no_leak, start_server
+from tests.server.test_responses_api import flush_cache
 from tests.server.tool_templates import HERMES_THINKING
 
 WEATHER = {
@@ -83,42 +84,54 @@ def test_required_tool_choice_calls_a_function(oai, hermes):
 
 
 def test_function_call_round_trip_matches_chat(oai, hermes):
-    """The call and its result sent back (as items, or with previous_response_id) are the chat
-    conversation with ``tool_calls`` and a ``tool`` message: the same prompt, the same
-    (greedy) answer."""
+    """The call and its result sent back (with previous_response_id, or as items) are the chat
+    conversation with ``tool_calls`` and a ``tool`` message: token for token the same prompt
+    (each request finds the previous one's whole prompt in the cache), the same answer."""
     first = oai.responses.create(model=hermes.model, input=QUESTION, tools=TOOLS,
                                  tool_choice="required", parallel_tool_calls=False,
                                  max_output_tokens=100, temperature=0)
     [call] = first.output
     assert call.type == "function_call"
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 C, sunny"}
-    as_items = oai.responses.create(
-        model=hermes.model, tools=TOOLS, max_output_tokens=8, temperature=0,
-        input=[{"role": "user", "content": QUESTION}, call.model_dump(exclude_none=True),
-               result])
+    items = [{"role": "user", "content": QUESTION}, call.model_dump(exclude_none=True), result]
+    messages = [{"role": "user", "content": QUESTION},
+                {"role": "assistant", "tool_calls": [
+                    {"id": call.call_id, "type": "function",
+                     "function": {"name": call.name, "arguments": call.arguments}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "18 C, sunny"}]
+
+    def as_items():
+        return oai.responses.create(model=hermes.model, tools=TOOLS, max_output_tokens=8,
+                                    temperature=0, input=items)
+
+    def as_chat():
+        return oai.chat.completions.create(model=hermes.model, tools=CHAT_TOOLS, max_tokens=8,
+                                           temperature=0, messages=messages)
+
     chained = oai.responses.create(model=hermes.model, tools=TOOLS, max_output_tokens=8,
                                    temperature=0, input=[result],
                                    previous_response_id=first.id)
-    chat = oai.chat.completions.create(
-        model=hermes.model, tools=CHAT_TOOLS, max_tokens=8, temperature=0,
-        messages=[{"role": "user", "content": QUESTION},
-                  {"role": "assistant", "tool_calls": [
-                      {"id": call.call_id, "type": "function",
-                       "function": {"name": call.name, "arguments": call.arguments}}]},
-                  {"role": "tool", "tool_call_id": call.call_id, "content": "18 C, sunny"}])
-    for r in (as_items, chained):
-        assert r.usage.input_tokens == chat.usage.prompt_tokens
-        # deepseek-r1: the unconstrained answer is reasoning until </think>
-        assert r.output[0].type == "reasoning"
-        assert r.output[0].content[0].text == chat.choices[0].message.reasoning_content
     assert chained.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    listed, chat = as_items(), as_chat()
+    assert listed.usage.input_tokens == chat.usage.prompt_tokens == chained.usage.input_tokens
+    assert listed.usage.input_tokens_details.cached_tokens >= listed.usage.input_tokens - 1
+    assert chat.usage.prompt_tokens_details.cached_tokens >= chat.usage.prompt_tokens - 1
+    flush_cache(hermes.base_url)
+    listed = as_items()
+    flush_cache(hermes.base_url)
+    chat = as_chat()
+    # deepseek-r1: the unconstrained answer is reasoning until </think>
+    assert listed.output[0].type == "reasoning"
+    assert listed.output[0].content[0].text == chat.choices[0].message.reasoning_content
 
 
 def test_streamed_function_call(oai, hermes):
     kwargs = dict(model=hermes.model, input=QUESTION, tools=TOOLS,
                   tool_choice={"type": "function", "name": "get_weather"},
                   max_output_tokens=100, temperature=0)
+    flush_cache(hermes.base_url)
     plain = oai.responses.create(**kwargs)
+    flush_cache(hermes.base_url)
     with oai.responses.stream(**kwargs) as stream:
         events = list(stream)
         final = stream.get_final_response()
@@ -137,13 +150,16 @@ def test_streamed_function_call(oai, hermes):
 def test_reasoning_is_an_output_item(oai, hermes):
     kwargs = dict(model=hermes.model, input="Think about Oslo.", max_output_tokens=10,
                   temperature=0)
+    flush_cache(hermes.base_url)
     plain = oai.responses.create(**kwargs)
+    flush_cache(hermes.base_url)
     chat = oai.chat.completions.create(model=hermes.model, max_tokens=10, temperature=0,
                                        messages=[{"role": "user", "content": "Think about Oslo."}])
     [reasoning] = plain.output
     assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
     assert reasoning.content[0].text == chat.choices[0].message.reasoning_content
     assert plain.usage.output_tokens_details.reasoning_tokens > 0
+    flush_cache(hermes.base_url)
     events = list(oai.responses.create(stream=True, **kwargs))
     deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
     [done] = [e for e in events if e.type == "response.reasoning_text.done"]

@@ -85,13 +85,11 @@ def test_requests_on_a_closed_session_get_400(api, rng):
 
 
 def test_idle_session_is_closed_after_its_timeout(api, rng):
-    before = api.state()["num_open_sessions"]
+    # No turn between the open and the close: on a loaded machine the second could pass before
+    # the turn arrived (a race with the machine's speed).
     session = api.open(timeout=1)
-    first, _ = turn(api, rng, session)
-    assert api.state()["num_open_sessions"] == before + 1
-    # The scheduler closes it once idle for a second; a request before that would keep it open.
-    wait_for(api.state, lambda s: s["num_open_sessions"] == before, "the idle session closed")
-    message = api.rejected(random_ids(rng, 3), N, session, rid=rid_of(first))
+    wait_for(api.state, lambda s: session not in s["session_ids"], "the idle session closed")
+    message = api.rejected(random_ids(rng, 3), N, session)
     assert "does not exist or is closed" in message
 
 

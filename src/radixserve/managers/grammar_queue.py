@@ -63,7 +63,7 @@ class GrammarQueue:
             except GrammarError as e:
                 out.failed.append((req, {"type": "abort", "message": str(e), "status_code": 400}))
             except Exception as e:  # the backend itself failed: a server problem, not the user's
-                logger.exception("grammar compilation failed for request %s", req.rid)
+                logger.exception("grammar compilation failed for request %r", req.rid)
                 message = f"constrained decoding failed: {type(e).__name__}: {e}"
                 out.failed.append((req, {"type": "abort", "message": message}))
             else:

@@ -133,7 +133,7 @@ class OutputProcessor:
             try:
                 self._apply_token(req, i, next_ids[i], logprobs, result)
             except Exception as e:  # a bug that concerns this request alone fails it alone
-                logger.exception("failed to process the output of request %s", req.rid)
+                logger.exception("failed to process the output of request %r", req.rid)
                 message = f"internal error while processing the output: {type(e).__name__}: {e}"
                 req.finished_reason = {"type": "abort", "message": message, "status_code": 500}
             if req.finished():
@@ -164,7 +164,7 @@ class OutputProcessor:
         if req.grammar is not None and not req.grammar.accept_token(token):
             # The sampler applies the grammar's mask, so this is a bug: end the request, not
             # the server.
-            logger.error("request %s: sampled token %d outside its grammar", req.rid, token)
+            logger.error("request %r: sampled token %d outside its grammar", req.rid, token)
             req.finished_reason = {
                 "type": "abort", "message": f"internal error: token {token} violates the grammar"
             }

@@ -427,7 +427,7 @@ class Scheduler:
         compiled = self.grammar_queue.pop_compiled(wait_all=self.parallel.distributed)
         self.waiting_queue.extend(compiled.ready)
         for req, reason in compiled.failed:
-            logger.info("request %s rejected: %s", req.rid, reason["message"])
+            logger.info("request %r rejected: %s", req.rid, reason["message"])
             self.output_processor.finish_now([req], reason)
 
     def process_batch_result(
@@ -739,7 +739,7 @@ class Scheduler:
         return None
 
     def _reject(self, req: Req, error: str, status_code: int = 400) -> None:
-        logger.info("request %s rejected: %s", req.rid, error)
+        logger.info("request %r rejected: %s", req.rid, error)
         # status_code 400: bad input, raised to the caller as a ValueError; 503: unavailable.
         reason = {"type": "abort", "message": error, "status_code": status_code}
         self.output_processor.finish_now([req], reason)

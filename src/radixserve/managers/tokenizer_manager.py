@@ -501,7 +501,7 @@ class TokenizerManager:
                 try:
                     self._handle_output(out)
                 except Exception as e:  # end that request with the error, never leave it hanging
-                    logger.exception("failed to handle an output of request %s", out.rid)
+                    logger.exception("failed to handle an output of request %r", out.rid)
                     self._fail_request(out.rid, f"internal error: {type(e).__name__}: {e}")
         elif isinstance(msg, BatchEmbeddingOutput):
             for emb in msg.outputs:

@@ -169,7 +169,7 @@ def _log_finished_request(m: RequestMetrics) -> None:
     reason = (m.finish_reason or {}).get("type")
     e2e = (m.finish_time or m.arrival_time) - m.arrival_time
     logger.info(
-        "request %s finished (%s): %d prompt tokens (%d cached), %d output tokens, %.3fs",
+        "request %r finished (%s): %d prompt tokens (%d cached), %d output tokens, %.3fs",
         m.rid, reason, m.prompt_tokens, m.cached_tokens, m.completion_tokens, e2e,
     )
 

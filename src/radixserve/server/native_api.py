@@ -295,6 +295,7 @@ async def get_server_info(request: Request) -> dict[str, Any]:
         max_running_requests=ctx.scheduler_info.get("max_running_requests"),
         page_size=ctx.scheduler_info.get("page_size", ctx.server_args.page_size),
         internal_states=await ctx.tokenizer_manager.get_internal_states(),
+        queued_generations=ctx.queued_generations,  # admitted, counted against the limit
         processes=ctx.scheduler_info.get("processes", {}),
         version=__version__,
     )

@@ -46,7 +46,7 @@ class ResponseStore:
     def put(self, response_id: str, body: dict[str, Any], messages: list[ChatMessage],
             token_ids: list[int], text: str) -> None:
         self._expire()
-        self._items[response_id] = StoredResponse(body, messages, array("q", token_ids), text,
+        self._items[response_id] = StoredResponse(body, messages, array("i", token_ids), text,
                                                   self._clock())
         while len(self._items) > self.max_size:
             self._items.popitem(last=False)

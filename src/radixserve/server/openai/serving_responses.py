@@ -176,18 +176,33 @@ def _chat_request(body: ResponsesRequest, history: list[ChatMessage]) -> ChatCom
 def _prompt(ctx: ServerContext, body: ResponsesRequest, chat: ChatCompletionRequest,
             plan: ToolPlan, previous: StoredResponse | None
             ) -> tuple[ChatCompletionRequest, str, list[int]]:
-    """The rendered prompt and its ids; ``truncation: "auto"`` drops old messages to fit."""
-    while True:
-        text = render_chat(ctx, chat, plan.template_tools)
-        ids = _token_ids(ctx, text, previous)
-        fits = len(ids) + (body.max_output_tokens or 1) <= ctx.context_len
-        first = len(_instructions(body))
-        if fits or body.truncation != "auto" or len(chat.messages) - first <= 1:
-            return chat, text, ids
-        kept = chat.messages[first + 1:]
-        while len(kept) > 1 and kept[0].role != "user":  # a conversation starts with the user
+    """The rendered prompt and its ids. ``truncation: "auto"`` drops the fewest oldest messages
+    that make it fit (found by bisection: a few renderings, however long the conversation)."""
+    first = len(_instructions(body))
+    system, conversation = chat.messages[:first], chat.messages[first:]
+
+    def attempt(drop: int) -> tuple[ChatCompletionRequest, str, list[int], bool]:
+        kept = conversation[drop:]
+        while drop and len(kept) > 1 and kept[0].role != "user":  # cut: start with the user
             kept = kept[1:]
-        chat = chat.model_copy(update={"messages": [*chat.messages[:first], *kept]})
+        request = chat.model_copy(update={"messages": [*system, *kept]})
+        text = render_chat(ctx, request, plan.template_tools)
+        ids = _token_ids(ctx, text, previous)
+        return request, text, ids, len(ids) + (body.max_output_tokens or 1) <= ctx.context_len
+
+    best = attempt(0)
+    if best[3] or body.truncation != "auto" or len(conversation) == 1:
+        return best[:3]
+    low, high = 1, len(conversation) - 1
+    best = attempt(high)  # the last message alone; if even that is too long, the 400 follows
+    while best[3] and low < high:
+        middle = (low + high) // 2
+        result = attempt(middle)
+        if result[3]:
+            high, best = middle, result
+        else:
+            low = middle + 1
+    return best[:3]
 
 
 def _token_ids(ctx: ServerContext, text: str, previous: StoredResponse | None) -> list[int]:
