@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from radixserve import Engine
+from radixserve.finish_reason import FinishAbort, FinishLength
 from tests.engine.conftest import ENGINE_KWARGS, engine_paused, engine_state, wait_idle
 from tests.sync import UNTIL_ABORTED, in_background, wait_for
 
@@ -291,8 +292,8 @@ def test_metrics_callback_gets_timings_of_every_request(engine):
     done, closed = seen
     assert done.arrival_time <= done.first_token_time <= done.finish_time
     assert sum(n for _, n in done.token_times) == done.completion_tokens == 8
-    assert done.finish_reason == {"type": "length", "length": 8}
-    assert closed.finish_reason["type"] == "abort"
+    assert done.finish_reason == FinishLength(length=8)
+    assert isinstance(closed.finish_reason, FinishAbort)
 
 
 def test_greedy_matches_transformers_on_mixed_length_batch(engine, llama_path):

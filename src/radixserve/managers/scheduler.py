@@ -44,6 +44,7 @@ import torch
 from radixserve import envs
 from radixserve.constrained import GrammarCache, create_grammar_backend
 from radixserve.distributed import ParallelState
+from radixserve.finish_reason import FinishAbort
 from radixserve.layers.sampler import SampleOutput
 from radixserve.managers.dispatcher import TypeBasedDispatcher
 from radixserve.managers.grammar_queue import GrammarQueue
@@ -367,7 +368,7 @@ class Scheduler:
         message = f"internal error in the scheduler: {type(error).__name__}: {error}"
         if isinstance(msg, (TokenizedGenerateReqInput, TokenizedEmbeddingReqInput)):
             req = Req(msg.rid, [], SamplingParams(max_new_tokens=0))
-            reason = {"type": "abort", "message": message, "status_code": 500}
+            reason = FinishAbort(message=message, status_code=500)
             self.output_processor.finish_now([req], reason)
             return None
         return ControlErrorOutput(request=type(msg).__name__, message=message)
@@ -427,7 +428,7 @@ class Scheduler:
         compiled = self.grammar_queue.pop_compiled(wait_all=self.parallel.distributed)
         self.waiting_queue.extend(compiled.ready)
         for req, reason in compiled.failed:
-            logger.info("request %r rejected: %s", req.rid, reason["message"])
+            logger.info("request %r rejected: %s", req.rid, reason.message)
             self.output_processor.finish_now([req], reason)
 
     def process_batch_result(
@@ -558,7 +559,7 @@ class Scheduler:
             aborted.append(chunked)
             self.chunked_req = None
         for req in aborted:
-            self.output_processor.finish_now([req], {"type": "abort", "message": req.to_abort})
+            self.output_processor.finish_now([req], FinishAbort(message=req.to_abort))
         self.num_aborted_reqs += len(aborted)
         if aborted:
             self.running_batch.filter_batch()
@@ -644,7 +645,7 @@ class Scheduler:
                 f"out of KV cache memory: the request alone does not fit in the KV pool "
                 f"({self.max_total_num_tokens} tokens)"
             )
-            reason = {"type": "abort", "message": message}
+            reason = FinishAbort(message=message)
             self.output_processor.finish_now(result.cannot_fit, reason)
         if not self.running_batch.is_empty():
             self.running_batch.prepare_for_decode()
@@ -676,17 +677,7 @@ class Scheduler:
             created = self.sessions.create_req(msg)
             req, error = created.req, created.error
         else:
-            req = Req(
-                msg.rid,
-                list(msg.input_ids),
-                msg.sampling_params,
-                return_logprob=msg.return_logprob,
-                top_logprobs_num=msg.top_logprobs_num,
-                logprob_start_len=msg.logprob_start_len,
-                token_ids_logprob=msg.token_ids_logprob,
-                stream=msg.stream,
-            )
-            error = None
+            req, error = Req.from_message(msg, list(msg.input_ids)), None
         error = error or self._validate(req.origin_input_ids, msg)
         if error is not None:
             self._reject(req, error)
@@ -741,7 +732,7 @@ class Scheduler:
     def _reject(self, req: Req, error: str, status_code: int = 400) -> None:
         logger.info("request %r rejected: %s", req.rid, error)
         # status_code 400: bad input, raised to the caller as a ValueError; 503: unavailable.
-        reason = {"type": "abort", "message": error, "status_code": status_code}
+        reason = FinishAbort(message=error, status_code=status_code)
         self.output_processor.finish_now([req], reason)
 
     def _validate(self, ids: list[int], msg: TokenizedGenerateReqInput) -> str | None:
@@ -780,14 +771,14 @@ class Scheduler:
         def hit(req: Req) -> bool:
             return msg.abort_all or req.rid == msg.rid
 
-        reason = {"type": "abort", "message": "aborted by request"}
+        reason = FinishAbort(message="aborted by request")
         waiting = [r for r in self.waiting_queue if hit(r)] + self.grammar_queue.remove(hit)
         self.waiting_queue = [r for r in self.waiting_queue if not hit(r)]
         self.output_processor.finish_now(waiting, reason)
         self.num_aborted_reqs += len(waiting)
         for req in self.holding_reqs():
             if hit(req):
-                req.to_abort = reason["message"]
+                req.to_abort = reason.message
         if self.paused:  # no step is in flight and none will come to finish them
             self._finish_aborted()
 

@@ -37,6 +37,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from radixserve.finish_reason import FinishAbort, FinishReason
 from radixserve.managers import io_struct, ipc
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.io_struct import (
@@ -131,7 +132,7 @@ class RequestMetrics:
     # One entry per output message: (time it arrived, number of new tokens in it).
     token_times: list[tuple[float, int]] = field(default_factory=list)
     finish_time: float | None = None
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
 
 
 @dataclass(eq=False)
@@ -149,7 +150,7 @@ class _ReqState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    finished_reason: dict[str, Any] | None = None
+    finished_reason: FinishReason | None = None
     finished: bool = False
     dirty: bool = False  # received something the consumer has not yielded yet
     embedding: list[float] | None = None  # embedding requests only
@@ -161,7 +162,7 @@ class _ReqState:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
-            "finish_reason": self.finished_reason,
+            "finish_reason": self._finish_reason_dict(),
         }
         if self.logprobs is not None:
             meta.update(self.logprobs.to_meta())
@@ -173,9 +174,13 @@ class _ReqState:
             "id": self.rid,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
-            "finish_reason": self.finished_reason,
+            "finish_reason": self._finish_reason_dict(),
         }
         return {"embedding": self.embedding, "meta_info": meta}
+
+    def _finish_reason_dict(self) -> dict[str, Any] | None:
+        reason = self.finished_reason
+        return reason.to_dict() if reason is not None else None
 
 
 class TokenizerManager:
@@ -389,7 +394,7 @@ class TokenizerManager:
             if not state.finished and self._states.pop(state.rid, None) is state:
                 if self._dead_message is None:
                     ipc.send(self._send_sock, AbortReq(rid=state.rid))
-                self._report(state, {"type": "abort", "message": "the caller stopped reading"})
+                self._report(state, FinishAbort(message="the caller stopped reading"))
 
     def _logprob_meta(self, req: TokenizedGenerateReqInput, with_text: bool) -> LogprobMeta | None:
         if not req.return_logprob:
@@ -560,7 +565,7 @@ class TokenizerManager:
         if state is None:
             return
         state.finished = True
-        state.finished_reason = {"type": "abort", "message": message}
+        state.finished_reason = FinishAbort(message=message)
         state.dirty = True
         state.notify.set()
         self._report(state, state.finished_reason)
@@ -577,7 +582,7 @@ class TokenizerManager:
         self._report(state, out.finished_reason)
         state.notify.set()
 
-    def _report(self, state: _ReqState, reason: dict[str, Any]) -> None:
+    def _report(self, state: _ReqState, reason: FinishReason) -> None:
         """Complete the request's metrics and hand them to the callback, if any (and the
         request did not opt out with ``log_metrics`` false)."""
         if not state.log_metrics:
@@ -861,10 +866,9 @@ def _raise_if_rejected(states: list[_ReqState], is_single: bool) -> None:
     """
     for i, state in enumerate(states):
         reason = state.finished_reason
-        if state.finished and reason and reason.get("status_code") in _REJECTIONS:
-            message = reason.get("message", "invalid request")
-            error = _REJECTIONS[reason["status_code"]]
-            raise error(message if is_single else f"prompt {i}: {message}")
+        if isinstance(reason, FinishAbort) and reason.status_code in _REJECTIONS:
+            error = _REJECTIONS[reason.status_code]
+            raise error(reason.message if is_single else f"prompt {i}: {reason.message}")
 
 
 def _session_ids(obj: GenerateReqInput) -> set[str]:

@@ -31,13 +31,13 @@ from typing import Any
 
 import uvicorn
 
-from radixserve.engine import (
+from radixserve.managers.generate_request import GenerateReqInput
+from radixserve.managers.launcher import (
     start_subprocesses,
     stop_timeout,
     terminate_processes,
     watch_processes,
 )
-from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer_manager import RequestMetrics, TokenizerManager
 from radixserve.model_config import ModelConfig
 from radixserve.server.app import ServerContext, ServerState, create_app, first_item
@@ -166,7 +166,7 @@ def _raise_stop(signum: int, frame: Any) -> None:
 
 def _log_finished_request(m: RequestMetrics) -> None:
     """``--log-requests``: one line per finished request."""
-    reason = (m.finish_reason or {}).get("type")
+    reason = m.finish_reason.kind if m.finish_reason is not None else None
     e2e = (m.finish_time or m.arrival_time) - m.arrival_time
     logger.info(
         "request %r finished (%s): %d prompt tokens (%d cached), %d output tokens, %.3fs",
