@@ -17,7 +17,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from pydantic import BaseModel, Field
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel, Field, TypeAdapter
 
 from tests.server.conftest import assert_no_leak
 
@@ -319,10 +320,35 @@ def test_bad_requests_leak_nothing(client):
     assert_no_leak(client)
 
 
+def stream_lines(base_url: str, body: dict) -> list[str]:
+    with httpx.stream("POST", base_url + "/v1/responses", json={**body, "stream": True},
+                      timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        return [line for line in r.iter_lines() if line]
+
+
+def assert_sdk_shapes(base_url: str, body: dict) -> None:
+    """The response and every streamed event validate against ``openai.types.responses``
+    (the SDK itself builds them without validation, so a missing field would pass unseen)."""
+    r = httpx.post(base_url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    Response.model_validate(r.json())
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for line in stream_lines(base_url, body):
+        if line.startswith("data: "):
+            adapter.validate_python(json.loads(line.removeprefix("data: ")))
+
+
+def test_objects_have_the_sdk_types_shapes(server):
+    assert_sdk_shapes(server.base_url, {"input": "Hi", "max_output_tokens": 4})
+    assert_sdk_shapes(server.base_url, {"input": "Plan a trip.", "text": CITY_FORMAT,
+                                        "instructions": "Be brief.", "max_output_tokens": 64,
+                                        "metadata": {"k": "v"}})
+
+
 def test_raw_stream_is_numbered_sse_without_done(server):
-    body = {"model": server.model, "input": "Hi", "max_output_tokens": 3, "stream": True}
-    with httpx.stream("POST", server.base_url + "/v1/responses", json=body, timeout=60) as r:
-        lines = [line for line in r.iter_lines() if line]
+    body = {"model": server.model, "input": "Hi", "max_output_tokens": 3}
+    lines = stream_lines(server.base_url, body)
     events = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
     data = [json.loads(line.removeprefix("data: ")) for line in lines
             if line.startswith("data: ")]

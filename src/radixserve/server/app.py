@@ -33,6 +33,7 @@ from urllib.parse import parse_qs
 from fastapi import FastAPI, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from radixserve import __version__
 from radixserve.managers.tokenizer_manager import TokenizerManager
 from radixserve.server.admission import RETRY_AFTER_S, TICKET_KEY, Ticket
 from radixserve.server.errors import APIError, install_error_handlers, send_error
@@ -343,7 +344,10 @@ def create_app(ctx: ServerContext, max_body_bytes: int = MAX_BODY_BYTES) -> Fast
     from radixserve.server.openai.serving_models import router as models_router
     from radixserve.server.openai.serving_responses import router as responses_router
 
-    app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json describes every route and body (what API clients and the fuzz suite read);
+    # the interactive docs pages are left out: they load their scripts from a CDN.
+    app = FastAPI(title="radixserve", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.ctx = ctx
     app.state.response_store = ResponseStore(ctx.server_args.responses_store_size,
                                              ctx.server_args.responses_store_ttl)

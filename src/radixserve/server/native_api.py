@@ -285,7 +285,8 @@ async def get_model_info(request: Request) -> dict[str, Any]:
 @router.get("/server_info")  # SGLang's newer name, which sglang-router asks first
 async def get_server_info(request: Request) -> dict[str, Any]:
     """The server arguments, the sizes the scheduler chose, the live internal state of each
-    data-parallel replica, and the worker processes (name → pid)."""
+    data-parallel replica, the requests this process still holds state for (0 when idle: a
+    request that leaked its state would stay), and the worker processes (name → pid)."""
     ctx = get_ctx(request)
     info = dataclasses.asdict(ctx.server_args)
     info.pop("api_key")  # never echo the secret
@@ -295,6 +296,7 @@ async def get_server_info(request: Request) -> dict[str, Any]:
         max_running_requests=ctx.scheduler_info.get("max_running_requests"),
         page_size=ctx.scheduler_info.get("page_size", ctx.server_args.page_size),
         internal_states=await ctx.tokenizer_manager.get_internal_states(),
+        num_inflight_requests=ctx.tokenizer_manager.num_inflight,
         queued_generations=ctx.queued_generations,  # admitted, counted against the limit
         processes=ctx.scheduler_info.get("processes", {}),
         version=__version__,
