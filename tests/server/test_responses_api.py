@@ -204,7 +204,8 @@ def test_get_and_delete_return_openai_shapes(client, server):
     deleted = client.delete(f"/v1/responses/{body['id']}")
     assert deleted.json() == {"id": body["id"], "object": "response", "deleted": True}
     for path, status in ((f"/v1/responses/{body['id']}", 404), ("/v1/responses/nope", 400),
-                         ("/v1/responses/resp_XYZ", 400)):
+                         ("/v1/responses/resp_x.y", 400), ("/v1/responses/resp_" + "a" * 65, 400),
+                         ("/v1/responses/resp_" + "a" * 48, 404)):
         for method in ("GET", "DELETE"):
             bad = client.request(method, path)
             assert bad.status_code == status, (method, path, bad.text)
@@ -286,6 +287,7 @@ BAD_BODIES = [
     ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
     ({"input": "x", "truncation": "sometimes"}, "truncation"),
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "previous_response_id": "chatcmpl-1"}, "previous_response_id"),
     ({"input": []}, "input"),
     ({}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
@@ -355,3 +357,15 @@ def test_raw_stream_is_numbered_sse_without_done(server):
     assert [d["type"] for d in data] == events
     assert [d["sequence_number"] for d in data] == list(range(len(data)))
     assert events[0] == "response.created" and events[-1] == "response.incomplete"
+
+
+def test_a_stream_closed_early_leaks_nothing(client, server):
+    body = {"model": server.model, "input": "Count to a hundred.", "stream": True,
+            "max_output_tokens": 400, "temperature": 0}
+    with httpx.stream("POST", server.base_url + "/v1/responses", json=body, timeout=60) as r:
+        lines = (line for line in r.iter_lines() if line.startswith("data: "))
+        first = [json.loads(next(lines).removeprefix("data: ")) for _ in range(3)]
+    assert [e["type"] for e in first][:2] == ["response.created", "response.in_progress"]
+    assert_no_leak(client)
+    assert client.post("/v1/responses", json={"input": "x", "max_output_tokens": 2}) \
+        .status_code == 200

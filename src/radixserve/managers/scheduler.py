@@ -629,7 +629,11 @@ class Scheduler:
 
     def _update_running_batch(self) -> None:
         """Make room for one more token per running request (retracting if needed)."""
-        result = retract_for_decode(self.running_batch, self.new_token_ratio)
+        others_hold_kv = any(
+            mb is not self._mb and (mb.in_flight is not None or not mb.running.is_empty())
+            for mb in self.micro_batches
+        )
+        result = retract_for_decode(self.running_batch, self.new_token_ratio, others_hold_kv)
         if result.retracted:
             self.num_retracted_reqs += len(result.retracted)
             self.waiting_queue[:0] = result.retracted

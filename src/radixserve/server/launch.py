@@ -41,6 +41,7 @@ from radixserve.managers.launcher import (
 from radixserve.managers.tokenizer_manager import RequestMetrics, TokenizerManager
 from radixserve.model_config import ModelConfig
 from radixserve.server.app import ServerContext, ServerState, create_app, first_item
+from radixserve.server.http_protocol import guarded_protocol
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server_args import ServerArgs
 
@@ -241,6 +242,7 @@ class _Lifecycle:
             access_log=args.log_requests,
             lifespan="off",
             timeout_graceful_shutdown=int(ABORT_GRACE_S),
+            http=guarded_protocol(args.request_read_timeout),
         )
         self.server = _Server(config, self)
         loop = asyncio.get_running_loop()

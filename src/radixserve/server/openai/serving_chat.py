@@ -37,7 +37,7 @@ from radixserve.server.app import (
     cancel_on_disconnect,
     collect_final,
     get_ctx,
-    merge_generations,
+    merged_choices,
     prime,
 )
 from radixserve.server.errors import APIError
@@ -67,10 +67,10 @@ from radixserve.server.sse import sse_response
 
 router = APIRouter()
 
-# Arguments of ``apply_chat_template`` that the server sets itself.
+# Arguments of ``apply_chat_template`` (and variables of the template) the server sets itself.
 _TEMPLATE_ARGUMENTS = frozenset({
-    "conversation", "chat_template", "tokenize", "add_generation_prompt", "tools", "documents",
-    "continue_final_message", "return_dict", "return_tensors",
+    "conversation", "messages", "chat_template", "tokenize", "add_generation_prompt", "tools",
+    "documents", "continue_final_message", "return_dict", "return_tensors",
 })
 
 
@@ -89,7 +89,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                                   max_completion_tokens=ctx.server_args.max_completion_tokens)
     constrained = any(k in GRAMMAR_FIELDS for k in inputs[0].sampling_params)
     parsers = [choice_parser(plan, reasoning_parser, prompt_text, constrained) for _ in inputs]
-    merged = merge_generations([ctx.tokenizer_manager.generate_request(obj) for obj in inputs])
+    merged = merged_choices(ctx.tokenizer_manager, inputs)
     ids = ResponseIds.new("chatcmpl", ctx.model_name)
     if not body.stream:
         outputs = await cancel_on_disconnect(request, collect_final(merged, len(inputs)))
@@ -175,7 +175,7 @@ def render_chat(
             continue_final_message=body.continue_final_message,
             **extra,
         )
-    except (jinja2.TemplateError, ValueError) as e:
+    except (jinja2.TemplateError, ValueError, TypeError) as e:  # TypeError: a kwarg's type
         raise APIError(
             400, f"the chat template rejected the messages: {e}", param="messages"
         ) from e

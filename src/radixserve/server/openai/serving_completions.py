@@ -24,7 +24,7 @@ from radixserve.server.app import (
     cancel_on_disconnect,
     collect_final,
     get_ctx,
-    merge_generations,
+    merged_choices,
     prime,
 )
 from radixserve.server.openai.protocol import (
@@ -54,7 +54,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     inputs = body.generate_inputs(prompts, ctx.context_len, body.logprobs,
                                   prompt_logprobs=prompt_logprobs,
                                   max_completion_tokens=ctx.server_args.max_completion_tokens)
-    merged = merge_generations([ctx.tokenizer_manager.generate_request(obj) for obj in inputs])
+    merged = merged_choices(ctx.tokenizer_manager, inputs)
     ids = ResponseIds.new("cmpl", ctx.model_name)
     if not body.stream:
         outputs = await cancel_on_disconnect(request, collect_final(merged, len(inputs)))

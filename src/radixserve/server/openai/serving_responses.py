@@ -51,7 +51,11 @@ from radixserve.server.openai.responses_objects import (
     status_of,
     usage_of,
 )
-from radixserve.server.openai.responses_protocol import RESPONSE_ID, ResponsesRequest
+from radixserve.server.openai.responses_protocol import (
+    BAD_RESPONSE_ID,
+    RESPONSE_ID,
+    ResponsesRequest,
+)
 from radixserve.server.openai.responses_store import ResponseStore, StoredResponse
 from radixserve.server.openai.responses_stream import ResponseStream
 from radixserve.server.openai.serving_chat import choice_parser, reasoning_parser_name, render_chat
@@ -136,7 +140,7 @@ async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
 
 def _stored(store: ResponseStore, response_id: str) -> StoredResponse:
     if not RESPONSE_ID.match(response_id):
-        raise APIError(400, f"{response_id!r} is not a response id (resp_ and 32 hex digits)",
+        raise APIError(400, f"{response_id!r} {BAD_RESPONSE_ID}",
                        param="response_id")
     stored = store.get(response_id)
     if stored is None:
