@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test serve lint clean
+.PHONY: install test serve lint clean fuzz soak
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -15,6 +15,15 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The long runs of the reliability suite (tests/reliability), not part of `make test`:
+# schemathesis with 1,000 examples per route and a fresh seed; a 15-minute soak (DURATION=s).
+fuzz: $(STAMP)
+	RADIXSERVE_FUZZ_EXAMPLES=1000 RADIXSERVE_FUZZ_RANDOM=1 \
+		$(PY) -m pytest -q -s -p no:cacheprovider tests/reliability/test_fuzz_openapi.py
+
+soak: $(STAMP)
+	$(PY) -m tests.reliability.soak --duration $(or $(DURATION),900)
 
 serve: $(STAMP)
 	$(VENV)/bin/radixserve serve $(ARGS)

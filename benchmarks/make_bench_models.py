@@ -19,19 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+# The tests' tokenizer builder (the repository root holds the ``tests`` package).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.checkpoints import build_tokenizer  # noqa: E402
 
 DEFAULT_OUT = Path.home() / ".cache" / "radixserve" / "bench"
 TOKENIZER_VOCAB = 8192
-SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|eos|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 # name -> (transformers class, config fields): the shapes a shape sweep runs
 SWEEP: dict[str, tuple[str, dict[str, object]]] = {
     "sweep-hd128-mha": ("Llama", dict(hidden_size=1024, num_attention_heads=8,
@@ -53,37 +52,6 @@ SWEEP: dict[str, tuple[str, dict[str, object]]] = {
                                             intermediate_size=2000, vocab_size=32003)),
 }
 MODELS = ("tiny", "small", *SWEEP)
-
-
-def build_tokenizer(out_dir: Path) -> int:
-    """Train a byte-level BPE tokenizer on Python's bundled pydoc topics; returns its size."""
-    from pydoc_data.topics import topics
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([topics[k] for k in sorted(topics)], trainer=trainer)
-    tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": "<|bos|>",
-                "eos_token": "<|eos|>",
-                "pad_token": "<|pad|>",
-                "add_bos_token": False,
-                "model_max_length": 32768,
-                "chat_template": CHAT_TEMPLATE,
-            }
-        )
-    )
-    return tok.get_vocab_size()
 
 
 def hf_model(name: str, tokenizer_vocab: int) -> torch.nn.Module:
@@ -145,7 +113,7 @@ def hf_model(name: str, tokenizer_vocab: int) -> torch.nn.Module:
 def build(name: str, out_dir: Path, seed: int) -> dict[str, object]:
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    vocab = build_tokenizer(out_dir)
+    vocab = build_tokenizer(out_dir, vocab_size=TOKENIZER_VOCAB, model_max_length=32768)
     torch.manual_seed(seed)
     model = hf_model(name, vocab)
     model.save_pretrained(out_dir, safe_serialization=True)

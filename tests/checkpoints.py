@@ -30,14 +30,16 @@ def _corpus() -> list[str]:
 
 
 def build_tokenizer(out_dir: Path, chat_template: str = CHAT_TEMPLATE,
-                    extra_special_tokens: tuple[str, ...] = ()) -> None:
-    """Train a small byte-level BPE tokenizer and save it in transformers' format
-    (``extra_special_tokens`` after the usual ones, as a model's control tokens)."""
+                    extra_special_tokens: tuple[str, ...] = (), vocab_size: int = VOCAB_SIZE,
+                    model_max_length: int = 4096) -> int:
+    """Train a byte-level BPE tokenizer on Python's bundled pydoc topics and save it in
+    transformers' format (``extra_special_tokens`` after the usual ones, as a model's control
+    tokens); returns its size. The benchmarks' checkpoints use it too, larger."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS + list(extra_special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -52,11 +54,12 @@ def build_tokenizer(out_dir: Path, chat_template: str = CHAT_TEMPLATE,
                 "eos_token": "<|eos|>",
                 "pad_token": "<|pad|>",
                 "add_bos_token": False,
-                "model_max_length": 4096,
+                "model_max_length": model_max_length,
                 "chat_template": chat_template,
             }
         )
     )
+    return tok.get_vocab_size()
 
 
 def _hf_config(arch: str, vocab_size: int):

@@ -1,6 +1,6 @@
-"""The serving, sessions, constrained and parallel benchmarks still run end to end, on a tiny
-test checkpoint and a few tokens. Their speed is not checked here (that is what they print);
-their output shape and their own consistency checks are."""
+"""The serving, sessions, constrained, token-bitmask and parallel benchmarks still run end to
+end, on a tiny test checkpoint and a few tokens. Their speed is not checked here (that is what
+they print); their output shape and their own consistency checks are."""
 
 from __future__ import annotations
 
@@ -95,3 +95,17 @@ def test_bench_parallel_times_each_topology_and_models_the_communication(llama_p
     layers, hidden = model["layers"], model["hidden_size"]
     assert model["tp_all_reduces_per_token"] == 2 * layers + 1
     assert model["pp_bytes_per_token_per_boundary"] == 2 * hidden * model["dtype_bytes"] + 8
+
+
+def test_bench_token_bitmask_times_both_implementations_of_every_case():
+    from radixserve.layers.cpu_kernels import load_cpu_kernels
+
+    if not load_cpu_kernels():
+        return  # the kernel it compares does not exist on this CPU
+    lines = run_benchmark("bench_token_bitmask.py", "--batch", "3", "--vocab", "1000",
+                          "--calls", "2", "--repeats", "1")
+    assert sorted((r["dtype"], r["bitmask"]) for r in lines) == sorted(
+        (dtype, mask) for dtype in ("bfloat16", "float32")
+        for mask in ("all_forbidden", "half_random", "all_allowed"))
+    for r in lines:
+        assert r["xgrammar_ms"] > 0 and r["kernel_ms"] > 0 and r["argmax_ms"] > 0

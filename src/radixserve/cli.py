@@ -12,9 +12,10 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from radixserve import __version__
+from radixserve import __version__, envs
 from radixserve.layers.attention import ATTENTION_BACKENDS
 from radixserve.layers.quantization import QUANTIZATION_METHODS
 from radixserve.server.openai.reasoning import REASONING_PARSERS
@@ -27,6 +28,8 @@ from radixserve.server_args import (
     ServerArgs,
 )
 
+# The secrets, each also read from a file (--NAME-file) or an environment variable.
+KEY_FLAGS = {"api_key": envs.RADIXSERVE_API_KEY, "admin_api_key": envs.RADIXSERVE_ADMIN_API_KEY}
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 CHOICES: dict[str, Sequence[str]] = {
@@ -137,6 +140,9 @@ HELP: dict[str, str] = {
     "control call waits for the scheduler.",
     "health_timeout": "GET /health answers 503 when the scheduler does not answer a liveness "
     "ping within this many seconds.",
+    "request_read_timeout": "Seconds a client has to send a request's headers (from opening "
+    "the connection or the end of its previous response), and then as many for its body; a "
+    "slower client gets 408 and its connection is closed.",
 }
 
 
@@ -183,7 +189,29 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start the HTTP server (OpenAI and SGLang-native APIs).",
     )
     add_server_args(serve)
+    for name in KEY_FLAGS:
+        serve.add_argument(
+            _flag(name) + "-file", dest=f"{name}_file", metavar="PATH",
+            help=f"Read {_flag(name)} from this file (its first line), so that the key does not "
+            f"show in the process list; or set {KEY_FLAGS[name].name}.",
+        )
     return parser
+
+
+def _key(ns: argparse.Namespace, name: str) -> str | None:
+    """A key from its flag, its file or its environment variable (in that order)."""
+    flag, path = getattr(ns, name), getattr(ns, f"{name}_file")
+    if flag is not None and path is not None:
+        raise ValueError(f"give {_flag(name)} or {_flag(name)}-file, not both")
+    if path is None:
+        return flag if flag is not None else KEY_FLAGS[name].get("") or None
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"{_flag(name)}-file: cannot read {path}: {e.strerror or e}") from e
+    if not lines or not lines[0].strip():
+        raise ValueError(f"{_flag(name)}-file: {path} holds no key on its first line")
+    return lines[0].strip()
 
 
 def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
@@ -193,6 +221,7 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
     unless ``--served-model-name`` says otherwise.
     """
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)}
+    values.update({name: _key(ns, name) for name in KEY_FLAGS})
     if values["model_path"] is None:
         from radixserve.server.default_model import default_model_path
 

@@ -38,6 +38,10 @@ class EnvStr:
         return os.environ.get(self.name) or default
 
 
+# The API keys, for a launch that should not show them in the process list (--api-key and
+# --admin-api-key, or --api-key-file and --admin-api-key-file, take precedence).
+RADIXSERVE_API_KEY = EnvStr("RADIXSERVE_API_KEY")
+RADIXSERVE_ADMIN_API_KEY = EnvStr("RADIXSERVE_ADMIN_API_KEY")
 # Where start_profile writes traces when the request names no output_dir (default: the temp dir).
 RADIXSERVE_TORCH_PROFILER_DIR = EnvStr("RADIXSERVE_TORCH_PROFILER_DIR")
 # Test hook: requests whose rid starts with "inject-fault-" raise inside the scheduler (while it

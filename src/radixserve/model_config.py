@@ -18,10 +18,11 @@ from typing import Any
 import torch
 
 from radixserve.layers.quantization import QuantizationConfig, resolve_quantization
-from radixserve.model_executor.models.registry import (
-    ENCODER_ARCHITECTURES,
+from radixserve.model_registry import (
     SUPPORTED_ARCHITECTURES,
     hidden_act_of,
+    is_encoder,
+    supported_architecture,
 )
 
 logger = logging.getLogger(__name__)
@@ -176,7 +177,7 @@ class ModelConfig:
     @property
     def is_encoder(self) -> bool:
         """A bidirectional encoder (BERT): it embeds, never generates, and keeps no KV cache."""
-        return self.architecture in ENCODER_ARCHITECTURES
+        return is_encoder(self.architecture)
 
     @classmethod
     def from_path(
@@ -198,7 +199,7 @@ class ModelConfig:
         gen = _read_json(gen_file) if gen_file.is_file() else {}
 
         archs = hf.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = supported_architecture(archs)
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {archs or 'missing'} in {config_file}; "

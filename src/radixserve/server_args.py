@@ -81,6 +81,7 @@ class ServerArgs:
     skip_warmup: bool = False
     watchdog_timeout: float = 300.0
     health_timeout: float = 20.0
+    request_read_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -156,7 +157,7 @@ class ServerArgs:
             )
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
-        for name in ("watchdog_timeout", "health_timeout"):
+        for name in ("watchdog_timeout", "health_timeout", "request_read_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.port < 65536:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from radixserve.engine import free_port
+from radixserve.managers.launcher import free_port
 
 
 def _rank_main(target: str, rank: int, init_method: str, args_json: str, conn: Any) -> None:

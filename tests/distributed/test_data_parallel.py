@@ -1,7 +1,8 @@
 """A ``--dp-size 2`` server (``shortest_queue``): the API suites, session affinity, load spread.
 
-A representative part of the OpenAI and native suites runs unchanged against the two replicas
-behind the data-parallel controller. ``get_server_info`` lists one internal state per replica:
+The whole OpenAI and native suites run unchanged against the two replicas behind the
+data-parallel controller (the one test that expects a repeat to find its prompt cached takes its
+two-replica form). ``get_server_info`` lists one internal state per replica:
 every request of a session (plain or streaming) lands on the replica that holds it, and
 concurrent requests spread over both.
 """
@@ -18,24 +19,43 @@ import httpx
 import pytest
 
 from tests.server.conftest import start_server
-from tests.server.test_native_api import (  # noqa: F401 - run here on two replicas
+from tests.server.test_native_api import (  # noqa: F401 - the whole suite, on two replicas
     test_abort_all_ends_every_request,
     test_abort_request_ends_a_running_stream_with_abort,
+    test_flush_cache_empties_the_prefix_cache,
+    test_form_encoded_body_is_read_as_json,
+    test_generate_accepts_the_fields_sglang_router_forwards,
     test_generate_batch_keeps_input_order,
     test_generate_batch_stream_tags_chunks_with_index,
     test_generate_logprobs_match_output_ids,
     test_generate_single_returns_text_ids_and_meta,
     test_generate_stream_chunks_are_cumulative_and_end_equal_to_non_stream,
+    test_metrics_are_404_without_the_flag,
     test_model_info_health_and_health_generate,
+    test_newer_sglang_info_routes_answer_like_the_get_routes,
+    test_server_info_reports_args_sizes_and_memory,
+    test_session_routes_open_continue_and_close,
+    test_tokenize_detokenize_round_trip,
 )
 from tests.server.test_openai_api import (  # noqa: F401
+    # all but test_repeated_prompt_reports_cached_tokens, replaced by its two-replica form
+    # below: a repeat may go to the replica that has not seen the prompt
     oai,
     test_chat_completion_has_openai_shape_and_usage,
+    test_chat_content_parts_equal_plain_content,
+    test_chat_logprobs_cover_every_token_with_sorted_alternatives,
+    test_chat_n2_choice_zero_equals_single_request_with_same_seed,
+    test_chat_stop_string_cuts_the_text_before_it,
+    test_chat_stream_n2_has_one_finish_reason_per_choice,
     test_chat_stream_text_equals_non_stream_text,
     test_completion_logprobs_align_with_tokens,
+    test_completion_prompts_times_n_are_ordered_and_echoed,
     test_completion_stream_equals_non_stream_with_usage_last,
+    test_completion_token_id_prompt_equals_text_prompt,
     test_models_list_and_retrieve,
+    test_no_leak_after_openai_tests,
     test_unknown_model_is_404_and_bad_value_is_400,
+    test_user_is_accepted_and_unknown_fields_are_refused_by_name,
 )
 from tests.sessions.conftest import random_ids
 
@@ -170,3 +190,16 @@ def test_flush_cache_empties_both_replicas(client):
     r = client.post("/flush_cache")
     assert r.status_code == 200 and r.json()["success"] is True
     assert all(s["memory"]["evictable_kv_tokens"] == 0 for s in wait_idle_and_accounted(client))
+
+
+def test_a_prompt_repeated_three_times_hits_the_cache_of_a_replica_that_ran_it(
+    oai,  # noqa: F811 - the fixture imported above
+    server,
+):
+    """Three requests on two replicas: whatever the policy, two of them meet on one replica, and
+    the later one finds the prompt cached there."""
+    prompt = "A long shared prefix about radix trees and data-parallel replicas. " * 4
+    kwargs = dict(model=server.model, prompt=prompt, max_tokens=2, temperature=0.0)
+    cached = [oai.completions.create(**kwargs).usage.prompt_tokens_details.cached_tokens
+              for _ in range(3)]
+    assert cached[0] == 0 and max(cached[1:]) > 0, cached

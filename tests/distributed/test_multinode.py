@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from radixserve.engine import free_port
+from radixserve.managers.launcher import free_port
 from tests.distributed.conftest import GREEDY, SchedulerDriver
 from tests.managers.conftest import make_prompts
 from tests.server.conftest import KV_TOKENS, start_server

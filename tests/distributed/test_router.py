@@ -3,13 +3,16 @@
 The router registers each worker through the routes it calls (``/health``, ``/server_info``
 then ``/get_server_info``, ``/model_info`` then ``/get_model_info``), re-serialises ``/generate``
 bodies with SGLang's defaults of fields radixserve must accept, forwards ``/v1/*``, fans
-``/flush_cache`` out and polls ``/get_load`` (its ``/get_loads``). The OpenAI and native tests
-that the router supports run unchanged through it (it routes one prompt per ``/generate``:
-batches and aborts are the workers' own business; it drops fields it does not know, so the
-workers' refusal of unknown fields cannot be seen through it; its own SGLang fields reach them
-at SGLang's defaults, which they accept). ``cache_aware`` keeps a prefix tree of the text it
-routed per worker: a prompt that extends one sent before goes to the worker holding its KV,
-which shows as ``cached_tokens``.
+``/flush_cache`` out and polls ``/get_load`` (its ``/get_loads``). Every OpenAI and native test
+that can pass through it runs unchanged through it (17 of 32). The others ask for what the router
+does not carry, as sglang-router behaves here: batches of prompts, token-id
+completion prompts and form-encoded bodies (it answers them itself, with no JSON body or a 415);
+aborts, ``/tokenize``, ``/detokenize``, ``/metrics``, sessions and one worker's own info and
+memory (routes it does not forward); the workers' refusal of unknown fields (it drops fields it
+does not know first); ``max_model_len`` on ``/v1/models`` (it answers that route itself). Its
+own SGLang fields reach the workers at SGLang's defaults, which they accept. ``cache_aware`` keeps
+a prefix tree of the text it routed per worker: a prompt that extends one sent before goes to the
+worker holding its KV, which shows as ``cached_tokens``.
 """
 
 from __future__ import annotations
@@ -30,13 +33,18 @@ import pytest
 
 from tests.server.conftest import free_port, start_server
 from tests.server.test_native_api import (  # noqa: F401 - run here through the router
+    test_generate_accepts_the_fields_sglang_router_forwards,
     test_generate_logprobs_match_output_ids,
     test_generate_single_returns_text_ids_and_meta,
     test_generate_stream_chunks_are_cumulative_and_end_equal_to_non_stream,
+    test_model_info_health_and_health_generate,
 )
 from tests.server.test_openai_api import (  # noqa: F401
     oai,
     test_chat_completion_has_openai_shape_and_usage,
+    test_chat_content_parts_equal_plain_content,
+    test_chat_logprobs_cover_every_token_with_sorted_alternatives,
+    test_chat_n2_choice_zero_equals_single_request_with_same_seed,
     test_chat_stop_string_cuts_the_text_before_it,
     test_chat_stream_n2_has_one_finish_reason_per_choice,
     test_chat_stream_text_equals_non_stream_text,

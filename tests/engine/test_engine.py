@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from radixserve import Engine
+from radixserve.finish_reason import FinishAbort, FinishLength
 from tests.engine.conftest import ENGINE_KWARGS, engine_paused, engine_state, wait_idle
 from tests.sync import UNTIL_ABORTED, in_background, wait_for
 
@@ -207,6 +208,12 @@ def test_async_generate_matches_generate(engine):
         ({"sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
         ({"sampling_params": {"temprature": 0.5}}, "unknown sampling parameter.*temprature"),
         ({"prompt": ["ok", ""]}, "prompt 1: the prompt is empty"),
+        ({"prompt": "\ud800"}, r"text: holds a lone UTF-16 surrogate \(\\ud800"),
+        ({"sampling_params": {"sampling_seed": 2**64}}, r"sampling_params.sampling_seed: .*64"),
+        ({"sampling_params": {"top_k": 2**70}}, r"sampling_params.top_k: .*64 bits"),
+        ({"session_params": {"id": "s", "offset": 2**64}}, r"session_params.offset: .*64 bits"),
+        ({"prompt": ["ok", "ok"], "sampling_params": [{}, {"stop": ["\udfff"]}]},
+         r"prompt 1: sampling_params.stop.0: holds a lone UTF-16 surrogate"),
     ],
 )
 def test_bad_input_raises_value_error_and_engine_keeps_serving(engine, kwargs, message):
@@ -216,6 +223,22 @@ def test_bad_input_raises_value_error_and_engine_keeps_serving(engine, kwargs, m
     with pytest.raises(ValueError, match=message):
         list(engine.generate(**kwargs, stream=True))
     assert engine.generate("hello", GREEDY)["meta_info"]["completion_tokens"] == 8
+
+
+def test_a_batch_with_one_unsendable_prompt_sends_none_and_registers_nothing(engine):
+    received = engine_state(engine)["num_received_reqs"]
+    params = [{"max_new_tokens": 4}, {"max_new_tokens": 4, "sampling_seed": 2**64}]
+    for _ in range(3):  # the rids are free again each time: nothing stayed registered
+        with pytest.raises(ValueError, match="prompt 1: sampling_params.sampling_seed"):
+            engine.generate(["first", "second"], params, rid=["ok-0", "bad-1"])
+    assert engine.tokenizer_manager.num_inflight == 0
+    assert engine_state(engine)["num_received_reqs"] == received
+    assert engine.generate("first", GREEDY, rid="ok-0")["meta_info"]["id"] == "ok-0"
+
+
+def test_an_unsendable_session_capacity_is_a_value_error(engine):
+    with pytest.raises(ValueError, match="capacity_of_str_len: .*64 bits"):
+        engine.open_session(2**64)
 
 
 def test_duplicate_rid_in_flight_is_rejected(engine):
@@ -291,8 +314,8 @@ def test_metrics_callback_gets_timings_of_every_request(engine):
     done, closed = seen
     assert done.arrival_time <= done.first_token_time <= done.finish_time
     assert sum(n for _, n in done.token_times) == done.completion_tokens == 8
-    assert done.finish_reason == {"type": "length", "length": 8}
-    assert closed.finish_reason["type"] == "abort"
+    assert done.finish_reason == FinishLength(length=8)
+    assert isinstance(closed.finish_reason, FinishAbort)
 
 
 def test_greedy_matches_transformers_on_mixed_length_batch(engine, llama_path):

@@ -4,7 +4,8 @@ The linear kernels (bf16 and float32, any shape) equal a float64 reference up to
 give a row the same bits in any batch. The fused RMSNorm, add + RMSNorm and SiluAndMul equal
 float64 references that round to bf16 where transformers' bf16 modules do. The decode and
 extend attention kernels write the new K/V and equal a float64 attention; extend gives a token
-the same bits in any chunk or batch. Bad input gets a clear error, a build killed half-way
+the same bits in any chunk or batch. The grammar-mask kernel leaves exactly what xgrammar's apply
+leaves. Bad input gets a clear error, a build killed half-way
 does not block later loads, and the code for AVX-512 CPUs without BF16, VNNI or AMX passes these
 tests too. (The ops and packed weights that call them are tested against their
 native references in ``test_custom_ops.py`` and ``test_packed_weight.py``.)
@@ -16,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,7 @@ from radixserve.layers.cpu_kernels import (
     NEWER_ISA,
     _cpu_flags,
     amx_available,
+    apply_token_bitmask,
     attention_kernels_support,
     decode_attention,
     extend_attention,
@@ -506,3 +509,47 @@ def test_extend_attention_kernel_rejects_bad_input_with_a_clear_error():
         extend_attention(**bad)
     with pytest.raises(RuntimeError, match="must share a dtype"):
         extend_attention(**dict(args, k_buffer=args["k_buffer"].bfloat16()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab, words", [
+    (151936, 4748),  # Qwen2's padded vocabulary: whole words
+    (1003, 32),  # a last word that is partly outside the vocabulary
+    (1003, 30),  # a bitmask narrower than the logits (a vocabulary padded past the tokenizer's)
+    (96, 3), (17, 1), (5, 0),
+])
+def test_token_bitmask_kernel_leaves_what_xgrammars_apply_leaves(dtype, vocab, words):
+    import xgrammar as xgr
+
+    if not kernels_here():
+        return
+    gen = torch.Generator().manual_seed(vocab + words)
+    batch = 5
+    # rows with a stride past the vocabulary, as a slice of padded logits
+    logits = torch.randn(batch, vocab + 9, generator=gen).to(dtype)[:, :vocab]
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (batch, words), generator=gen, dtype=torch.int32)
+    bitmask[1] = -1  # allows everything
+    bitmask[3] = 0  # forbids everything it covers
+    rows = [0, 1, 3]  # row 2 and 4 are not constrained
+    expected, actual = logits.clone(), logits.clone()
+    with warnings.catch_warnings():  # xgrammar warns of bitmasks narrower than the logits
+        warnings.simplefilter("ignore")
+        xgr.apply_token_bitmask_inplace(expected, bitmask, indices=rows)
+    apply_token_bitmask(actual, bitmask, rows)
+    assert torch.equal(torch.isneginf(actual), torch.isneginf(expected))
+    assert torch.equal(actual, expected)
+
+
+def test_token_bitmask_kernel_rejects_bad_input_with_a_clear_error():
+    if not kernels_here():
+        return
+    logits = torch.zeros(2, 64)
+    bitmask = torch.full((2, 2), -1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="float32 or bf16"):
+        apply_token_bitmask(logits.half(), bitmask, [0])
+    with pytest.raises(RuntimeError, match="int32"):
+        apply_token_bitmask(logits, bitmask.long(), [0])
+    with pytest.raises(RuntimeError, match="outside the batch"):
+        apply_token_bitmask(logits, bitmask, [2])
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        apply_token_bitmask(logits.t(), bitmask, [0])

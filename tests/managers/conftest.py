@@ -39,7 +39,7 @@ class Result:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
     input_top_logprobs: list | None = None
-    finished_reason: dict[str, Any] | None = None
+    finished_reason: dict[str, Any] | None = None  # as the edges show it (SGLang's dict)
     cached_tokens: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -91,7 +91,8 @@ class SchedulerDriver:
                     if o.logprobs.input is not None:
                         r.input_logprobs = o.logprobs.input
                         r.input_top_logprobs = o.logprobs.input_top
-                r.finished_reason = o.finished_reason
+                reason = o.finished_reason
+                r.finished_reason = reason.to_dict() if reason is not None else None
                 r.cached_tokens = o.cached_tokens
                 r.prompt_tokens = o.prompt_tokens
                 r.completion_tokens = o.completion_tokens

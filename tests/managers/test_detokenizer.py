@@ -8,6 +8,7 @@ import shutil
 import pytest
 from transformers import AutoTokenizer
 
+from radixserve.finish_reason import FinishLength, FinishReason, FinishStop
 from radixserve.managers.detokenizer_manager import DetokenizerManager, IncrementalDetokenizer
 from radixserve.managers.io_struct import BatchTokenIDOutput, ReqTokenOutput
 from radixserve.managers.ipc import PortArgs
@@ -37,7 +38,7 @@ def make(tokenizer, skip_special=True, **kwargs) -> IncrementalDetokenizer:
     return IncrementalDetokenizer(decode, **kwargs)
 
 
-def stream(detok: IncrementalDetokenizer, ids: list[int], finished_reason: dict,
+def stream(detok: IncrementalDetokenizer, ids: list[int], finished_reason: FinishReason,
            chunk: int = 1) -> list[str]:
     """Feed ``ids`` in chunks (the last one finishing); return every delta."""
     deltas = []
@@ -54,7 +55,7 @@ def test_incremental_decode_equals_full_decode_for_random_ids(tokenizer, skip_sp
     for _ in range(200):
         ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
         detok = make(tokenizer, skip_special)
-        deltas = stream(detok, ids, {"type": "length", "length": len(ids)},
+        deltas = stream(detok, ids, FinishLength(length=len(ids)),
                         chunk=rng.randint(1, 4))
         assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=skip_special)
 
@@ -65,7 +66,7 @@ def test_split_multibyte_characters_never_stream_replacement_char(tokenizer):
     # The byte-level tokens really do split characters: some single tokens decode to U+FFFD.
     assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
     detok = make(tokenizer)
-    deltas = stream(detok, ids, {"type": "length", "length": len(ids)})
+    deltas = stream(detok, ids, FinishLength(length=len(ids)))
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text
 
@@ -85,7 +86,7 @@ def test_stop_string_spanning_tokens_is_trimmed_and_never_streamed(tokenizer, st
     ids = _ids_until_stop(tokenizer, text, stop)
     assert text.find(stop) < len(tokenizer.decode(ids[:-1])), "the stop must span tokens"
     detok = make(tokenizer, stop=[stop, "never matches"])
-    finished = {"type": "stop", "matched": stop}
+    finished = FinishStop(matched=stop)
     deltas = stream(detok, ids, finished)
     emitted = ""
     for delta in deltas:
@@ -98,7 +99,7 @@ def test_held_back_stop_prefix_is_released_when_text_diverges(tokenizer):
     text = "we stop here and go on"
     ids = tokenizer.encode(text)
     detok = make(tokenizer, stop=["stop now"])
-    deltas = stream(detok, ids, {"type": "length", "length": len(ids)})
+    deltas = stream(detok, ids, FinishLength(length=len(ids)))
     assert "".join(deltas) == text
     # While "stop" could still become "stop now", it was not emitted.
     emitted = ""
@@ -113,7 +114,7 @@ def test_no_stop_trim_keeps_the_stop_string(tokenizer):
     text = "The answer is 42.\n\nEND of the story"
     ids = _ids_until_stop(tokenizer, text, "END")
     detok = make(tokenizer, stop=["END"], no_stop_trim=True)
-    deltas = stream(detok, ids, {"type": "stop", "matched": "END"})
+    deltas = stream(detok, ids, FinishStop(matched="END"))
     assert "".join(deltas) == tokenizer.decode(ids)
     assert "".join(deltas).endswith("END")
 
@@ -123,7 +124,7 @@ def test_stop_regex_match_is_trimmed_where_it_begins(tokenizer):
     ids = tokenizer.encode(text)
     pattern = r"[0-9]+ pm"
     n = next(n for n in range(1, len(ids) + 1) if "pm" in tokenizer.decode(ids[:n]))
-    finished = {"type": "stop", "matched": pattern}
+    finished = FinishStop(matched=pattern)
     # Reported at once (a non-stream request): cut where the match begins.
     assert make(tokenizer, stop_regex=[pattern]).step(ids[:n], finished) == "Order 66 was given at "
     kept = make(tokenizer, stop_regex=[pattern], no_stop_trim=True)
@@ -137,7 +138,7 @@ def test_stop_regex_match_is_trimmed_where_it_begins(tokenizer):
 def test_matched_stop_token_is_left_out_of_the_text(tokenizer):
     ids = tokenizer.encode("hello world") + [EOS]
     detok = make(tokenizer, skip_special=False)
-    deltas = stream(detok, ids, {"type": "stop", "matched": EOS})
+    deltas = stream(detok, ids, FinishStop(matched=EOS))
     assert "".join(deltas) == "hello world"
 
 
@@ -152,7 +153,7 @@ def test_manager_honours_flags_and_drops_state_at_finish(tokenizer_dir, tokenize
                                   prompt_tokens=3, completion_tokens=len(ids), cached_tokens=0,
                                   skip_special_tokens=skip)
 
-        length = {"type": "length", "length": len(ids)}
+        length = FinishLength(length=len(ids))
         first = manager.handle_batch(BatchTokenIDOutput(outputs=[
             out("keep", ids[:-1], None, False), out("skip", ids[:-1], None, True)]))
         assert [o.new_text for o in first.outputs] == ["a b", "a b"]
@@ -178,11 +179,11 @@ def test_manager_decodes_a_batch_as_each_request_alone(tokenizer_dir, tokenizer,
     for i in range(12):
         ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))] + tokenizer.encode(text)
         stop = ["END"] if i % 3 == 0 else []
-        finished = {"type": "length", "length": len(ids)}
+        finished = FinishLength(length=len(ids))
         if stop:
             ids = ids[: next(n for n in range(1, len(ids) + 1)
                              if "END" in tokenizer.decode(ids[:n], skip_special_tokens=True))]
-            finished = {"type": "stop", "matched": "END"}
+            finished = FinishStop(matched="END")
         requests.append((f"r{i}", ids, stop, i % 2 == 0, finished))
     port_args = PortArgs.create()
     manager = DetokenizerManager(ServerArgs(model_path=str(tokenizer_dir)), port_args)

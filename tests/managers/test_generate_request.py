@@ -47,6 +47,9 @@ def test_single_input_ids_list_is_one_prompt():
         ({"text": "a", "sampling_params": [{}]}, "must be a dict"),
         ({"text": "a", "sampling_params": [{"n": 2}, {"n": 3}]}, "the same"),
         ({"text": "a", "sampling_params": {"n": 0}}, "positive integer"),
+        # Unhashable values were a 500 (TypeError), found by the schemathesis fuzz.
+        ({"text": "a", "sampling_params": {"n": [2]}}, "positive integer"),
+        ({"text": ["a", "b"], "sampling_params": [{"n": {}}, {"n": 1}]}, "positive integer"),
         ({"text": "a", "logprob_start_len": -2}, "logprob_start_len"),
         ({"text": "a", "token_ids_logprob": ["x"]}, "token_ids_logprob"),
         ({"text": "a", "return_logprob": "yes"}, "return_logprob"),

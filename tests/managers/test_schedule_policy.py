@@ -158,3 +158,16 @@ def test_retraction_reports_the_last_request_that_cannot_fit_alone():
     result = retract_for_decode(batch, NewTokenRatio.from_conservativeness(1.0))
     assert [r.rid for r in result.cannot_fit] == ["r0"] and not result.retracted
     assert batch.is_empty() and result.cannot_fit[0].req_pool_idx is None
+
+
+def test_last_request_of_a_micro_batch_waits_while_other_micro_batches_hold_kv():
+    """Pipeline parallelism: the pool is full of another micro-batch's requests, so this
+    micro-batch's only request goes back to the queue instead of failing."""
+    pools = Pools(kv_tokens=16)
+    batch = _running_batch(pools, [15], [40])
+    _exhaust(pools.allocator)
+    result = retract_for_decode(batch, NewTokenRatio.from_conservativeness(1.0),
+                                others_hold_kv=True)
+    assert [r.rid for r in result.retracted] == ["r0"] and not result.cannot_fit
+    assert batch.is_empty() and result.retracted[0].is_retracted
+    assert result.retracted[0].output_ids == [7], "retraction keeps the output"

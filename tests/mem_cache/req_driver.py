@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from radixserve.finish_reason import FinishReason
 from radixserve.mem_cache import BasePrefixCache, ReqToTokenPool, TokenToKVPoolAllocator
 
 
@@ -19,7 +20,7 @@ class Req:
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Any = None
     streaming_session_id: str | None = None
-    finished_reason: dict[str, Any] | None = None
+    finished_reason: FinishReason | None = None
     kv_len: int = 0
     all_ids: list[int] = field(default_factory=list)
 

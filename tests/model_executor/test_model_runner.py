@@ -60,10 +60,10 @@ def test_kv_cache_smaller_than_a_page_is_rejected(llama_path):
         make_runner(llama_path, max_total_tokens=8, page_size=16)
 
 
-def test_idle_batch_returns_empty_logits(llama_path):
+def test_empty_batch_returns_empty_logits(llama_path):
     runner = make_runner(llama_path)
     empty = torch.empty(0, dtype=torch.int64)
-    fb = ForwardBatch(ForwardMode.IDLE, empty, empty, empty, empty, empty, seq_lens_cpu=[])
+    fb = ForwardBatch(ForwardMode.DECODE, empty, empty, empty, empty, empty, seq_lens_cpu=[])
     assert runner.forward(fb).shape == (0, 512)
 
 

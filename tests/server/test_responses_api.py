@@ -17,7 +17,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from pydantic import BaseModel, Field
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel, Field, TypeAdapter
 
 from tests.server.conftest import assert_no_leak
 
@@ -203,7 +204,8 @@ def test_get_and_delete_return_openai_shapes(client, server):
     deleted = client.delete(f"/v1/responses/{body['id']}")
     assert deleted.json() == {"id": body["id"], "object": "response", "deleted": True}
     for path, status in ((f"/v1/responses/{body['id']}", 404), ("/v1/responses/nope", 400),
-                         ("/v1/responses/resp_XYZ", 400)):
+                         ("/v1/responses/resp_x.y", 400), ("/v1/responses/resp_" + "a" * 65, 400),
+                         ("/v1/responses/resp_" + "a" * 48, 404)):
         for method in ("GET", "DELETE"):
             bad = client.request(method, path)
             assert bad.status_code == status, (method, path, bad.text)
@@ -285,6 +287,7 @@ BAD_BODIES = [
     ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
     ({"input": "x", "truncation": "sometimes"}, "truncation"),
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "previous_response_id": "chatcmpl-1"}, "previous_response_id"),
     ({"input": []}, "input"),
     ({}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
@@ -319,13 +322,50 @@ def test_bad_requests_leak_nothing(client):
     assert_no_leak(client)
 
 
+def stream_lines(base_url: str, body: dict) -> list[str]:
+    with httpx.stream("POST", base_url + "/v1/responses", json={**body, "stream": True},
+                      timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        return [line for line in r.iter_lines() if line]
+
+
+def assert_sdk_shapes(base_url: str, body: dict) -> None:
+    """The response and every streamed event validate against ``openai.types.responses``
+    (the SDK itself builds them without validation, so a missing field would pass unseen)."""
+    r = httpx.post(base_url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    Response.model_validate(r.json())
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for line in stream_lines(base_url, body):
+        if line.startswith("data: "):
+            adapter.validate_python(json.loads(line.removeprefix("data: ")))
+
+
+def test_objects_have_the_sdk_types_shapes(server):
+    assert_sdk_shapes(server.base_url, {"input": "Hi", "max_output_tokens": 4})
+    assert_sdk_shapes(server.base_url, {"input": "Plan a trip.", "text": CITY_FORMAT,
+                                        "instructions": "Be brief.", "max_output_tokens": 64,
+                                        "metadata": {"k": "v"}})
+
+
 def test_raw_stream_is_numbered_sse_without_done(server):
-    body = {"model": server.model, "input": "Hi", "max_output_tokens": 3, "stream": True}
-    with httpx.stream("POST", server.base_url + "/v1/responses", json=body, timeout=60) as r:
-        lines = [line for line in r.iter_lines() if line]
+    body = {"model": server.model, "input": "Hi", "max_output_tokens": 3}
+    lines = stream_lines(server.base_url, body)
     events = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
     data = [json.loads(line.removeprefix("data: ")) for line in lines
             if line.startswith("data: ")]
     assert [d["type"] for d in data] == events
     assert [d["sequence_number"] for d in data] == list(range(len(data)))
     assert events[0] == "response.created" and events[-1] == "response.incomplete"
+
+
+def test_a_stream_closed_early_leaks_nothing(client, server):
+    body = {"model": server.model, "input": "Count to a hundred.", "stream": True,
+            "max_output_tokens": 400, "temperature": 0}
+    with httpx.stream("POST", server.base_url + "/v1/responses", json=body, timeout=60) as r:
+        lines = (line for line in r.iter_lines() if line.startswith("data: "))
+        first = [json.loads(next(lines).removeprefix("data: ")) for _ in range(3)]
+    assert [e["type"] for e in first][:2] == ["response.created", "response.in_progress"]
+    assert_no_leak(client)
+    assert client.post("/v1/responses", json={"input": "x", "max_output_tokens": 2}) \
+        .status_code == 200

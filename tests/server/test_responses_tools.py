@@ -23,7 +23,7 @@ import pytest
 
 from tests.checkpoints import build_checkpoint
 from tests.server.conftest import CONSTRAINED_FLAGS, assert_no_leak, start_server
-from tests.server.test_responses_api import flush_cache
+from tests.server.test_responses_api import assert_sdk_shapes, flush_cache
 from tests.server.tool_templates import HERMES_THINKING
 
 WEATHER = {
@@ -166,6 +166,36 @@ def test_reasoning_is_an_output_item(oai, hermes):
     assert "".join(deltas) == done.text == reasoning.content[0].text
     assert events[-1].type == "response.incomplete"
     assert [item.type for item in events[-1].response.output] == ["reasoning"]
+
+
+def test_a_call_cut_short_is_incomplete_and_can_be_continued(oai, hermes):
+    kwargs = dict(model=hermes.model, input=QUESTION, tools=TOOLS, max_output_tokens=5,
+                  tool_choice={"type": "function", "name": "get_weather"}, temperature=0)
+    flush_cache(hermes.base_url)
+    cut = oai.responses.create(**kwargs)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.output[-1].status == "incomplete"
+    flush_cache(hermes.base_url)
+    events = list(oai.responses.create(stream=True, **kwargs))
+    assert events[-1].type == "response.incomplete"
+    streamed = events[-1].response
+    assert streamed.output[-1].status == "incomplete"
+    for call in (i for i in streamed.output if i.type == "function_call"):
+        # streamed as a call before the limit cut it (the final parse of the whole text
+        # finds no call in it: the plain response has its text as a message)
+        assert call.status == "incomplete"
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(call.arguments)
+    follow = oai.responses.create(model=hermes.model, input="Go on.", max_output_tokens=4,
+                                  tools=TOOLS, previous_response_id=streamed.id)
+    assert follow.status == "incomplete"
+    assert follow.usage.input_tokens_details.cached_tokens >= streamed.usage.input_tokens
+
+
+def test_calls_and_reasoning_have_the_sdk_types_shapes(hermes):
+    assert_sdk_shapes(hermes.base_url, {"input": QUESTION, "tools": TOOLS,
+                                        "tool_choice": "required", "max_output_tokens": 100})
+    assert_sdk_shapes(hermes.base_url, {"input": "Think.", "max_output_tokens": 6})
 
 
 def test_the_store_keeps_the_newest(oai, hermes):

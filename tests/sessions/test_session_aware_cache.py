@@ -10,11 +10,10 @@ scheduler's own invariant check (``MemoryChecker``) on the same pools.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
+from radixserve.finish_reason import FinishAbort, FinishLength, FinishReason
 from radixserve.managers.memory_check import MemoryChecker
 from radixserve.mem_cache import (
     ChunkCache,
@@ -29,8 +28,8 @@ from tests.mem_cache.req_driver import Driver, Req
 
 ROWS = 6
 KV_TOKENS = 256
-LENGTH = {"type": "length", "length": 4}
-ABORT = {"type": "abort", "message": "aborted by request"}
+LENGTH = FinishLength(length=4)
+ABORT = FinishAbort(message="aborted by request")
 
 
 class SessionDriver(Driver):
@@ -61,14 +60,14 @@ class SessionDriver(Driver):
         """KV of ``num_tokens`` more sampled tokens (the newest token's KV comes one step later)."""
         self.extend(req, req.kv_len + num_tokens)
 
-    def finish(self, req: Req, all_ids: list[int], reason: dict[str, Any] | None) -> None:
+    def finish(self, req: Req, all_ids: list[int], reason: FinishReason | None) -> None:
         """``reason`` None is a retraction: the request gives its KV up without finishing."""
         req.finished_reason, req.all_ids = reason, list(all_ids)
         self.cache.cache_finished_req(req, all_ids[: req.kv_len])
 
     def turn(
         self, session_id: str | None, prompt: list[int], output: list[int],
-        reason: dict[str, Any] | None = LENGTH,
+        reason: FinishReason | None = LENGTH,
     ) -> Req:
         """A whole request: prefill, decode ``output`` (all but its last token get KV), finish."""
         req = self.admit_req(f"{session_id}-{len(prompt)}", prompt, session_id)

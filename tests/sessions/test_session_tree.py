@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from radixserve.finish_reason import FinishAbort, FinishLength
 from radixserve.managers.io_struct import (
     OpenSessionReqInput,
     SessionParams,
@@ -26,8 +27,8 @@ from radixserve.sessions.session import Session, SessionError
 from radixserve.sessions.session_controller import SessionController
 
 BOS = 0
-LENGTH = {"type": "length", "length": 2}
-ABORT = {"type": "abort", "message": "aborted by request"}
+LENGTH = FinishLength(length=2)
+ABORT = FinishAbort(message="aborted by request")
 
 
 def req(rid: str, prompt: list[int], output: list[int] | None = None, reason=LENGTH) -> Req:
@@ -344,7 +345,7 @@ def test_a_rejected_request_does_not_clear_the_turn_in_flight():
     ctrl.admit(running)
     second = ctrl.create_req(generate_msg("t2", [3]))
     assert "in flight" in second.error
-    second.req.finished_reason = {**ABORT, "status_code": 400}
+    second.req.finished_reason = FinishAbort(message=ABORT.message, status_code=400)
     ctrl.on_req_finished(second.req)
     assert ctrl.sessions["s"].inflight_rid == "t1"
 

@@ -10,6 +10,8 @@
   float32, and the greedy argmax of the logits (``csrc/elementwise.cpp``): one kernel each where
   torch runs up to nine, whose start-up costs dominate a decode step's small tensors. They round
   where transformers' modules do;
+- a grammar's token bitmask applied to the logits (``csrc/token_bitmask.cpp``): masked stores
+  of ``-inf``, a word of the bitmask at a time, where xgrammar's CPU apply tests each token;
 - attention straight from the paged KV pool (float32 and bf16, head_dim a multiple of 16 up to
   256, any GQA group): one call per layer writes the new K/V and attends, where the torch path
   runs two index_puts, two gathers, a mask and SDPA. Decode (``csrc/decode_attention.cpp``):
@@ -270,6 +272,13 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` for ``[rows, vocab]`` logits (first maximum, NaN counting as the
     maximum): two vectorised passes per row for bf16 and float32, torch's argmax otherwise."""
     return torch.ops.radixserve_cpu.argmax(logits)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set the float32 or bf16 ``logits`` of the tokens ``bitmask`` forbids to ``-inf`` in
+    ``rows``, in place (the bitmask as ``constrained/base.py`` defines it): masked stores of a
+    whole word of the bitmask at once."""
+    torch.ops.radixserve_cpu.apply_token_bitmask(logits, bitmask, rows)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

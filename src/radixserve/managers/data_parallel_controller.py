@@ -35,7 +35,6 @@ from typing import Any
 import zmq
 
 from radixserve.managers import io_struct, ipc
-from radixserve.managers.child_process import install_exit_handlers
 from radixserve.managers.io_struct import (
     CloseSessionReqInput,
     LoadReport,
@@ -43,6 +42,7 @@ from radixserve.managers.io_struct import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
+from radixserve.managers.launcher import install_exit_handlers, report_ready
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -130,8 +130,7 @@ def run_data_parallel_controller_process(
             server_args.load_balance_method,
             lambda replica, msg: ipc.send(replicas[replica], msg),
         )
-        ready_conn.send_bytes(json.dumps({"status": "ready"}).encode())
-        ready_conn.close()
+        report_ready(ready_conn)
         while True:
             controller.handle(io_struct.decode(recv.recv()))
     finally:

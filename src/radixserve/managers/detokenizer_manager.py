@@ -34,9 +34,10 @@ from typing import Any
 
 import zmq
 
+from radixserve.finish_reason import FinishReason, FinishStop
 from radixserve.managers import io_struct, ipc
-from radixserve.managers.child_process import install_exit_handlers
 from radixserve.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, ReqStrOutput
+from radixserve.managers.launcher import install_exit_handlers, report_failure, report_ready
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class IncrementalDetokenizer:
         stop_regex: Sequence[str] = (),
     ) -> None:
         self._decode = decode
-        self._finished_reason: dict[str, Any] | None = None
+        self._finished_reason: FinishReason | None = None
         self._stop = [s for s in stop if s]
         self._stop_regex = list(stop_regex)
         self._no_stop_trim = no_stop_trim
@@ -77,18 +78,18 @@ class IncrementalDetokenizer:
         self.text = ""
         self.sent = 0
 
-    def step(self, new_ids: Sequence[int], finished_reason: dict[str, Any] | None) -> str:
+    def step(self, new_ids: Sequence[int], finished_reason: FinishReason | None) -> str:
         """Add ``new_ids``; return the text that became safe to emit (all of it at finish)."""
         assert self._decode is not None, "step needs a decode function"
         return self.finish([self._decode(ids) for ids in self.begin(new_ids, finished_reason)])
 
     def begin(
-        self, new_ids: Sequence[int], finished_reason: dict[str, Any] | None
+        self, new_ids: Sequence[int], finished_reason: FinishReason | None
     ) -> list[list[int]]:
         """Add ``new_ids``; return the id lists whose texts ``finish`` needs (none or two)."""
         self._finished_reason = finished_reason
-        matched = finished_reason.get("matched") if finished_reason else None
-        if self._trims() and isinstance(matched, int) and new_ids and new_ids[-1] == matched:
+        matched = self._stop_matched()
+        if isinstance(matched, int) and new_ids and new_ids[-1] == matched:
             new_ids = new_ids[:-1]  # the stop token itself is not part of the text
         self.ids.extend(new_ids)
         if self.read_offset == len(self.ids):
@@ -97,15 +98,14 @@ class IncrementalDetokenizer:
 
     def finish(self, texts: list[str]) -> str:
         """Take the texts of ``begin``'s id lists; return the text that became safe to emit."""
-        finished_reason, trim = self._finished_reason, self._trims()
+        finished_reason, matched = self._finished_reason, self._stop_matched()
         if texts:
             self._take_new_text(*texts, force=finished_reason is not None)
         if finished_reason is None:
             end = len(self.text) if self._no_stop_trim else self._safe_end()
         else:
             end = len(self.text)
-            matched = finished_reason.get("matched")
-            if trim and isinstance(matched, str):
+            if isinstance(matched, str):
                 pos = self._match_start(matched)
                 if pos != -1:
                     end = max(pos, self.sent)
@@ -113,10 +113,12 @@ class IncrementalDetokenizer:
         self.sent = end
         return delta
 
-    def _trims(self) -> bool:
-        """Whether the request finished on a stop condition that is cut from the text."""
+    def _stop_matched(self) -> int | str | None:
+        """What the request stopped on, when that is cut from the text (else None)."""
         reason = self._finished_reason
-        return reason is not None and reason.get("type") == "stop" and not self._no_stop_trim
+        if isinstance(reason, FinishStop) and not self._no_stop_trim:
+            return reason.matched
+        return None
 
     def _take_new_text(self, surrounding: str, full: str, force: bool) -> None:
         if len(full) > len(surrounding) and (force or not full.endswith(_REPLACEMENT_CHAR)):
@@ -245,9 +247,7 @@ def run_detokenizer_process(server_args_json: str, port_args_json: str, ready_co
         logging.basicConfig(level=server_args.log_level.upper())
         manager = DetokenizerManager(server_args, ipc.PortArgs(**json.loads(port_args_json)))
     except Exception as e:  # report any start-up failure to the parent, then exit
-        error = {"status": "error", "message": f"{type(e).__name__}: {e}"}
-        ready_conn.send_bytes(json.dumps(error).encode())
+        report_failure(ready_conn, e)
         raise
-    ready_conn.send_bytes(json.dumps({"status": "ready"}).encode())
-    ready_conn.close()
+    report_ready(ready_conn)
     manager.event_loop()

@@ -120,15 +120,15 @@ class GenerateReqInput:
         dicts = params if isinstance(params, list) else [params]
         if not all(d is None or isinstance(d, dict) for d in dicts):
             raise ValueError("sampling_params must be a dict or a list of dicts")
-        values = {1 if d.get("n") is None else d["n"] for d in dicts if d}
+        given = [1 if d.get("n") is None else d["n"] for d in dicts if d]
+        for n in given:  # checked before the set: a list or dict value is unhashable
+            if not _is_token_id(n) or n < 1:
+                raise ValueError(f"n must be a positive integer, got {n!r}")
         stripped = [{k: v for k, v in d.items() if k != "n"} if d else {} for d in dicts]
         self.sampling_params = stripped if isinstance(params, list) else stripped[0]
-        if len(values) > 1:
+        if len(set(given)) > 1:
             raise ValueError("n must be the same in the sampling params of every prompt")
-        n = values.pop() if values else 1
-        if not _is_token_id(n) or n < 1:
-            raise ValueError(f"n must be a positive integer, got {n!r}")
-        return n
+        return given[0] if given else 1
 
     # ------------------------------------------------------------------ single
     def _normalize_single(self) -> None:

@@ -16,6 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
 from radixserve.constrained import GrammarCache, GrammarError, GrammarKey
+from radixserve.finish_reason import FinishAbort
 from radixserve.managers.schedule_batch import Req
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ class Compiled:
     """What ``GrammarQueue.pop_compiled`` found: requests ready to schedule and failures."""
 
     ready: list[Req] = field(default_factory=list)
-    failed: list[tuple[Req, dict]] = field(default_factory=list)  # (request, finish reason)
+    failed: list[tuple[Req, FinishAbort]] = field(default_factory=list)
 
 
 class GrammarQueue:
@@ -61,11 +62,11 @@ class GrammarQueue:
             try:
                 req.grammar = self.cache.backend.new_matcher(future.result())
             except GrammarError as e:
-                out.failed.append((req, {"type": "abort", "message": str(e), "status_code": 400}))
+                out.failed.append((req, FinishAbort(message=str(e), status_code=400)))
             except Exception as e:  # the backend itself failed: a server problem, not the user's
                 logger.exception("grammar compilation failed for request %r", req.rid)
                 message = f"constrained decoding failed: {type(e).__name__}: {e}"
-                out.failed.append((req, {"type": "abort", "message": message}))
+                out.failed.append((req, FinishAbort(message=message)))
             else:
                 out.ready.append(req)
         self.reqs = waiting

@@ -27,6 +27,7 @@ from typing import Any, Literal, Union, get_args
 
 import msgspec
 
+from radixserve.finish_reason import FinishReason
 from radixserve.sampling.sampling_params import SamplingParams
 
 
@@ -191,14 +192,12 @@ class LogprobsOutput(msgspec.Struct, kw_only=True):
 class ReqTokenOutput(msgspec.Struct, kw_only=True):
     """One request's progress since its previous output.
 
-    ``finished_reason`` is ``None`` while running, else a dict like SGLang's:
-    ``{"type": "stop", "matched": <token id or stop string>}``, ``{"type": "length",
-    "length": n}`` or ``{"type": "abort", "message": str}``.
+    ``finished_reason`` is ``None`` while running, else why it ended (``finish_reason.py``).
     """
 
     rid: str
     new_token_ids: list[int]
-    finished_reason: dict[str, Any] | None
+    finished_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -222,7 +221,7 @@ class ReqStrOutput(msgspec.Struct, kw_only=True):
     rid: str
     new_text: str
     new_token_ids: list[int]
-    finished_reason: dict[str, Any] | None
+    finished_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -239,7 +238,7 @@ class ReqEmbeddingOutput(msgspec.Struct, kw_only=True):
 
     rid: str
     embedding: list[float]
-    finished_reason: dict[str, Any]
+    finished_reason: FinishReason
     prompt_tokens: int
     cached_tokens: int
 

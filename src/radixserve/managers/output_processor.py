@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from radixserve import envs
+from radixserve.finish_reason import FinishAbort, FinishLength, FinishReason
 from radixserve.layers.sampler import InputLogprobs
 from radixserve.managers.io_struct import (
     BatchEmbeddingOutput,
@@ -135,7 +136,7 @@ class OutputProcessor:
             except Exception as e:  # a bug that concerns this request alone fails it alone
                 logger.exception("failed to process the output of request %r", req.rid)
                 message = f"internal error while processing the output: {type(e).__name__}: {e}"
-                req.finished_reason = {"type": "abort", "message": message, "status_code": 500}
+                req.finished_reason = FinishAbort(message=message, status_code=500)
             if req.finished():
                 if req.req_pool_idx is not None:
                     release_kv(req, self.tree_cache)
@@ -151,7 +152,7 @@ class OutputProcessor:
         if self.inject_faults and req.rid.startswith("inject-fault-output-"):
             raise RuntimeError(f"injected fault while processing {req.rid}")
         if req.sampling_params.max_new_tokens == 0:
-            req.finished_reason = {"type": "length", "length": 0}
+            req.finished_reason = FinishLength(length=0)
             return
         req.output_ids.append(token)
         if req.return_logprob:
@@ -165,9 +166,9 @@ class OutputProcessor:
             # The sampler applies the grammar's mask, so this is a bug: end the request, not
             # the server.
             logger.error("request %r: sampled token %d outside its grammar", req.rid, token)
-            req.finished_reason = {
-                "type": "abort", "message": f"internal error: token {token} violates the grammar"
-            }
+            req.finished_reason = FinishAbort(
+                message=f"internal error: token {token} violates the grammar"
+            )
             return
         req.check_finished(self.eos_token_ids, self.tokenizer)
 
@@ -180,7 +181,7 @@ class OutputProcessor:
             if req.is_chunked:
                 self.tree_cache.cache_unfinished_req(req, req.fill_ids)
                 continue
-            req.finished_reason = {"type": "length", "length": 0}
+            req.finished_reason = FinishLength(length=0)
             release_kv(req, self.tree_cache)
             done.append(
                 ReqEmbeddingOutput(
@@ -203,7 +204,7 @@ class OutputProcessor:
         interval = req.sampling_params.stream_interval or self.stream_interval
         return req.send_offset == 0 or unsent >= interval
 
-    def finish_now(self, reqs: list[Req], reason: dict[str, Any]) -> None:
+    def finish_now(self, reqs: list[Req], reason: FinishReason) -> None:
         """Finish requests outside a model step (aborted, rejected, out of memory)."""
         for req in reqs:
             req.finished_reason = reason

@@ -8,7 +8,9 @@ their next prefill covers ``origin_input_ids + output_ids``.  The ratio is raise
 reserves more from then on; it decays back while decoding proceeds without trouble.
 
 A request is only failed for memory when it is the last one running and still cannot grow: the
-pool cannot hold it alone.
+pool cannot hold it alone. With pipeline parallelism the other micro-batches' requests hold KV
+too: a micro-batch's last request then waits in the queue for their memory instead (how requests
+fall into micro-batches depends on when they arrive, so this happens on a loaded machine).
 """
 
 from __future__ import annotations
@@ -60,12 +62,15 @@ def decode_fits(batch: ScheduleBatch) -> bool:
     return batch.decode_tokens_needed() <= capacity
 
 
-def retract_for_decode(batch: ScheduleBatch, ratio: NewTokenRatio) -> RetractResult:
+def retract_for_decode(
+    batch: ScheduleBatch, ratio: NewTokenRatio, others_hold_kv: bool = False
+) -> RetractResult:
     """Retract requests from ``batch`` until its next decode step can allocate.
 
     Victims are the requests that would hold memory longest: most remaining tokens first, and
     among equals the most recent (fewest outputs). Their KV goes to the prefix cache and their
-    rows are freed; ``batch.reqs`` keeps the rest.
+    rows are freed; ``batch.reqs`` keeps the rest. The last one cannot fit alone, unless
+    ``others_hold_kv`` (other micro-batches run requests): then it is retracted too.
     """
     res = batch.res
     result = RetractResult()
@@ -75,7 +80,7 @@ def retract_for_decode(batch: ScheduleBatch, ratio: NewTokenRatio) -> RetractRes
     while not decode_fits(batch):
         victim = batch.reqs.pop()
         release_kv(victim, res.tree_cache)
-        if batch.reqs:
+        if batch.reqs or others_hold_kv:
             victim.reset_after_retract()
             result.retracted.append(victim)
         else:

@@ -47,7 +47,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from radixserve.managers.io_struct import SessionParams
+from radixserve.finish_reason import FinishLength, FinishReason, FinishStop
+from radixserve.managers.io_struct import SessionParams, TokenizedGenerateReqInput
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -131,7 +132,7 @@ class Req:
 
         # Reporting.
         self.cached_tokens = 0
-        self.finished_reason: dict[str, Any] | None = None
+        self.finished_reason: FinishReason | None = None
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.output_token_ids_logprobs: list[list[float]] = []
@@ -144,6 +145,22 @@ class Req:
         # An abort message, set when an abort arrives while the request holds KV; the scheduler
         # finishes it before the next batch forms.
         self.to_abort: str | None = None
+
+    @classmethod
+    def from_message(cls, msg: TokenizedGenerateReqInput, input_ids: list[int]) -> Req:
+        """The request ``msg`` asks for, with ``input_ids`` as its prompt (the message's own,
+        or the prompt a session assembled from it)."""
+        return cls(
+            msg.rid,
+            input_ids,
+            msg.sampling_params,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
+            logprob_start_len=msg.logprob_start_len,
+            token_ids_logprob=msg.token_ids_logprob,
+            stream=msg.stream,
+            session_params=msg.session_params,
+        )
 
     # ------------------------------------------------------------------ derived state
     @property
@@ -226,16 +243,16 @@ class Req:
             return
         params = self.sampling_params
         if self.grammar is not None and self.grammar.is_terminated():
-            self.finished_reason = {"type": "stop", "matched": self.output_ids[-1]}
+            self.finished_reason = FinishStop(matched=self.output_ids[-1])
             return
         if len(self.output_ids) >= params.max_new_tokens:
-            self.finished_reason = {"type": "length", "length": params.max_new_tokens}
+            self.finished_reason = FinishLength(length=params.max_new_tokens)
             return
         if len(self.output_ids) < params.min_new_tokens:
             return
         last = self.output_ids[-1]
         if (not params.ignore_eos and last in eos_token_ids) or last in params.stop_token_ids:
-            self.finished_reason = {"type": "stop", "matched": last}
+            self.finished_reason = FinishStop(matched=last)
             return
         if params.stop:
             # A byte-level token carries at least one byte and a character at most four, so
@@ -246,7 +263,7 @@ class Req:
             )
             for stop in params.stop:
                 if stop in tail:
-                    self.finished_reason = {"type": "stop", "matched": stop}
+                    self.finished_reason = FinishStop(matched=stop)
                     return
         if params.stop_regex:
             window = stop_regex_window(params.stop_regex)
@@ -254,7 +271,7 @@ class Req:
             text = tokenizer.decode(tail, skip_special_tokens=params.skip_special_tokens)
             for pattern in params.stop_regex:
                 if re.search(pattern, text):
-                    self.finished_reason = {"type": "stop", "matched": pattern}
+                    self.finished_reason = FinishStop(matched=pattern)
                     return
 
 

@@ -44,6 +44,7 @@ import torch
 from radixserve import envs
 from radixserve.constrained import GrammarCache, create_grammar_backend
 from radixserve.distributed import ParallelState
+from radixserve.finish_reason import FinishAbort
 from radixserve.layers.sampler import SampleOutput
 from radixserve.managers.dispatcher import TypeBasedDispatcher
 from radixserve.managers.grammar_queue import GrammarQueue
@@ -68,6 +69,7 @@ from radixserve.managers.io_struct import (
 from radixserve.managers.memory_check import MemoryChecker, busy_check_enabled
 from radixserve.managers.output_processor import OutputProcessor
 from radixserve.managers.overlap_worker import OverlapWorker
+from radixserve.managers.request_checks import check_embedding, check_generate
 from radixserve.managers.request_receiver import RequestReceiver
 from radixserve.managers.retraction import (
     NewTokenRatio,
@@ -366,7 +368,7 @@ class Scheduler:
         message = f"internal error in the scheduler: {type(error).__name__}: {error}"
         if isinstance(msg, (TokenizedGenerateReqInput, TokenizedEmbeddingReqInput)):
             req = Req(msg.rid, [], SamplingParams(max_new_tokens=0))
-            reason = {"type": "abort", "message": message, "status_code": 500}
+            reason = FinishAbort(message=message, status_code=500)
             self.output_processor.finish_now([req], reason)
             return None
         return ControlErrorOutput(request=type(msg).__name__, message=message)
@@ -426,7 +428,7 @@ class Scheduler:
         compiled = self.grammar_queue.pop_compiled(wait_all=self.parallel.distributed)
         self.waiting_queue.extend(compiled.ready)
         for req, reason in compiled.failed:
-            logger.info("request %r rejected: %s", req.rid, reason["message"])
+            logger.info("request %r rejected: %s", req.rid, reason.message)
             self.output_processor.finish_now([req], reason)
 
     def process_batch_result(
@@ -557,7 +559,7 @@ class Scheduler:
             aborted.append(chunked)
             self.chunked_req = None
         for req in aborted:
-            self.output_processor.finish_now([req], {"type": "abort", "message": req.to_abort})
+            self.output_processor.finish_now([req], FinishAbort(message=req.to_abort))
         self.num_aborted_reqs += len(aborted)
         if aborted:
             self.running_batch.filter_batch()
@@ -627,7 +629,11 @@ class Scheduler:
 
     def _update_running_batch(self) -> None:
         """Make room for one more token per running request (retracting if needed)."""
-        result = retract_for_decode(self.running_batch, self.new_token_ratio)
+        others_hold_kv = any(
+            mb is not self._mb and (mb.in_flight is not None or not mb.running.is_empty())
+            for mb in self.micro_batches
+        )
+        result = retract_for_decode(self.running_batch, self.new_token_ratio, others_hold_kv)
         if result.retracted:
             self.num_retracted_reqs += len(result.retracted)
             self.waiting_queue[:0] = result.retracted
@@ -643,7 +649,7 @@ class Scheduler:
                 f"out of KV cache memory: the request alone does not fit in the KV pool "
                 f"({self.max_total_num_tokens} tokens)"
             )
-            reason = {"type": "abort", "message": message}
+            reason = FinishAbort(message=message)
             self.output_processor.finish_now(result.cannot_fit, reason)
         if not self.running_batch.is_empty():
             self.running_batch.prepare_for_decode()
@@ -675,17 +681,7 @@ class Scheduler:
             created = self.sessions.create_req(msg)
             req, error = created.req, created.error
         else:
-            req = Req(
-                msg.rid,
-                list(msg.input_ids),
-                msg.sampling_params,
-                return_logprob=msg.return_logprob,
-                top_logprobs_num=msg.top_logprobs_num,
-                logprob_start_len=msg.logprob_start_len,
-                token_ids_logprob=msg.token_ids_logprob,
-                stream=msg.stream,
-            )
-            error = None
+            req, error = Req.from_message(msg, list(msg.input_ids)), None
         error = error or self._validate(req.origin_input_ids, msg)
         if error is not None:
             self._reject(req, error)
@@ -721,17 +717,11 @@ class Scheduler:
         )
 
     def _validate_embedding(self, ids: list[int]) -> str | None:
-        vocab, context_len = self.model_config.vocab_size, self.model_config.context_len
-        if not ids:
-            return "the input is empty: an embedding needs at least one token"
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            return f"input token ids out of the vocabulary range [0, {vocab}): {bad[:8]}"
-        if len(ids) > context_len:
-            return (
-                f"the input ({len(ids)} tokens) exceeds the model's context length "
-                f"({context_len} tokens)"
-            )
+        try:
+            check_embedding(ids, vocab_size=self.model_config.vocab_size,
+                            context_len=self.model_config.context_len)
+        except ValueError as e:
+            return str(e)
         # An encoder's input is encoded in one step: it must fit one prefill batch.
         budget = min(self.server_args.max_prefill_tokens, self.server_args.chunked_prefill_size)
         if self.model_config.is_encoder and len(ids) > budget:
@@ -746,46 +736,30 @@ class Scheduler:
     def _reject(self, req: Req, error: str, status_code: int = 400) -> None:
         logger.info("request %r rejected: %s", req.rid, error)
         # status_code 400: bad input, raised to the caller as a ValueError; 503: unavailable.
-        reason = {"type": "abort", "message": error, "status_code": status_code}
+        reason = FinishAbort(message=error, status_code=status_code)
         self.output_processor.finish_now([req], reason)
 
     def _validate(self, ids: list[int], msg: TokenizedGenerateReqInput) -> str | None:
         """Why the request cannot run, or None. It never reaches the model when rejected.
 
-        ``ids`` is the whole prompt (for a session request: as assembled from its session).
+        ``ids`` is the whole prompt (for a session request: as assembled from its session):
+        the TokenizerManager's checks again (``request_checks``), then the KV pool's size.
         """
-        vocab = self.model_config.vocab_size
-        context_len = self.model_config.context_len
-        max_new = msg.sampling_params.max_new_tokens
-        if not ids:
-            return "the input is empty: a request needs at least one input token"
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            return f"input token ids out of the vocabulary range [0, {vocab}): {bad[:8]}"
-        if len(ids) + max_new > context_len:
-            return (
-                f"the input ({len(ids)} tokens) plus max_new_tokens ({max_new}) exceeds the "
-                f"model's context length ({context_len} tokens)"
-            )
-        if pages_to_alloc(0, len(ids) + 1, self.page_size) > self.max_total_num_tokens:
-            return (
-                f"the input ({len(ids)} tokens) does not fit in the KV cache "
-                f"({self.max_total_num_tokens} tokens)"
-            )
-        if msg.top_logprobs_num < 0:
-            return f"top_logprobs_num must be non-negative, got {msg.top_logprobs_num}"
-        if msg.return_logprob and msg.logprob_start_len > len(ids):
-            return (
-                f"logprob_start_len ({msg.logprob_start_len}) is beyond the input "
-                f"({len(ids)} tokens)"
-            )
-        bad = [t for t in msg.token_ids_logprob or [] if not 0 <= t < vocab]
-        if bad:
-            return f"token_ids_logprob out of the vocabulary range [0, {vocab}): {bad[:8]}"
         try:
-            msg.sampling_params.validate(vocab)
+            check_generate(
+                ids, msg.sampling_params,
+                vocab_size=self.model_config.vocab_size,
+                context_len=self.model_config.context_len,
+                return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
+                top_logprobs_num=msg.top_logprobs_num, token_ids_logprob=msg.token_ids_logprob,
+            )
         except ValueError as e:
             return str(e)
+        if pages_to_alloc(0, len(ids) + 1, self.page_size) > self.max_total_num_tokens:
+            return (
+                f"the prompt ({len(ids)} tokens) does not fit in the KV cache "
+                f"({self.max_total_num_tokens} tokens)"
+            )
         return None
 
     def _aborting(self, rid: str | None) -> bool:
@@ -801,14 +775,14 @@ class Scheduler:
         def hit(req: Req) -> bool:
             return msg.abort_all or req.rid == msg.rid
 
-        reason = {"type": "abort", "message": "aborted by request"}
+        reason = FinishAbort(message="aborted by request")
         waiting = [r for r in self.waiting_queue if hit(r)] + self.grammar_queue.remove(hit)
         self.waiting_queue = [r for r in self.waiting_queue if not hit(r)]
         self.output_processor.finish_now(waiting, reason)
         self.num_aborted_reqs += len(waiting)
         for req in self.holding_reqs():
             if hit(req):
-                req.to_abort = reason["message"]
+                req.to_abort = reason.message
         if self.paused:  # no step is in flight and none will come to finish them
             self._finish_aborted()
 

@@ -1,4 +1,4 @@
-"""The scheduler process: one per rank of each replica (see ``engine.child_processes``).
+"""The scheduler process: one per rank of each replica (see ``launcher.child_processes``).
 
 ``run_scheduler_process`` joins the replica's process group, wires rank 0 to ZMQ (the others
 send nothing: rank 0 sends the same outputs), builds the ``Scheduler`` and runs its loop: the
@@ -21,7 +21,12 @@ import zmq
 
 from radixserve.distributed import ParallelState, RankInfo, init_parallel_state
 from radixserve.managers import ipc
-from radixserve.managers.child_process import install_exit_handlers, on_sigterm
+from radixserve.managers.launcher import (
+    install_exit_handlers,
+    on_sigterm,
+    report_failure,
+    report_ready,
+)
 from radixserve.managers.request_receiver import RequestReceiver
 from radixserve.managers.scheduler import Scheduler
 from radixserve.model_config import resolve_device
@@ -118,16 +123,13 @@ def run_scheduler_process(
             )
         except Exception as e:
             logger.exception("scheduler failed to start")
-            ready_conn.send_bytes(
-                json.dumps({"status": "error", "message": f"{type(e).__name__}: {e}"}).encode()
-            )
+            report_failure(ready_conn, e)
             raise SystemExit(1) from e
         if server_args.session_store is not None:
             # Sessions are written to the store before the process ends (one rank only:
             # ServerArgs refuses a store with parallel ranks).
             on_sigterm(scheduler.request_stop)
-        ready_conn.send_bytes(json.dumps(scheduler.ready_info()).encode())
-        ready_conn.close()
+        report_ready(ready_conn, scheduler.ready_info())
         logger.info("scheduler ready: %s", scheduler.ready_info())
         receiver = RequestReceiver(parallel, recv, scheduler.sessions.expired_ids)
         if info.pp_size > 1:

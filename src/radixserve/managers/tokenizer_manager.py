@@ -24,12 +24,13 @@ All methods must be called on the loop that runs ``handle_loop``; the ``Engine``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from radixserve.finish_reason import FinishAbort, FinishReason
 from radixserve.managers import io_struct, ipc
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.io_struct import (
@@ -85,6 +87,8 @@ from radixserve.managers.io_struct import (
     UpdateWeightFromDiskReqOutput,
 )
 from radixserve.managers.logprob_meta import LogprobMeta
+from radixserve.managers.request_checks import check_embedding, check_generate
+from radixserve.managers.request_values import describe, find_unrepresentable
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 from radixserve.sessions.session import RESUME_NEEDS_ID, check_session_id
@@ -130,7 +134,17 @@ class RequestMetrics:
     # One entry per output message: (time it arrived, number of new tokens in it).
     token_times: list[tuple[float, int]] = field(default_factory=list)
     finish_time: float | None = None
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class PreparedGenerate:
+    """A call's requests, validated and encoded, not yet sent (``prepare_generate``)."""
+
+    obj: GenerateReqInput
+    reqs: list[Any]  # TokenizedGenerateReqInput / TokenizedEmbeddingReqInput, one per prompt
+    frames: list[bytes]  # the same, encoded
+    logprobs: list[LogprobMeta | None] | None = None  # collects request i's, when it asked
 
 
 @dataclass(eq=False)
@@ -148,7 +162,7 @@ class _ReqState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    finished_reason: dict[str, Any] | None = None
+    finished_reason: FinishReason | None = None
     finished: bool = False
     dirty: bool = False  # received something the consumer has not yielded yet
     embedding: list[float] | None = None  # embedding requests only
@@ -160,7 +174,7 @@ class _ReqState:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
-            "finish_reason": self.finished_reason,
+            "finish_reason": self._finish_reason_dict(),
         }
         if self.logprobs is not None:
             meta.update(self.logprobs.to_meta())
@@ -172,9 +186,13 @@ class _ReqState:
             "id": self.rid,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
-            "finish_reason": self.finished_reason,
+            "finish_reason": self._finish_reason_dict(),
         }
         return {"embedding": self.embedding, "meta_info": meta}
+
+    def _finish_reason_dict(self) -> dict[str, Any] | None:
+        reason = self.finished_reason
+        return reason.to_dict() if reason is not None else None
 
 
 class TokenizerManager:
@@ -256,32 +274,44 @@ class TokenizerManager:
         return len(self._states)
 
     # ------------------------------------------------------------------ generate
-    async def generate_request(
-        self, obj: GenerateReqInput
-    ) -> AsyncIterator[dict[str, Any] | list[dict[str, Any]]]:
-        """Validate, send and yield outputs (see the module docstring for the shapes).
-
-        single non-stream: one final dict; single stream: cumulative dicts, the last with a
-        ``finish_reason``; batch non-stream: one list of dicts in input order; batch stream:
-        cumulative dicts with an ``"index"`` key into the batch.
-        """
+    def prepare_generate(self, obj: GenerateReqInput) -> PreparedGenerate:
+        """Normalize, tokenize, validate and encode every prompt of a generate call: any
+        ``ValueError`` comes from here, before anything is registered or sent. Callers that
+        start several generations at once (the OpenAI routes' choices) prepare them all first,
+        so that a bad one fails the call before the others run."""
         self._check_alive()
         if not self.is_generation:
             raise ValueError(
                 "this server serves an embedding model: use /encode or /v1/embeddings"
             )
-        await self._let_disconnects_land(_session_ids(obj))
-        await self._admit()  # the last await before the requests are sent
         obj.normalize()
         reqs = [self._tokenize(obj[i], i if not obj.is_single else None)
                 for i in range(obj.batch_size)]
-        states = self._send(
-            reqs,
-            [self._logprob_meta(req, obj.return_text_in_logprobs) for req in reqs],
-            log_metrics=obj.log_metrics,
+        return PreparedGenerate(
+            obj=obj,
+            reqs=reqs,
+            frames=[self._encode(req, f"prompt {i}: " if not obj.is_single else "")
+                    for i, req in enumerate(reqs)],
+            logprobs=[self._logprob_meta(req, obj.return_text_in_logprobs) for req in reqs],
         )
-        notify = states[0].notify
-        try:
+
+    async def generate_request(
+        self, obj: GenerateReqInput | PreparedGenerate
+    ) -> AsyncIterator[dict[str, Any] | list[dict[str, Any]]]:
+        """Validate (unless ``prepare_generate`` did), send and yield outputs (see the module
+        docstring for the shapes).
+
+        single non-stream: one final dict; single stream: cumulative dicts, the last with a
+        ``finish_reason``; batch non-stream: one list of dicts in input order; batch stream:
+        cumulative dicts with an ``"index"`` key into the batch.
+        """
+        prepared = obj if isinstance(obj, PreparedGenerate) else self.prepare_generate(obj)
+        obj = prepared.obj
+        await self._let_disconnects_land(_session_ids(obj))
+        await self._admit()  # the last await before the requests are sent
+        self._check_alive()
+        with self._in_flight(prepared, log_metrics=obj.log_metrics) as states:
+            notify = states[0].notify
             while True:
                 await notify.wait()
                 notify.clear()
@@ -301,17 +331,17 @@ class TokenizerManager:
                     yield outs[0] if obj.is_single else outs
                 if done:
                     return
-        finally:
-            self._abort_unfinished(states)
 
-    def _send(
-        self,
-        reqs: list[Any],
-        logprobs: list[LogprobMeta | None] | None = None,
-        log_metrics: bool = True,
-    ) -> list[_ReqState]:
-        """Register one state per request (sharing one notify event) and send them all;
-        ``logprobs[i]`` collects request i's logprobs when it asked for them."""
+    @contextlib.contextmanager
+    def _in_flight(
+        self, prepared: PreparedGenerate, log_metrics: bool = True
+    ) -> Iterator[list[_ReqState]]:
+        """The only way a request's state enters ``_states``. The requests come encoded (a
+        value the wire cannot carry was refused while preparing, so a batch is sent whole or
+        not at all); one state per request (sharing one notify event) is registered and the
+        requests are sent; however the block ends (finished, an error, a cancelled or closed
+        caller), the requests that have not finished are aborted and their states dropped."""
+        reqs, frames, logprobs = prepared.reqs, prepared.frames, prepared.logprobs
         for req in reqs:
             if req.rid in self._states:
                 raise ValueError(f"request id {req.rid!r} is already in flight")
@@ -328,10 +358,27 @@ class TokenizerManager:
             )
             for i, req in enumerate(reqs)
         ]
-        for state, req in zip(states, reqs, strict=True):
-            self._states[state.rid] = state
-            ipc.send(self._send_sock, req)
-        return states
+        try:
+            for state, frame in zip(states, frames, strict=True):
+                self._states[state.rid] = state
+                self._send_sock.send(frame, copy=False)
+            yield states
+        finally:
+            self._abort_unfinished(states)
+
+    def _send_msg(self, msg: io_struct._Msg) -> None:
+        self._send_sock.send(self._encode(msg), copy=False)
+
+    def _encode(self, msg: io_struct._Msg, where: str = "") -> bytes:
+        """``msg`` as the scheduler receives it; ``ValueError`` naming the field that cannot
+        be sent, after ``where`` (the HTTP layer refuses such values first; ``Engine`` callers
+        get here)."""
+        try:
+            return io_struct.encode(msg)
+        except (OverflowError, UnicodeEncodeError) as e:  # an int past 64 bits, a surrogate
+            found = find_unrepresentable(msgspec.to_builtins(msg))
+            why = describe(*found) if found else f"the request cannot be sent: {e}"
+            raise ValueError(where + why) from e
 
     # ------------------------------------------------------------------ embeddings
     async def encode_request(
@@ -361,8 +408,8 @@ class TokenizerManager:
                 reqs.append(self._tokenize_embedding(obj[i]))
             except ValueError as e:
                 raise ValueError(f"input {i}: {e}" if not obj.is_single else str(e)) from e
-        states = self._send(reqs)
-        try:
+        prepared = PreparedGenerate(obj, reqs, [self._encode(req) for req in reqs])
+        with self._in_flight(prepared) as states:
             while not all(s.finished for s in states):
                 await states[0].notify.wait()
                 states[0].notify.clear()
@@ -370,28 +417,14 @@ class TokenizerManager:
             _raise_if_rejected(states, obj.is_single)
             outs = [s.to_embedding_dict() for s in states]
             return outs[0] if obj.is_single else outs
-        finally:
-            self._abort_unfinished(states)
 
     def _tokenize_embedding(self, obj: GenerateReqInput) -> TokenizedEmbeddingReqInput:
         if obj.input_ids is not None:
             input_ids = list(obj.input_ids)
         else:
-            input_ids = self.tokenizer.encode(obj.text)
-        if not input_ids:
-            raise ValueError("the input is empty")
-        vocab_size = self.model_config.vocab_size
-        bad = sorted({t for t in input_ids if not 0 <= t < vocab_size})
-        if bad:
-            raise ValueError(
-                f"input_ids contain token ids outside the vocabulary [0, {vocab_size}): {bad[:10]}"
-            )
-        context_len = self.model_config.context_len
-        if len(input_ids) > context_len:
-            raise ValueError(
-                f"the input is too long: it has {len(input_ids)} tokens and the model's context "
-                f"length is {context_len} tokens"
-            )
+            input_ids = self._encode_text(obj.text)
+        check_embedding(input_ids, vocab_size=self.model_config.vocab_size,
+                        context_len=self.model_config.context_len)
         return TokenizedEmbeddingReqInput(rid=obj.rid, input_ids=input_ids, input_text=obj.text)
 
     def _abort_unfinished(self, states: list[_ReqState]) -> None:
@@ -399,8 +432,8 @@ class TokenizerManager:
         for state in states:
             if not state.finished and self._states.pop(state.rid, None) is state:
                 if self._dead_message is None:
-                    ipc.send(self._send_sock, AbortReq(rid=state.rid))
-                self._report(state, {"type": "abort", "message": "the caller stopped reading"})
+                    self._send_msg(AbortReq(rid=state.rid))
+                self._report(state, FinishAbort(message="the caller stopped reading"))
 
     def _logprob_meta(self, req: TokenizedGenerateReqInput, with_text: bool) -> LogprobMeta | None:
         if not req.return_logprob:
@@ -425,6 +458,14 @@ class TokenizerManager:
                 return
             await asyncio.sleep(0)
 
+    def _encode_text(self, text: str) -> list[int]:
+        """Token ids of a prompt; ``ValueError`` for text the tokenizer cannot read (a lone
+        surrogate from an ``Engine`` caller: the HTTP layer refuses those first)."""
+        found = find_unrepresentable(text)
+        if found is not None:
+            raise ValueError(describe("text", found[1]))
+        return self.tokenizer.encode(text)
+
     def _tokenize(self, obj: GenerateReqInput, index: int | None) -> TokenizedGenerateReqInput:
         """Build the scheduler message of one prompt; ``ValueError`` names the batch index."""
         try:
@@ -438,42 +479,17 @@ class TokenizerManager:
         if obj.input_ids is not None:
             input_ids = list(obj.input_ids)
         else:
-            input_ids = self.tokenizer.encode(obj.text)
-        if not input_ids:
-            raise ValueError("the prompt is empty")
-        vocab_size = self.model_config.vocab_size
-        bad = sorted({t for t in input_ids if not 0 <= t < vocab_size})
-        if bad:
-            raise ValueError(
-                f"input_ids contain token ids outside the vocabulary [0, {vocab_size}): {bad[:10]}"
-            )
+            input_ids = self._encode_text(obj.text)
         sampling_params = SamplingParams.from_dict(obj.sampling_params)
-        sampling_params.validate(vocab_size)
+        # A session request's whole prompt is known in the scheduler, which checks it again.
+        check_generate(
+            input_ids, sampling_params,
+            vocab_size=self.model_config.vocab_size, context_len=self.model_config.context_len,
+            return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len,
+            top_logprobs_num=obj.top_logprobs_num, token_ids_logprob=obj.token_ids_logprob,
+            whole_prompt=not obj.session_params,
+        )
         self._check_amplification(obj, sampling_params)
-        bad = sorted({t for t in obj.token_ids_logprob or [] if not 0 <= t < vocab_size})
-        if bad:
-            raise ValueError(
-                f"token_ids_logprob contains token ids outside the vocabulary [0, {vocab_size}): "
-                f"{bad[:10]}"
-            )
-        context_len = self.model_config.context_len
-        prompt_len, max_new = len(input_ids), sampling_params.max_new_tokens
-        if obj.return_logprob and obj.logprob_start_len > prompt_len and not obj.session_params:
-            raise ValueError(
-                f"logprob_start_len ({obj.logprob_start_len}) is beyond the prompt "
-                f"({prompt_len} tokens)"
-            )
-        if prompt_len >= context_len:
-            raise ValueError(
-                f"the prompt is too long: it has {prompt_len} tokens and the model's context "
-                f"length is {context_len} tokens"
-            )
-        if prompt_len + max_new > context_len:
-            raise ValueError(
-                f"the prompt has {prompt_len} tokens and max_new_tokens is {max_new}: "
-                f"{prompt_len + max_new} tokens exceed the model's context length of "
-                f"{context_len} tokens"
-            )
         rank = obj.data_parallel_rank
         if rank is not None and rank >= self.server_args.dp_size:
             raise ValueError(
@@ -596,7 +612,7 @@ class TokenizerManager:
         if state is None:
             return
         state.finished = True
-        state.finished_reason = {"type": "abort", "message": message}
+        state.finished_reason = FinishAbort(message=message)
         state.dirty = True
         state.notify.set()
         self._report(state, state.finished_reason)
@@ -613,7 +629,7 @@ class TokenizerManager:
         self._report(state, out.finished_reason)
         state.notify.set()
 
-    def _report(self, state: _ReqState, reason: dict[str, Any]) -> None:
+    def _report(self, state: _ReqState, reason: FinishReason) -> None:
         """Complete the request's metrics and hand them to the callback, if any (and the
         request did not opt out with ``log_metrics`` false)."""
         if not state.log_metrics:
@@ -634,7 +650,7 @@ class TokenizerManager:
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """Ask the scheduler to abort ``rid`` (or everything); the request finishes as abort."""
         self._check_alive()
-        ipc.send(self._send_sock, AbortReq(rid=rid, abort_all=abort_all))
+        self._send_msg(AbortReq(rid=rid, abort_all=abort_all))
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         """Flush the prefix cache; the scheduler refuses (success False) while requests run
@@ -671,7 +687,7 @@ class TokenizerManager:
         """Close a session (unknown ids are ignored); ``ValueError`` for a malformed id."""
         self._check_alive()
         check_session_id(session_id)
-        ipc.send(self._send_sock, CloseSessionReqInput(session_id=session_id))
+        self._send_msg(CloseSessionReqInput(session_id=session_id))
 
     async def pause_generation(self, mode: str = "abort") -> PauseGenerationReqOutput:
         """Pause the scheduler; returns once the pause holds (``ValueError`` for a bad mode).
@@ -824,7 +840,7 @@ class TokenizerManager:
         between steps, so a step stuck for longer fails it). Concurrent checks share pings."""
         self._check_alive()
         seq = next(self._ping_seq)
-        ipc.send(self._send_sock, HealthCheckReq(seq=seq))
+        self._send_msg(HealthCheckReq(seq=seq))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while self._pong_seq < seq:
@@ -862,9 +878,10 @@ class TokenizerManager:
                 asyncio.get_running_loop().create_future(),
                 fan_out or self.server_args.dp_size,
             )
+            frame = self._encode(req)
             self._control_futures[reply_type] = replies
             try:
-                ipc.send(self._send_sock, req)
+                self._send_sock.send(frame, copy=False)
                 return await asyncio.wait_for(replies.future, self.server_args.watchdog_timeout)
             finally:
                 del self._control_futures[reply_type]
@@ -897,10 +914,9 @@ def _raise_if_rejected(states: list[_ReqState], is_single: bool) -> None:
     """
     for i, state in enumerate(states):
         reason = state.finished_reason
-        if state.finished and reason and reason.get("status_code") in _REJECTIONS:
-            message = reason.get("message", "invalid request")
-            error = _REJECTIONS[reason["status_code"]]
-            raise error(message if is_single else f"prompt {i}: {message}")
+        if isinstance(reason, FinishAbort) and reason.status_code in _REJECTIONS:
+            error = _REJECTIONS[reason.status_code]
+            raise error(reason.message if is_single else f"prompt {i}: {reason.message}")
 
 
 def _session_ids(obj: GenerateReqInput) -> set[str]:

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from radixserve.finish_reason import FinishReason
+
 if TYPE_CHECKING:
     from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
     from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -56,7 +58,7 @@ class CacheableReq(Protocol):
     prefix_indices: torch.Tensor
     last_node: Any
     streaming_session_id: str | None  # set on a streaming session's turn (SessionAwareCache)
-    finished_reason: dict[str, Any] | None  # None while the request runs
+    finished_reason: FinishReason | None  # None while the request runs
     all_ids: list[int]  # prompt + output so far
 
 

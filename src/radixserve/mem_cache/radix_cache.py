@@ -191,7 +191,17 @@ class RadixCache(BasePrefixCache):
         self.evicted_tokens += num_freed
         return num_freed
 
-    def cache_finished_req(self, req: CacheableReq, token_ids: list[int]) -> None:
+    def _insert_req(
+        self, req: CacheableReq, token_ids: list[int]
+    ) -> tuple[int, torch.Tensor, int, int, int]:
+        """Insert the whole pages of ``token_ids`` (the request's row) into the tree.
+
+        Returns ``(row, kv, aligned, cached, new_prefix)``: the request's row and its KV slots
+        up to ``len(token_ids)``, the page-aligned length inserted, the page-aligned part of the
+        prefix the request had locked (after an earlier ``cache_unfinished_req`` its
+        ``prefix_indices`` may end in its own partial page, which is not the tree's), and how
+        many leading tokens the tree already held before this insert.
+        """
         assert req.req_pool_idx is not None, f"request {req.rid} holds no request slot"
         row = req.req_pool_idx
         kv = self.req_to_token_pool.req_to_token[row, : len(token_ids)]
@@ -199,6 +209,10 @@ class RadixCache(BasePrefixCache):
         cached = len(req.prefix_indices) // self.page_size * self.page_size
         new_prefix = self.insert(token_ids[:aligned], kv[:aligned])
         assert new_prefix >= cached, "the request's locked prefix vanished from the tree"
+        return row, kv, aligned, cached, new_prefix
+
+    def cache_finished_req(self, req: CacheableReq, token_ids: list[int]) -> None:
+        row, kv, aligned, cached, new_prefix = self._insert_req(req, token_ids)
         # Slots of ``kv`` (positions of the request row):
         #   | [0, cached)          | tree's, pinned by req.last_node  | unlocked below           |
         #   | [cached, new_prefix) | request's; another request       | freed (duplicates)       |
@@ -211,15 +225,7 @@ class RadixCache(BasePrefixCache):
         req.req_pool_idx = None
 
     def cache_unfinished_req(self, req: CacheableReq, token_ids: list[int]) -> None:
-        assert req.req_pool_idx is not None, f"request {req.rid} holds no request slot"
-        row = req.req_pool_idx
-        kv = self.req_to_token_pool.req_to_token[row, : len(token_ids)]
-        aligned = len(token_ids) // self.page_size * self.page_size
-        # After an earlier call prefix_indices may end in the request's own partial page: only
-        # its page-aligned part belongs to the tree.
-        cached = len(req.prefix_indices) // self.page_size * self.page_size
-        new_prefix = self.insert(token_ids[:aligned], kv[:aligned])
-        assert new_prefix >= cached, "the request's locked prefix vanished from the tree"
+        row, kv, aligned, cached, new_prefix = self._insert_req(req, token_ids)
         # Slots of ``kv`` (positions of the request row):
         #   | [0, cached)          | tree's, pinned by req.last_node  | lock moves to new node   |
         #   | [cached, new_prefix) | request's; already in the tree   | freed; row repointed at  |

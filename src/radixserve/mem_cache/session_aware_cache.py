@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from radixserve.finish_reason import FinishAbort
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, CacheableReq, MatchResult
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -148,8 +149,7 @@ class SessionAwareCache(BasePrefixCache):
             return False
         node = req.last_node
         slot = node.slot if isinstance(node, SessionNode) else None
-        reason = req.finished_reason
-        if reason is not None and reason.get("type") == "abort":
+        if isinstance(req.finished_reason, FinishAbort):
             if slot is None:
                 return False
             self._release(slot, kv_len=len(token_ids))
@@ -168,7 +168,7 @@ class SessionAwareCache(BasePrefixCache):
             self.slots[session_id] = slot
         slot.token_ids = list(token_ids)
         slot.stored = False  # what the store holds (if anything) is an earlier state
-        if reason is not None:  # finished (a retraction keeps the history)
+        if req.finished_reason is not None:  # finished (a retraction keeps the history)
             slot.history = list(req.all_ids)
             self._forget_stored(session_id)
         self._mark_idle(slot)

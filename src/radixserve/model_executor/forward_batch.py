@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 class ForwardMode(enum.IntEnum):
     EXTEND = 1
     DECODE = 2
-    IDLE = 3
 
     @property
     def is_extend(self) -> bool:

@@ -34,8 +34,8 @@ from radixserve.layers.custom_op import build_context
 from radixserve.layers.linear import default_weight_loader
 from radixserve.layers.packed_weight import prepack_model
 from radixserve.model_config import ModelConfig
-from radixserve.model_executor.models import get_model_class
 from radixserve.model_executor.models.llama import LlamaForCausalLM
+from radixserve.model_registry import get_model_class
 
 logger = logging.getLogger(__name__)
 

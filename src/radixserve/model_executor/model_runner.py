@@ -32,7 +32,7 @@ from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_config import ModelConfig, resolve_device
-from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
+from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.model_executor.model_loader import (
     checkpoint_weight_bytes,
     load_model,
@@ -191,7 +191,7 @@ class ModelRunner:
         """Next-token logits ``[batch_size, vocab_size]`` in the model's dtype (a pipeline stage
         other than the last: its activations, from the previous stage's ``previous_stage``); KV
         of the new tokens is stored at ``forward_batch.out_cache_loc``."""
-        if forward_batch.forward_mode is ForwardMode.IDLE or forward_batch.batch_size == 0:
+        if forward_batch.batch_size == 0:
             return torch.empty((0, self.vocab_size), dtype=self.dtype, device=self.device)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(

@@ -34,6 +34,15 @@ class GrammarMask:
     rows: list[int]
     apply: Callable[[torch.Tensor, torch.Tensor, list[int]], None]
 
+    def apply_backend(self, logits: torch.Tensor) -> None:
+        """The grammar backend's own ``apply``, on any device (the sampler's ``TokenBitmask``
+        takes radixserve's kernel instead where it has one)."""
+        self.apply(logits, self.bitmask, self.rows)
+
+
+# (mask, logits): sets the forbidden logits of the mask's rows to -inf, in place
+MaskFn = Callable[[GrammarMask, torch.Tensor], None]
+
 
 class SeededRow(NamedTuple):
     """A sampled (non-greedy) row with a ``sampling_seed``; ``step`` = its output length so far."""
@@ -82,15 +91,14 @@ class SamplingBatchInfo:
         """Whether the grammar mask is all ``process_logits`` would apply."""
         return self.grammar_mask is not None and self.logit_bias is None and self.penalties is None
 
-    def apply_grammar_mask(self, logits: torch.Tensor) -> None:
-        """Set the logits the constrained rows' grammars forbid to ``-inf``, in place."""
-        assert self.grammar_mask is not None
-        mask = self.grammar_mask
-        mask.apply(logits, mask.bitmask, mask.rows)
-
-    def process_logits(self, logits: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    def process_logits(
+        self,
+        logits: torch.Tensor,
+        in_place: bool = False,
+        apply_mask: MaskFn = GrammarMask.apply_backend,
+    ) -> torch.Tensor:
         """Apply the logit bias, then the penalties and the min_new_tokens ban, then the
-        grammar mask.
+        grammar mask (with ``apply_mask``: the sampler's device kernel, or the backend's own).
 
         Returns ``logits`` itself when the batch has none of them, else a new tensor: the caller's
         logits are not modified (logprobs are taken from them raw), unless ``in_place`` allows
@@ -106,7 +114,7 @@ class SamplingBatchInfo:
             if self.logit_bias is not None:
                 logits += self.logit_bias
             if self.grammar_mask is not None:
-                self.apply_grammar_mask(logits)
+                apply_mask(self.grammar_mask, logits)
             return logits
         processed = logits + self.logit_bias if self.logit_bias is not None else logits.clone()
         if self.penalties is not None:
@@ -114,13 +122,13 @@ class SamplingBatchInfo:
             banned_all = torch.isneginf(processed).all(dim=-1, keepdim=True)
             processed = torch.where(banned_all, logits, processed)
         if self.grammar_mask is not None:
-            self.apply_grammar_mask(processed)
+            apply_mask(self.grammar_mask, processed)
             if self.penalties is not None:
                 # The min_new_tokens ban may forbid all the grammar allows (only EOS is left).
                 empty = torch.isneginf(processed).all(dim=-1, keepdim=True)
                 if bool(empty.any()):
                     allowed = logits.clone()
-                    self.apply_grammar_mask(allowed)
+                    apply_mask(self.grammar_mask, allowed)
                     processed = torch.where(empty, allowed, processed)
         return processed
 

@@ -21,6 +21,9 @@ import msgspec
 _EPS = 1e-6
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 MAX_STOP_REGEX = 32
+# Every generated token is checked against every stop string: bound the work one request buys.
+MAX_STOP_STRINGS = 128
+MAX_STOP_STRING_CHARS = 4096
 # SGLang's sampling keys radixserve does not implement, with the values that mean "unused".
 UNSUPPORTED_KEYS: dict[str, tuple[Any, ...]] = {
     "beam_width": (None, 1),
@@ -138,6 +141,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             )
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got "
+                             f"{len(self.stop)}")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters")
         if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
             raise ValueError("logit_bias values must be finite numbers")
         if self.stream_interval is not None and self.stream_interval < 1:
@@ -151,10 +159,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"stop_token_ids out of vocabulary range: {bad}")
+                raise ValueError(f"stop_token_ids out of vocabulary range: {bad[:10]}")
             bad = [t for t in (self.logit_bias or {}) if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"logit_bias token ids out of vocabulary range: {bad}")
+                raise ValueError(f"logit_bias token ids out of vocabulary range: {bad[:10]}")
 
     def _validate_stop_regex(self) -> None:
         if len(self.stop_regex) > MAX_STOP_REGEX:

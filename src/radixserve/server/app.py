@@ -5,9 +5,12 @@ A request passes, in order:
 1. ``RequestGuard`` (pure ASGI, before any parsing): the API key (every route but ``/health``;
    ``CONTROL_PATHS`` need ``--admin-api-key`` instead when it is set),
    the server state (503 while starting or draining), the in-flight count of generation requests
-   (the drain waits on it) with an admission ``Ticket`` each, and the body size (413 past
-   ``MAX_BODY_BYTES``, from ``Content-Length`` or counted while reading); POST bodies are read
-   as JSON whatever their Content-Type says.
+   (the drain waits on it) with an admission ``Ticket`` each, the body size (413 past
+   ``MAX_BODY_BYTES``, from ``Content-Length`` or counted while reading) and the time to read it
+   (408 past ``--request-read-timeout``; the headers have the same time, ``http_protocol.py``),
+   the values in a JSON body (400 naming an integer past 64 bits, NaN, a lone surrogate or
+   nesting too deep: ``managers/request_values.py``); POST bodies are read as JSON whatever their
+   Content-Type says.
 2. The route (``native_api``, ``openai/*``), which validates its body with pydantic (errors → 400),
    admits the generations it asks for (``admission.py``: 400 past ``--max-n`` or
    ``--max-batch-size``, 429 past ``--max-queued-requests``) and calls the ``TokenizerManager``
@@ -24,6 +27,7 @@ import asyncio
 import contextlib
 import enum
 import hmac
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +37,9 @@ from urllib.parse import parse_qs
 from fastapi import FastAPI, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from radixserve import __version__
+from radixserve.managers.generate_request import GenerateReqInput
+from radixserve.managers.request_values import MAX_DEPTH, describe, find_unrepresentable
 from radixserve.managers.tokenizer_manager import TokenizerManager
 from radixserve.server.admission import RETRY_AFTER_S, TICKET_KEY, Ticket
 from radixserve.server.errors import APIError, install_error_handlers, send_error
@@ -148,6 +155,15 @@ async def collect_final(merged: AsyncIterator[tuple[int, T]], n: int) -> list[T]
     return [finals[i] for i in range(n)]
 
 
+def merged_choices(
+    tm: TokenizerManager, inputs: Sequence[GenerateReqInput]
+) -> AsyncIterator[tuple[int, Any]]:
+    """``merge_generations`` of one generation per input (the OpenAI routes' choices), every
+    input validated before any is sent: a bad one fails the request with nothing running."""
+    prepared = [tm.prepare_generate(obj) for obj in inputs]
+    return merge_generations([tm.generate_request(p) for p in prepared])
+
+
 _END = object()
 
 
@@ -235,7 +251,8 @@ class RequestGuard:
             if path != HEALTH_PATH:
                 self._check_api_key(scope)
                 self._check_state()
-            receive = await self._read_body(scope, receive)
+            body, receive = await self._read_body(scope, receive)
+            _check_values(body)
         except APIError as err:
             await send_error(send, err)
             return
@@ -260,10 +277,17 @@ class RequestGuard:
             accepted.append(self._expected_auth)
         if self._expected_auth is None and not (control and self._expected_admin_auth):
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        headers = [value for name, value in scope["headers"] if name == b"authorization"]
+        given = headers[0] if headers else b""
         if scope["path"] in DASHBOARD_PATHS and not given:  # a browser opening the page
-            key = parse_qs(scope.get("query_string", b"").decode()).get("key", [""])[0]
-            given = f"Bearer {key}".encode()
+            keys = parse_qs(scope.get("query_string", b"").decode()).get("key", [""])
+            headers = keys
+            given = f"Bearer {keys[0]}".encode()
+        if len(headers) > 1:  # which one counts would depend on the proxy in front: none
+            raise APIError(
+                401, "More than one Authorization header (or key): send exactly one.",
+                code="invalid_api_key",
+            )
         if not any(key and hmac.compare_digest(given, key) for key in accepted):
             which = "admin API key" if control and self.ctx.server_args.admin_api_key else "API key"
             raise APIError(
@@ -281,11 +305,12 @@ class RequestGuard:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> Receive:
-        """Read the whole body within the limit and return a ``receive`` that replays it."""
+    async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, Receive]:
+        """Read the whole body within the limit; return it and a ``receive`` that replays it."""
         limit = self.max_body_bytes
         too_large = APIError(413, f"The request body is larger than {limit} bytes.")
         length = dict(scope["headers"]).get(b"content-length")
+        declared = 0
         if length is not None:
             try:
                 declared = int(length)
@@ -295,10 +320,22 @@ class RequestGuard:
                 raise too_large
         chunks: list[bytes] = []
         size = 0
+        timeout = self.ctx.server_args.request_read_timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+            except asyncio.TimeoutError:
+                of = f" of {declared}" if length is not None else ""
+                raise APIError(
+                    408,
+                    f"The request body did not arrive within {timeout:g}s "
+                    f"(--request-read-timeout): {size}{of} bytes were received.",
+                    headers={"Connection": "close"},
+                ) from None
             if message["type"] != "http.request":  # the client went away while sending
-                return _replay([], message, receive)
+                return b"", _replay([], message, receive)
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
@@ -306,7 +343,30 @@ class RequestGuard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        return _replay(chunks, None, receive)
+        body = b"".join(chunks)
+        return body, _replay([body], None, receive)
+
+
+def _check_values(body: bytes) -> None:
+    """400 naming the first value of a JSON body that the server cannot carry (an integer past
+    64 bits, NaN, a lone surrogate, deep nesting: ``request_values``), before any route reads
+    it. A body that is not JSON is left to the route, which says so."""
+    if not body:
+        return
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        raise APIError(
+            400, f"The request body is nested more than {MAX_DEPTH} levels deep."
+        ) from None
+    except json.JSONDecodeError:
+        return
+    except ValueError as e:  # an integer of more than 4300 digits, bytes that are not UTF-8
+        raise APIError(400, f"The request body is not valid JSON: {e}") from None
+    found = find_unrepresentable(data)
+    if found is not None:
+        path, why = found
+        raise APIError(400, describe(path, why), param=path or None)
 
 
 def _as_json(scope: Scope) -> Scope:
@@ -343,7 +403,10 @@ def create_app(ctx: ServerContext, max_body_bytes: int = MAX_BODY_BYTES) -> Fast
     from radixserve.server.openai.serving_models import router as models_router
     from radixserve.server.openai.serving_responses import router as responses_router
 
-    app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json describes every route and body (what API clients and the fuzz suite read);
+    # the interactive docs pages are left out: they load their scripts from a CDN.
+    app = FastAPI(title="radixserve", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.ctx = ctx
     app.state.response_store = ResponseStore(ctx.server_args.responses_store_size,
                                              ctx.server_args.responses_store_ttl)

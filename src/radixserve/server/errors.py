@@ -37,6 +37,7 @@ ERROR_TYPES: dict[int, str] = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "request_timeout",
     413: "request_too_large",
     429: "rate_limit_error",
     500: "server_error",
@@ -65,17 +66,29 @@ class APIError(Exception):
         self.headers = dict(headers or {})
 
 
+# Messages and params quote the request (a model name, a field path): an error never echoes
+# more than this of it, however large the input.
+MAX_MESSAGE_CHARS = 2000
+MAX_PARAM_CHARS = 200
+
+
 def error_body(
     status_code: int, message: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     return {
         "error": {
-            "message": message,
+            "message": _clip(message, MAX_MESSAGE_CHARS),
             "type": ERROR_TYPES.get(status_code, "invalid_request_error"),
-            "param": param,
+            "param": None if param is None else _clip(param, MAX_PARAM_CHARS),
             "code": code,
         }
     }
+
+
+def _clip(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def error_response(err: APIError) -> JSONResponse:

@@ -31,16 +31,17 @@ from typing import Any
 
 import uvicorn
 
-from radixserve.engine import (
+from radixserve.managers.generate_request import GenerateReqInput
+from radixserve.managers.launcher import (
     start_subprocesses,
     stop_timeout,
     terminate_processes,
     watch_processes,
 )
-from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer_manager import RequestMetrics, TokenizerManager
 from radixserve.model_config import ModelConfig
 from radixserve.server.app import ServerContext, ServerState, create_app, first_item
+from radixserve.server.http_protocol import guarded_protocol
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server_args import ServerArgs
 
@@ -166,7 +167,7 @@ def _raise_stop(signum: int, frame: Any) -> None:
 
 def _log_finished_request(m: RequestMetrics) -> None:
     """``--log-requests``: one line per finished request."""
-    reason = (m.finish_reason or {}).get("type")
+    reason = m.finish_reason.kind if m.finish_reason is not None else None
     e2e = (m.finish_time or m.arrival_time) - m.arrival_time
     logger.info(
         "request %r finished (%s): %d prompt tokens (%d cached), %d output tokens, %.3fs",
@@ -241,6 +242,7 @@ class _Lifecycle:
             access_log=args.log_requests,
             lifespan="off",
             timeout_graceful_shutdown=int(ABORT_GRACE_S),
+            http=guarded_protocol(args.request_read_timeout),
         )
         self.server = _Server(config, self)
         loop = asyncio.get_running_loop()

@@ -234,10 +234,20 @@ async def health_generate(request: Request) -> Response:
         work = first_item(tm.generate_request(obj))
     else:
         work = tm.encode_request(text="Hello", rid=rid)
+    what = "generation" if tm.is_generation else "embedding"
     try:
-        await asyncio.wait_for(work, HEALTH_GENERATE_TIMEOUT_S)
-    except (asyncio.TimeoutError, RuntimeError) as exc:
-        raise APIError(503, f"health generation failed: {exc or 'timeout'}") from exc
+        out = await asyncio.wait_for(work, HEALTH_GENERATE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise APIError(
+            503, f"health {what} failed: no output within {HEALTH_GENERATE_TIMEOUT_S:g}s (the "
+            "scheduler is stuck, paused or overloaded)", headers={"Retry-After": "1"},
+        ) from None
+    except (RuntimeError, ValueError) as exc:  # the backend is gone, memory released, ...
+        reason = str(exc) or type(exc).__name__
+        raise APIError(503, f"health {what} failed: {reason}") from exc
+    finish = out["meta_info"].get("finish_reason") or {}
+    if finish.get("type") == "abort":
+        raise APIError(503, f"health {what} failed: it was aborted ({finish.get('message')})")
     return Response(status_code=200)
 
 
@@ -285,16 +295,19 @@ async def get_model_info(request: Request) -> dict[str, Any]:
 @router.get("/server_info")  # SGLang's newer name, which sglang-router asks first
 async def get_server_info(request: Request) -> dict[str, Any]:
     """The server arguments, the sizes the scheduler chose, the live internal state of each
-    data-parallel replica, and the worker processes (name → pid)."""
+    data-parallel replica, the requests this process still holds state for (0 when idle: a
+    request that leaked its state would stay), and the worker processes (name → pid)."""
     ctx = get_ctx(request)
     info = dataclasses.asdict(ctx.server_args)
-    info.pop("api_key")  # never echo the secret
+    info.pop("api_key")  # never echo the secrets
+    info.pop("admin_api_key")
     info.update(
         context_length=ctx.context_len,
         max_total_num_tokens=ctx.scheduler_info.get("max_total_num_tokens"),
         max_running_requests=ctx.scheduler_info.get("max_running_requests"),
         page_size=ctx.scheduler_info.get("page_size", ctx.server_args.page_size),
         internal_states=await ctx.tokenizer_manager.get_internal_states(),
+        num_inflight_requests=ctx.tokenizer_manager.num_inflight,
         queued_generations=ctx.queued_generations,  # admitted, counted against the limit
         processes=ctx.scheduler_info.get("processes", {}),
         version=__version__,

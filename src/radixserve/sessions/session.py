@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from radixserve.finish_reason import FinishReason
 from radixserve.managers.io_struct import SessionParams
 
 # Refusal of an open_session with resume but no session id (the TokenizerManager names the
@@ -58,7 +59,7 @@ class SessionReq(Protocol):
     rid: str
     origin_input_ids: list[int]
     output_ids: list[int]
-    finished_reason: dict | None
+    finished_reason: FinishReason | None
 
     def finished(self) -> bool: ...
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from radixserve.finish_reason import FinishAbort
 from radixserve.managers.io_struct import (
     OpenSessionReqInput,
     OpenSessionReqOutput,
@@ -119,8 +120,8 @@ class SessionController:
                     len(session.history_ids))
         return OpenSessionReqOutput(session_id=session.session_id, success=True)
 
-    def close(self, session_id: str) -> list[Req]:
-        """Close ``session_id`` (unknown ids are ignored). Returns requests to abort.
+    def close(self, session_id: str) -> None:
+        """Close ``session_id`` (unknown ids are ignored).
 
         A streaming session with a turn in flight closes when that turn finishes; until then it
         refuses new requests. A non-streaming session's running requests are left to finish;
@@ -128,12 +129,11 @@ class SessionController:
         """
         session = self.sessions.get(session_id)
         if session is None:
-            return []
+            return
         if session.streaming and session.inflight_rid is not None:
             session.close_pending = True
-            return []
+            return
         self._drop(session)
-        return []
 
     def _drop(self, session: Session) -> None:
         del self.sessions[session.session_id]
@@ -193,8 +193,8 @@ class SessionController:
                 params, msg.input_ids, self.bos_token_id
             )
         except SessionError as e:
-            return CreatedReq(self._make_req(msg, list(msg.input_ids)), error=str(e))
-        req = self._make_req(msg, input_ids)
+            return CreatedReq(Req.from_message(msg, list(msg.input_ids)), error=str(e))
+        req = Req.from_message(msg, input_ids)
         if session.streaming:
             req.streaming_session_id = session.session_id
         replaces = params.replace and parent is not None
@@ -231,21 +231,8 @@ class SessionController:
         if not session.streaming or session.inflight_rid != req.rid:
             return
         session.inflight_rid = None
-        if (req.finished_reason or {}).get("type") != "abort":
+        if not isinstance(req.finished_reason, FinishAbort):
             # Each turn continues from the last successfully finished one.
             session.history_ids = req.origin_input_ids + req.output_ids
         if session.close_pending:
             self._drop(session)
-
-    def _make_req(self, msg: TokenizedGenerateReqInput, input_ids: list[int]) -> Req:
-        return Req(
-            msg.rid,
-            input_ids,
-            msg.sampling_params,
-            return_logprob=msg.return_logprob,
-            top_logprobs_num=msg.top_logprobs_num,
-            logprob_start_len=msg.logprob_start_len,
-            token_ids_logprob=msg.token_ids_logprob,
-            stream=msg.stream,
-            session_params=msg.session_params,
-        )

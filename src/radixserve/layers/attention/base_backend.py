@@ -23,29 +23,6 @@ class AttentionBackend(ABC):
         """Precompute what all layers share for this batch (slot tables, masks)."""
 
     @abstractmethod
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: Attention,
-        forward_batch: ForwardBatch,
-    ) -> torch.Tensor:
-        """EXTEND: ``q`` ``[num_tokens, heads * head_dim]``, ``k``/``v`` ``[num_tokens,
-        kv_heads * head_dim]`` for the new tokens of all requests, concatenated in batch order.
-        Returns ``[num_tokens, heads * head_dim]``."""
-
-    @abstractmethod
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: Attention,
-        forward_batch: ForwardBatch,
-    ) -> torch.Tensor:
-        """DECODE: one new token per request; shapes as in ``forward_extend``."""
-
     def forward(
         self,
         q: torch.Tensor,
@@ -54,9 +31,10 @@ class AttentionBackend(ABC):
         layer: Attention,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
-        if forward_batch.forward_mode.is_decode:
-            return self.forward_decode(q, k, v, layer, forward_batch)
-        return self.forward_extend(q, k, v, layer, forward_batch)
+        """``q`` ``[num_tokens, heads * head_dim]``, ``k``/``v`` ``[num_tokens, kv_heads *
+        head_dim]`` for the new tokens of all requests, concatenated in batch order (EXTEND:
+        each request's new tokens; DECODE: one per request). Returns ``[num_tokens, heads *
+        head_dim]``."""
 
 
 class Attention(nn.Module):

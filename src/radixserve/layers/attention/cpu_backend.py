@@ -54,7 +54,7 @@ class CpuAttnBackend(AttentionBackend):
             lens = [1] * len(forward_batch.seq_lens_cpu)
         self._extend_lens = None if lens is None else torch.tensor(lens, dtype=torch.int64)
 
-    def forward_extend(
+    def forward(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -62,21 +62,13 @@ class CpuAttnBackend(AttentionBackend):
         layer: Attention,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
+        """DECODE takes the decode kernel, EXTEND (and, batch invariant, DECODE too) the extend
+        kernel."""
+        if forward_batch.forward_mode.is_decode and not self.batch_invariant:
+            return self._run(cpu_kernels.decode_attention, q, k, v, layer, forward_batch)
         assert self._extend_lens is not None, "init_forward_metadata must run before attention"
         return self._run(cpu_kernels.extend_attention, q, k, v, layer, forward_batch,
                          self._extend_lens)
-
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: Attention,
-        forward_batch: ForwardBatch,
-    ) -> torch.Tensor:
-        if self.batch_invariant:
-            return self.forward_extend(q, k, v, layer, forward_batch)
-        return self._run(cpu_kernels.decode_attention, q, k, v, layer, forward_batch)
 
     def _run(
         self,

@@ -113,27 +113,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         mask.masked_fill_(~visible, float("-inf"))
         return _Metadata(fb.batch_size, slot_index, max_kv, max_q, q_index, q_valid, mask[:, None])
 
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: Attention,
-        forward_batch: ForwardBatch,
-    ) -> torch.Tensor:
-        return self._attend(q, k, v, layer, forward_batch)
-
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: Attention,
-        forward_batch: ForwardBatch,
-    ) -> torch.Tensor:
-        return self._attend(q, k, v, layer, forward_batch)
-
-    def _attend(
+    def forward(
         self,
         q: torch.Tensor,
         k: torch.Tensor,

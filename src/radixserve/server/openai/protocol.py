@@ -20,13 +20,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.server.openai.structured_outputs import ResponseFormat, grammar_params
 from radixserve.server.strict_request import StrictRequest, Unsupported
+
+_M = TypeVar("_M", bound=BaseModel)
 
 MAX_TOP_LOGPROBS = 20
 
@@ -359,6 +362,25 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+@dataclass(frozen=True)
+class ResponseIds:
+    """What every object of one chat or completion response carries (the response, or each
+    chunk of its stream): its id, creation time and model."""
+
+    id: str
+    created: int
+    model: str
+
+    @classmethod
+    def new(cls, prefix: str, model: str) -> ResponseIds:
+        return cls(new_id(prefix), now(), model)
+
+    def wrap(self, cls: type[_M], choices: list[Any], usage: UsageInfo | None) -> _M:
+        """``cls`` (a response or a stream chunk type) around ``choices`` and ``usage``."""
+        return cls(id=self.id, created=self.created, model=self.model, choices=choices,
+                   usage=usage)
 
 
 class PromptTokensDetails(BaseModel):

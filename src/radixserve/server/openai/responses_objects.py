@@ -68,6 +68,7 @@ OutputItem = OutputMessage | OutputFunctionCall | OutputReasoning
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(BaseModel):
@@ -129,11 +130,17 @@ def item_status(status: Status) -> Literal["completed", "incomplete"]:
     return "completed" if status == "completed" else "incomplete"
 
 
-def usage_of(meta: dict[str, Any], reasoning_tokens: int) -> ResponseUsage:
+def usage_of(meta: dict[str, Any], reasoning_tokens: int, cache_page: int | None
+             ) -> ResponseUsage:
+    """``cache_page``: the radix cache's page size (it keeps whole pages of the prompt it did
+    not hold yet: the cache writes), ``None`` without a radix cache."""
     prompt, completion = meta["prompt_tokens"], meta["completion_tokens"]
+    cached = meta["cached_tokens"]
+    written = max(prompt // cache_page * cache_page - cached, 0) if cache_page else 0
     return ResponseUsage(
         input_tokens=prompt,
-        input_tokens_details=InputTokensDetails(cached_tokens=meta["cached_tokens"]),
+        input_tokens_details=InputTokensDetails(cached_tokens=cached,
+                                                cache_write_tokens=written),
         output_tokens=completion,
         output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
         total_tokens=prompt + completion,
@@ -141,18 +148,20 @@ def usage_of(meta: dict[str, Any], reasoning_tokens: int) -> ResponseUsage:
 
 
 def output_items(parsed: ParsedMessage, status: Status) -> list[OutputItem]:
-    """The output items of a finished generation (see the module docstring)."""
+    """The output items of a finished generation (see the module docstring): the last one is
+    ``incomplete`` when the response is (the generation stopped inside it), the others are
+    ``completed``, as the stream closes them."""
     items: list[OutputItem] = []
-    status = item_status(status)
     if parsed.reasoning:
-        items.append(OutputReasoning(id=item_id("rs"), status=status,
-                                   content=[ReasoningPart(text=parsed.reasoning)]))
+        items.append(OutputReasoning(id=item_id("rs"), status="completed",
+                                     content=[ReasoningPart(text=parsed.reasoning)]))
     if parsed.content or not (parsed.calls or parsed.reasoning):
-        items.append(OutputMessage(id=item_id("msg"), status=status,
-                                 content=[OutputText(text=parsed.content or "")]))
+        items.append(OutputMessage(id=item_id("msg"), status="completed",
+                                   content=[OutputText(text=parsed.content or "")]))
     for call, call_id in zip(parsed.calls, parsed.ids, strict=True):
         items.append(OutputFunctionCall(id=item_id("fc"), call_id=call_id, name=call.name,
-                                      arguments=call.arguments, status="completed"))
+                                        arguments=call.arguments, status="completed"))
+    items[-1].status = item_status(status)
     return items
 
 

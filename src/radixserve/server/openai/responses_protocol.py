@@ -37,7 +37,10 @@ from radixserve.server.openai.protocol import (
 from radixserve.server.openai.structured_outputs import JsonSchemaFormat, ResponseFormat
 from radixserve.server.strict_request import StrictRequest
 
-RESPONSE_ID = re.compile(r"^resp_[0-9a-f]{32}$")
+# What a response id looks like (ours are resp_ and 32 hex digits; OpenAI's are longer): an
+# id of another shape is a 400, one of this shape that is not stored a 404 (OpenAI's answers).
+RESPONSE_ID = re.compile(r"^resp_[0-9A-Za-z]{1,64}$")
+BAD_RESPONSE_ID = "is not a response id (resp_ and up to 64 letters or digits)"
 MAX_METADATA_KEYS = 16
 
 _UNSUPPORTED_RESPONSES = {
@@ -255,7 +258,7 @@ class ResponsesRequest(StrictRequest):
     @classmethod
     def _response_id_shape(cls, value: str | None) -> str | None:
         if value is not None and not RESPONSE_ID.match(value):
-            raise ValueError(f"{value!r} is not a response id (resp_ and 32 hex digits)")
+            raise ValueError(f"{value!r} {BAD_RESPONSE_ID}")
         return value
 
     def input_messages(self) -> list[ChatMessage]:

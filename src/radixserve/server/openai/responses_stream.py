@@ -163,11 +163,21 @@ class _Items:
             item = item.model_copy(update={"arguments": current.text})
             self.calls.append(ToolCall(item.name, current.text))
             self.call_ids.append(item.call_id)
+            if not _is_json(current.text):  # cut by the length limit, then text followed
+                status = "incomplete"
         item = item.model_copy(update={"status": status})
         self.items.append(item)
         events.append(self.event("response.output_item.done", output_index=current.index,
                                  item=item.model_dump()))
         return events
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 class ResponseStream:
@@ -195,6 +205,12 @@ class ResponseStream:
                         yield frame
                     if done:
                         final = out
+                if final is None:
+                    raise RuntimeError("the generation ended without a finish reason")
+                status, _ = status_of(final["meta_info"]["finish_reason"])
+                for frame in items.close(status):
+                    yield frame
+                response = self.finish(final, items.parsed(), items.items)
             except Exception as exc:
                 error = stream_error(exc)["error"]
                 yield event("error", code=error["type"], message=error["message"],
@@ -203,10 +219,5 @@ class ResponseStream:
                           "error": {"code": "server_error", "message": error["message"]}}
                 yield event("response.failed", response=failed)
                 return
-        assert final is not None, "the generation ended without a finish reason"
-        status, _ = status_of(final["meta_info"]["finish_reason"])
-        for frame in items.close(status):
-            yield frame
-        response = self.finish(final, items.parsed(), items.items)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         yield event(kind, response=response)

@@ -23,6 +23,7 @@ one chunk carrying ``finish_reason``, then a usage chunk (``stream_options.inclu
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import jinja2
@@ -36,7 +37,7 @@ from radixserve.server.app import (
     cancel_on_disconnect,
     collect_final,
     get_ctx,
-    merge_generations,
+    merged_choices,
     prime,
 )
 from radixserve.server.errors import APIError
@@ -53,13 +54,12 @@ from radixserve.server.openai.protocol import (
     DeltaMessage,
     DeltaToolCall,
     FunctionCallOut,
+    ResponseIds,
     ToolCallOut,
     TopLogprob,
     UsageInfo,
     finish_reason_name,
     matched_stop,
-    new_id,
-    now,
 )
 from radixserve.server.openai.reasoning import create_reasoning_parser
 from radixserve.server.openai.streaming import Delta, stream_choices
@@ -67,10 +67,10 @@ from radixserve.server.sse import sse_response
 
 router = APIRouter()
 
-# Arguments of ``apply_chat_template`` that the server sets itself.
+# Arguments of ``apply_chat_template`` (and variables of the template) the server sets itself.
 _TEMPLATE_ARGUMENTS = frozenset({
-    "conversation", "chat_template", "tokenize", "add_generation_prompt", "tools", "documents",
-    "continue_final_message", "return_dict", "return_tensors",
+    "conversation", "messages", "chat_template", "tokenize", "add_generation_prompt", "tools",
+    "documents", "continue_final_message", "return_dict", "return_tensors",
 })
 
 
@@ -89,13 +89,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                                   max_completion_tokens=ctx.server_args.max_completion_tokens)
     constrained = any(k in GRAMMAR_FIELDS for k in inputs[0].sampling_params)
     parsers = [choice_parser(plan, reasoning_parser, prompt_text, constrained) for _ in inputs]
-    merged = merge_generations([ctx.tokenizer_manager.generate_request(obj) for obj in inputs])
-    response_id, created = new_id("chatcmpl"), now()
+    merged = merged_choices(ctx.tokenizer_manager, inputs)
+    ids = ResponseIds.new("chatcmpl", ctx.model_name)
     if not body.stream:
         outputs = await cancel_on_disconnect(request, collect_final(merged, len(inputs)))
-        response = _response(ctx, body, outputs, parsers, echo, response_id, created)
-        return JSONResponse(response.model_dump())
-    events = _stream(ctx, body, await prime(merged), parsers, echo, response_id, created)
+        return JSONResponse(_response(ctx, body, outputs, parsers, echo, ids).model_dump())
+    events = _stream(ctx, body, await prime(merged), parsers, echo, ids)
     return sse_response(events)
 
 
@@ -176,7 +175,7 @@ def render_chat(
             continue_final_message=body.continue_final_message,
             **extra,
         )
-    except (jinja2.TemplateError, ValueError) as e:
+    except (jinja2.TemplateError, ValueError, TypeError) as e:  # TypeError: a kwarg's type
         raise APIError(
             400, f"the chat template rejected the messages: {e}", param="messages"
         ) from e
@@ -224,8 +223,7 @@ def _response(
     outputs: list[dict[str, Any]],
     parsers: list[ChoiceParser],
     echo: str,
-    response_id: str,
-    created: int,
+    ids: ResponseIds,
 ) -> ChatCompletionResponse:
     choices = []
     for i, (out, parser) in enumerate(zip(outputs, parsers, strict=True)):
@@ -240,13 +238,7 @@ def _response(
                 matched_stop=matched_stop(reason),
             )
         )
-    return ChatCompletionResponse(
-        id=response_id,
-        created=created,
-        model=ctx.model_name,
-        choices=choices,
-        usage=UsageInfo.from_outputs(outputs, body.n),
-    )
+    return ids.wrap(ChatCompletionResponse, choices, UsageInfo.from_outputs(outputs, body.n))
 
 
 def _stream(
@@ -255,14 +247,8 @@ def _stream(
     merged: AsyncIterator[tuple[int, dict[str, Any]]],
     parsers: list[ChoiceParser],
     echo: str,
-    response_id: str,
-    created: int,
+    ids: ResponseIds,
 ) -> AsyncIterator[bytes]:
-    def frame(choices: list[Any], usage: UsageInfo | None) -> ChatCompletionStreamResponse:
-        return ChatCompletionStreamResponse(
-            id=response_id, created=created, model=ctx.model_name, choices=choices, usage=usage
-        )
-
     def to_choice(delta: Delta) -> ChatCompletionStreamChoice | None:
         reason = delta.finish_reason
         parser = parsers[delta.index]
@@ -294,4 +280,5 @@ def _stream(
         for i in range(len(parsers))
     ]
     usage_n = body.n if body.include_usage else None
+    frame = partial(ids.wrap, ChatCompletionStreamResponse)
     return stream_choices(merged, len(parsers), to_choice, frame, usage_n, head)

@@ -12,6 +12,7 @@ prompt's logprobs, with each choice's first chunk.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -23,7 +24,7 @@ from radixserve.server.app import (
     cancel_on_disconnect,
     collect_final,
     get_ctx,
-    merge_generations,
+    merged_choices,
     prime,
 )
 from radixserve.server.openai.protocol import (
@@ -32,11 +33,10 @@ from radixserve.server.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    ResponseIds,
     UsageInfo,
     finish_reason_name,
     matched_stop,
-    new_id,
-    now,
 )
 from radixserve.server.openai.streaming import Delta, stream_choices
 from radixserve.server.sse import sse_response
@@ -54,12 +54,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     inputs = body.generate_inputs(prompts, ctx.context_len, body.logprobs,
                                   prompt_logprobs=prompt_logprobs,
                                   max_completion_tokens=ctx.server_args.max_completion_tokens)
-    merged = merge_generations([ctx.tokenizer_manager.generate_request(obj) for obj in inputs])
-    response_id, created = new_id("cmpl"), now()
+    merged = merged_choices(ctx.tokenizer_manager, inputs)
+    ids = ResponseIds.new("cmpl", ctx.model_name)
     if not body.stream:
         outputs = await cancel_on_disconnect(request, collect_final(merged, len(inputs)))
-        return JSONResponse(_response(ctx, body, outputs, response_id, created).model_dump())
-    events = _stream(ctx, body, await prime(merged), len(inputs), response_id, created)
+        return JSONResponse(_response(ctx, body, outputs, ids).model_dump())
+    events = _stream(ctx, body, await prime(merged), len(inputs), ids)
     return sse_response(events)
 
 
@@ -129,8 +129,7 @@ def _response(
     ctx: ServerContext,
     body: CompletionRequest,
     outputs: list[dict[str, Any]],
-    response_id: str,
-    created: int,
+    ids: ResponseIds,
 ) -> CompletionResponse:
     choices = []
     for i, out in enumerate(outputs):
@@ -148,13 +147,7 @@ def _response(
                 matched_stop=matched_stop(reason),
             )
         )
-    return CompletionResponse(
-        id=response_id,
-        created=created,
-        model=ctx.model_name,
-        choices=choices,
-        usage=UsageInfo.from_outputs(outputs, body.n),
-    )
+    return ids.wrap(CompletionResponse, choices, UsageInfo.from_outputs(outputs, body.n))
 
 
 def _stream(
@@ -162,14 +155,8 @@ def _stream(
     body: CompletionRequest,
     merged: AsyncIterator[tuple[int, dict[str, Any]]],
     num_choices: int,
-    response_id: str,
-    created: int,
+    ids: ResponseIds,
 ) -> AsyncIterator[bytes]:
-    def frame(choices: list[Any], usage: UsageInfo | None) -> CompletionStreamResponse:
-        return CompletionStreamResponse(
-            id=response_id, created=created, model=ctx.model_name, choices=choices, usage=usage
-        )
-
     offsets: dict[int, int] = {}  # choice → text offset of its next token, once it started
 
     def to_choice(delta: Delta) -> CompletionChoice | None:
@@ -195,4 +182,5 @@ def _stream(
         )
 
     usage_n = body.n if body.include_usage else None
+    frame = partial(ids.wrap, CompletionStreamResponse)
     return stream_choices(merged, num_choices, to_choice, frame, usage_n)

@@ -51,7 +51,11 @@ from radixserve.server.openai.responses_objects import (
     status_of,
     usage_of,
 )
-from radixserve.server.openai.responses_protocol import RESPONSE_ID, ResponsesRequest
+from radixserve.server.openai.responses_protocol import (
+    BAD_RESPONSE_ID,
+    RESPONSE_ID,
+    ResponsesRequest,
+)
 from radixserve.server.openai.responses_store import ResponseStore, StoredResponse
 from radixserve.server.openai.responses_stream import ResponseStream
 from radixserve.server.openai.serving_chat import choice_parser, reasoning_parser_name, render_chat
@@ -136,7 +140,7 @@ async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
 
 def _stored(store: ResponseStore, response_id: str) -> StoredResponse:
     if not RESPONSE_ID.match(response_id):
-        raise APIError(400, f"{response_id!r} is not a response id (resp_ and 32 hex digits)",
+        raise APIError(400, f"{response_id!r} {BAD_RESPONSE_ID}",
                        param="response_id")
     stored = store.get(response_id)
     if stored is None:
@@ -222,19 +226,33 @@ def _finish(ctx: ServerContext, store: ResponseStore, turn: Turn, out: dict[str,
         if parsed.reasoning else 0
     response = response_object(
         turn.body, turn.response_id, turn.created_at, ctx.model_name, status,
-        items, incomplete, usage_of(meta, reasoning_tokens),
+        items, incomplete, usage_of(meta, reasoning_tokens, _cache_page(ctx)),
     ).model_dump()
     if turn.body.store:
-        calls = [{"id": call_id, "type": "function",
-                  "function": {"name": c.name, "arguments": c.arguments}}
-                 for c, call_id in zip(parsed.calls, parsed.ids, strict=True)]
-        reply = ChatMessage(role="assistant", content=parsed.content,
-                            reasoning_content=parsed.reasoning, tool_calls=calls or None)
         output_ids = _written_ids(ctx, out)
         text = turn.prompt_text + (out["text"] if output_ids is not None else "")
-        store.put(turn.response_id, response, [*turn.history, reply],
+        store.put(turn.response_id, response, [*turn.history, _reply(parsed, out["text"])],
                   [*turn.prompt_ids, *(output_ids or [])], text)
     return response
+
+
+def _reply(parsed: ParsedMessage, text: str) -> ChatMessage:
+    """The assistant's turn as the conversation continues it. A call cut short by the length
+    limit has arguments that are not JSON, which no chat template can render as a call: such
+    a turn continues as the text the model wrote."""
+    calls = [{"id": call_id, "type": "function",
+              "function": {"name": c.name, "arguments": c.arguments}}
+             for c, call_id in zip(parsed.calls, parsed.ids, strict=True)]
+    try:
+        return ChatMessage(role="assistant", content=parsed.content,
+                           reasoning_content=parsed.reasoning, tool_calls=calls or None)
+    except ValidationError:
+        return ChatMessage(role="assistant", content=text)
+
+
+def _cache_page(ctx: ServerContext) -> int | None:
+    args = ctx.server_args
+    return None if args.disable_radix_cache else args.page_size
 
 
 def _written_ids(ctx: ServerContext, out: dict[str, Any]) -> list[int] | None:

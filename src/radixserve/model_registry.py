@@ -1,6 +1,11 @@
 """Architecture name (``config.json`` ``architectures``) → model class, imported on first use.
 
-Importing this module pulls in no torch model code, so configs and the CLI can validate names.
+The registry answers what the rest of the engine asks about architectures: which of a
+checkpoint's names is supported (``supported_architecture``: ``ModelConfig`` asks it), whether
+one is an encoder, which activation it implements, and which class builds it (``get_model_class``:
+the model loader asks it). Importing it pulls in no torch model code, so configs and the CLI can
+validate names; it sits beside ``model_config.py``, below ``model_executor``, whose
+``models`` package it imports by name only when a class is asked for.
 """
 
 from __future__ import annotations
@@ -26,6 +31,16 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 ENCODER_ARCHITECTURES: tuple[str, ...] = ("BertModel",)
 # The MLP activation each family implements.
 _HIDDEN_ACT = {"BertModel": "gelu"}
+
+
+def supported_architecture(names: list[str]) -> str | None:
+    """The first of a checkpoint's ``architectures`` that radixserve implements, if any."""
+    return next((name for name in names if name in _MODELS), None)
+
+
+def is_encoder(architecture: str) -> bool:
+    """Whether ``architecture`` is a bidirectional encoder (embeddings only, no KV cache)."""
+    return architecture in ENCODER_ARCHITECTURES
 
 
 def hidden_act_of(architecture: str) -> str:
