@@ -106,7 +106,8 @@ def test_a_timeout_that_is_not_positive_and_finite_is_400(api, timeout):
     body = json.dumps({"capacity_of_str_len": 64, "timeout": timeout})
     r = api.http.post("/open_session", content=body)
     assert r.status_code == 400, r.text
-    assert "timeout must be a positive finite number" in r.json()["error"]["message"]
+    message = r.json()["error"]["message"]  # NaN and infinities are refused at the HTTP edge
+    assert "timeout" in message and ("finite" in message or "positive" in message), message
     assert api.state()["num_open_sessions"] == before
 
 
