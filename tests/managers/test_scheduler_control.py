@@ -144,10 +144,10 @@ def test_internal_state_reports_memory_and_queues(driver):
 @pytest.mark.parametrize(
     ("input_ids", "params", "message"),
     [
-        ([], {}, "input is empty"),
-        ([5, 600, 7], {}, "out of the vocabulary range"),
-        ([-1, 5], {}, "out of the vocabulary range"),
-        ([5] * 1000, {"max_new_tokens": 100}, "exceeds the model's context length"),
+        ([], {}, "the prompt is empty"),
+        ([5, 600, 7], {}, "outside the vocabulary [0, 512): [600]"),
+        ([-1, 5], {}, "outside the vocabulary [0, 512): [-1]"),
+        ([5] * 1000, {"max_new_tokens": 100}, "exceed the model's context length"),
         ([5, 6], {"stop_token_ids": [10_000]}, "stop_token_ids out of vocabulary range"),
     ],
 )

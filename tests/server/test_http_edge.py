@@ -101,16 +101,18 @@ def test_a_kept_alive_connection_has_the_same_deadline_for_its_next_request(edge
 
 
 @pytest.mark.parametrize(
-    "content_length",
-    [b"Content-Length: abc", b"Content-Length: -5", b"Content-Length: 2\r\nContent-Length: 3"],
+    ("content_length", "reason"),
+    [(b"Content-Length: abc", "bad Content-Length"),
+     (b"Content-Length: -5", "bad Content-Length"),
+     (b"Content-Length: 2\r\nContent-Length: 3", "conflicting Content-Length")],
     ids=["not_a_number", "negative", "two_different"],
 )
-def test_a_malformed_content_length_gets_the_error_object(edge, content_length):
+def test_a_malformed_content_length_gets_the_error_object(edge, content_length, reason):
     answer, elapsed = exchange(edge, b"POST /generate HTTP/1.1\r\nHost: x\r\n" + content_length
                                + b"\r\n\r\n{}")
     status, headers, body = parse(answer)
     assert status == 400 and headers["connection"] == "close"
-    assert_error_object(body, "invalid_request_error", "not valid HTTP/1.1")
+    assert_error_object(body, "invalid_request_error", f"not valid HTTP/1.1: {reason}")
     assert elapsed < READ_TIMEOUT_S  # answered at once, not at the read deadline
 
 

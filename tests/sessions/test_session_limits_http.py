@@ -106,14 +106,15 @@ def test_a_timeout_that_is_not_positive_and_finite_is_400(api, timeout):
     body = json.dumps({"capacity_of_str_len": 64, "timeout": timeout})
     r = api.http.post("/open_session", content=body)
     assert r.status_code == 400, r.text
-    assert "timeout must be a positive finite number" in r.json()["error"]["message"]
+    message = r.json()["error"]["message"]  # NaN and infinities are refused at the HTTP edge
+    assert "timeout" in message and ("finite" in message or "positive" in message), message
     assert api.state()["num_open_sessions"] == before
 
 
 def test_closing_a_session_releases_every_request_of_its_tree(api, rng):
     """3,000 branches of one session used to stay in memory after the close (the tree's
-    nodes refer to each other, so only a full garbage collection freed them, and each finished
-    request kept the slot indices of its prompt). The scheduler counts its live requests."""
+    nodes refer to each other, so only a full garbage collection freed them). The scheduler
+    counts its live requests."""
     no_sessions_open(api)
     session = api.open(timeout=LONG)
     root = api.generate(random_ids(rng, 40), 2, session)

@@ -187,21 +187,3 @@ def test_the_busy_check_raises_at_the_step_after_a_leak(llama_path):
     with pytest.raises(RuntimeError, match="memory leak detected"):
         driver.scheduler.step()
 
-
-def test_finished_requests_kept_in_a_session_tree_hold_no_kv_state(llama_path):
-    """A session keeps its finished requests until it closes: they must not keep their
-    prompt's slot indices, their ids of the last prefill or a node of the radix tree."""
-    driver = SchedulerDriver(llama_path)
-    first, second = make_prompts(VOCAB_SIZE, (30, 4), seed=5)
-    open_session(driver, "s", streaming=False)
-    driver.send(turn_msg("a", first, "s"))
-    driver.run()
-    driver.send(turn_msg("b", second, "s", rid="a"))
-    driver.run()
-    nodes = driver.scheduler.sessions.sessions["s"].req_nodes
-    assert set(nodes) == {"a", "b"}
-    for node in nodes.values():
-        req = node.req
-        assert req.finished() and req.req_pool_idx is None
-        assert len(req.prefix_indices) == 0 and req.last_node is None and req.fill_ids == []
-    assert_idle_and_accounted(driver)

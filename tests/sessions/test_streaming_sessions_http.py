@@ -202,6 +202,8 @@ def test_rejected_too_long_turn_keeps_the_slot(api, rng):
     max_new = CONTEXT_LEN - len(new)
     message = api.rejected(new, max_new, chat.id)
     assert "context length" in message
+    # The scheduler refuses the assembled prompt as the TokenizerManager refuses a plain one.
+    assert message == api.rejected(chat.assembled(new), max_new)
     expected = chat.expected_cached()
     assert cached(chat.turn()) == expected
 

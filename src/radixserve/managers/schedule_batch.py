@@ -301,11 +301,6 @@ def release_kv(req: Req, tree_cache: BasePrefixCache) -> None:
     """
     tree_cache.cache_finished_req(req, req.all_ids[: req.kv_len])
     assert req.req_pool_idx is None, "cache_finished_req frees the request row"
-    # Nor does it keep its slot indices or a tree node: a finished request may live on in
-    # its session's tree for as long as the session is open.
-    req.prefix_indices = _EMPTY
-    req.last_node = None
-    req.fill_ids = []
 
 
 def num_live_reqs() -> int:

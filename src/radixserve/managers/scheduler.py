@@ -69,6 +69,7 @@ from radixserve.managers.io_struct import (
 from radixserve.managers.memory_check import MemoryChecker, busy_check_enabled
 from radixserve.managers.output_processor import OutputProcessor
 from radixserve.managers.overlap_worker import OverlapWorker
+from radixserve.managers.request_checks import check_embedding, check_generate
 from radixserve.managers.request_receiver import RequestReceiver
 from radixserve.managers.retraction import (
     NewTokenRatio,
@@ -716,17 +717,11 @@ class Scheduler:
         )
 
     def _validate_embedding(self, ids: list[int]) -> str | None:
-        vocab, context_len = self.model_config.vocab_size, self.model_config.context_len
-        if not ids:
-            return "the input is empty: an embedding needs at least one token"
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            return f"input token ids out of the vocabulary range [0, {vocab}): {bad[:8]}"
-        if len(ids) > context_len:
-            return (
-                f"the input ({len(ids)} tokens) exceeds the model's context length "
-                f"({context_len} tokens)"
-            )
+        try:
+            check_embedding(ids, vocab_size=self.model_config.vocab_size,
+                            context_len=self.model_config.context_len)
+        except ValueError as e:
+            return str(e)
         # An encoder's input is encoded in one step: it must fit one prefill batch.
         budget = min(self.server_args.max_prefill_tokens, self.server_args.chunked_prefill_size)
         if self.model_config.is_encoder and len(ids) > budget:
@@ -747,40 +742,24 @@ class Scheduler:
     def _validate(self, ids: list[int], msg: TokenizedGenerateReqInput) -> str | None:
         """Why the request cannot run, or None. It never reaches the model when rejected.
 
-        ``ids`` is the whole prompt (for a session request: as assembled from its session).
+        ``ids`` is the whole prompt (for a session request: as assembled from its session):
+        the TokenizerManager's checks again (``request_checks``), then the KV pool's size.
         """
-        vocab = self.model_config.vocab_size
-        context_len = self.model_config.context_len
-        max_new = msg.sampling_params.max_new_tokens
-        if not ids:
-            return "the input is empty: a request needs at least one input token"
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            return f"input token ids out of the vocabulary range [0, {vocab}): {bad[:8]}"
-        if len(ids) + max_new > context_len:
-            return (
-                f"the input ({len(ids)} tokens) plus max_new_tokens ({max_new}) exceeds the "
-                f"model's context length ({context_len} tokens)"
-            )
-        if pages_to_alloc(0, len(ids) + 1, self.page_size) > self.max_total_num_tokens:
-            return (
-                f"the input ({len(ids)} tokens) does not fit in the KV cache "
-                f"({self.max_total_num_tokens} tokens)"
-            )
-        if msg.top_logprobs_num < 0:
-            return f"top_logprobs_num must be non-negative, got {msg.top_logprobs_num}"
-        if msg.return_logprob and msg.logprob_start_len > len(ids):
-            return (
-                f"logprob_start_len ({msg.logprob_start_len}) is beyond the input "
-                f"({len(ids)} tokens)"
-            )
-        bad = [t for t in msg.token_ids_logprob or [] if not 0 <= t < vocab]
-        if bad:
-            return f"token_ids_logprob out of the vocabulary range [0, {vocab}): {bad[:8]}"
         try:
-            msg.sampling_params.validate(vocab)
+            check_generate(
+                ids, msg.sampling_params,
+                vocab_size=self.model_config.vocab_size,
+                context_len=self.model_config.context_len,
+                return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
+                top_logprobs_num=msg.top_logprobs_num, token_ids_logprob=msg.token_ids_logprob,
+            )
         except ValueError as e:
             return str(e)
+        if pages_to_alloc(0, len(ids) + 1, self.page_size) > self.max_total_num_tokens:
+            return (
+                f"the prompt ({len(ids)} tokens) does not fit in the KV cache "
+                f"({self.max_total_num_tokens} tokens)"
+            )
         return None
 
     def _aborting(self, rid: str | None) -> bool:

@@ -87,6 +87,7 @@ from radixserve.managers.io_struct import (
     UpdateWeightFromDiskReqOutput,
 )
 from radixserve.managers.logprob_meta import LogprobMeta
+from radixserve.managers.request_checks import check_embedding, check_generate
 from radixserve.managers.request_values import describe, find_unrepresentable
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
@@ -422,20 +423,8 @@ class TokenizerManager:
             input_ids = list(obj.input_ids)
         else:
             input_ids = self._encode_text(obj.text)
-        if not input_ids:
-            raise ValueError("the input is empty")
-        vocab_size = self.model_config.vocab_size
-        bad = sorted({t for t in input_ids if not 0 <= t < vocab_size})
-        if bad:
-            raise ValueError(
-                f"input_ids contain token ids outside the vocabulary [0, {vocab_size}): {bad[:10]}"
-            )
-        context_len = self.model_config.context_len
-        if len(input_ids) > context_len:
-            raise ValueError(
-                f"the input is too long: it has {len(input_ids)} tokens and the model's context "
-                f"length is {context_len} tokens"
-            )
+        check_embedding(input_ids, vocab_size=self.model_config.vocab_size,
+                        context_len=self.model_config.context_len)
         return TokenizedEmbeddingReqInput(rid=obj.rid, input_ids=input_ids, input_text=obj.text)
 
     def _abort_unfinished(self, states: list[_ReqState]) -> None:
@@ -491,41 +480,16 @@ class TokenizerManager:
             input_ids = list(obj.input_ids)
         else:
             input_ids = self._encode_text(obj.text)
-        if not input_ids:
-            raise ValueError("the prompt is empty")
-        vocab_size = self.model_config.vocab_size
-        bad = sorted({t for t in input_ids if not 0 <= t < vocab_size})
-        if bad:
-            raise ValueError(
-                f"input_ids contain token ids outside the vocabulary [0, {vocab_size}): {bad[:10]}"
-            )
         sampling_params = SamplingParams.from_dict(obj.sampling_params)
-        sampling_params.validate(vocab_size)
+        # A session request's whole prompt is known in the scheduler, which checks it again.
+        check_generate(
+            input_ids, sampling_params,
+            vocab_size=self.model_config.vocab_size, context_len=self.model_config.context_len,
+            return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len,
+            top_logprobs_num=obj.top_logprobs_num, token_ids_logprob=obj.token_ids_logprob,
+            whole_prompt=not obj.session_params,
+        )
         self._check_amplification(obj, sampling_params)
-        bad = sorted({t for t in obj.token_ids_logprob or [] if not 0 <= t < vocab_size})
-        if bad:
-            raise ValueError(
-                f"token_ids_logprob contains token ids outside the vocabulary [0, {vocab_size}): "
-                f"{bad[:10]}"
-            )
-        context_len = self.model_config.context_len
-        prompt_len, max_new = len(input_ids), sampling_params.max_new_tokens
-        if obj.return_logprob and obj.logprob_start_len > prompt_len and not obj.session_params:
-            raise ValueError(
-                f"logprob_start_len ({obj.logprob_start_len}) is beyond the prompt "
-                f"({prompt_len} tokens)"
-            )
-        if prompt_len >= context_len:
-            raise ValueError(
-                f"the prompt is too long: it has {prompt_len} tokens and the model's context "
-                f"length is {context_len} tokens"
-            )
-        if prompt_len + max_new > context_len:
-            raise ValueError(
-                f"the prompt has {prompt_len} tokens and max_new_tokens is {max_new}: "
-                f"{prompt_len + max_new} tokens exceed the model's context length of "
-                f"{context_len} tokens"
-            )
         rank = obj.data_parallel_rank
         if rank is not None and rank >= self.server_args.dp_size:
             raise ValueError(

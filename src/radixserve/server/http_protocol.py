@@ -35,6 +35,18 @@ class _GuardedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_deadline: asyncio.TimerHandle | None = None
+        # uvicorn drops h11's reason when it answers 400: keep it for the error message.
+        self._parse_error = ""
+        next_event = self.conn.next_event
+
+        def next_event_keeping_the_reason() -> Any:
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as e:
+                self._parse_error = str(e)
+                raise
+
+        self.conn.next_event = next_event_keeping_the_reason  # type: ignore[method-assign]
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -54,7 +66,8 @@ class _GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         self._cancel_head_deadline()
-        self._answer_and_close(400, "Bad Request", f"The request is not valid HTTP/1.1: {msg}")
+        reason = self._parse_error or msg
+        self._answer_and_close(400, "Bad Request", f"The request is not valid HTTP/1.1: {reason}.")
 
     def _watch_head(self) -> None:
         """Arm the deadline while a request head is awaited, disarm it once one arrived."""
