@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
+from tests.server.bad_requests import NOT_FOUND, Case, assert_error_object, send
 from tests.server.conftest import assert_no_leak
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MSGS = [{"role": "user", "content": "hi"}]
-INVALID = (400, "invalid_request_error")
-NOT_FOUND = (404, "not_found_error")
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    path: str
-    body: Any = None  # JSON-encoded unless bytes
-    expected: tuple[int, str] = INVALID
-    message: str = ""  # a substring the error message must contain
-    method: str = "POST"
 
 
 def chat(**fields: Any) -> dict[str, Any]:
@@ -192,20 +180,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_bad_input_is_a_4xx_error_object_and_the_server_stays_healthy(case: Case, client):
-    if isinstance(case.body, bytes):
-        r = client.request(case.method, case.path, content=case.body,
-                           headers={"content-type": "application/json"})
-    elif case.body is None:
-        r = client.request(case.method, case.path)
-    else:
-        r = client.request(case.method, case.path, json=case.body)
-    status, error_type = case.expected
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"].startswith("application/json")
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["type"] == error_type
-    assert case.message.lower() in error["message"].lower(), error
+    assert_error_object(send(client, case), case)
     assert client.get("/health").status_code == 200
     assert_no_leak(client)
 

@@ -12,12 +12,11 @@ hostile client would), or sent as raw bytes.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
 
+from tests.server.bad_requests import NOT_FOUND, Case, assert_error_object, send
 from tests.server.conftest import assert_no_leak, internal_state
 
 CHAT = "/v1/chat/completions"
@@ -29,22 +28,8 @@ INT64_MAX = 2**63 - 1
 NAN, INF = float("nan"), float("inf")
 SURROGATE = "\ud800"
 
-INVALID = (400, "invalid_request_error")
-NOT_FOUND = (404, "not_found_error")
 TOO_LARGE = (413, "request_too_large")
 NOT_ALLOWED = (405, "invalid_request_error")
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    path: str
-    body: Any = None  # JSON-encoded with Python's json (NaN, big ints, escaped surrogates) or bytes
-    expected: tuple[int, str] = INVALID
-    param: str | None = None  # the error's ``param``, when the case names one
-    message: str = ""  # a substring of the error message (case-insensitive)
-    method: str = "POST"
-    reaches_scheduler: bool = False  # refused by the scheduler itself (an unknown session)
 
 
 def chat(**fields: Any) -> dict[str, Any]:
@@ -228,14 +213,6 @@ CASES = [
 ]
 
 
-def send(client: httpx.Client, case: Case) -> httpx.Response:
-    if case.body is None and case.method != "POST":
-        return client.request(case.method, case.path)
-    content = case.body if isinstance(case.body, bytes) else json.dumps(case.body).encode()
-    return client.request(case.method, case.path, content=content,
-                          headers={"content-type": "application/json"})
-
-
 def test_the_table_has_sixty_hostile_requests_with_unique_names():
     assert len(CASES) >= 60
     assert len({c.name for c in CASES}) == len(CASES)
@@ -245,15 +222,7 @@ def test_the_table_has_sixty_hostile_requests_with_unique_names():
 def test_a_hostile_request_gets_its_documented_4xx_and_reaches_no_further(case: Case, client):
     received = internal_state(client)["num_received_reqs"]
     r = send(client, case)
-    status, error_type = case.expected
-    assert r.status_code == status, r.text[:2000]
-    assert r.headers["content-type"].startswith("application/json")
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["type"] == error_type
-    assert case.message.lower() in error["message"].lower(), error
-    if case.param is not None:
-        assert error["param"] == case.param, error
+    assert_error_object(r, case)
     assert len(r.content) < 4096, "an error message must not echo a huge input"
     if not case.reaches_scheduler:
         assert internal_state(client)["num_received_reqs"] == received
