@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from radixserve.managers.io_struct import PauseMode, ProfileReq
-from radixserve.server.app import get_ctx
+from radixserve.server.context import get_ctx
 
 router = APIRouter()
 

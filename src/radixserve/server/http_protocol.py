@@ -4,7 +4,7 @@
   headers within ``--request-read-timeout`` seconds of opening (or of its previous response),
   else it is answered 408 and closed. uvicorn has no such bound: a client that opens
   connections and sends a header byte now and then (slowloris) holds each one forever. The
-  body is bounded by the same timeout in ``app.RequestGuard``.
+  body is bounded by the same timeout in ``request_guard.RequestGuard``.
 - The OpenAI error object for a request h11 cannot parse (a malformed ``Content-Length``, a bad
   request line, headers past h11's size limit), instead of uvicorn's plain-text 400.
 

@@ -40,7 +40,9 @@ from radixserve.managers.launcher import (
 )
 from radixserve.managers.tokenizer_manager import RequestMetrics, TokenizerManager
 from radixserve.model_config import ModelConfig
-from radixserve.server.app import ServerContext, ServerState, create_app, first_item
+from radixserve.server.app import create_app
+from radixserve.server.context import ServerContext, ServerState
+from radixserve.server.generations import first_item
 from radixserve.server.http_protocol import guarded_protocol
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server_args import ServerArgs

@@ -26,14 +26,9 @@ from radixserve import __version__
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.io_struct import OpenSessionReqInput
 from radixserve.server.admission import admit, num_prompts, requested_n
-from radixserve.server.app import (
-    ServerState,
-    cancel_on_disconnect,
-    first_item,
-    get_ctx,
-    prime,
-)
+from radixserve.server.context import ServerState, get_ctx
 from radixserve.server.errors import APIError, stream_error
+from radixserve.server.generations import cancel_on_disconnect, first_item, prime
 from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.sse import DONE, sse_event, sse_response
 from radixserve.server.strict_request import StrictRequest, Unsupported

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
-from radixserve.server.app import get_ctx
+from radixserve.server.context import get_ctx
 
 router = APIRouter()
 

@@ -32,15 +32,9 @@ from fastapi.responses import JSONResponse
 
 from radixserve.sampling.sampling_params import GRAMMAR_FIELDS
 from radixserve.server.admission import admit
-from radixserve.server.app import (
-    ServerContext,
-    cancel_on_disconnect,
-    collect_final,
-    get_ctx,
-    merged_choices,
-    prime,
-)
+from radixserve.server.context import ServerContext, get_ctx
 from radixserve.server.errors import APIError
+from radixserve.server.generations import cancel_on_disconnect, collect_final, merged_choices, prime
 from radixserve.server.openai.chat_parsing import ChoiceParser, ParsedMessage, ToolPlan, plan_tools
 from radixserve.server.openai.protocol import (
     ChatChoiceLogprobs,

@@ -19,14 +19,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from radixserve.server.admission import admit, num_prompts
-from radixserve.server.app import (
-    ServerContext,
-    cancel_on_disconnect,
-    collect_final,
-    get_ctx,
-    merged_choices,
-    prime,
-)
+from radixserve.server.context import ServerContext, get_ctx
+from radixserve.server.generations import cancel_on_disconnect, collect_final, merged_choices, prime
 from radixserve.server.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,

@@ -17,8 +17,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from radixserve.server.admission import admit, num_prompts
-from radixserve.server.app import cancel_on_disconnect, get_ctx
+from radixserve.server.context import get_ctx
 from radixserve.server.errors import APIError
+from radixserve.server.generations import cancel_on_disconnect
 from radixserve.server.strict_request import StrictRequest
 
 router = APIRouter()

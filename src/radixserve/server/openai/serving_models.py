@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from radixserve.server.app import ServerContext, get_ctx
+from radixserve.server.context import ServerContext, get_ctx
 from radixserve.server.openai.protocol import ModelCard, ModelList
 
 router = APIRouter()

@@ -27,15 +27,14 @@ from pydantic import ValidationError
 
 from radixserve.sampling.sampling_params import GRAMMAR_FIELDS
 from radixserve.server.admission import admit
-from radixserve.server.app import (
-    ServerContext,
+from radixserve.server.context import ServerContext, get_ctx
+from radixserve.server.errors import APIError
+from radixserve.server.generations import (
     cancel_on_disconnect,
     collect_final,
-    get_ctx,
     merge_generations,
     prime,
 )
-from radixserve.server.errors import APIError
 from radixserve.server.openai.chat_parsing import (
     ChoiceParser,
     ParsedMessage,
