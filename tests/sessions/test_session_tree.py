@@ -7,6 +7,8 @@ timeouts. Requests are real ``schedule_batch.Req`` objects.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from radixserve.finish_reason import FinishAbort, FinishLength
@@ -24,7 +26,7 @@ from radixserve.mem_cache import (
 )
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.sessions.session import Session, SessionError
-from radixserve.sessions.session_controller import SessionController
+from radixserve.sessions.session_controller import SessionController, SessionTurn
 
 BOS = 0
 LENGTH = FinishLength(length=2)
@@ -219,11 +221,35 @@ def open_msg(**kw) -> OpenSessionReqInput:
     return OpenSessionReqInput(capacity_of_str_len=100, **kw)
 
 
+@dataclass
+class Created:
+    """A session request as the scheduler holds it between ``plan`` and ``admit``."""
+
+    turn: SessionTurn
+    req: Req
+
+    @property
+    def error(self) -> str | None:
+        return self.turn.error
+
+
+def create(ctrl: SessionController, msg: TokenizedGenerateReqInput) -> Created:
+    """Plan a session request and build its ``Req`` from the plan, as the scheduler does."""
+    turn = ctrl.plan(msg)
+    built = Req.from_message(msg, turn.input_ids)
+    built.streaming_session_id = turn.streaming_session_id
+    return Created(turn, built)
+
+
+def admit(ctrl: SessionController, created: Created) -> list:
+    return ctrl.admit(created.turn, created.req)
+
+
 def run(ctrl: SessionController, msg: TokenizedGenerateReqInput, output, reason=LENGTH) -> Req:
     """Create, admit and finish a session request the way the scheduler does."""
-    created = ctrl.create_req(msg)
+    created = create(ctrl, msg)
     assert created.error is None, created.error
-    ctrl.admit(created)
+    admit(ctrl, created)
     created.req.output_ids, created.req.finished_reason = list(output), reason
     ctrl.on_req_finished(created.req)
     return created.req
@@ -269,14 +295,14 @@ def test_resume_needs_a_session_store():
     assert "old" not in ctrl.sessions
 
 
-def test_create_req_changes_nothing_until_admitted():
+def test_plan_changes_nothing_until_admitted():
     ctrl = SessionController(plain_cache(), BOS)
     ctrl.open(open_msg(session_id="s"))
     root = run(ctrl, generate_msg("root", [1, 2]), [3])
-    created = ctrl.create_req(generate_msg("child", [BOS, 4], rid="root", replace=True))
+    created = create(ctrl, generate_msg("child", [BOS, 4], rid="root", replace=True))
     assert created.req.origin_input_ids == [1, 2, 3, 4]
     assert set(ctrl.sessions["s"].req_nodes) == {"root"}
-    assert ctrl.admit(created) == []
+    assert admit(ctrl, created) == []
     assert set(ctrl.sessions["s"].req_nodes) == {"root", "child"}
     assert ctrl.sessions["s"].req_nodes["child"].parent.req is root
 
@@ -285,9 +311,9 @@ def test_rejections_carry_a_message_and_leave_the_session_alone():
     ctrl = SessionController(plain_cache(), BOS)
     ctrl.open(open_msg(session_id="s"))
     run(ctrl, generate_msg("root", [1, 2]), [3])
-    unknown = ctrl.create_req(generate_msg("r1", [4], session_id="gone"))
+    unknown = create(ctrl, generate_msg("r1", [4], session_id="gone"))
     assert unknown.error == "session 'gone' does not exist or is closed"
-    bad_rid = ctrl.create_req(generate_msg("r2", [4], rid="nope"))
+    bad_rid = create(ctrl, generate_msg("r2", [4], rid="nope"))
     assert "Invalid request session id" in bad_rid.error
     assert set(ctrl.sessions["s"].req_nodes) == {"root"}
 
@@ -296,18 +322,18 @@ def test_admitting_a_replace_of_a_running_request_aborts_it_and_its_descendants(
     ctrl = SessionController(plain_cache(), BOS)
     ctrl.open(open_msg(session_id="s"))
     run(ctrl, generate_msg("root", [1, 2]), [3])
-    running = ctrl.create_req(generate_msg("running", [4], rid="root"))
-    ctrl.admit(running)
-    below = ctrl.create_req(generate_msg("below", [5], rid="running"))
+    running = create(ctrl, generate_msg("running", [4], rid="root"))
+    admit(ctrl, running)
+    below = create(ctrl, generate_msg("below", [5], rid="running"))
     assert "has not finished" in below.error, "appending to a running request is refused"
     msg = generate_msg("new", [6], rid="running", replace=True)
     assert ctrl.running_rid_to_replace(msg) == "running"
     assert ctrl.running_rid_to_replace(generate_msg("x", [6], rid="root", replace=True)) is None
     running.req.output_ids = [7, 8]
-    replacing = ctrl.create_req(msg)
+    replacing = create(ctrl, msg)
     assert replacing.error is None
     assert replacing.req.origin_input_ids == [1, 2, 3, 4, 7, 8, 6]
-    assert ctrl.admit(replacing) == [running.req]
+    assert admit(ctrl, replacing) == [running.req]
     nodes = ctrl.sessions["s"].req_nodes
     assert set(nodes) == {"root", "running", "new"} and nodes["new"].parent.req is running.req
 
@@ -316,10 +342,10 @@ def test_admitting_a_replace_returns_the_running_requests_to_abort():
     ctrl = SessionController(plain_cache(), BOS)
     ctrl.open(open_msg(session_id="s"))
     run(ctrl, generate_msg("root", [1, 2]), [3])
-    running = ctrl.create_req(generate_msg("running", [4], rid="root"))
-    ctrl.admit(running)
-    replacing = ctrl.create_req(generate_msg("new", [5], rid="root", replace=True))
-    assert ctrl.admit(replacing) == [running.req]
+    running = create(ctrl, generate_msg("running", [4], rid="root"))
+    admit(ctrl, running)
+    replacing = create(ctrl, generate_msg("new", [5], rid="root", replace=True))
+    assert admit(ctrl, replacing) == [running.req]
     assert set(ctrl.sessions["s"].req_nodes) == {"root", "new"}
 
 
@@ -341,9 +367,9 @@ def test_streaming_history_advances_on_finish_and_rolls_back_on_abort():
 def test_a_rejected_request_does_not_clear_the_turn_in_flight():
     ctrl = SessionController(session_cache(), BOS)
     ctrl.open(open_msg(session_id="s", streaming=True))
-    running = ctrl.create_req(generate_msg("t1", [1, 2]))
-    ctrl.admit(running)
-    second = ctrl.create_req(generate_msg("t2", [3]))
+    running = create(ctrl, generate_msg("t1", [1, 2]))
+    admit(ctrl, running)
+    second = create(ctrl, generate_msg("t2", [3]))
     assert "in flight" in second.error
     second.req.finished_reason = FinishAbort(message=ABORT.message, status_code=400)
     ctrl.on_req_finished(second.req)
@@ -353,11 +379,11 @@ def test_a_rejected_request_does_not_clear_the_turn_in_flight():
 def test_close_of_a_streaming_session_waits_for_its_turn():
     ctrl = SessionController(session_cache(), BOS)
     ctrl.open(open_msg(session_id="s", streaming=True))
-    created = ctrl.create_req(generate_msg("t1", [1, 2]))
-    ctrl.admit(created)
+    created = create(ctrl, generate_msg("t1", [1, 2]))
+    admit(ctrl, created)
     ctrl.close("s")
     assert ctrl.sessions["s"].close_pending
-    assert "closing" in ctrl.create_req(generate_msg("t2", [3])).error
+    assert "closing" in create(ctrl, generate_msg("t2", [3])).error
     created.req.output_ids, created.req.finished_reason = [3], LENGTH
     ctrl.on_req_finished(created.req)
     assert "s" not in ctrl.sessions
@@ -377,7 +403,7 @@ def test_close_expired_drops_idle_sessions_only():
     ctrl.open(open_msg(session_id="idle", timeout=1.0))
     ctrl.open(open_msg(session_id="busy", streaming=True, timeout=1.0))
     ctrl.open(open_msg(session_id="forever"))
-    ctrl.admit(ctrl.create_req(generate_msg("t1", [1], session_id="busy")))
+    admit(ctrl, create(ctrl, generate_msg("t1", [1], session_id="busy")))
     clock.now = 0.5
     close_expired(ctrl)
     assert set(ctrl.sessions) == {"idle", "busy", "forever"}

@@ -657,7 +657,7 @@ class Scheduler:
     # ------------------------------------------------------------------ handlers
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
         self.num_received_reqs += 1
-        created = None
+        turn = None
         if not self.is_generation or self.control.released:
             req = Req(msg.rid, list(msg.input_ids), msg.sampling_params)
             if self.control.released:
@@ -678,16 +678,17 @@ class Scheduler:
                 self._after_aborts.append(msg)
                 return
         if msg.session_params is not None:
-            created = self.sessions.create_req(msg)
-            req, error = created.req, created.error
+            turn = self.sessions.plan(msg)
+            req, error = Req.from_message(msg, turn.input_ids), turn.error
+            req.streaming_session_id = turn.streaming_session_id
         else:
             req, error = Req.from_message(msg, list(msg.input_ids)), None
         error = error or self._validate(req.origin_input_ids, msg)
         if error is not None:
             self._reject(req, error)
             return
-        if created is not None:
-            for replaced in self.sessions.admit(created):
+        if turn is not None:
+            for replaced in self.sessions.admit(turn, req):
                 self.handle_abort(AbortReq(rid=replaced.rid))
         if msg.sampling_params.grammar is not None:
             self.grammar_queue.add(req)

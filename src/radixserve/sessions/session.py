@@ -57,6 +57,7 @@ class SessionReq(Protocol):
     """What a session reads of a request (``schedule_batch.Req`` satisfies it)."""
 
     rid: str
+    session_params: SessionParams | None
     origin_input_ids: list[int]
     output_ids: list[int]
     finished_reason: FinishReason | None

@@ -1,9 +1,11 @@
 """Open sessions, owned by the scheduler: open/close, per-request prompt assembly, turn results.
 
-The scheduler calls ``create_req`` for every generate request that carries ``session_params``;
-the controller turns it into a ``Req`` with the assembled prompt (or a rejection message) and
-records it in the session. ``on_req_finished`` is called for every finished request, so streaming
-sessions learn their new history (or roll back after an abort) and deferred closes happen.
+The scheduler calls ``plan`` for every generate request that carries ``session_params``; the
+controller answers with a ``SessionTurn`` (the assembled prompt, or a rejection message), from
+which the scheduler builds the ``Req``; ``admit`` then records that request in the session. The
+session layer reads requests through ``SessionReq`` and never builds one. ``on_req_finished`` is
+called for every finished request, so streaming sessions learn their new history (or roll back
+after an abort) and deferred closes happen.
 
 A streaming session's KV is the prefix cache's business (``SessionAwareCache``): the controller
 only tells the cache when a session goes away, comes back after a restart, or must be written
@@ -24,12 +26,12 @@ from radixserve.managers.io_struct import (
     OpenSessionReqOutput,
     TokenizedGenerateReqInput,
 )
-from radixserve.managers.schedule_batch import Req
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.sessions.session import (
     RESUME_NEEDS_ID,
     Session,
     SessionError,
+    SessionReq,
     SessionReqNode,
     check_session_id,
 )
@@ -38,15 +40,17 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class CreatedReq:
-    """The result of ``create_req``: a request to schedule, or a rejection for the caller.
+class SessionTurn:
+    """What ``plan`` decided for a session request: the prompt to build its ``Req`` with, or a
+    rejection for the caller.
 
     Nothing in the session changes until the scheduler has validated the request and calls
     ``admit``: the parent to hang it under and the nodes a ``replace`` removes wait here.
     """
 
-    req: Req
+    input_ids: list[int]  # the assembled prompt (on a rejection: the request's own ids)
     error: str | None = None
+    streaming_session_id: str | None = None  # set on a streaming session's turn
     parent: SessionReqNode | None = None
     to_remove: list[SessionReqNode] = field(default_factory=list)
     replaces_parent: bool = False  # a replace naming ``parent``: it ends if still running
@@ -181,7 +185,7 @@ class SessionController:
         return params.rid if node is not None and not node.req.finished() else None
 
     # ------------------------------------------------------------------ requests
-    def create_req(self, msg: TokenizedGenerateReqInput) -> CreatedReq:
+    def plan(self, msg: TokenizedGenerateReqInput) -> SessionTurn:
         """Assemble the request's prompt from its session; changes nothing."""
         params = msg.session_params
         assert params is not None, "only session requests come here"
@@ -193,35 +197,37 @@ class SessionController:
                 params, msg.input_ids, self.bos_token_id
             )
         except SessionError as e:
-            return CreatedReq(Req.from_message(msg, list(msg.input_ids)), error=str(e))
-        req = Req.from_message(msg, input_ids)
-        if session.streaming:
-            req.streaming_session_id = session.session_id
-        replaces = params.replace and parent is not None
-        return CreatedReq(req, parent=parent, to_remove=to_remove, replaces_parent=replaces)
+            return SessionTurn(list(msg.input_ids), error=str(e))
+        return SessionTurn(
+            input_ids,
+            streaming_session_id=session.session_id if session.streaming else None,
+            parent=parent,
+            to_remove=to_remove,
+            replaces_parent=params.replace and parent is not None,
+        )
 
-    def admit(self, created: CreatedReq) -> list[Req]:
-        """Record a validated request in its session; returns the requests to abort.
+    def admit(self, turn: SessionTurn, req: SessionReq) -> list[SessionReq]:
+        """Record ``req``, validated and built from ``turn``, in its session; returns the
+        requests to abort.
 
         A ``replace`` removes the replaced branch now; its unfinished requests must be aborted,
         and so must the request it names if that still runs (the scheduler ends it first, so
         that the new request inherits all it generated). A streaming session keeps no tree:
         only its history and the request in flight.
         """
-        req = created.req
         session = self.sessions[req.session_params.id]
         session.touch(self.clock())
         if session.streaming:
             session.inflight_rid = req.rid
             return []
-        to_abort: list = session.remove_nodes(created.to_remove)
-        parent = created.parent
-        if created.replaces_parent and parent is not None and not parent.req.finished():
+        to_abort = session.remove_nodes(turn.to_remove)
+        parent = turn.parent
+        if turn.replaces_parent and parent is not None and not parent.req.finished():
             to_abort.append(parent.req)
         session.add_req(req, parent)
         return to_abort
 
-    def on_req_finished(self, req: Req) -> None:
+    def on_req_finished(self, req: SessionReq) -> None:
         """A session request finished (any reason): update history, run a deferred close."""
         params = req.session_params
         session = self.sessions.get(params.id) if params is not None else None
