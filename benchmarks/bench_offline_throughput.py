@@ -285,14 +285,14 @@ def run_step_overhead(args: argparse.Namespace, model_path: str,
                       work: Workload) -> list[dict[str, Any]]:
     """Median wall time of one decode ``Scheduler.step()`` with the model stubbed out."""
     from radixserve.managers.io_struct import TokenizedGenerateReqInput
-    from radixserve.managers.scheduler import Scheduler
+    from radixserve.managers.scheduler_builder import build_scheduler
     from radixserve.sampling.sampling_params import SamplingParams
     from radixserve.server_args import ServerArgs
 
     sent: list[Any] = []
     sa = ServerArgs(model_path=model_path, dtype=args.dtype, device="cpu",
                     max_running_requests=max(args.batch_sizes), max_total_tokens=1 << 16)
-    scheduler = Scheduler(sa, sent.append, sent.append)
+    scheduler = build_scheduler(sa, sent.append, sent.append)
     runner = scheduler.tp_worker.model_runner
     runner.model = _ZeroLogits(runner.vocab_size, runner.dtype)
     params = SamplingParams(temperature=0.0, max_new_tokens=work.output_len, ignore_eos=True)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from radixserve.managers.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput
-from radixserve.managers.scheduler import Scheduler
+from radixserve.managers.scheduler_builder import build_scheduler
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
@@ -54,7 +54,9 @@ class SchedulerDriver:
         args.update(overrides)
         self.outputs: list[BatchTokenIDOutput] = []
         self.replies: list[Any] = []
-        self.scheduler = Scheduler(ServerArgs(**args), self.outputs.append, self.replies.append)
+        self.scheduler = build_scheduler(
+            ServerArgs(**args), self.outputs.append, self.replies.append
+        )
         self._consumed = 0
 
     def submit(self, rid: str, input_ids: list[int], *, stream: bool = False,

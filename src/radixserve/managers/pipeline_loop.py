@@ -52,7 +52,7 @@ class PipelineLoop:
         """Run forever; an idle round blocks on the input (rank 0) instead of spinning. The
         watchdog ends the process if steps 2-3 of one iteration hang for
         ``--watchdog-timeout`` seconds."""
-        watchdog = Watchdog(self.scheduler.server_args.watchdog_timeout)
+        watchdog = Watchdog(self.scheduler.settings.watchdog_timeout)
         watchdog.start()
         while True:
             busy = False

@@ -23,10 +23,11 @@ ranks admit them at the same step. With pipeline parallelism the running request
 (``pipeline_loop.py``); ``select_micro_batch`` makes one of them the ``running_batch`` the rest
 of this class works on.
 
-The single-job objects it composes: ``SchedulePolicy`` + ``PrefillAdder`` (admission),
-``retract_for_decode`` (memory pressure), ``OutputProcessor`` (results), ``TpModelWorker``
-(the model), ``GrammarQueue`` (constrained requests until their grammar is compiled) and the
-prefix cache (``mem_cache``).
+The single-job objects it composes, built by ``build_scheduler`` (``scheduler_builder.py``):
+``SchedulePolicy`` + ``PrefillAdder`` (admission), ``retract_for_decode`` (memory pressure),
+``OutputProcessor`` (results), ``TpModelWorker`` (the model), ``GrammarQueue`` (constrained
+requests until their grammar is compiled), ``SessionController`` and the prefix cache
+(``mem_cache``).
 """
 
 from __future__ import annotations
@@ -36,13 +37,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from radixserve import envs
-from radixserve.constrained import GrammarCache, create_grammar_backend
 from radixserve.distributed import ParallelState
 from radixserve.finish_reason import FinishAbort
 from radixserve.layers.sampler import SampleOutput
@@ -67,12 +66,10 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from radixserve.managers.memory_check import MemoryChecker, busy_check_enabled
-from radixserve.managers.output_processor import OutputProcessor
 from radixserve.managers.overlap_worker import OverlapWorker
 from radixserve.managers.request_checks import check_embedding, check_generate
 from radixserve.managers.request_receiver import RequestReceiver
 from radixserve.managers.retraction import (
-    NewTokenRatio,
     decode_fits,
     retract_all,
     retract_for_decode,
@@ -87,19 +84,16 @@ from radixserve.managers.schedule_batch import (
 from radixserve.managers.schedule_policy import (
     AddResult,
     PrefillAdder,
-    SchedulePolicy,
     decode_reservation,
 )
 from radixserve.managers.scheduler_control import SchedulerControl
 from radixserve.managers.scheduler_stats import SchedulerStats, token_usage
-from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.managers.watchdog import Watchdog
-from radixserve.mem_cache import create_prefix_cache, create_session_store
-from radixserve.model_config import ModelConfig, resolve_device
 from radixserve.sampling.sampling_batch_info import reads_output_ids
 from radixserve.sampling.sampling_params import SamplingParams
-from radixserve.server_args import ServerArgs
-from radixserve.sessions.session_controller import SessionController
+
+if TYPE_CHECKING:
+    from radixserve.managers.scheduler_builder import SchedulerParts, SchedulerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -136,79 +130,36 @@ class Scheduler:
 
     def __init__(
         self,
-        server_args: ServerArgs,
-        send_to_detokenizer: Callable[[Any], None],
+        parts: SchedulerParts,
+        settings: SchedulerSettings,
         send_to_tokenizer: Callable[[Any], None],
-        parallel: ParallelState | None = None,
-        device: torch.device | None = None,
+        parallel: ParallelState,
+        device: torch.device,
         dp_rank: int = 0,
         send_load: Callable[[LoadReport], None] | None = None,
     ) -> None:
-        """``parallel``: this rank's place (default: the only rank); ``device``: default
-        ``server_args.device``; ``dp_rank``: the data-parallel replica this rank belongs to;
-        ``send_load``: where changes of its load go (the data-parallel controller)."""
-        from transformers import AutoTokenizer
-
-        self.server_args = server_args
+        """Built by ``build_scheduler`` (``scheduler_builder.py``), which reads the server's
+        arguments and makes ``parts``. ``dp_rank``: the data-parallel replica this rank belongs
+        to; ``send_load``: where changes of its load go (the data-parallel controller)."""
+        self.settings = settings
         self.send_to_tokenizer = send_to_tokenizer
         self.send_load = send_load
         self._last_load: LoadReport | None = None
-        self.parallel = parallel or ParallelState.single()
+        self.parallel = parallel
         self.dp_rank = dp_rank
-        device = device or resolve_device(server_args.device)
-        self.model_config = ModelConfig.from_path(
-            server_args.model_path, server_args.dtype, device, server_args.context_length,
-            server_args.quantization,
-        )
-        # Embedding models (an encoder, or a decoder run with --is-embedding) only prefill.
-        self.is_generation = not (server_args.is_embedding or self.model_config.is_encoder)
-        self.tp_worker = TpModelWorker(self.model_config, server_args, device, self.parallel)
+        self.model_config = parts.model_config
+        self.is_generation = parts.is_generation
+        self.tp_worker = parts.tp_worker
         runner = self.tp_worker.model_runner
         self.req_to_token_pool = runner.req_to_token_pool
         self.allocator = runner.token_to_kv_pool_allocator
         self.max_total_num_tokens: int = runner.max_total_num_tokens
         self.max_running_requests: int = runner.max_running_requests
         self.page_size: int = runner.page_size
-        if server_args.chunked_prefill_size < self.page_size:
-            raise ValueError(
-                f"chunked_prefill_size ({server_args.chunked_prefill_size}) must be at least "
-                f"page_size ({self.page_size})"
-            )
-        # An encoder's tokens attend to what follows them: no prefix can be reused.
-        self.radix_enabled = not (server_args.disable_radix_cache or self.model_config.is_encoder)
-        store = None
-        if server_args.enable_streaming_session:
-            store = create_session_store(
-                server_args.session_store, runner.token_to_kv_pool, server_args.model_path,
-                server_args.session_store_max_gb,
-            )
-            if server_args.session_offload_after is not None and store is None:
-                raise ValueError("--session-offload-after needs a session store: give "
-                                 "--session-store DIR (on a GPU, host memory is the default)")
-        # With streaming sessions, the cache keeps each session's KV in a slot of its own.
-        self.tree_cache = create_prefix_cache(
-            not self.radix_enabled, self.req_to_token_pool, self.allocator,
-            self.page_size, streaming_sessions=server_args.enable_streaming_session,
-            session_store=store, session_offload_after=server_args.session_offload_after,
-        )
-        # For stop strings and grammars; the detokenizer makes the text.
-        tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer, local_files_only=True)
-        self.grammars = GrammarCache(
-            partial(
-                create_grammar_backend,
-                tokenizer,
-                self.model_config.vocab_size,
-                self.model_config.eos_token_ids,
-                any_whitespace=not server_args.constrained_json_disable_any_whitespace,
-                max_whitespace_cnt=server_args.constrained_json_max_whitespace_cnt,
-            )
-        )
+        self.tree_cache = parts.tree_cache
+        self.grammars = parts.grammars
         self.grammar_queue = GrammarQueue(self.grammars)
-        self.sessions = SessionController(
-            self.tree_cache, self.model_config.bos_token_id,
-            max_sessions=server_args.max_sessions,
-            default_timeout=server_args.session_idle_timeout or None,
-        )
+        self.sessions = parts.sessions
         self.memory = MemoryChecker(
             self.tree_cache, self.allocator, self.req_to_token_pool, self.max_total_num_tokens
         )
@@ -222,21 +173,9 @@ class Scheduler:
             eos_token_ids=self.model_config.eos_token_ids,
             grammars=self.grammars,
         )
-        self.policy = SchedulePolicy(
-            server_args.schedule_policy, self.tree_cache, self.radix_enabled
-        )
-        self.new_token_ratio = NewTokenRatio.from_conservativeness(
-            server_args.schedule_conservativeness
-        )
-        self.output_processor = OutputProcessor(
-            self.tree_cache,
-            self.model_config.eos_token_ids,
-            tokenizer,
-            send_to_detokenizer,
-            on_finish=self.sessions.on_req_finished,
-            stream_interval=server_args.stream_interval,
-            send_to_tokenizer=send_to_tokenizer,
-        )
+        self.policy = parts.policy
+        self.new_token_ratio = parts.new_token_ratio
+        self.output_processor = parts.output_processor
 
         self.waiting_queue: list[Req] = []
         self.micro_batches = [
@@ -256,9 +195,7 @@ class Scheduler:
         self.last_leak_check: dict[str, Any] = {}
         self.stop_requested = False
         self._idle_checked = False
-        self.overlap: OverlapWorker | None = None
-        if server_args.enable_overlap_schedule and self.is_generation:
-            self.overlap = OverlapWorker(self.tp_worker)
+        self.overlap: OverlapWorker | None = parts.overlap
         self._in_flight: _InFlight | None = None
         self.num_overlapped_steps = 0  # decode steps launched before the previous one's result
         self.paused = False  # by PauseGenerationReqInput: no step runs until continued
@@ -322,7 +259,7 @@ class Scheduler:
         spinning. The watchdog ends the process if one step hangs for ``--watchdog-timeout``
         seconds. On a stop, streaming sessions are written to a session store that outlives the
         process (``--session-store``), so that a restarted server resumes them."""
-        watchdog = Watchdog(self.server_args.watchdog_timeout)
+        watchdog = Watchdog(self.settings.watchdog_timeout)
         watchdog.start()
         while not self.stop_requested:
             self.process_input_requests(receiver.recv())
@@ -603,8 +540,8 @@ class Scheduler:
             allocator=self.allocator,
             running_reqs=running,
             new_token_ratio=self.new_token_ratio.value,
-            max_prefill_tokens=self.server_args.max_prefill_tokens,
-            chunked_prefill_size=self.server_args.chunked_prefill_size,
+            max_prefill_tokens=self.settings.max_prefill_tokens,
+            chunked_prefill_size=self.settings.chunked_prefill_size,
             free_rows=self.req_to_token_pool.available_size(),
             free_running=free_running,
             allow_chunking=not self.model_config.is_encoder,
@@ -724,7 +661,7 @@ class Scheduler:
         except ValueError as e:
             return str(e)
         # An encoder's input is encoded in one step: it must fit one prefill batch.
-        budget = min(self.server_args.max_prefill_tokens, self.server_args.chunked_prefill_size)
+        budget = min(self.settings.max_prefill_tokens, self.settings.chunked_prefill_size)
         if self.model_config.is_encoder and len(ids) > budget:
             return f"the input ({len(ids)} tokens) exceeds the prefill budget ({budget} tokens)"
         if pages_to_alloc(0, len(ids), self.page_size) > self.max_total_num_tokens:

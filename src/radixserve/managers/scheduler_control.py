@@ -9,13 +9,14 @@ scheduler only through the narrow surface below. Every handler returns its ``*Ou
     scheduler.memory_state()       KV and request-slot figures
     scheduler.num_running(), scheduler.num_waiting(), scheduler.waiting_queue,
     scheduler.running_batch
-    scheduler.max_running_requests, scheduler.server_args   the knobs set_internal_state changes
+    scheduler.max_running_requests, scheduler.settings   the knobs set_internal_state changes
     scheduler.tp_worker.model_runner   weights and KV pool
     scheduler.tree_cache, scheduler.sessions, scheduler.stats   for the inspector
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import tempfile
@@ -217,12 +218,12 @@ class SchedulerControl:
         if error is None:
             if "max_running_requests" in changes:
                 s.max_running_requests = changes.pop("max_running_requests")
-            s.server_args = s.server_args.replace(**changes)
+            s.settings = dataclasses.replace(s.settings, **changes)
             logger.info("internal state set: %s", msg.server_args)
         current = {
             "max_running_requests": s.max_running_requests,
-            "max_prefill_tokens": s.server_args.max_prefill_tokens,
-            "chunked_prefill_size": s.server_args.chunked_prefill_size,
+            "max_prefill_tokens": s.settings.max_prefill_tokens,
+            "chunked_prefill_size": s.settings.chunked_prefill_size,
         }
         return SetInternalStateReqOutput(
             updated=error is None, message=error or "updated", server_args=current

@@ -28,7 +28,7 @@ from radixserve.managers.launcher import (
     report_ready,
 )
 from radixserve.managers.request_receiver import RequestReceiver
-from radixserve.managers.scheduler import Scheduler
+from radixserve.managers.scheduler_builder import build_scheduler
 from radixserve.model_config import resolve_device
 from radixserve.server_args import ServerArgs
 
@@ -117,7 +117,7 @@ def run_scheduler_process(
                 to_tokenizer = partial(ipc.send, ipc.push_socket(ctx, port_args.tokenizer_input))
                 if server_args.dp_size > 1:
                     send_load = partial(ipc.send, ipc.push_socket(ctx, port_args.scheduler_input))
-            scheduler = Scheduler(
+            scheduler = build_scheduler(
                 server_args, to_detokenizer, to_tokenizer, parallel=parallel, device=device,
                 dp_rank=rank_args.dp_rank, send_load=send_load,
             )
