@@ -15,7 +15,7 @@ import torch
 
 from radixserve.distributed import RankInfo, init_parallel_state
 from radixserve.model_config import ModelConfig
-from radixserve.model_executor.model_runner import ModelRunner
+from radixserve.model_executor.model_runner import ModelRunner, RunnerSettings
 from radixserve.model_executor.models.llama import StageActivations
 from radixserve.server_args import ServerArgs
 from tests.checkpoints import build_checkpoint
@@ -42,7 +42,7 @@ def _rank_logits(rank: int, init_method: str, model_path: str, tp: int, pp: int)
     args = ServerArgs(model_path=model_path, dtype="float32", device="cpu", max_total_tokens=512,
                       tp_size=tp, pp_size=pp)
     config = ModelConfig.from_path(model_path, dtype="float32", device="cpu")
-    runner = ModelRunner(config, args, "cpu", parallel)
+    runner = ModelRunner(config, RunnerSettings.from_args(args), "cpu", parallel)
     hidden = config.hidden_size
 
     def forward(batch):

@@ -12,7 +12,7 @@ import torch
 
 from radixserve.model_config import ModelConfig
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
-from radixserve.model_executor.model_runner import ModelRunner
+from radixserve.model_executor.model_runner import ModelRunner, RunnerSettings
 from radixserve.server_args import ServerArgs
 
 
@@ -96,7 +96,7 @@ def make_runner(model_path: Path, dtype: str = "float32", **server_args: Any) ->
         model_path, dtype=dtype, device="cpu", context_length=args.context_length,
         quantization=args.quantization,
     )
-    return ModelRunner(config, args, "cpu")
+    return ModelRunner(config, RunnerSettings.from_args(args), "cpu")
 
 
 def hf_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:

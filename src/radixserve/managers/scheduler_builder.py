@@ -26,6 +26,7 @@ from radixserve.managers.scheduler import Scheduler
 from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.mem_cache import BasePrefixCache, create_prefix_cache, create_session_store
 from radixserve.model_config import ModelConfig, resolve_device
+from radixserve.model_executor.model_runner import RunnerSettings
 from radixserve.server_args import ServerArgs
 from radixserve.sessions.session_controller import SessionController
 
@@ -76,7 +77,8 @@ def build_scheduler(
         server_args.quantization,
     )
     is_generation = not (server_args.is_embedding or model_config.is_encoder)
-    tp_worker = TpModelWorker(model_config, server_args, device, parallel)
+    runner_settings = RunnerSettings.from_args(server_args)
+    tp_worker = TpModelWorker(model_config, runner_settings, device, parallel)
     runner = tp_worker.model_runner
     if server_args.chunked_prefill_size < runner.page_size:
         raise ValueError(

@@ -22,9 +22,8 @@ from radixserve.distributed import ParallelState
 from radixserve.layers.sampler import SampleOutput
 from radixserve.model_config import ModelConfig
 from radixserve.model_executor.forward_batch import ForwardBatch
-from radixserve.model_executor.model_runner import ModelRunner
+from radixserve.model_executor.model_runner import ModelRunner, RunnerSettings
 from radixserve.model_executor.models.llama import StageActivations
-from radixserve.server_args import ServerArgs
 
 
 class TpModelWorker:
@@ -33,12 +32,12 @@ class TpModelWorker:
     def __init__(
         self,
         model_config: ModelConfig,
-        server_args: ServerArgs,
+        settings: RunnerSettings,
         device: torch.device,
         parallel: ParallelState | None = None,
     ) -> None:
         self.parallel = parallel or ParallelState.single()
-        self.model_runner = ModelRunner(model_config, server_args, device, self.parallel)
+        self.model_runner = ModelRunner(model_config, settings, device, self.parallel)
         self.hidden_size = model_config.hidden_size
 
     @torch.inference_mode()

@@ -62,11 +62,36 @@ def available_memory_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
+@dataclasses.dataclass(frozen=True)
+class RunnerSettings:
+    """The server arguments the model runner reads (how much KV, which kernels)."""
+
+    page_size: int = 1
+    max_running_requests: int | None = None  # None: min(256, KV tokens)
+    max_total_tokens: int | None = None  # None: planned from mem_fraction_static
+    mem_fraction_static: float | None = None  # None: the device's default
+    processes_per_node: int = 1  # processes sharing this machine's memory (CPU)
+    attention_backend: str | None = None  # None: the device's default
+    batch_invariant: bool = False  # --enable-deterministic-inference
+
+    @classmethod
+    def from_args(cls, args: ServerArgs) -> RunnerSettings:
+        return cls(
+            page_size=args.page_size,
+            max_running_requests=args.max_running_requests,
+            max_total_tokens=args.max_total_tokens,
+            mem_fraction_static=args.mem_fraction_static,
+            processes_per_node=args.processes_per_node,
+            attention_backend=args.attention_backend,
+            batch_invariant=args.enable_deterministic_inference,
+        )
+
+
 class ModelRunner:
     def __init__(
         self,
         model_config: ModelConfig,
-        server_args: ServerArgs,
+        settings: RunnerSettings,
         device: torch.device | str,
         parallel: ParallelState | None = None,
     ) -> None:
@@ -75,18 +100,18 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.dtype = model_config.torch_dtype
         # --enable-deterministic-inference: only batch-invariant kernels (checked when packing)
-        self.batch_invariant = server_args.enable_deterministic_inference
+        self.batch_invariant = settings.batch_invariant
         if self.batch_invariant and self.device.type != "cpu":
             raise ValueError("--enable-deterministic-inference runs on CPU only in this build")
-        self.page_size = server_args.page_size
+        self.page_size = settings.page_size
         self.vocab_size = model_config.vocab_size
         self.parallel = parallel or ParallelState.single()
         info = self.parallel.info
         self.num_kv_heads = kv_heads_per_rank(model_config.num_key_value_heads, info.tp_size)
         self.num_layers = len(info.stage_layers(model_config.num_hidden_layers))
 
-        self.max_total_num_tokens = self._plan_kv_tokens(server_args)
-        self.max_running_requests = server_args.max_running_requests or min(
+        self.max_total_num_tokens = self._plan_kv_tokens(settings)
+        self.max_running_requests = settings.max_running_requests or min(
             _DEFAULT_MAX_RUNNING_REQUESTS, self.max_total_num_tokens
         )
         self.req_to_token_pool = ReqToTokenPool(
@@ -100,7 +125,7 @@ class ModelRunner:
         self.attn_backend = None
         if not model_config.is_encoder:
             self.token_to_kv_pool = self._create_kv_pool()
-            self.attention_backend = server_args.attention_backend or default_attention_backend(
+            self.attention_backend = settings.attention_backend or default_attention_backend(
                 self.device, self.dtype, model_config.head_dim
             )
             self.attn_backend = create_attention_backend(
@@ -139,23 +164,23 @@ class ModelRunner:
         )
         return pool
 
-    def _plan_kv_tokens(self, server_args: ServerArgs) -> int:
+    def _plan_kv_tokens(self, settings: RunnerSettings) -> int:
         """KV slots to allocate, rounded down to whole pages; the same on every rank.
 
         ``max_total_tokens`` wins when set; otherwise ``mem_fraction_static`` (default 0.3 on
         CPU, 0.85 on CUDA) of the memory left after the weights (and the kernels' packed copies
         of them), divided by one token's KV bytes on this rank. On a CPU the ranks and replicas
-        of a machine share its memory (``server_args.processes_per_node``); each plans with its
+        of a machine share its memory (``settings.processes_per_node``); each plans with its
         share.
         """
         cfg = self.model_config
-        if server_args.max_total_tokens is not None:
-            tokens = server_args.max_total_tokens
+        if settings.max_total_tokens is not None:
+            tokens = settings.max_total_tokens
         else:
-            fraction = server_args.mem_fraction_static or _DEFAULT_MEM_FRACTION.get(
+            fraction = settings.mem_fraction_static or _DEFAULT_MEM_FRACTION.get(
                 self.device.type, _DEFAULT_MEM_FRACTION["cuda"]
             )
-            sharing = server_args.processes_per_node if self.device.type == "cpu" else 1
+            sharing = settings.processes_per_node if self.device.type == "cpu" else 1
             world = self.parallel.info.world_size
             weight_bytes = checkpoint_weight_bytes(cfg, self.dtype) * sharing // world
             weight_bytes += planned_copy_bytes(
