@@ -180,8 +180,18 @@ CASES = [
     Case("huge_native_n", GENERATE, generate({"n": 1_000_000}), message="n"),
     Case("batch_of_a_hundred_thousand_prompts", GENERATE, {"text": ["a"] * 100_000},
          message="batch"),
+    Case("tokenize_a_hundred_thousand_prompts", "/tokenize", {"prompt": ["a"] * 100_000},
+         param="prompt", message="--max-batch-size"),
     Case("huge_top_logprobs", CHAT, chat(logprobs=True, top_logprobs=1_000_000),
          param="top_logprobs"),
+    Case("token_ids_logprob_past_the_top_logprobs_bound", GENERATE,
+         generate(return_logprob=True, token_ids_logprob=list(range(21))),
+         message="--max-top-logprobs-num"),
+    Case("rid_of_a_megabyte", GENERATE, generate(rid="r" * 2**20), message="1048576 characters"),
+    Case("rid_forging_a_log_line", GENERATE, generate(rid="a\nINFO forged"),
+         message="printable"),
+    Case("batch_rid_past_the_bound", GENERATE, {"text": ["a", "b"], "rid": ["x", "y" * 257]},
+         message="rid[1]"),
     # --- nesting
     Case("body_nested_five_thousand_deep", COMPLETIONS, b"[" * 5000 + b"]" * 5000,
          message="nested"),
@@ -240,9 +250,13 @@ def test_a_hostile_request_gets_its_documented_4xx_and_reaches_no_further(case: 
         (CHAT, chat(presence_penalty=2.0, top_p=1.0)),
         (CHAT, chat(chat_template_kwargs={"x": nested(60)})),
         (COMPLETIONS, completion(prompt="\ud83d\ude00")),  # a surrogate pair is one character
+        (GENERATE, generate(return_logprob=True, token_ids_logprob=list(range(20)))),
+        (GENERATE, generate(rid="r" * 256)),
+        ("/tokenize", {"prompt": ["a"] * 2048}),
     ],
     ids=["int64_max", "int64_min", "n_64", "top_logprobs_20", "stop_128", "stop_4096_chars",
-         "penalty_2_top_p_1", "nested_61_deep", "surrogate_pair"],
+         "penalty_2_top_p_1", "nested_61_deep", "surrogate_pair", "token_ids_logprob_20",
+         "rid_256_chars", "tokenize_2048_prompts"],
 )
 def test_values_at_each_bound_are_accepted(client, path, body):
     r = client.post(path, content=json.dumps(body).encode(),

@@ -21,6 +21,21 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+# A rid is the client's name for its request: echoed in replies, shown in logs and errors, and
+# kept while the request runs. 1 to RID_MAX_LEN printable characters (no newline to forge a log
+# line, no megabyte kept per request).
+RID_MAX_LEN = 256
+
+
+def _check_rid(rid: Any, name: str) -> None:
+    if isinstance(rid, str) and 0 < len(rid) <= RID_MAX_LEN and rid.isprintable():
+        return
+    shown = repr(rid)
+    if len(shown) > 40:
+        shown = f"{shown[:40]}... ({len(rid)} characters)" if isinstance(rid, str) else shown[:40]
+    raise ValueError(f"{name} must be a string of 1 to {RID_MAX_LEN} printable characters, "
+                     f"got {shown}")
+
 
 def _is_token_id(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -134,8 +149,8 @@ class GenerateReqInput:
     def _normalize_single(self) -> None:
         if self.rid is None:
             self.rid = uuid.uuid4().hex
-        elif not isinstance(self.rid, str) or not self.rid:
-            raise ValueError("rid of a single request must be a non-empty string")
+        else:
+            _check_rid(self.rid, "rid")
         if not isinstance(self.sampling_params, dict):
             raise ValueError("sampling_params of a single request must be a dict")
         if self.session_params is not None and not isinstance(self.session_params, dict):
@@ -182,11 +197,12 @@ class GenerateReqInput:
         rid = self.rid
         if rid is None:
             return [uuid.uuid4().hex for _ in range(self.batch_size)]
-        if isinstance(rid, str) and rid:
+        if isinstance(rid, str):
+            _check_rid(rid, "rid")
             base = [f"{rid}_{i}" for i in range(prompts)] if prompts > 1 or n == 1 else [rid]
         elif isinstance(rid, list) and len(rid) == prompts:
-            if not all(isinstance(r, str) and r for r in rid):
-                raise ValueError("every rid must be a non-empty string")
+            for i, r in enumerate(rid):
+                _check_rid(r, f"rid[{i}]")
             base = list(rid)
         else:
             raise ValueError(

@@ -519,7 +519,8 @@ class TokenizerManager:
 
     def _check_amplification(self, obj: GenerateReqInput, params: SamplingParams) -> None:
         """Bounds on what one generation may cost: ``--max-completion-tokens`` and
-        ``--max-top-logprobs-num`` (a reply grows by that many entries per token)."""
+        ``--max-top-logprobs-num`` (a reply grows by that many entries per token, for
+        ``top_logprobs_num`` and for ``token_ids_logprob`` alike)."""
         cap = self.server_args.max_completion_tokens
         if params.max_new_tokens > cap:
             raise ValueError(
@@ -531,6 +532,12 @@ class TokenizerManager:
             raise ValueError(
                 f"top_logprobs_num is {obj.top_logprobs_num}: at most {top} top logprobs per "
                 "position (--max-top-logprobs-num)"
+            )
+        asked = len(obj.token_ids_logprob or [])
+        if asked > top:  # the same growth per position as top_logprobs_num
+            raise ValueError(
+                f"token_ids_logprob has {asked} ids: at most {top} logprobs per position "
+                "(--max-top-logprobs-num)"
             )
 
     def _check_alive(self) -> None:

@@ -356,11 +356,19 @@ async def close_session(body: CloseSessionRequest, request: Request) -> dict[str
 # ---------------------------------------------------------------------------- tokenizer
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    """Token ids of one prompt or of a batch of at most ``--max-batch-size`` prompts (the
+    tokenizer runs on the event loop, so a batch is bounded like a generation's)."""
     ctx = get_ctx(request)
     tok = ctx.tokenizer
     if isinstance(body.prompt, str):
         ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.context_len}
+    limit = ctx.server_args.max_batch_size
+    if len(body.prompt) > limit:
+        raise APIError(
+            400, f"the request has {len(body.prompt)} prompts: at most {limit} in one request "
+            "(--max-batch-size)", param="prompt",
+        )
     rows = [tok.encode(p, add_special_tokens=body.add_special_tokens) for p in body.prompt]
     return {"tokens": rows, "count": [len(r) for r in rows], "max_model_len": ctx.context_len}
 
