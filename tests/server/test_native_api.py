@@ -131,6 +131,20 @@ def test_flush_cache_empties_the_prefix_cache(client):
     assert after["available_kv_tokens"] == after["total_kv_tokens"] == KV_TOKENS
 
 
+def test_flush_cache_answers_get_as_sglang_does(client):
+    r = client.get("/flush_cache")
+    assert r.status_code == 200 and r.json()["success"] is True
+
+
+def test_openapi_has_one_operation_id_per_operation(client):
+    """Generated clients name their methods by operation id: two equal ids clash (FastAPI
+    warned of ``flush_cache`` and ``get_weights_by_name``, each served for GET and POST)."""
+    paths = client.get("/openapi.json").json()["paths"]
+    ids = [op["operationId"] for path in paths.values() for op in path.values()]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    assert {"get", "post"} <= set(paths["/flush_cache"])
+
+
 def test_server_info_reports_args_sizes_and_memory(client, server):
     info = client.get("/get_server_info").json()
     assert info["model_path"] == server.model and info["port"] == server.port

@@ -93,7 +93,9 @@ async def update_weights_from_disk(
     return {"success": True, "message": message}
 
 
-@router.api_route("/get_weights_by_name", methods=["GET", "POST"])
+# SGLang takes both methods; each gets an OpenAPI operation id of its own.
+@router.get("/get_weights_by_name", operation_id="get_weights_by_name_get")
+@router.post("/get_weights_by_name", operation_id="get_weights_by_name")
 async def get_weights_by_name(body: GetWeightsByNameRequest, request: Request) -> list[Any]:
     """The first ``truncate_size`` rows of a checkpoint tensor, as the server holds it."""
     tm = get_ctx(request).tokenizer_manager

@@ -320,7 +320,9 @@ async def metrics(request: Request) -> Response:
 
 
 # ---------------------------------------------------------------------------- control
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+# SGLang takes both methods; each gets an OpenAPI operation id of its own.
+@router.get("/flush_cache", operation_id="flush_cache_get")
+@router.post("/flush_cache", operation_id="flush_cache")
 async def flush_cache(request: Request) -> dict[str, Any]:
     """Drop the prefix cache; refused (400) while requests are running."""
     reply = await get_ctx(request).tokenizer_manager.flush_cache()
