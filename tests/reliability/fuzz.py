@@ -25,6 +25,8 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
+from radixserve.server.errors import ERROR_TYPES
+
 CALL_TIMEOUT_S = 60.0
 # Documented 5xx answers, not bugs: SGLang's fork-join route that radixserve does not implement.
 EXPECTED_5XX = {("POST", "/concate_and_append_request"): 501}
@@ -104,9 +106,15 @@ def is_error_object(body: Any) -> bool:
             and bool(error["message"]) and isinstance(error.get("type"), str))
 
 
-def _stream_errors(text: str) -> list[dict[str, Any]]:
-    """The error events of an SSE body (a failure after the stream started)."""
-    errors = []
+# The error ``type`` of each 5xx (a Responses stream names its failure by type, not status).
+SERVER_ERROR_TYPES = frozenset(t for status, t in ERROR_TYPES.items() if status >= 500)
+
+
+def stream_server_errors(text: str) -> list[Any]:
+    """The events of an SSE body that report a server error after the stream started: an
+    ``error`` object without an int code below 500 (native and OpenAI chat/completions
+    streams), or a Responses ``error`` event whose code is a 5xx's type."""
+    found = []
     for line in text.splitlines():
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
@@ -114,9 +122,17 @@ def _stream_errors(text: str) -> list[dict[str, Any]]:
             event = json.loads(line.removeprefix("data: "))
         except ValueError:
             continue
-        if isinstance(event, dict) and "error" in event:
-            errors.append(event["error"])
-    return errors
+        if not isinstance(event, dict):
+            continue
+        if event.get("type") == "error":  # Responses: then response.failed
+            if event.get("code") in SERVER_ERROR_TYPES:
+                found.append(event)
+        elif "error" in event:
+            error = event["error"]
+            code = error.get("code") if isinstance(error, dict) else None
+            if not isinstance(code, int) or code >= 500:
+                found.append(error)
+    return found
 
 
 def judge(report: OperationReport, case: Any, response: requests.Response) -> None:
@@ -136,10 +152,8 @@ def judge(report: OperationReport, case: Any, response: requests.Response) -> No
                         f"{where} -> {status} {response.text[:300]}")
     content_type = response.headers.get("content-type", "")
     if status == 200 and content_type.startswith("text/event-stream"):
-        for error in _stream_errors(response.text):
-            code = error.get("code") if isinstance(error, dict) else None
-            if not isinstance(error, dict) or not isinstance(code, int) or code >= 500:
-                report.fail("stream error event", f"{where} -> {error}")
+        for error in stream_server_errors(response.text):
+            report.fail("stream error event", f"{where} -> {error}")
 
 
 def _short(body: Any, limit: int = 300) -> str:

@@ -9,6 +9,7 @@ without a bound get 16), so that no fuzzed request generates for long.
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -23,6 +24,7 @@ from tests.reliability.fuzz import (
     fuzz_seed,
     load_schema,
     operations,
+    stream_server_errors,
 )
 from tests.server.conftest import assert_no_leak, internal_state, start_server
 
@@ -85,3 +87,22 @@ def test_the_fuzzed_server_is_healthy_and_holds_nothing(fuzz_server):
         r = c.post("/generate", json={"text": "still serving",
                                       "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
         assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 4
+
+
+def test_the_judge_sees_a_server_error_in_every_stream_format():
+    """A stream fails after its 200: chat/completions/native streams send an error object with
+    its status, a Responses stream an ``error`` event (named by type) then
+    ``response.failed``. Only server errors break the contract."""
+    def sse(*events):
+        return "\n\n".join(f"data: {json.dumps(e)}" for e in events)
+
+    native_500 = sse({"error": {"message": "boom", "type": "server_error", "code": 500}})
+    native_400 = sse({"error": {"message": "bad", "type": "invalid_request_error", "code": 400}})
+    failed = {"type": "response.failed", "response": {"status": "failed"}}
+    responses_500 = sse({"type": "error", "code": "server_error", "message": "boom"}, failed)
+    responses_400 = sse({"type": "error", "code": "invalid_request_error", "message": "x"},
+                        failed)
+    assert [e["message"] for e in stream_server_errors(native_500)] == ["boom"]
+    assert [e["message"] for e in stream_server_errors(responses_500)] == ["boom"]
+    assert stream_server_errors(native_400) == stream_server_errors(responses_400) == []
+    assert stream_server_errors(sse({"text": "fine"}) + "\n\ndata: [DONE]") == []
