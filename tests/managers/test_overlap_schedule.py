@@ -1,7 +1,7 @@
 """The overlap schedule (``enable_overlap_schedule``) gives the outputs of the plain schedule.
 
 Each test runs the same requests through a plain and an overlapped in-process scheduler and
-checks that steps really were launched ahead (``num_overlapped_steps``), that greedy tokens,
+checks that steps really were launched ahead (``OverlapSchedule.num_steps``), that greedy tokens,
 finish reasons and logprobs agree (and match transformers), and, through the shared leak check,
 that every KV slot and request row comes back.
 """
@@ -78,7 +78,7 @@ def test_greedy_outputs_equal_the_plain_schedule_and_transformers(llama_path, co
     per_request["p5"]["stop_token_ids"] = [refs[5].tokens[5]]
     plain, overlapped, scheduler = run_both(llama_path, named, per_request, **CONFIGS[config])
 
-    assert scheduler.num_overlapped_steps > 0
+    assert scheduler.overlap.num_steps > 0
     if config == "retract":
         assert scheduler.num_retracted_reqs > 0
     assert_same_outputs(plain, overlapped)
@@ -112,7 +112,7 @@ def test_arrivals_aborts_and_output_reading_samplers_wait_for_the_step_in_flight
         driver.run()
         finals.append((driver.results(), driver.scheduler))
     (plain, _), (overlapped, scheduler) = finals
-    assert scheduler.num_overlapped_steps > 0
+    assert scheduler.overlap.num_steps > 0
     assert overlapped["doomed"].finished_reason["type"] == "abort"
     assert plain["doomed"].finished_reason["type"] == "abort"
     assert plain["late"].tokens.count(7) > 1 and plain["late"].tokens.count(8) > 1
@@ -161,7 +161,7 @@ def test_streaming_session_turns_and_plain_requests_share_the_overlapped_loop(ll
             tokens.update({rid: r.tokens for rid, r in driver.results().items()})
         runs.append((tokens, driver.scheduler))
     (plain, _), (overlapped, scheduler) = runs
-    assert scheduler.num_overlapped_steps > 0
+    assert scheduler.overlap.num_steps > 0
     assert overlapped == plain
     assert all(len(overlapped[f"turn{i}"]) == 6 for i in range(3))
 
@@ -183,7 +183,7 @@ def test_seeded_sampling_is_reproduced_exactly(llama_path):
     (plain, _), (overlapped, scheduler) = runs
     assert overlapped == plain
     # Once the seeded requests are done, the greedy one decodes ahead.
-    assert scheduler.num_overlapped_steps > 0
+    assert scheduler.overlap.num_steps > 0
 
 
 def test_requests_waiting_for_a_row_let_the_running_batch_decode_ahead(llama_path):
@@ -202,7 +202,7 @@ def test_requests_waiting_for_a_row_let_the_running_batch_decode_ahead(llama_pat
     (plain, _, plain_steps), (overlapped, scheduler, _) = runs
     assert overlapped == plain
     # Only the prefills and the steps right after a finish frees a row wait.
-    assert scheduler.num_overlapped_steps >= plain_steps * 3 // 4
+    assert scheduler.overlap.num_steps >= plain_steps * 3 // 4
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -245,7 +245,7 @@ def test_random_traffic_gives_the_plain_schedules_outputs(llama_path, seed):
         driver.run()
         runs.append(driver.results())
     plain, overlapped = runs
-    assert driver.scheduler.num_overlapped_steps > 0
+    assert driver.scheduler.overlap.num_steps > 0
     assert plain.keys() == overlapped.keys()
     for rid, want in plain.items():
         got = overlapped[rid]

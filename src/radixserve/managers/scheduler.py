@@ -13,7 +13,7 @@
 ``handle_pause_generation``.
 
 With ``--enable-overlap-schedule`` the model runs on a thread of its own (``OverlapWorker``) and
-a decode step N+1 is launched before step N's tokens are processed (``_step_overlapped``).
+a decode step N+1 is launched before step N's tokens are processed (``overlap_schedule.py``).
 
 Parallel ranks: every rank of a replica runs this scheduler on the same messages
 (``RequestReceiver``) and so takes the same decisions; only rank 0 sends outputs and replies.
@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,11 +65,10 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from radixserve.managers.memory_check import MemoryChecker, busy_check_enabled
-from radixserve.managers.overlap_worker import OverlapWorker
+from radixserve.managers.overlap_schedule import OverlapSchedule
 from radixserve.managers.request_checks import check_embedding, check_generate
 from radixserve.managers.request_receiver import RequestReceiver
 from radixserve.managers.retraction import (
-    decode_fits,
     retract_all,
     retract_for_decode,
 )
@@ -89,7 +87,6 @@ from radixserve.managers.schedule_policy import (
 from radixserve.managers.scheduler_control import SchedulerControl
 from radixserve.managers.scheduler_stats import SchedulerStats, token_usage
 from radixserve.managers.watchdog import Watchdog
-from radixserve.sampling.sampling_batch_info import reads_output_ids
 from radixserve.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -101,14 +98,6 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 1000
 # How long a step with nothing to run waits for a grammar to compile (messages wait meanwhile).
 _GRAMMAR_WAIT_S = 0.01
-
-
-@dataclass
-class _InFlight:
-    """A decode step launched on the overlap worker whose result is not processed yet."""
-
-    batch: ScheduleBatch  # a snapshot: the running batch moves on meanwhile
-    result: Future[SampleOutput]
 
 
 @dataclass
@@ -194,10 +183,8 @@ class Scheduler:
         self._after_aborts: list[TokenizedGenerateReqInput] = []
         self.last_leak_check: dict[str, Any] = {}
         self.stop_requested = False
-        self._idle_checked = False
-        self.overlap: OverlapWorker | None = parts.overlap
-        self._in_flight: _InFlight | None = None
-        self.num_overlapped_steps = 0  # decode steps launched before the previous one's result
+        self.idle_checked = False  # the idle self-check ran since the last step
+        self.overlap = None if parts.overlap is None else OverlapSchedule(self, parts.overlap)
         self.paused = False  # by PauseGenerationReqInput: no step runs until continued
         self.stats = SchedulerStats()
         self.control = SchedulerControl(self)
@@ -316,7 +303,7 @@ class Scheduler:
             self.sessions.on_step()
             return False
         if self.overlap is not None:
-            return self._step_overlapped(self.overlap)
+            return self.overlap.step()
         self.begin_step()
         batch = self.get_next_batch_to_run()
         if batch is None:
@@ -324,7 +311,7 @@ class Scheduler:
         result = self.run_batch(batch)
         assert result is not None, "without pipelining every rank has the step's outcome"
         self.process_batch_result(batch, result)
-        self._check_busy()
+        self.check_busy_invariant()
         return True
 
     def begin_step(self) -> None:
@@ -337,7 +324,7 @@ class Scheduler:
     def run_batch(self, batch: ScheduleBatch) -> SampleOutput | torch.Tensor | None:
         """The model step of ``batch``: its tokens (an embedding model: its embeddings), or
         None on a pipeline stage that does not sample (the tokens come round the pipeline)."""
-        self._idle_checked = False
+        self.idle_checked = False
         forward_batch = batch.to_forward_batch()
         if self.is_generation:
             result = self.tp_worker.forward_batch_generation(forward_batch)
@@ -352,9 +339,9 @@ class Scheduler:
         if self.grammar_queue:
             self.grammar_queue.wait(_GRAMMAR_WAIT_S)
             return True
-        if not self._idle_checked:
+        if not self.idle_checked:
             self.self_check_during_idle()
-            self._idle_checked = True
+            self.idle_checked = True
         return False
 
     def _admit_compiled_grammars(self) -> None:
@@ -388,89 +375,6 @@ class Scheduler:
             self.running_batch.merge_batch(batch)
         else:
             self.running_batch.filter_batch()
-
-    # ------------------------------------------------------------------ overlap schedule
-    def _step_overlapped(self, worker: OverlapWorker) -> bool:
-        """``step`` with the model on ``worker``'s thread: while decode step N computes, step
-        N+1 is planned and launched, then N's tokens are processed, so the scheduler's work
-        hides behind the forward. Whatever needs step N's outcome first (an admission, an
-        abort, a retraction, sampling that reads the outputs: ``_can_decode_ahead``) waits for
-        it and then goes as ``step`` would; prefills run one at a time, waited for at once.
-
-        A request that finishes at step N is already in step N+1: that step writes the KV of
-        its last token and samples one token more, which ``process_batch_result`` discards.
-        Greedy outputs are those of ``step``.
-        """
-        self.begin_step()
-        previous, self._in_flight = self._in_flight, None
-        if previous is not None and self._can_decode_ahead():
-            self.new_token_ratio.step()
-            self.running_batch.prepare_for_decode(behind=previous.batch)
-            self._in_flight = self._launch_decode(worker)
-            self.num_overlapped_steps += 1
-            self._finish_in_flight(previous)
-            self.control.after_step()
-            self._check_busy()
-            return True
-        if previous is not None:
-            self._finish_in_flight(previous)
-            self.control.after_step()
-        batch = self.get_next_batch_to_run()
-        if batch is None:
-            return self.on_idle() if previous is None else True
-        self._idle_checked = False
-        if batch.forward_mode.is_extend:
-            self.process_batch_result(batch, worker.launch(batch.to_forward_batch()).result())
-            self.control.after_step()
-        else:
-            self._in_flight = self._launch_decode(worker)
-        self._check_busy()
-        return True
-
-    def _can_decode_ahead(self) -> bool:
-        """Whether the running batch's next step can be planned before the tokens of the step
-        in flight are known: nothing could be admitted now (the waiting requests wait for a
-        request slot, which only a finish frees), nothing waits to be aborted or retracted, no
-        streaming session turn (its slot takes the turn's KV when it finishes) and no sampler
-        that reads the outputs so far (penalties, seeds, a grammar's mask)."""
-        batch = self.running_batch
-        if batch.is_empty() or self.chunked_req is not None:
-            return False
-        if self.waiting_queue and self._could_admit_now():
-            return False
-        for req in batch.reqs:
-            if req.to_abort is not None or req.streaming_session_id is not None:
-                return False
-            if req.grammar is not None:
-                return False
-            if reads_output_ids(req.sampling_params, len(req.output_ids)):
-                return False
-        return decode_fits(batch)
-
-    def _could_admit_now(self) -> bool:
-        """Whether a waiting request may find a request row: one is free below
-        ``max_running_requests``, or an idle streaming session's row could be released."""
-        if len(self.running_batch) >= self.max_running_requests:
-            return False
-        return (
-            self.req_to_token_pool.available_size() > 0
-            or self.tree_cache.session_held_rows() > 0
-        )
-
-    def _launch_decode(self, worker: OverlapWorker) -> _InFlight:
-        """Launch the running batch's prepared decode step."""
-        batch = self.running_batch
-        for req in batch.reqs:
-            req.tokens_in_flight += 1
-        forward_batch = batch.to_forward_batch()
-        return _InFlight(batch.snapshot(), worker.launch(forward_batch, batch.input_rows))
-
-    def _finish_in_flight(self, step: _InFlight) -> None:
-        """Wait for the step and process its tokens."""
-        result = step.result.result()
-        self.process_batch_result(step.batch, result)
-        for req in step.batch.reqs:
-            req.tokens_in_flight -= 1
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         """A prefill batch when one can be admitted, else a decode step of the running batch.
@@ -757,7 +661,7 @@ class Scheduler:
                 "max_total_num_tokens": self.max_total_num_tokens,
                 "num_retracted_reqs": self.num_retracted_reqs,
                 "num_aborted_reqs": self.num_aborted_reqs,
-                "num_overlapped_steps": self.num_overlapped_steps,
+                "num_overlapped_steps": self.overlap.num_steps if self.overlap else 0,
                 "paused": self.paused,
                 "num_open_sessions": len(self.sessions.sessions),
                 "num_session_reqs": self.sessions.num_reqs(),
@@ -782,9 +686,8 @@ class Scheduler:
         Pausing a paused scheduler applies the new mode to what is there.
         """
         self.paused = True
-        if self._in_flight is not None:
-            step, self._in_flight = self._in_flight, None
-            self._finish_in_flight(step)
+        if self.overlap is not None:
+            self.overlap.finish_in_flight()
         aborted_before = self.num_aborted_reqs
         self._finish_aborted()
         retracted: list[Req] = []
@@ -822,7 +725,7 @@ class Scheduler:
             and not self.grammar_queue
             and all(mb.running.is_empty() and mb.in_flight is None for mb in self.micro_batches)
             and not self.chunked_req
-            and self._in_flight is None
+            and (self.overlap is None or self.overlap.in_flight is None)
         )
 
     def holding_reqs(self) -> list[Req]:
@@ -855,7 +758,7 @@ class Scheduler:
         if self.is_idle():
             self.last_leak_check = self.memory.check([])
 
-    def _check_busy(self) -> None:
+    def check_busy_invariant(self) -> None:
         """``RADIXSERVE_STRICT_MEM_CHECK=busy``: the invariant after every step, counting
         what running requests (and the chunked one) hold."""
         if self.check_busy:
