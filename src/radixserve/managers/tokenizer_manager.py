@@ -4,7 +4,7 @@ Flow of a generate call::
 
     generate_request(GenerateReqInput)
         normalize → tokenize → validate ALL prompts (ValueError before anything is sent)
-        → register one _ReqState per rid → TokenizedGenerateReqInput ──ZMQ──▶ scheduler
+        → register one ReqState per rid → TokenizedGenerateReqInput ──ZMQ──▶ scheduler
     handle_loop (task reading the PULL socket)
         BatchStrOutput (from the detokenizer) → append to the rid's state → wake its generate call
         replies of control requests (flush, internal state, sessions, pause, ...) → waiting future
@@ -76,20 +76,25 @@ from radixserve.managers.io_struct import (
     ReqStrOutput,
     ResumeMemoryOccupationReqInput,
     ResumeMemoryOccupationReqOutput,
-    SessionParams,
     SetInternalStateReq,
     SetInternalStateReqOutput,
     SlowDownReqInput,
     SlowDownReqOutput,
-    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
 )
 from radixserve.managers.logprob_meta import LogprobMeta
-from radixserve.managers.request_checks import check_embedding, check_generate
+from radixserve.managers.request_state import (
+    CapacityError,
+    ReqState,
+    RequestMetrics,
+    SchedulerError,
+    ServiceUnavailableError,
+    raise_if_rejected,
+)
+from radixserve.managers.request_tokenizer import RequestTokenizer
 from radixserve.managers.request_values import describe, find_unrepresentable
-from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 from radixserve.sessions.session import RESUME_NEEDS_ID, check_session_id
 
@@ -108,35 +113,6 @@ _CONTROL_REPLIES = (
 )
 
 
-class ServiceUnavailableError(RuntimeError):
-    """The engine cannot take requests now (its memory is released): HTTP 503."""
-
-
-class CapacityError(RuntimeError):
-    """A server-wide bound is reached (``--max-sessions``): HTTP 429, retry later."""
-
-
-class SchedulerError(RuntimeError):
-    """The scheduler failed while handling this request (a bug): HTTP 500 with the message.
-    The scheduler and the other requests go on."""
-
-
-@dataclass
-class RequestMetrics:
-    """Timings of one request (``time.perf_counter`` seconds), handed to the metrics callback."""
-
-    rid: str
-    arrival_time: float
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    first_token_time: float | None = None
-    # One entry per output message: (time it arrived, number of new tokens in it).
-    token_times: list[tuple[float, int]] = field(default_factory=list)
-    finish_time: float | None = None
-    finish_reason: FinishReason | None = None
-
-
 @dataclass(frozen=True)
 class PreparedGenerate:
     """A call's requests, validated and encoded, not yet sent (``prepare_generate``)."""
@@ -145,54 +121,6 @@ class PreparedGenerate:
     reqs: list[Any]  # TokenizedGenerateReqInput / TokenizedEmbeddingReqInput, one per prompt
     frames: list[bytes]  # the same, encoded
     logprobs: list[LogprobMeta | None] | None = None  # collects request i's, when it asked
-
-
-@dataclass(eq=False)
-class _ReqState:
-    """Everything received so far for one rid; ``notify`` is shared by all rids of one call."""
-
-    rid: str
-    notify: asyncio.Event
-    logprobs: LogprobMeta | None  # with return_logprob
-    metrics: RequestMetrics
-    log_metrics: bool = True
-    session_id: str | None = None
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    finished_reason: FinishReason | None = None
-    finished: bool = False
-    dirty: bool = False  # received something the consumer has not yielded yet
-    embedding: list[float] | None = None  # embedding requests only
-
-    def to_dict(self) -> dict[str, Any]:
-        """SGLang's output shape; lists are copied so cumulative chunks stay immutable."""
-        meta: dict[str, Any] = {
-            "id": self.rid,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens,
-            "finish_reason": self._finish_reason_dict(),
-        }
-        if self.logprobs is not None:
-            meta.update(self.logprobs.to_meta())
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
-
-    def to_embedding_dict(self) -> dict[str, Any]:
-        """SGLang's ``/encode`` output shape."""
-        meta = {
-            "id": self.rid,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "finish_reason": self._finish_reason_dict(),
-        }
-        return {"embedding": self.embedding, "meta_info": meta}
-
-    def _finish_reason_dict(self) -> dict[str, Any] | None:
-        reason = self.finished_reason
-        return reason.to_dict() if reason is not None else None
 
 
 class TokenizerManager:
@@ -213,13 +141,19 @@ class TokenizerManager:
         self.tokenizer = AutoTokenizer.from_pretrained(
             server_args.tokenizer, local_files_only=True
         )
+        self.request_tokenizer = RequestTokenizer(
+            self.tokenizer, model_config.vocab_size, model_config.context_len,
+            max_completion_tokens=server_args.max_completion_tokens,
+            max_top_logprobs_num=server_args.max_top_logprobs_num,
+            dp_size=server_args.dp_size,
+        )
         # Called (on the loop) once per finished request; e.g. the HTTP layer's Prometheus hook.
         self.on_request_finished = on_request_finished
         self._ctx = zmq.asyncio.Context()
         self._recv_sock = ipc.pull_socket(self._ctx, port_args.tokenizer_input)
         self._send_ctx = zmq.Context()
         self._send_sock = ipc.push_socket(self._send_ctx, port_args.scheduler_input)
-        self._states: dict[str, _ReqState] = {}
+        self._states: dict[str, ReqState] = {}
         self._task: asyncio.Task | None = None
         self._dead_message: str | None = None
         # Embedding models (an encoder, or a decoder served with --is-embedding) only encode.
@@ -285,7 +219,7 @@ class TokenizerManager:
                 "this server serves an embedding model: use /encode or /v1/embeddings"
             )
         obj.normalize()
-        reqs = [self._tokenize(obj[i], i if not obj.is_single else None)
+        reqs = [self.request_tokenizer.generate(obj[i], i if not obj.is_single else None)
                 for i in range(obj.batch_size)]
         return PreparedGenerate(
             obj=obj,
@@ -316,7 +250,7 @@ class TokenizerManager:
                 await notify.wait()
                 notify.clear()
                 self._check_alive()
-                _raise_if_rejected(states, obj.is_single)
+                raise_if_rejected(states, obj.is_single)
                 done = all(s.finished for s in states)
                 if obj.stream:
                     for i, state in enumerate(states):
@@ -335,7 +269,7 @@ class TokenizerManager:
     @contextlib.contextmanager
     def _in_flight(
         self, prepared: PreparedGenerate, log_metrics: bool = True
-    ) -> Iterator[list[_ReqState]]:
+    ) -> Iterator[list[ReqState]]:
         """The only way a request's state enters ``_states``. The requests come encoded (a
         value the wire cannot carry was refused while preparing, so a batch is sent whole or
         not at all); one state per request (sharing one notify event) is registered and the
@@ -348,7 +282,7 @@ class TokenizerManager:
         notify = asyncio.Event()
         now = time.perf_counter()
         states = [
-            _ReqState(
+            ReqState(
                 rid=req.rid,
                 notify=notify,
                 logprobs=logprobs[i] if logprobs else None,
@@ -405,7 +339,7 @@ class TokenizerManager:
         reqs = []
         for i in range(obj.batch_size):
             try:
-                reqs.append(self._tokenize_embedding(obj[i]))
+                reqs.append(self.request_tokenizer.embedding(obj[i]))
             except ValueError as e:
                 raise ValueError(f"input {i}: {e}" if not obj.is_single else str(e)) from e
         prepared = PreparedGenerate(obj, reqs, [self._encode(req) for req in reqs])
@@ -414,20 +348,11 @@ class TokenizerManager:
                 await states[0].notify.wait()
                 states[0].notify.clear()
                 self._check_alive()
-            _raise_if_rejected(states, obj.is_single)
+            raise_if_rejected(states, obj.is_single)
             outs = [s.to_embedding_dict() for s in states]
             return outs[0] if obj.is_single else outs
 
-    def _tokenize_embedding(self, obj: GenerateReqInput) -> TokenizedEmbeddingReqInput:
-        if obj.input_ids is not None:
-            input_ids = list(obj.input_ids)
-        else:
-            input_ids = self._encode_text(obj.text)
-        check_embedding(input_ids, vocab_size=self.model_config.vocab_size,
-                        context_len=self.model_config.context_len)
-        return TokenizedEmbeddingReqInput(rid=obj.rid, input_ids=input_ids, input_text=obj.text)
-
-    def _abort_unfinished(self, states: list[_ReqState]) -> None:
+    def _abort_unfinished(self, states: list[ReqState]) -> None:
         """The caller stopped waiting: abort (and report) its requests that have not finished."""
         for state in states:
             if not state.finished and self._states.pop(state.rid, None) is state:
@@ -457,88 +382,6 @@ class TokenizerManager:
             if not any(s.session_id in sessions for s in self._states.values()):
                 return
             await asyncio.sleep(0)
-
-    def _encode_text(self, text: str) -> list[int]:
-        """Token ids of a prompt; ``ValueError`` for text the tokenizer cannot read (a lone
-        surrogate from an ``Engine`` caller: the HTTP layer refuses those first)."""
-        found = find_unrepresentable(text)
-        if found is not None:
-            raise ValueError(describe("text", found[1]))
-        return self.tokenizer.encode(text)
-
-    def _tokenize(self, obj: GenerateReqInput, index: int | None) -> TokenizedGenerateReqInput:
-        """Build the scheduler message of one prompt; ``ValueError`` names the batch index."""
-        try:
-            return self._tokenize_one(obj)
-        except ValueError as e:
-            if index is None:
-                raise
-            raise ValueError(f"prompt {index}: {e}") from e
-
-    def _tokenize_one(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
-        if obj.input_ids is not None:
-            input_ids = list(obj.input_ids)
-        else:
-            input_ids = self._encode_text(obj.text)
-        sampling_params = SamplingParams.from_dict(obj.sampling_params)
-        # A session request's whole prompt is known in the scheduler, which checks it again.
-        check_generate(
-            input_ids, sampling_params,
-            vocab_size=self.model_config.vocab_size, context_len=self.model_config.context_len,
-            return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len,
-            top_logprobs_num=obj.top_logprobs_num, token_ids_logprob=obj.token_ids_logprob,
-            whole_prompt=not obj.session_params,
-        )
-        self._check_amplification(obj, sampling_params)
-        rank = obj.data_parallel_rank
-        if rank is not None and rank >= self.server_args.dp_size:
-            raise ValueError(
-                f"data_parallel_rank {rank} does not exist: --dp-size is "
-                f"{self.server_args.dp_size} (ranks 0 to {self.server_args.dp_size - 1})"
-            )
-        session_params = None
-        if obj.session_params:
-            try:
-                session_params = msgspec.convert(obj.session_params, SessionParams)
-            except msgspec.ValidationError as e:
-                raise ValueError(f"invalid session_params: {e}") from e
-            check_session_id(session_params.id)
-        return TokenizedGenerateReqInput(
-            rid=obj.rid,
-            input_ids=input_ids,
-            sampling_params=sampling_params,
-            input_text=obj.text,
-            return_logprob=obj.return_logprob,
-            logprob_start_len=obj.logprob_start_len,
-            top_logprobs_num=obj.top_logprobs_num,
-            token_ids_logprob=obj.token_ids_logprob,
-            stream=obj.stream,
-            session_params=session_params,
-            data_parallel_rank=rank,
-        )
-
-    def _check_amplification(self, obj: GenerateReqInput, params: SamplingParams) -> None:
-        """Bounds on what one generation may cost: ``--max-completion-tokens`` and
-        ``--max-top-logprobs-num`` (a reply grows by that many entries per token, for
-        ``top_logprobs_num`` and for ``token_ids_logprob`` alike)."""
-        cap = self.server_args.max_completion_tokens
-        if params.max_new_tokens > cap:
-            raise ValueError(
-                f"max_new_tokens (max_tokens) is {params.max_new_tokens}: this server generates "
-                f"at most {cap} tokens per request (--max-completion-tokens)"
-            )
-        top = self.server_args.max_top_logprobs_num
-        if obj.top_logprobs_num > top:
-            raise ValueError(
-                f"top_logprobs_num is {obj.top_logprobs_num}: at most {top} top logprobs per "
-                "position (--max-top-logprobs-num)"
-            )
-        asked = len(obj.token_ids_logprob or [])
-        if asked > top:  # the same growth per position as top_logprobs_num
-            raise ValueError(
-                f"token_ids_logprob has {asked} ids: at most {top} logprobs per position "
-                "(--max-top-logprobs-num)"
-            )
 
     def _check_alive(self) -> None:
         if self._dead_message is not None:
@@ -636,7 +479,7 @@ class TokenizerManager:
         self._report(state, out.finished_reason)
         state.notify.set()
 
-    def _report(self, state: _ReqState, reason: FinishReason) -> None:
+    def _report(self, state: ReqState, reason: FinishReason) -> None:
         """Complete the request's metrics and hand them to the callback, if any (and the
         request did not opt out with ``log_metrics`` false)."""
         if not state.log_metrics:
@@ -906,24 +749,6 @@ class _Replies:
         self.received.append(reply)
         if len(self.received) == self.expected:
             self.future.set_result(self.received)
-
-
-_REJECTIONS: dict[int, type[Exception]] = {
-    400: ValueError, 500: SchedulerError, 503: ServiceUnavailableError
-}
-
-
-def _raise_if_rejected(states: list[_ReqState], is_single: bool) -> None:
-    """A request the scheduler refused or failed raises like our own checks do.
-
-    The scheduler marks such an end with a ``status_code`` on its abort reason: 400 bad input
-    (e.g. an invalid session: ``ValueError``), 500 its own failure, 503 memory released.
-    """
-    for i, state in enumerate(states):
-        reason = state.finished_reason
-        if isinstance(reason, FinishAbort) and reason.status_code in _REJECTIONS:
-            error = _REJECTIONS[reason.status_code]
-            raise error(reason.message if is_single else f"prompt {i}: {reason.message}")
 
 
 def _session_ids(obj: GenerateReqInput) -> set[str]:

@@ -38,7 +38,8 @@ from radixserve.managers.launcher import (
     terminate_processes,
     watch_processes,
 )
-from radixserve.managers.tokenizer_manager import RequestMetrics, TokenizerManager
+from radixserve.managers.request_state import RequestMetrics
+from radixserve.managers.tokenizer_manager import TokenizerManager
 from radixserve.model_config import ModelConfig
 from radixserve.server.app import create_app
 from radixserve.server.context import ServerContext, ServerState
