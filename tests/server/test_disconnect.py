@@ -7,6 +7,7 @@ import json
 import socket
 
 import httpx
+import pytest
 
 from tests.server.conftest import (
     assert_no_leak,
@@ -57,6 +58,33 @@ def test_non_stream_request_of_a_gone_client_is_aborted(client, server):
             wait_for(lambda: internal_state(client), lambda s: s["num_waiting_reqs"] == 1,
                      "the request queued in the paused scheduler")
         # The client is gone before its request could run: the server aborts it, paused or not.
+        _aborted(client, aborted + 1)
+    assert_no_leak(client)
+
+
+STREAMS = {
+    "/generate": {"text": "gone early", "stream": True, "sampling_params": {"max_new_tokens": 8}},
+    "/v1/completions": {"prompt": "gone early", "stream": True, "max_tokens": 8},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "gone early"}],
+                             "stream": True, "max_tokens": 8},
+    "/v1/responses": {"input": "gone early", "stream": True, "max_output_tokens": 8},
+}
+
+
+@pytest.mark.parametrize("path", list(STREAMS))
+def test_stream_of_a_client_gone_before_its_first_output_is_aborted(client, server, path):
+    """The stream has not started (its first output is waited for before the 200 goes out):
+    the disconnect is watched then too, so a request held in the queue does not outlive its
+    client."""
+    aborted = memory_figures(client)["aborted"]
+    body = json.dumps(STREAMS[path]).encode()
+    request = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with paused(client):
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(request + body)
+            wait_for(lambda: internal_state(client), lambda s: s["num_waiting_reqs"] == 1,
+                     "the request queued in the paused scheduler")
         _aborted(client, aborted + 1)
     assert_no_leak(client)
 

@@ -109,8 +109,10 @@ async def merge_generations(gens: Sequence[AsyncIterator[T]]) -> AsyncIterator[t
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Await ``work``, cancelling it (so its generation aborts) if the client disconnects.
 
-    Streaming responses get this from Starlette; a plain response only notices a gone client
-    when it writes, after the whole generation, so its receive channel is watched here.
+    A plain response only notices a gone client when it writes, after the whole generation,
+    so its receive channel is watched here. A stream gets this from Starlette once it has
+    started, and from here while ``prime`` waits for its first output (a request queued or
+    paused for long must not outlive its client).
     """
     work_task = asyncio.ensure_future(work)
 

@@ -163,7 +163,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     agen = ctx.tokenizer_manager.generate_request(obj)
     if not obj.stream:
         return JSONResponse(await cancel_on_disconnect(request, first_item(agen)))
-    return sse_response(_stream_events(await prime(agen)))
+    return sse_response(_stream_events(await cancel_on_disconnect(request, prime(agen))))
 
 
 def _dp_rank(body: GenerateRequest, dp_size: int) -> int | None:
