@@ -41,6 +41,7 @@ from radixserve.server.openai.responses_objects import (
     status_of,
 )
 from radixserve.server.openai.tool_parsers import ToolCall
+from radixserve.server.sse import sse_data
 
 Finish = Callable[[dict[str, Any], ParsedMessage, list[OutputItem]], dict[str, Any]]
 
@@ -54,8 +55,7 @@ class _Events:
     def __call__(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
-        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-        return f"event: {kind}\ndata: {data}\n\n".encode()
+        return sse_data(json.dumps(payload, ensure_ascii=False, separators=(",", ":")), kind)
 
 
 class _OpenItem:
