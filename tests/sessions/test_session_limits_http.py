@@ -79,7 +79,7 @@ def test_malformed_session_ids_are_400_on_every_route(api, rng, session_id):
 
 def test_the_longest_id_works_and_ids_are_escaped_in_the_log(api, server, rng):
     """Session ids and request ids are client strings: the log shows them escaped (``%r``),
-    so a newline in one cannot start a line of its own."""
+    so a newline in one cannot start a line of its own (a rid with one is refused outright)."""
     longest = "k" * 128
     assert api.open(session_id=longest, timeout=LONG) == longest
     quoted = "it's-a-\"quoted\"-id"
@@ -87,15 +87,19 @@ def test_the_longest_id_works_and_ids_are_escaped_in_the_log(api, server, rng):
     api.generate(random_ids(rng, 4), 2, quoted)
     api.http.post("/open_session", json={"capacity_of_str_len": 64,
                                          "session_id": "x\nFORGED log line"})
-    # A request id holding a newline, rejected by the scheduler (which logs the rejection).
+    # A request id holding a newline is refused before anything logs it.
     body = {**api.body(random_ids(rng, 3), 2, "never-opened"), "rid": "r\nFORGED rid line"}
+    refused = api.http.post("/generate", json=body)
+    assert refused.status_code == 400 and "printable" in refused.json()["error"]["message"]
+    # One the scheduler rejects (its session was never opened) is logged escaped.
+    body = {**body, "rid": "it's-rejected"}
     assert api.http.post("/generate", json=body).status_code == 400
     api.close(quoted)
     wait_for(api.state, lambda s: quoted not in s["session_ids"], "the session closed")
     log = server.stderr_tail(400).splitlines()
     assert not any(line.startswith("FORGED") for line in log)
     assert any(repr(quoted) in line and "opened" in line for line in log), log[-20:]
-    assert any("'r\\nFORGED rid line'" in line and "rejected" in line for line in log)
+    assert any(repr("it's-rejected") in line and "rejected:" in line for line in log), log[-20:]
 
 
 @pytest.mark.parametrize("timeout", [math.nan, math.inf, -math.inf, -1.0, 0.0],
