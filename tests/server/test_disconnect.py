@@ -47,19 +47,25 @@ def test_dropped_stream_is_aborted_at_once(client, server):
     assert_no_leak(client)
 
 
-def test_non_stream_request_of_a_gone_client_is_aborted(client, server):
+def _queued_then_gone(client: httpx.Client, server, path: str, body: dict) -> None:
+    """Send ``body`` over a raw connection while the scheduler is paused, wait until it is
+    queued, and close the connection: the server must abort it, paused or not."""
     aborted = memory_figures(client)["aborted"]
-    body = json.dumps({"text": "wait for me", "sampling_params": {"max_new_tokens": 8}}).encode()
-    request = (f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
-               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    data = json.dumps(body).encode()
+    request = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode()
     with paused(client):
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
-            sock.sendall(request + body)
+            sock.sendall(request + data)
             wait_for(lambda: internal_state(client), lambda s: s["num_waiting_reqs"] == 1,
                      "the request queued in the paused scheduler")
-        # The client is gone before its request could run: the server aborts it, paused or not.
         _aborted(client, aborted + 1)
     assert_no_leak(client)
+
+
+def test_non_stream_request_of_a_gone_client_is_aborted(client, server):
+    body = {"text": "wait for me", "sampling_params": {"max_new_tokens": 8}}
+    _queued_then_gone(client, server, "/generate", body)
 
 
 STREAMS = {
@@ -76,17 +82,7 @@ def test_stream_of_a_client_gone_before_its_first_output_is_aborted(client, serv
     """The stream has not started (its first output is waited for before the 200 goes out):
     the disconnect is watched then too, so a request held in the queue does not outlive its
     client."""
-    aborted = memory_figures(client)["aborted"]
-    body = json.dumps(STREAMS[path]).encode()
-    request = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
-               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-    with paused(client):
-        with socket.create_connection(("127.0.0.1", server.port)) as sock:
-            sock.sendall(request + body)
-            wait_for(lambda: internal_state(client), lambda s: s["num_waiting_reqs"] == 1,
-                     "the request queued in the paused scheduler")
-        _aborted(client, aborted + 1)
-    assert_no_leak(client)
+    _queued_then_gone(client, server, path, STREAMS[path])
 
 
 async def _one_stream(client: httpx.AsyncClient, i: int, drop: bool) -> str:
