@@ -83,7 +83,8 @@ def test_stream_chunks_are_cumulative_and_end_equal_to_non_stream(engine):
     params = {**GREEDY, "max_new_tokens": 16}
     chunks = list(engine.generate(PROMPT, params, stream=True))
     full = engine.generate(PROMPT, params)
-    assert len(chunks) > 1
+    # How many chunks there are depends on how fast this thread reads (outputs that wait for it
+    # are merged into one), so only their order and contents are checked.
     for prev, cur in zip(chunks, chunks[1:], strict=False):
         assert cur["text"].startswith(prev["text"])
         assert cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]
