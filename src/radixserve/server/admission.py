@@ -51,6 +51,15 @@ def requested_n(sampling_params: Any) -> int:
     return max([v for v in values if isinstance(v, int) and not isinstance(v, bool)], default=1)
 
 
+def check_batch_size(args: Any, prompts: int, prompt_param: str) -> None:
+    """400 past ``--max-batch-size`` prompts in one request (generations and ``/tokenize``)."""
+    if prompts > args.max_batch_size:
+        raise APIError(
+            400, f"the request has {prompts} prompts: at most {args.max_batch_size} in one "
+            "request (--max-batch-size)", param=prompt_param,
+        )
+
+
 def admit(request: Request, prompts: int, n: int = 1, prompt_param: str = "prompt") -> None:
     """Admit ``prompts × n`` generations for ``request`` or raise the ``APIError`` above."""
     ctx = request.app.state.ctx
@@ -58,11 +67,7 @@ def admit(request: Request, prompts: int, n: int = 1, prompt_param: str = "promp
     if n > args.max_n:
         raise APIError(400, f"n is {n}: at most {args.max_n} samples per prompt (--max-n)",
                        param="n")
-    if prompts > args.max_batch_size:
-        raise APIError(
-            400, f"the request has {prompts} prompts: at most {args.max_batch_size} in one "
-            "request (--max-batch-size)", param=prompt_param,
-        )
+    check_batch_size(args, prompts, prompt_param)
     generations = prompts * n
     limit = args.max_queued_requests
     if limit is not None:

@@ -27,19 +27,15 @@ async def first_item(agen: AsyncIterator[T]) -> T:
     raise RuntimeError("the generation ended without output")
 
 
-async def prime(agen: AsyncIterator[T]) -> AsyncIterator[T]:
+async def prime(request: Request, agen: AsyncIterator[T]) -> AsyncIterator[T]:
     """Wait for the first item, so that validation errors fail the request before it streams.
 
     Returns an iterator over every item, the first included; closing it closes ``agen``. On an
-    error ``agen`` is closed (aborting its request) and the error propagates to the route.
+    error, or when the client goes away before the first item (``cancel_on_disconnect``: a
+    request queued for long must not outlive its client), ``agen`` is closed, aborting its
+    request, and the error propagates to the route.
     """
-    try:
-        first = await agen.__anext__()
-    except StopAsyncIteration:
-        raise RuntimeError("the generation ended without output") from None
-    except BaseException:
-        await agen.aclose()  # type: ignore[attr-defined]
-        raise
+    first = await cancel_on_disconnect(request, _first_or_close(agen))
 
     async def chained() -> AsyncIterator[T]:
         async with contextlib.aclosing(agen):  # type: ignore[type-var]
@@ -48,6 +44,16 @@ async def prime(agen: AsyncIterator[T]) -> AsyncIterator[T]:
                 yield item
 
     return chained()
+
+
+async def _first_or_close(agen: AsyncIterator[T]) -> T:
+    try:
+        return await agen.__anext__()
+    except StopAsyncIteration:
+        raise RuntimeError("the generation ended without output") from None
+    except BaseException:
+        await agen.aclose()  # type: ignore[attr-defined]
+        raise
 
 
 async def collect_final(merged: AsyncIterator[tuple[int, T]], n: int) -> list[T]:
@@ -111,8 +117,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
 
     A plain response only notices a gone client when it writes, after the whole generation,
     so its receive channel is watched here. A stream gets this from Starlette once it has
-    started, and from here while ``prime`` waits for its first output (a request queued or
-    paused for long must not outlive its client).
+    started, and from here (through ``prime``) while it waits for its first output.
     """
     work_task = asyncio.ensure_future(work)
 

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from radixserve import __version__
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.io_struct import OpenSessionReqInput
-from radixserve.server.admission import admit, num_prompts, requested_n
+from radixserve.server.admission import admit, check_batch_size, num_prompts, requested_n
 from radixserve.server.context import ServerState, get_ctx
 from radixserve.server.errors import APIError, stream_error
 from radixserve.server.generations import cancel_on_disconnect, first_item, prime
@@ -163,7 +163,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     agen = ctx.tokenizer_manager.generate_request(obj)
     if not obj.stream:
         return JSONResponse(await cancel_on_disconnect(request, first_item(agen)))
-    return sse_response(_stream_events(await cancel_on_disconnect(request, prime(agen))))
+    return sse_response(_stream_events(await prime(request, agen)))
 
 
 def _dp_rank(body: GenerateRequest, dp_size: int) -> int | None:
@@ -365,12 +365,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     if isinstance(body.prompt, str):
         ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.context_len}
-    limit = ctx.server_args.max_batch_size
-    if len(body.prompt) > limit:
-        raise APIError(
-            400, f"the request has {len(body.prompt)} prompts: at most {limit} in one request "
-            "(--max-batch-size)", param="prompt",
-        )
+    check_batch_size(ctx.server_args, len(body.prompt), "prompt")
     rows = [tok.encode(p, add_special_tokens=body.add_special_tokens) for p in body.prompt]
     return {"tokens": rows, "count": [len(r) for r in rows], "max_model_len": ctx.context_len}
 

@@ -39,9 +39,9 @@ def sse_data(json_text: str, event: str | None = None) -> bytes:
     return f"{head}data: {json_text}\n\n".encode()
 
 
-def sse_event(payload: dict[str, Any] | list[Any]) -> bytes:
-    """One SSE event carrying ``payload`` as compact JSON."""
-    return sse_data(json.dumps(payload, ensure_ascii=False, separators=(",", ":")))
+def sse_event(payload: dict[str, Any] | list[Any], event: str | None = None) -> bytes:
+    """One SSE event carrying ``payload`` as compact JSON (``event``: its ``event:`` line)."""
+    return sse_data(json.dumps(payload, ensure_ascii=False, separators=(",", ":")), event)
 
 
 def sse_model(model: BaseModel) -> bytes:

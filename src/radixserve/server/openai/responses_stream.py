@@ -41,7 +41,7 @@ from radixserve.server.openai.responses_objects import (
     status_of,
 )
 from radixserve.server.openai.tool_parsers import ToolCall
-from radixserve.server.sse import sse_data
+from radixserve.server.sse import sse_event
 
 Finish = Callable[[dict[str, Any], ParsedMessage, list[OutputItem]], dict[str, Any]]
 
@@ -55,7 +55,7 @@ class _Events:
     def __call__(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
-        return sse_data(json.dumps(payload, ensure_ascii=False, separators=(",", ":")), kind)
+        return sse_event(payload, kind)
 
 
 class _OpenItem:

@@ -88,7 +88,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if not body.stream:
         outputs = await cancel_on_disconnect(request, collect_final(merged, len(inputs)))
         return JSONResponse(_response(ctx, body, outputs, parsers, echo, ids).model_dump())
-    first = await cancel_on_disconnect(request, prime(merged))
+    first = await prime(request, merged)
     events = _stream(ctx, body, first, parsers, echo, ids)
     return sse_response(events)
 

@@ -53,7 +53,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if not body.stream:
         outputs = await cancel_on_disconnect(request, collect_final(merged, len(inputs)))
         return JSONResponse(_response(ctx, body, outputs, ids).model_dump())
-    first = await cancel_on_disconnect(request, prime(merged))
+    first = await prime(request, merged)
     events = _stream(ctx, body, first, len(inputs), ids)
     return sse_response(events)
 

@@ -115,7 +115,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return _finish(ctx, store, turn, out, parsed, items)
 
     stream = ResponseStream(turn, ctx.model_name, finish)
-    return sse_response(stream.events(await cancel_on_disconnect(request, prime(_outputs(merged)))))
+    return sse_response(stream.events(await prime(request, _outputs(merged))))
 
 
 async def _outputs(merged: AsyncIterator[tuple[int, dict[str, Any]]]
