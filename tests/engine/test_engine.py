@@ -160,6 +160,21 @@ def test_flush_cache_refused_while_running_and_accepted_when_idle(engine):
     assert engine.generate(prompt, GREEDY)["meta_info"]["cached_tokens"] == 0
 
 
+def test_a_flush_right_after_the_last_output_is_accepted(engine):
+    """On the overlap schedule a request's last output goes out while the step launched after
+    it still computes; a flush that comes then waits for that step instead of being refused.
+    ``slow_down`` holds the scheduler just after the output is sent, so the flush lands in that
+    window (it passes either way once the scheduler finishes the step for it)."""
+    engine.slow_down(0.5)
+    try:
+        for _ in range(3):
+            engine.generate(PROMPT, {**GREEDY, "max_new_tokens": 3})
+            reply = engine.flush_cache()
+            assert reply["success"] is True, reply
+    finally:
+        engine.slow_down(None)
+
+
 def test_stop_string_is_cut_from_text_and_never_streamed(engine):
     params = {**GREEDY, "max_new_tokens": 24}
     full = engine.generate(PROMPT, params)["text"]

@@ -629,6 +629,7 @@ class Scheduler:
             self._finish_aborted()
 
     def handle_flush_cache(self, msg: FlushCacheReq) -> FlushCacheReqOutput:
+        self.finish_step_in_flight()
         if not self.is_idle():
             return FlushCacheReqOutput(
                 success=False,
@@ -686,8 +687,7 @@ class Scheduler:
         Pausing a paused scheduler applies the new mode to what is there.
         """
         self.paused = True
-        if self.overlap is not None:
-            self.overlap.finish_in_flight()
+        self.finish_step_in_flight()
         aborted_before = self.num_aborted_reqs
         self._finish_aborted()
         retracted: list[Req] = []
@@ -719,6 +719,17 @@ class Scheduler:
         self.sessions.close(msg.session_id)
 
     # ------------------------------------------------------------------ memory invariant
+    def finish_step_in_flight(self) -> None:
+        """Wait for the overlap step in flight, if any, and process its tokens.
+
+        A request's last output goes out while the step launched after it still computes (the
+        overlap module's doc), so a client that has every output can find the scheduler busy
+        with a step whose requests have all finished. What needs the scheduler idle (a flush, a
+        weight update, releasing memory) or nothing computing (a pause) finishes it first.
+        """
+        if self.overlap is not None:
+            self.overlap.finish_in_flight()
+
     def is_idle(self) -> bool:
         return (
             not self.waiting_queue

@@ -4,6 +4,7 @@
 these requests add (the profiler, the forward sleep, which memory is released) and reaches the
 scheduler only through the narrow surface below. Every handler returns its ``*Output`` reply.
 
+    scheduler.finish_step_in_flight()   process the overlap step in flight, if any
     scheduler.is_idle()            nothing runs, waits or is in flight
     scheduler.flush()              drop the prefix cache and every slot (idle only)
     scheduler.memory_state()       KV and request-slot figures
@@ -98,6 +99,7 @@ class SchedulerControl:
 
     def _busy(self) -> str | None:
         s = self.scheduler
+        s.finish_step_in_flight()
         if s.is_idle():
             return None
         return (
