@@ -277,7 +277,7 @@ class _ZeroLogits(torch.nn.Module):
         self.dtype = dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                forward_batch: Any) -> torch.Tensor:
+                forward_batch: Any, previous_stage: Any = None) -> torch.Tensor:
         return torch.zeros(forward_batch.batch_size, self.vocab_size, dtype=self.dtype)
 
 
