@@ -1,5 +1,5 @@
-"""The serving, sessions, constrained, token-bitmask and parallel benchmarks still run end to
-end, on a tiny test checkpoint and a few tokens. Their speed is not checked here (that is what
+"""The offline, serving, sessions, constrained, token-bitmask and parallel benchmarks still run
+end to end, on a tiny test checkpoint and a few tokens. Their speed is not checked here (that is what
 they print); their output shape and their own consistency checks are."""
 
 from __future__ import annotations
@@ -109,3 +109,21 @@ def test_bench_token_bitmask_times_both_implementations_of_every_case():
         for mask in ("all_forbidden", "half_random", "all_allowed"))
     for r in lines:
         assert r["xgrammar_ms"] > 0 and r["kernel_ms"] > 0 and r["argmax_ms"] > 0
+
+
+def test_bench_offline_throughput_times_each_scenario_and_the_step_overhead(llama_path):
+    lines = run_benchmark(
+        "bench_offline_throughput.py", "--model", str(llama_path), "--batch-sizes", "1,3",
+        "--min-input-len", "4", "--max-input-len", "7", "--output-len", "5",
+        "--prefill-len", "24", "--step-overhead", "--dtype", "float32",
+    )
+    overhead = [r for r in lines if r.get("scenario") == "step_overhead"]
+    assert [r["batch_size"] for r in overhead] == [1, 3]
+    assert all(r["decode_steps"] > 0 and r["ms_per_step"] > 0 for r in overhead)
+    timed = {(r["backend"], r["scenario"], r["batch_size"]) for r in lines
+             if r.get("scenario") in ("decode", "prefill")}
+    assert timed == {(b, s, n) for b in ("radixserve", "transformers")
+                     for s, n in (("decode", 1), ("decode", 3), ("prefill", 1))}
+    decode = {r["batch_size"]: r for r in lines if r.get("comparison") == "decode"}
+    # float32 greedy: every prompt's tokens equal transformers'
+    assert {n: r["identical_outputs"] for n, r in decode.items()} == {1: 1, 3: 3}
