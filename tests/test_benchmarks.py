@@ -1,6 +1,6 @@
 """The offline, serving, sessions, constrained, token-bitmask and parallel benchmarks still run
-end to end, on a tiny test checkpoint and a few tokens. Their speed is not checked here (that is what
-they print); their output shape and their own consistency checks are."""
+end to end, on a tiny test checkpoint and a few tokens. Their speed is not checked here (that is
+what they print); their output shape and their own consistency checks are."""
 
 from __future__ import annotations
 
