@@ -1,10 +1,11 @@
 """``/dashboard``: a live inspector page (plain HTML and JS, no build step) and the JSON it polls.
 
-``GET /dashboard`` serves ``index.html``; the page polls ``GET /dashboard/state`` twice a second:
-the scheduler's inspector state (memory, the running batch and the queue, the radix tree, sessions,
-a history of recent steps) plus what the HTTP server knows (its state, requests in flight). Both
-routes are control routes (``--admin-api-key`` when set). A browser cannot send a header when it
-opens a page, so these two routes also take the key as ``?key=...``; the page passes it on.
+``GET /dashboard`` serves ``dashboard.html`` (beside this module); the page polls
+``GET /dashboard/state`` twice a second: the scheduler's inspector state (memory, the running
+batch and the queue, the radix tree, sessions, a history of recent steps) plus what the HTTP
+server knows (its state, requests in flight). Both routes are control routes
+(``--admin-api-key`` when set). A browser cannot send a header when it opens a page, so these
+two routes also take the key as ``?key=...``; the page passes it on.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from radixserve.server.context import get_ctx
 
 router = APIRouter()
 
-_PAGE = Path(__file__).with_name("index.html")
+_PAGE = Path(__file__).with_name("dashboard.html")
 
 
 @router.get("/dashboard")
