@@ -41,49 +41,6 @@ import zmq.asyncio
 from radixserve.finish_reason import FinishAbort, FinishReason
 from radixserve.managers import io_struct, ipc
 from radixserve.managers.generate_request import GenerateReqInput
-from radixserve.managers.io_struct import (
-    PAUSE_MODES,
-    AbortReq,
-    BatchEmbeddingOutput,
-    BatchStrOutput,
-    CloseSessionReqInput,
-    ContinueGenerationReqInput,
-    ContinueGenerationReqOutput,
-    ControlErrorOutput,
-    FlushCacheReq,
-    FlushCacheReqOutput,
-    FreezeGCReq,
-    FreezeGCReqOutput,
-    GetInspectorStateReq,
-    GetInspectorStateReqOutput,
-    GetInternalStateReq,
-    GetInternalStateReqOutput,
-    GetLoadReqInput,
-    GetLoadReqOutput,
-    GetWeightsByNameReqInput,
-    GetWeightsByNameReqOutput,
-    HealthCheckReq,
-    HealthCheckReqOutput,
-    OpenSessionReqInput,
-    OpenSessionReqOutput,
-    PauseGenerationReqInput,
-    PauseGenerationReqOutput,
-    ProfileReq,
-    ProfileReqOutput,
-    ReleaseMemoryOccupationReqInput,
-    ReleaseMemoryOccupationReqOutput,
-    ReqEmbeddingOutput,
-    ReqStrOutput,
-    ResumeMemoryOccupationReqInput,
-    ResumeMemoryOccupationReqOutput,
-    SetInternalStateReq,
-    SetInternalStateReqOutput,
-    SlowDownReqInput,
-    SlowDownReqOutput,
-    TokenizedGenerateReqInput,
-    UpdateWeightFromDiskReqInput,
-    UpdateWeightFromDiskReqOutput,
-)
 from radixserve.managers.logprob_meta import LogprobMeta
 from radixserve.managers.request_state import (
     CapacityError,
@@ -105,11 +62,21 @@ logger = logging.getLogger(__name__)
 # most were seen under the session stress test's load.
 _DISCONNECT_ROUNDS = 32
 _CONTROL_REPLIES = (
-    FlushCacheReqOutput, GetInternalStateReqOutput, OpenSessionReqOutput,
-    PauseGenerationReqOutput, ContinueGenerationReqOutput,
-    UpdateWeightFromDiskReqOutput, GetWeightsByNameReqOutput, ReleaseMemoryOccupationReqOutput,
-    ResumeMemoryOccupationReqOutput, ProfileReqOutput, SetInternalStateReqOutput,
-    SlowDownReqOutput, FreezeGCReqOutput, GetLoadReqOutput, GetInspectorStateReqOutput,
+    io_struct.FlushCacheReqOutput,
+    io_struct.GetInternalStateReqOutput,
+    io_struct.OpenSessionReqOutput,
+    io_struct.PauseGenerationReqOutput,
+    io_struct.ContinueGenerationReqOutput,
+    io_struct.UpdateWeightFromDiskReqOutput,
+    io_struct.GetWeightsByNameReqOutput,
+    io_struct.ReleaseMemoryOccupationReqOutput,
+    io_struct.ResumeMemoryOccupationReqOutput,
+    io_struct.ProfileReqOutput,
+    io_struct.SetInternalStateReqOutput,
+    io_struct.SlowDownReqOutput,
+    io_struct.FreezeGCReqOutput,
+    io_struct.GetLoadReqOutput,
+    io_struct.GetInspectorStateReqOutput,
 )
 
 
@@ -357,10 +324,12 @@ class TokenizerManager:
         for state in states:
             if not state.finished and self._states.pop(state.rid, None) is state:
                 if self._dead_message is None:
-                    self._send_msg(AbortReq(rid=state.rid))
+                    self._send_msg(io_struct.AbortReq(rid=state.rid))
                 self._report(state, FinishAbort(message="the caller stopped reading"))
 
-    def _logprob_meta(self, req: TokenizedGenerateReqInput, with_text: bool) -> LogprobMeta | None:
+    def _logprob_meta(
+        self, req: io_struct.TokenizedGenerateReqInput, with_text: bool
+    ) -> LogprobMeta | None:
         if not req.return_logprob:
             return None
         decode = None
@@ -398,17 +367,17 @@ class TokenizerManager:
                 logger.exception("tokenizer manager failed to handle a message")
 
     def _dispatch(self, msg: io_struct.Message) -> None:
-        if isinstance(msg, BatchStrOutput):
+        if isinstance(msg, io_struct.BatchStrOutput):
             for out in msg.outputs:
                 try:
                     self._handle_output(out)
                 except Exception as e:  # end that request with the error, never leave it hanging
                     logger.exception("failed to handle an output of request %r", out.rid)
                     self._fail_request(out.rid, f"internal error: {type(e).__name__}: {e}")
-        elif isinstance(msg, BatchEmbeddingOutput):
+        elif isinstance(msg, io_struct.BatchEmbeddingOutput):
             for emb in msg.outputs:
                 self._handle_embedding(emb)
-        elif isinstance(msg, HealthCheckReqOutput):
+        elif isinstance(msg, io_struct.HealthCheckReqOutput):
             answered = self._pongs.pop(msg.seq, 0) + 1
             if answered < self.server_args.dp_size:
                 self._pongs[msg.seq] = answered
@@ -421,7 +390,7 @@ class TokenizerManager:
                 replies.add(msg)
             else:
                 logger.warning("unexpected %s without a waiting caller", type(msg).__name__)
-        elif isinstance(msg, ControlErrorOutput):
+        elif isinstance(msg, io_struct.ControlErrorOutput):
             reply_type = self._reply_type_of.get(msg.request)
             replies = self._control_futures.get(reply_type) if reply_type else None
             if replies is not None and not replies.future.done():
@@ -431,7 +400,7 @@ class TokenizerManager:
         else:
             logger.warning("tokenizer manager ignores message %s", type(msg).__name__)
 
-    def _handle_output(self, out: ReqStrOutput) -> None:
+    def _handle_output(self, out: io_struct.ReqStrOutput) -> None:
         state = self._states.get(out.rid)
         if state is None:  # aborted by its consumer, outputs may still be in flight
             return
@@ -467,7 +436,7 @@ class TokenizerManager:
         state.notify.set()
         self._report(state, state.finished_reason)
 
-    def _handle_embedding(self, out: ReqEmbeddingOutput) -> None:
+    def _handle_embedding(self, out: io_struct.ReqEmbeddingOutput) -> None:
         state = self._states.pop(out.rid, None)
         if state is None:  # aborted by its caller
             return
@@ -500,20 +469,22 @@ class TokenizerManager:
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """Ask the scheduler to abort ``rid`` (or everything); the request finishes as abort."""
         self._check_alive()
-        self._send_msg(AbortReq(rid=rid, abort_all=abort_all))
+        self._send_msg(io_struct.AbortReq(rid=rid, abort_all=abort_all))
 
-    async def flush_cache(self) -> FlushCacheReqOutput:
+    async def flush_cache(self) -> io_struct.FlushCacheReqOutput:
         """Flush the prefix cache; the scheduler refuses (success False) while requests run
         (with several replicas: the first refusal, else the first success)."""
-        replies = await self._control_all(FlushCacheReq(), FlushCacheReqOutput)
+        replies = await self._control_all(io_struct.FlushCacheReq(), io_struct.FlushCacheReqOutput)
         return next((r for r in replies if not r.success), replies[0])
 
     async def get_internal_states(self) -> list[dict[str, Any]]:
         """Every data-parallel replica's internal state, in replica order."""
-        replies = await self._control_all(GetInternalStateReq(), GetInternalStateReqOutput)
+        replies = await self._control_all(
+            io_struct.GetInternalStateReq(), io_struct.GetInternalStateReqOutput
+        )
         return [r.state for r in sorted(replies, key=lambda r: r.state.get("dp_rank", 0))]
 
-    async def open_session(self, req: OpenSessionReqInput) -> str:
+    async def open_session(self, req: io_struct.OpenSessionReqInput) -> str:
         """Open a session and return its id; ``ValueError`` with the scheduler's reason.
 
         A session without an id gets one here, so that every rank and the data-parallel
@@ -526,7 +497,7 @@ class TokenizerManager:
             if req.resume:
                 raise ValueError(RESUME_NEEDS_ID)
             req = msgspec.structs.replace(req, session_id=uuid.uuid4().hex)
-        [reply] = await self._control_all(req, OpenSessionReqOutput, fan_out=1)
+        [reply] = await self._control_all(req, io_struct.OpenSessionReqOutput, fan_out=1)
         if reply.at_capacity:
             raise CapacityError(reply.message)
         if not reply.success or reply.session_id is None:
@@ -537,24 +508,26 @@ class TokenizerManager:
         """Close a session (unknown ids are ignored); ``ValueError`` for a malformed id."""
         self._check_alive()
         check_session_id(session_id)
-        self._send_msg(CloseSessionReqInput(session_id=session_id))
+        self._send_msg(io_struct.CloseSessionReqInput(session_id=session_id))
 
-    async def pause_generation(self, mode: str = "abort") -> PauseGenerationReqOutput:
+    async def pause_generation(self, mode: str = "abort") -> io_struct.PauseGenerationReqOutput:
         """Pause the scheduler; returns once the pause holds (``ValueError`` for a bad mode).
 
         New requests are still accepted and queue up in the scheduler. With ``abort``, the
         call also waits until every request it aborted has returned to its caller.
         """
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        if mode not in io_struct.PAUSE_MODES:
+            modes = ", ".join(io_struct.PAUSE_MODES)
+            raise ValueError(f"mode must be one of {modes}, got {mode!r}")
         if self.server_args.pp_size > 1:
             # the micro-batches in the pipeline cannot be held between stages
             raise ValueError("pause_generation does not combine with pipeline parallelism")
         in_flight = set(self._states)
         replies = await self._control_all(
-            PauseGenerationReqInput(mode=mode), PauseGenerationReqOutput  # type: ignore[arg-type]
+            io_struct.PauseGenerationReqInput(mode=mode),  # type: ignore[arg-type]
+            io_struct.PauseGenerationReqOutput,
         )
-        reply = PauseGenerationReqOutput(  # every data-parallel replica's counts together
+        reply = io_struct.PauseGenerationReqOutput(  # every data-parallel replica's counts together
             num_aborted=sum(r.num_aborted for r in replies),
             num_retracted=sum(r.num_retracted for r in replies),
         )
@@ -565,7 +538,9 @@ class TokenizerManager:
 
     async def continue_generation(self) -> None:
         """Let a paused scheduler run batches again (a no-op when it is not paused)."""
-        await self._control(ContinueGenerationReqInput(), ContinueGenerationReqOutput)
+        await self._control(
+            io_struct.ContinueGenerationReqInput(), io_struct.ContinueGenerationReqOutput
+        )
 
     # ------------------------------------------------------------------ operations
     async def _admit(self) -> None:
@@ -601,8 +576,10 @@ class TokenizerManager:
             try:
                 await self._drain(abort_all_requests)
                 reply = await self._control(
-                    UpdateWeightFromDiskReqInput(model_path=model_path, load_format=load_format),
-                    UpdateWeightFromDiskReqOutput,
+                    io_struct.UpdateWeightFromDiskReqInput(
+                        model_path=model_path, load_format=load_format
+                    ),
+                    io_struct.UpdateWeightFromDiskReqOutput,
                 )
             finally:
                 self._admission.set()
@@ -612,8 +589,8 @@ class TokenizerManager:
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         reply = await self._control(
-            GetWeightsByNameReqInput(name=name, truncate_size=truncate_size),
-            GetWeightsByNameReqOutput,
+            io_struct.GetWeightsByNameReqInput(name=name, truncate_size=truncate_size),
+            io_struct.GetWeightsByNameReqOutput,
         )
         if reply.parameter is None:
             raise ValueError(reply.message)
@@ -626,7 +603,8 @@ class TokenizerManager:
             try:
                 await self._drain(abort=False)
                 reply = await self._control(
-                    ReleaseMemoryOccupationReqInput(tags=tags), ReleaseMemoryOccupationReqOutput
+                    io_struct.ReleaseMemoryOccupationReqInput(tags=tags),
+                    io_struct.ReleaseMemoryOccupationReqOutput,
                 )
                 if reply.success:
                     self.memory_released |= set(tags or ("kv_cache", "weights"))
@@ -639,7 +617,8 @@ class TokenizerManager:
     async def resume_memory_occupation(self, tags: list[str] | None = None) -> str:
         async with self._exclusive:
             reply = await self._control(
-                ResumeMemoryOccupationReqInput(tags=tags), ResumeMemoryOccupationReqOutput
+                io_struct.ResumeMemoryOccupationReqInput(tags=tags),
+                io_struct.ResumeMemoryOccupationReqOutput,
             )
             if reply.success:
                 self.memory_released -= set(tags or ("kv_cache", "weights"))
@@ -647,15 +626,16 @@ class TokenizerManager:
             raise ValueError(reply.message)
         return reply.message
 
-    async def profile(self, req: ProfileReq) -> ProfileReqOutput:
-        reply = await self._control(req, ProfileReqOutput)
+    async def profile(self, req: io_struct.ProfileReq) -> io_struct.ProfileReqOutput:
+        reply = await self._control(req, io_struct.ProfileReqOutput)
         if not reply.success:
             raise ValueError(reply.message)
         return reply
 
     async def set_internal_state(self, server_args: dict[str, Any]) -> dict[str, Any]:
         reply = await self._control(
-            SetInternalStateReq(server_args=server_args), SetInternalStateReqOutput
+            io_struct.SetInternalStateReq(server_args=server_args),
+            io_struct.SetInternalStateReqOutput,
         )
         if not reply.updated:
             raise ValueError(reply.message)
@@ -665,24 +645,27 @@ class TokenizerManager:
         if forward_sleep_time is not None and forward_sleep_time < 0:
             raise ValueError(f"forward_sleep_time must be >= 0, got {forward_sleep_time}")
         reply = await self._control(
-            SlowDownReqInput(forward_sleep_time=forward_sleep_time), SlowDownReqOutput
+            io_struct.SlowDownReqInput(forward_sleep_time=forward_sleep_time),
+            io_struct.SlowDownReqOutput,
         )
         return reply.forward_sleep_time
 
     async def freeze_gc(self) -> dict[str, int]:
         """``gc.freeze()`` in the scheduler and in this process; the objects each froze."""
-        reply = await self._control(FreezeGCReq(), FreezeGCReqOutput)
+        reply = await self._control(io_struct.FreezeGCReq(), io_struct.FreezeGCReqOutput)
         gc.collect()
         gc.freeze()
         return {"scheduler": reply.frozen_objects, "tokenizer_manager": gc.get_freeze_count()}
 
     async def get_load(self) -> list[dict[str, Any]]:
         """One entry per data-parallel replica (SGLang's ``/get_load`` shape)."""
-        replies = await self._control_all(GetLoadReqInput(), GetLoadReqOutput)
+        replies = await self._control_all(io_struct.GetLoadReqInput(), io_struct.GetLoadReqOutput)
         return [msgspec.structs.asdict(r) for r in sorted(replies, key=lambda r: r.dp_rank)]
 
     async def get_inspector_state(self) -> dict[str, Any]:
-        reply = await self._control(GetInspectorStateReq(), GetInspectorStateReqOutput)
+        reply = await self._control(
+            io_struct.GetInspectorStateReq(), io_struct.GetInspectorStateReqOutput
+        )
         return reply.state
 
     async def check_health(self, timeout: float) -> bool:
@@ -690,7 +673,7 @@ class TokenizerManager:
         between steps, so a step stuck for longer fails it). Concurrent checks share pings."""
         self._check_alive()
         seq = next(self._ping_seq)
-        self._send_msg(HealthCheckReq(seq=seq))
+        self._send_msg(io_struct.HealthCheckReq(seq=seq))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while self._pong_seq < seq:
