@@ -194,18 +194,7 @@ class DetokenizerManager:
             new_text = state.finish(texts[options][first : first + count])
             if out.finished_reason is not None:
                 del self._states[out.rid]
-            outputs.append(
-                ReqStrOutput(
-                    rid=out.rid,
-                    new_text=new_text,
-                    new_token_ids=out.new_token_ids,
-                    finished_reason=out.finished_reason,
-                    prompt_tokens=out.prompt_tokens,
-                    completion_tokens=out.completion_tokens,
-                    cached_tokens=out.cached_tokens,
-                    logprobs=out.logprobs,
-                )
-            )
+            outputs.append(ReqStrOutput.from_token_output(out, new_text))
         return BatchStrOutput(outputs=outputs)
 
     def _decode_batch(

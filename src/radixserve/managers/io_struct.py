@@ -60,6 +60,18 @@ class TokenizedGenerateReqInput(_Msg):
     data_parallel_rank: int | None = None
 
 
+# The per-prompt options that travel unchanged, under these names, from the caller's
+# ``GenerateReqInput`` through ``TokenizedGenerateReqInput`` into the scheduler's ``Req``.
+GENERATE_OPTIONS = (
+    "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "stream"
+)
+
+
+def generate_options(obj: Any) -> dict[str, Any]:
+    """``obj``'s ``GENERATE_OPTIONS``, as keyword arguments for the next stage's constructor."""
+    return {name: getattr(obj, name) for name in GENERATE_OPTIONS}
+
+
 class TokenizedEmbeddingReqInput(_Msg):
     """One input of an embedding model (an encoder, or a decoder run with --is-embedding)."""
 
@@ -226,6 +238,15 @@ class ReqStrOutput(msgspec.Struct, kw_only=True):
     completion_tokens: int
     cached_tokens: int
     logprobs: LogprobsOutput | None = None
+
+    @classmethod
+    def from_token_output(cls, out: ReqTokenOutput, new_text: str) -> ReqStrOutput:
+        """``out`` with its new text: every other field is the ``ReqTokenOutput`` field of the
+        same name, passed on as it is (the detokenizer's options stay behind), so that a field
+        added to both structs travels without another line here."""
+        passed_on = {name: getattr(out, name) for name in cls.__struct_fields__
+                     if name != "new_text"}
+        return cls(new_text=new_text, **passed_on)
 
 
 class BatchStrOutput(_Msg):

@@ -16,6 +16,7 @@ from radixserve.managers.io_struct import (
     SessionParams,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
+    generate_options,
 )
 from radixserve.managers.request_checks import check_embedding, check_generate
 from radixserve.managers.request_values import describe, find_unrepresentable
@@ -102,13 +103,9 @@ class RequestTokenizer:
             input_ids=input_ids,
             sampling_params=sampling_params,
             input_text=obj.text,
-            return_logprob=obj.return_logprob,
-            logprob_start_len=obj.logprob_start_len,
-            top_logprobs_num=obj.top_logprobs_num,
-            token_ids_logprob=obj.token_ids_logprob,
-            stream=obj.stream,
             session_params=session_params,
             data_parallel_rank=rank,
+            **generate_options(obj),
         )
 
     def _check_amplification(self, obj: GenerateReqInput, params: SamplingParams) -> None:

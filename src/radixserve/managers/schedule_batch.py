@@ -48,7 +48,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from radixserve.finish_reason import FinishLength, FinishReason, FinishStop
-from radixserve.managers.io_struct import SessionParams, TokenizedGenerateReqInput
+from radixserve.managers.io_struct import (
+    SessionParams,
+    TokenizedGenerateReqInput,
+    generate_options,
+)
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -154,12 +158,8 @@ class Req:
             msg.rid,
             input_ids,
             msg.sampling_params,
-            return_logprob=msg.return_logprob,
-            top_logprobs_num=msg.top_logprobs_num,
-            logprob_start_len=msg.logprob_start_len,
-            token_ids_logprob=msg.token_ids_logprob,
-            stream=msg.stream,
             session_params=msg.session_params,
+            **generate_options(msg),
         )
 
     # ------------------------------------------------------------------ derived state
