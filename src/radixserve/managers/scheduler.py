@@ -224,14 +224,6 @@ class Scheduler:
     def running_batch(self, batch: ScheduleBatch) -> None:
         self._mb.running = batch
 
-    @property
-    def _last_was_prefill(self) -> bool:
-        return self._mb.last_was_prefill
-
-    @_last_was_prefill.setter
-    def _last_was_prefill(self, value: bool) -> None:
-        self._mb.last_was_prefill = value
-
     def select_micro_batch(self, index: int) -> MicroBatch:
         """Make micro-batch ``index`` the one ``running_batch`` refers to (pipeline loop)."""
         self._mb = self.micro_batches[index]
@@ -369,7 +361,7 @@ class Scheduler:
             self.output_processor.process_batch_result(batch, result)
         else:
             self.output_processor.process_embedding_result(batch, result)
-        self._last_was_prefill = batch.forward_mode.is_extend
+        self._mb.last_was_prefill = batch.forward_mode.is_extend
         if batch.forward_mode.is_extend:
             batch.filter_batch()
             self.running_batch.merge_batch(batch)
@@ -383,7 +375,7 @@ class Scheduler:
         alternate: a stream of arrivals or a long chunked prompt cannot starve running requests.
         """
         self._finish_aborted()
-        if not (self._last_was_prefill and not self.running_batch.is_empty()):
+        if not (self._mb.last_was_prefill and not self.running_batch.is_empty()):
             batch = self._get_new_batch_prefill()
             if batch is not None:
                 return batch
