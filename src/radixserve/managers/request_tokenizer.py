@@ -7,6 +7,7 @@ sent, so each ``ValueError`` here fails the whole call with nothing running.
 
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import msgspec
@@ -24,25 +25,18 @@ from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.sessions.session import check_session_id
 
 
+@dataclass(eq=False)
 class RequestTokenizer:
-    def __init__(
-        self,
-        tokenizer: Any,
-        vocab_size: int,
-        context_len: int,
-        *,
-        max_completion_tokens: int,
-        max_top_logprobs_num: int,
-        dp_size: int,
-    ) -> None:
-        """The bounds are the server's ``--max-completion-tokens``, ``--max-top-logprobs-num``
-        and ``--dp-size`` (a request naming a replica that does not exist is refused)."""
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.context_len = context_len
-        self.max_completion_tokens = max_completion_tokens
-        self.max_top_logprobs_num = max_top_logprobs_num
-        self.dp_size = dp_size
+    """The bounds are the server's ``--max-completion-tokens``, ``--max-top-logprobs-num``
+    and ``--dp-size`` (a request naming a replica that does not exist is refused)."""
+
+    tokenizer: Any
+    vocab_size: int
+    context_len: int
+    _: KW_ONLY
+    max_completion_tokens: int
+    max_top_logprobs_num: int
+    dp_size: int
 
     def embedding(self, obj: GenerateReqInput) -> TokenizedEmbeddingReqInput:
         """The scheduler message of one input to embed."""

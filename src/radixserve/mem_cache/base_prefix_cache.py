@@ -62,20 +62,21 @@ class CacheableReq(Protocol):
     all_ids: list[int]  # prompt + output so far
 
 
+@dataclass(eq=False)
 class BasePrefixCache(ABC):
-    def __init__(
-        self,
-        req_to_token_pool: ReqToTokenPool,
-        allocator: TokenToKVPoolAllocator,
-        page_size: int,
-    ) -> None:
-        if page_size != allocator.page_size:
+    """The pools every cache is constructed with; a subclass that keeps more state sets it up
+    in ``__post_init__`` (calling this one first), so that it need not repeat the signature."""
+
+    req_to_token_pool: ReqToTokenPool
+    allocator: TokenToKVPoolAllocator
+    page_size: int
+
+    def __post_init__(self) -> None:
+        if self.page_size != self.allocator.page_size:
             raise ValueError(
-                f"page_size {page_size} differs from the allocator's {allocator.page_size}"
+                f"page_size {self.page_size} differs from the allocator's "
+                f"{self.allocator.page_size}"
             )
-        self.req_to_token_pool = req_to_token_pool
-        self.allocator = allocator
-        self.page_size = page_size
 
     @abstractmethod
     def match_prefix(self, key: list[int]) -> MatchResult:

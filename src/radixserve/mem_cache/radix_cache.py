@@ -19,9 +19,7 @@ from typing import Any
 
 import torch
 
-from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, CacheableReq, MatchResult
-from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 
 
 class _TreeNode:
@@ -50,14 +48,9 @@ class _TreeNode:
 class RadixCache(BasePrefixCache):
     """The default prefix cache (see ``BasePrefixCache`` for the contract)."""
 
-    def __init__(
-        self,
-        req_to_token_pool: ReqToTokenPool,
-        allocator: TokenToKVPoolAllocator,
-        page_size: int,
-    ) -> None:
-        super().__init__(req_to_token_pool, allocator, page_size)
-        self.device = allocator.device
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.device = self.allocator.device
         self._ids = itertools.count()
         self._clock = itertools.count(1)  # logical time: deterministic LRU order
         self.hit_tokens = 0  # tokens served by matches, over the cache's life
