@@ -56,24 +56,17 @@ class SessionTurn:
     replaces_parent: bool = False  # a replace naming ``parent``: it ends if still running
 
 
+@dataclass(eq=False)
 class SessionController:
     """``max_sessions`` bounds the open sessions (None: unbounded); ``default_timeout`` is the
     idle timeout of a session opened without one (None: such sessions never expire)."""
 
-    def __init__(
-        self,
-        cache: BasePrefixCache,
-        bos_token_id: int | None,
-        clock: Callable[[], float] = time.monotonic,
-        max_sessions: int | None = None,
-        default_timeout: float | None = None,
-    ) -> None:
-        self.cache = cache
-        self.bos_token_id = bos_token_id
-        self.clock = clock
-        self.max_sessions = max_sessions
-        self.default_timeout = default_timeout
-        self.sessions: dict[str, Session] = {}
+    cache: BasePrefixCache
+    bos_token_id: int | None
+    clock: Callable[[], float] = time.monotonic
+    max_sessions: int | None = None
+    default_timeout: float | None = None
+    sessions: dict[str, Session] = field(default_factory=dict, init=False)
 
     # ------------------------------------------------------------------ open / close
     def open(self, msg: OpenSessionReqInput) -> OpenSessionReqOutput:
