@@ -62,14 +62,14 @@ class TokenizedGenerateReqInput(_Msg):
 
 # The per-prompt options that travel unchanged, under these names, from the caller's
 # ``GenerateReqInput`` through ``TokenizedGenerateReqInput`` into the scheduler's ``Req``.
-GENERATE_OPTIONS = (
+PER_PROMPT_OPTIONS = (
     "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "stream"
 )
 
 
-def generate_options(obj: Any) -> dict[str, Any]:
-    """``obj``'s ``GENERATE_OPTIONS``, as keyword arguments for the next stage's constructor."""
-    return {name: getattr(obj, name) for name in GENERATE_OPTIONS}
+def per_prompt_options(obj: Any) -> dict[str, Any]:
+    """``obj``'s ``PER_PROMPT_OPTIONS``, as keyword arguments for the next stage's constructor."""
+    return {name: getattr(obj, name) for name in PER_PROMPT_OPTIONS}
 
 
 class TokenizedEmbeddingReqInput(_Msg):

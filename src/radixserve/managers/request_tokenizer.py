@@ -17,7 +17,7 @@ from radixserve.managers.io_struct import (
     SessionParams,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
-    generate_options,
+    per_prompt_options,
 )
 from radixserve.managers.request_checks import check_embedding, check_generate
 from radixserve.managers.request_values import describe, find_unrepresentable
@@ -27,8 +27,9 @@ from radixserve.sessions.session import check_session_id
 
 @dataclass(eq=False)
 class RequestTokenizer:
-    """The bounds are the server's ``--max-completion-tokens``, ``--max-top-logprobs-num``
-    and ``--dp-size`` (a request naming a replica that does not exist is refused)."""
+    """Turns one prompt into its scheduler message (see the module docstring). The bounds are
+    the server's ``--max-completion-tokens``, ``--max-top-logprobs-num`` and ``--dp-size`` (a
+    request naming a replica that does not exist is refused)."""
 
     tokenizer: Any
     vocab_size: int
@@ -99,7 +100,7 @@ class RequestTokenizer:
             input_text=obj.text,
             session_params=session_params,
             data_parallel_rank=rank,
-            **generate_options(obj),
+            **per_prompt_options(obj),
         )
 
     def _check_amplification(self, obj: GenerateReqInput, params: SamplingParams) -> None:

@@ -51,7 +51,7 @@ from radixserve.finish_reason import FinishLength, FinishReason, FinishStop
 from radixserve.managers.io_struct import (
     SessionParams,
     TokenizedGenerateReqInput,
-    generate_options,
+    per_prompt_options,
 )
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -159,7 +159,7 @@ class Req:
             input_ids,
             msg.sampling_params,
             session_params=msg.session_params,
-            **generate_options(msg),
+            **per_prompt_options(msg),
         )
 
     # ------------------------------------------------------------------ derived state
