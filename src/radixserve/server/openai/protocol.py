@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field, field_validator, model_serializer, model_
 
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.server.openai.structured_outputs import ResponseFormat, grammar_params
-from radixserve.server.strict_request import StrictRequest, Unsupported
+from radixserve.server.strict_request import StrictRequest, Unsupported, non_empty_list
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -347,12 +347,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
-    @field_validator("prompt")
-    @classmethod
-    def _non_empty(cls, prompt: Any) -> Any:
-        if isinstance(prompt, list) and not prompt:
-            raise ValueError("prompt must not be an empty list")
-        return prompt
+    _non_empty = field_validator("prompt")(non_empty_list)
 
 
 # ---------------------------------------------------------------------------- responses
