@@ -81,6 +81,14 @@ def _text_parts_only(parts: Any) -> Any:
     return parts
 
 
+def _joined(content: str | list[TextPart]) -> str:
+    """The text of a message's content or a call's output: given as a string, or as text
+    parts joined with nothing between them."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
 class InputMessage(StrictRequest):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
@@ -92,9 +100,7 @@ class InputMessage(StrictRequest):
     _parts = field_validator("content", mode="before")(_text_parts_only)
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return _joined(self.content)
 
 
 class FunctionCallItem(StrictRequest):
@@ -116,9 +122,7 @@ class FunctionCallOutputItem(StrictRequest):
     _parts = field_validator("output", mode="before")(_text_parts_only)
 
     def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "".join(part.text for part in self.output)
+        return _joined(self.output)
 
 
 class ReasoningText(StrictRequest):
