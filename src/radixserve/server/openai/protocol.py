@@ -21,7 +21,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
@@ -451,21 +451,38 @@ class ChatMessageOut(BaseModel):
     tool_calls: list[ToolCallOut] | None = None
 
 
-class ChatCompletionChoice(BaseModel):
+class _Choice(BaseModel):
+    """What every chat and completion choice carries, whole or as a stream chunk's piece
+    (``finish_reason`` only in a choice's last chunk). These come first in its JSON."""
+
     index: int
-    message: ChatMessageOut
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None
-    matched_stop: int | str | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None  # SGLang's: the stop token id or string that matched
 
 
-class ChatCompletionResponse(BaseModel):
+_C = TypeVar("_C", bound=_Choice)
+
+
+class _Response(BaseModel, Generic[_C]):
+    """A chat or completion response, or one chunk of its stream (``ResponseIds.wrap`` makes
+    both); a subclass names its choice type and gives ``object`` its one value. ``usage`` is
+    always set on a whole response, and on a stream only in the last chunk, when asked for."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int
     model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
+    choices: list[_C]
+    usage: UsageInfo | None = None
+
+
+class ChatCompletionChoice(_Choice):
+    message: ChatMessageOut
+    logprobs: ChatChoiceLogprobs | None = None
+
+
+class ChatCompletionResponse(_Response[ChatCompletionChoice]):
+    object: Literal["chat.completion"] = "chat.completion"
 
 
 class DeltaToolCall(_WithoutNulls):
@@ -484,21 +501,13 @@ class DeltaMessage(BaseModel):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatCompletionStreamChoice(BaseModel):
-    index: int
+class ChatCompletionStreamChoice(_Choice):
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
 
 
-class ChatCompletionStreamResponse(BaseModel):
-    id: str
+class ChatCompletionStreamResponse(_Response[ChatCompletionStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -511,30 +520,17 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
-    index: int
+class CompletionChoice(_Choice):
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Response[CompletionChoice]):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo
 
 
-class CompletionStreamResponse(BaseModel):
-    id: str
+class CompletionStreamResponse(_Response[CompletionChoice]):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):
