@@ -68,7 +68,7 @@ class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
-class _SamplingRequest(StrictRequest):
+class SamplingRequest(StrictRequest):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
@@ -103,13 +103,13 @@ class _SamplingRequest(StrictRequest):
     prompt_cache_key: str | None = None
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> _SamplingRequest:
+    def _stream_options_need_stream(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
     @model_validator(mode="after")
-    def _one_grammar(self) -> _SamplingRequest:
+    def _one_grammar(self) -> SamplingRequest:
         given = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n)]
         if self.response_format is not None and self.response_format.type != "text":
             given.insert(0, "response_format")
@@ -307,7 +307,7 @@ class ChatMessage(StrictRequest):
         return message
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     UNSUPPORTED = {**UNSUPPORTED_SHARED, **UNSUPPORTED_CHAT}
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -340,7 +340,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 # ---------------------------------------------------------------------------- completion requests
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     UNSUPPORTED = {**UNSUPPORTED_SHARED, **UNSUPPORTED_COMPLETIONS}
 
     prompt: str | list[str] | list[int] | list[list[int]]
