@@ -37,13 +37,9 @@ def create_grammar_backend(
     any_whitespace: bool = True,
     max_whitespace_cnt: int | None = None,
 ) -> GrammarBackend:
-    """The xgrammar backend (imported here, on first use: xgrammar loads its native library)."""
-    from radixserve.constrained.xgrammar_backend import XGrammarBackend
+    """The xgrammar backend (imported here, on first use: xgrammar loads its native library).
+    ``any_whitespace`` and ``max_whitespace_cnt`` are its ``JsonWhitespace``."""
+    from radixserve.constrained.xgrammar_backend import JsonWhitespace, XGrammarBackend
 
-    return XGrammarBackend(
-        tokenizer,
-        vocab_size,
-        stop_token_ids,
-        any_whitespace=any_whitespace,
-        max_whitespace_cnt=max_whitespace_cnt,
-    )
+    whitespace = JsonWhitespace(any_whitespace, max_whitespace_cnt)
+    return XGrammarBackend(tokenizer, vocab_size, stop_token_ids, whitespace)

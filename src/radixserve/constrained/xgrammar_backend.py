@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -50,27 +51,29 @@ class XGrammarMatcher(GrammarMatcher):
         return self._matcher.is_terminated()
 
 
+@dataclass(frozen=True)
+class JsonWhitespace:
+    """The whitespace JSON-schema output may put between tokens (xgrammar's options of
+    ``Grammar.from_json_schema``, under its names): any whitespace unless ``any_whitespace`` is
+    False (then the compact separators ``", "`` and ``": "``); ``max_whitespace_cnt`` bounds
+    each run of whitespace, so that a model cannot loop on whitespace until its length limit.
+    """
+
+    any_whitespace: bool = True
+    max_whitespace_cnt: int | None = None
+
+
 class XGrammarBackend(GrammarBackend):
     """xgrammar over a Hugging Face tokenizer.
 
-    ``stop_token_ids`` (the model's EOS ids) end every grammar. JSON output allows any
-    whitespace between tokens unless ``any_whitespace`` is False (then the compact separators
-    ``", "`` and ``": "``); ``max_whitespace_cnt`` bounds each run of whitespace, so that a
-    model cannot loop on whitespace until its length limit.
+    ``stop_token_ids`` (the model's EOS ids) end every grammar; ``json_whitespace`` is what
+    JSON-schema output may put between tokens.
     """
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        vocab_size: int,
-        stop_token_ids: list[int],
-        *,
-        any_whitespace: bool = True,
-        max_whitespace_cnt: int | None = None,
-    ) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+                 json_whitespace: JsonWhitespace) -> None:
         self.vocab_size = vocab_size
-        self.any_whitespace = any_whitespace
-        self.max_whitespace_cnt = max_whitespace_cnt
+        self.json_whitespace = json_whitespace
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
         )
@@ -95,9 +98,7 @@ class XGrammarBackend(GrammarBackend):
     def _compile_json_schema(self, spec: str) -> xgr.CompiledGrammar:
         schema = _parse_json(spec, "json_schema")
         check_json_schema(schema)
-        grammar = xgr.Grammar.from_json_schema(
-            spec, any_whitespace=self.any_whitespace, max_whitespace_cnt=self.max_whitespace_cnt
-        )
+        grammar = xgr.Grammar.from_json_schema(spec, **asdict(self.json_whitespace))
         ebnf = str(grammar)
         for char_class in _STRING_CHAR_CLASSES:
             ebnf = ebnf.replace(char_class, _JSON_STRING_CHAR)

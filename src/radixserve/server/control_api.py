@@ -7,12 +7,14 @@ with the scheduler's reason, while memory is released generation gets 503.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from radixserve.managers.io_struct import PauseMode, ProfileReq
+from radixserve.managers.tokenizer_manager import TokenizerManager
 from radixserve.server.context import get_ctx
 
 router = APIRouter()
@@ -102,22 +104,20 @@ async def get_weights_by_name(body: GetWeightsByNameRequest, request: Request) -
     return await tm.get_weights_by_name(body.name, body.truncate_size)
 
 
-@router.post("/release_memory_occupation")
-async def release_memory_occupation(
-    request: Request, body: MemoryRequest | None = None
-) -> dict[str, Any]:
-    tags = body.tags if body is not None else None
-    message = await get_ctx(request).tokenizer_manager.release_memory_occupation(tags)
-    return {"success": True, "message": message}
+def _memory_route(change: Callable[[TokenizerManager, list[str] | None], Awaitable[str]]) -> None:
+    """Serve ``POST /<name of change>``: ``change`` (release or resume) of the memory the body's
+    ``tags`` name (no body, or no tags: all of it). The two routes differ only in the method."""
+
+    async def route(request: Request, body: MemoryRequest | None = None) -> dict[str, Any]:
+        tags = body.tags if body is not None else None
+        message = await change(get_ctx(request).tokenizer_manager, tags)
+        return {"success": True, "message": message}
+
+    router.post(f"/{change.__name__}", name=change.__name__)(route)
 
 
-@router.post("/resume_memory_occupation")
-async def resume_memory_occupation(
-    request: Request, body: MemoryRequest | None = None
-) -> dict[str, Any]:
-    tags = body.tags if body is not None else None
-    message = await get_ctx(request).tokenizer_manager.resume_memory_occupation(tags)
-    return {"success": True, "message": message}
+_memory_route(TokenizerManager.release_memory_occupation)
+_memory_route(TokenizerManager.resume_memory_occupation)
 
 
 @router.post("/start_profile")

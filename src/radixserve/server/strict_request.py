@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
 # field name → (values meaning "unused", why a used value is refused)
@@ -36,3 +36,12 @@ class StrictRequest(BaseModel):
                     {"field": name, "why": why},
                 )
         return data
+
+
+def non_empty_list(value: Any, info: ValidationInfo) -> Any:
+    """A field validator for prompts (``field_validator(name)(non_empty_list)``): a list with no
+    prompt in it asks for nothing, so it is refused, naming the field, rather than answered
+    with an empty reply."""
+    if isinstance(value, list) and not value:
+        raise ValueError(f"{info.field_name} must not be an empty list")
+    return value

@@ -1,4 +1,5 @@
-"""The penalizer contract and the batch view every penalizer reads.
+"""The penalizer contract, the batch view every penalizer reads, and the base of the two
+additive OpenAI penalties.
 
 A penalizer is one logit adjustment (frequency, presence, repetition, min_new_tokens). The batch is
 rebuilt from the scheduler's requests every step, so penalizers hold no state between steps: each
@@ -11,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -86,3 +88,30 @@ class Penalizer(ABC):
 
     @abstractmethod
     def apply(self, logits: torch.Tensor) -> None: ...
+
+
+class OutputPenalizer(Penalizer):
+    """OpenAI's additive penalties: ``logit -= penalty * weight`` of each token the request has
+    generated, where ``penalty`` is the request's ``FIELD`` sampling parameter (0 means unused)
+    and ``weight(output_counts)`` is what a subclass makes of how often each token came out.
+
+    The frequency and presence penalties differ only in those two, so they share the rest here.
+    """
+
+    FIELD: ClassVar[str]
+
+    @classmethod
+    def is_required(cls, inputs: PenaltyInputs) -> bool:
+        return any(getattr(p, cls.FIELD) != 0.0 for p in inputs.params)
+
+    def __init__(self, inputs: PenaltyInputs) -> None:
+        penalties = inputs.per_request([getattr(p, self.FIELD) for p in inputs.params])
+        self._delta = penalties * self.weight(inputs.output_counts)
+
+    @staticmethod
+    @abstractmethod
+    def weight(output_counts: torch.Tensor) -> torch.Tensor:
+        """``[bs, vocab]``: what the penalty is multiplied by, per token."""
+
+    def apply(self, logits: torch.Tensor) -> None:
+        logits.sub_(self._delta)

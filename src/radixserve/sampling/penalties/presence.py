@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.sampling.penalties.base import Penalizer, PenaltyInputs
+from radixserve.sampling.penalties.base import OutputPenalizer
 
 
-class PresencePenalizer(Penalizer):
+class PresencePenalizer(OutputPenalizer):
     """Discourages every token the request has generated at least once, by a flat amount."""
 
+    FIELD = "presence_penalty"
+
     @staticmethod
-    def is_required(inputs: PenaltyInputs) -> bool:
-        return any(p.presence_penalty != 0.0 for p in inputs.params)
-
-    def __init__(self, inputs: PenaltyInputs) -> None:
-        penalties = inputs.per_request([p.presence_penalty for p in inputs.params])
-        self._delta = penalties * (inputs.output_counts > 0)
-
-    def apply(self, logits: torch.Tensor) -> None:
-        logits.sub_(self._delta)
+    def weight(output_counts: torch.Tensor) -> torch.Tensor:
+        return output_counts > 0

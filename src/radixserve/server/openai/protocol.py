@@ -21,13 +21,13 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.server.openai.structured_outputs import ResponseFormat, grammar_params
-from radixserve.server.strict_request import StrictRequest, Unsupported
+from radixserve.server.strict_request import StrictRequest, Unsupported, non_empty_list
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -68,7 +68,7 @@ class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
-class _SamplingRequest(StrictRequest):
+class SamplingRequest(StrictRequest):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
@@ -103,13 +103,13 @@ class _SamplingRequest(StrictRequest):
     prompt_cache_key: str | None = None
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> _SamplingRequest:
+    def _stream_options_need_stream(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
     @model_validator(mode="after")
-    def _one_grammar(self) -> _SamplingRequest:
+    def _one_grammar(self) -> SamplingRequest:
         given = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n)]
         if self.response_format is not None and self.response_format.type != "text":
             given.insert(0, "response_format")
@@ -307,7 +307,7 @@ class ChatMessage(StrictRequest):
         return message
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     UNSUPPORTED = {**UNSUPPORTED_SHARED, **UNSUPPORTED_CHAT}
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -340,19 +340,14 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 # ---------------------------------------------------------------------------- completion requests
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     UNSUPPORTED = {**UNSUPPORTED_SHARED, **UNSUPPORTED_COMPLETIONS}
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
-    @field_validator("prompt")
-    @classmethod
-    def _non_empty(cls, prompt: Any) -> Any:
-        if isinstance(prompt, list) and not prompt:
-            raise ValueError("prompt must not be an empty list")
-        return prompt
+    _non_empty = field_validator("prompt")(non_empty_list)
 
 
 # ---------------------------------------------------------------------------- responses
@@ -456,21 +451,38 @@ class ChatMessageOut(BaseModel):
     tool_calls: list[ToolCallOut] | None = None
 
 
-class ChatCompletionChoice(BaseModel):
+class _Choice(BaseModel):
+    """What every chat and completion choice carries, whole or as a stream chunk's piece
+    (``finish_reason`` only in a choice's last chunk). These come first in its JSON."""
+
     index: int
-    message: ChatMessageOut
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None
-    matched_stop: int | str | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None  # SGLang's: the stop token id or string that matched
 
 
-class ChatCompletionResponse(BaseModel):
+_C = TypeVar("_C", bound=_Choice)
+
+
+class _Response(BaseModel, Generic[_C]):
+    """A chat or completion response, or one chunk of its stream (``ResponseIds.wrap`` makes
+    both); a subclass names its choice type and gives ``object`` its one value. ``usage`` is
+    always set on a whole response, and on a stream only in the last chunk, when asked for."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int
     model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
+    choices: list[_C]
+    usage: UsageInfo | None = None
+
+
+class ChatCompletionChoice(_Choice):
+    message: ChatMessageOut
+    logprobs: ChatChoiceLogprobs | None = None
+
+
+class ChatCompletionResponse(_Response[ChatCompletionChoice]):
+    object: Literal["chat.completion"] = "chat.completion"
 
 
 class DeltaToolCall(_WithoutNulls):
@@ -489,21 +501,13 @@ class DeltaMessage(BaseModel):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatCompletionStreamChoice(BaseModel):
-    index: int
+class ChatCompletionStreamChoice(_Choice):
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
 
 
-class ChatCompletionStreamResponse(BaseModel):
-    id: str
+class ChatCompletionStreamResponse(_Response[ChatCompletionStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -516,30 +520,17 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
-    index: int
+class CompletionChoice(_Choice):
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Response[CompletionChoice]):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo
 
 
-class CompletionStreamResponse(BaseModel):
-    id: str
+class CompletionStreamResponse(_Response[CompletionChoice]):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):

@@ -1,4 +1,5 @@
-"""The objects ``/v1/responses`` returns, in the shapes of ``openai.types.responses``.
+"""The objects ``/v1/responses`` returns, in the shapes of ``openai.types.responses``, and the
+``Turn`` (one response being generated) they are made for.
 
 A response's ``output`` lists, in order: a ``reasoning`` item (with ``--reasoning-parser``),
 a ``message`` item with one ``output_text`` part (when the model wrote text, or wrote nothing
@@ -10,12 +11,13 @@ reason: ``stop`` is ``completed``; ``length`` is ``incomplete`` with
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from radixserve.server.openai.chat_parsing import ParsedMessage
-from radixserve.server.openai.protocol import finish_reason_name
+from radixserve.server.openai.chat_parsing import ChoiceParser, ParsedMessage
+from radixserve.server.openai.protocol import ChatMessage, finish_reason_name
 from radixserve.server.openai.responses_protocol import ResponsesRequest
 
 Status = Literal["completed", "incomplete", "cancelled", "failed", "in_progress"]
@@ -165,15 +167,30 @@ def output_items(parsed: ParsedMessage, status: Status) -> list[OutputItem]:
     return items
 
 
-def response_object(body: ResponsesRequest, response_id: str, created_at: int, model: str,
-                    status: Status, output: list[OutputItem],
+@dataclass
+class Turn:
+    """One response being generated: what its prompt was built from, and what to store."""
+
+    body: ResponsesRequest
+    response_id: str
+    created_at: int
+    history: list[ChatMessage]  # the conversation before this turn's output, no instructions
+    prompt_ids: list[int]
+    prompt_text: str
+    parser: ChoiceParser
+
+
+def response_object(turn: Turn, model: str, status: Status, output: list[OutputItem],
                     incomplete: IncompleteDetails | None = None,
                     usage: ResponseUsage | None = None) -> ResponseObject:
+    """``turn``'s response object as it stands: ``status`` and ``output`` so far, with the
+    request's settings echoed."""
+    body = turn.body
     choice = body.tool_choice
     text_format = body.text.format if body.text and body.text.format else None
     return ResponseObject(
-        id=response_id,
-        created_at=created_at,
+        id=turn.response_id,
+        created_at=turn.created_at,
         status=status,
         incomplete_details=incomplete,
         model=model,

@@ -81,6 +81,14 @@ def _text_parts_only(parts: Any) -> Any:
     return parts
 
 
+def _text_of(content: str | list[TextPart]) -> str:
+    """The text of a message's content or of a call's output: given as a string, or as text
+    parts joined with nothing between them."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
 class InputMessage(StrictRequest):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
@@ -90,11 +98,6 @@ class InputMessage(StrictRequest):
     phase: Literal["commentary", "final_answer"] | None = None  # OpenAI models' hint
 
     _parts = field_validator("content", mode="before")(_text_parts_only)
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
 
 
 class FunctionCallItem(StrictRequest):
@@ -114,11 +117,6 @@ class FunctionCallOutputItem(StrictRequest):
     status: str | None = None
 
     _parts = field_validator("output", mode="before")(_text_parts_only)
-
-    def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "".join(part.text for part in self.output)
 
 
 class ReasoningText(StrictRequest):
@@ -274,9 +272,9 @@ class ResponsesRequest(StrictRequest):
                 reasoning = "".join(part.text for part in item.content or [])
                 continue
             if isinstance(item, InputMessage):
-                message = ChatMessage(role=item.role, content=item.text())
+                message = ChatMessage(role=item.role, content=_text_of(item.content))
             elif isinstance(item, FunctionCallOutputItem):
-                message = ChatMessage(role="tool", content=item.text(),
+                message = ChatMessage(role="tool", content=_text_of(item.output),
                                       tool_call_id=item.call_id)
             else:
                 call = {"id": item.call_id, "type": "function",

@@ -35,6 +35,7 @@ from radixserve.server.openai.responses_objects import (
     OutputText,
     ReasoningPart,
     Status,
+    Turn,
     item_id,
     item_status,
     response_object,
@@ -183,15 +184,14 @@ def _is_json(text: str) -> bool:
 class ResponseStream:
     """The events of one streamed response (see the module docstring)."""
 
-    def __init__(self, turn: Any, model: str, finish: Finish) -> None:
+    def __init__(self, turn: Turn, model: str, finish: Finish) -> None:
         self.turn = turn
         self.model = model
         self.finish = finish
 
     async def events(self, outs: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
         turn, event = self.turn, _Events()
-        started = response_object(turn.body, turn.response_id, turn.created_at, self.model,
-                                  "in_progress", []).model_dump()
+        started = response_object(turn, self.model, "in_progress", []).model_dump()
         yield event("response.created", response=started)
         yield event("response.in_progress", response=started)
         items = _Items(event)

@@ -22,19 +22,16 @@ one chunk carrying ``finish_reason``, then a usage chunk (``stream_options.inclu
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from functools import partial
 from typing import Any
 
 import jinja2
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 
 from radixserve.sampling.sampling_params import GRAMMAR_FIELDS
 from radixserve.server.admission import admit
 from radixserve.server.context import ServerContext, get_ctx
 from radixserve.server.errors import APIError
-from radixserve.server.generations import cancel_on_disconnect, collect_final, merged_choices, prime
+from radixserve.server.generations import merged_choices
 from radixserve.server.openai.chat_parsing import ChoiceParser, ParsedMessage, ToolPlan, plan_tools
 from radixserve.server.openai.protocol import (
     ChatChoiceLogprobs,
@@ -51,13 +48,11 @@ from radixserve.server.openai.protocol import (
     ResponseIds,
     ToolCallOut,
     TopLogprob,
-    UsageInfo,
     finish_reason_name,
     matched_stop,
 )
 from radixserve.server.openai.reasoning import create_reasoning_parser
-from radixserve.server.openai.streaming import Delta, stream_choices
-from radixserve.server.sse import sse_response
+from radixserve.server.openai.streaming import Delta, Reply
 
 router = APIRouter()
 
@@ -83,14 +78,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                                   max_completion_tokens=ctx.server_args.max_completion_tokens)
     constrained = any(k in GRAMMAR_FIELDS for k in inputs[0].sampling_params)
     parsers = [choice_parser(plan, reasoning_parser, prompt_text, constrained) for _ in inputs]
-    merged = merged_choices(ctx.tokenizer_manager, inputs)
-    ids = ResponseIds.new("chatcmpl", ctx.model_name)
-    if not body.stream:
-        outputs = await cancel_on_disconnect(request, collect_final(merged, len(inputs)))
-        return JSONResponse(_response(ctx, body, outputs, parsers, echo, ids).model_dump())
-    first = await prime(request, merged)
-    events = _stream(ctx, body, first, parsers, echo, ids)
-    return sse_response(events)
+    reply = _ChatReply(ctx, body, ResponseIds.new("chatcmpl", ctx.model_name), parsers, echo)
+    return await reply.send(request, merged_choices(ctx.tokenizer_manager, inputs))
 
 
 def reasoning_parser_name(ctx: ServerContext, body: ChatCompletionRequest) -> str | None:
@@ -212,44 +201,37 @@ def _message(parsed: ParsedMessage, echo: str) -> ChatMessageOut:
                           tool_calls=calls or None)
 
 
-def _response(
-    ctx: ServerContext,
-    body: ChatCompletionRequest,
-    outputs: list[dict[str, Any]],
-    parsers: list[ChoiceParser],
-    echo: str,
-    ids: ResponseIds,
-) -> ChatCompletionResponse:
-    choices = []
-    for i, (out, parser) in enumerate(zip(outputs, parsers, strict=True)):
+class _ChatReply(Reply[ChatCompletionRequest]):
+    """Chat choices: each choice's text parsed into a message (``parsers``, one per choice),
+    starting with ``echo``."""
+
+    response_type = ChatCompletionResponse
+    chunk_type = ChatCompletionStreamResponse
+
+    def __init__(self, ctx: ServerContext, body: ChatCompletionRequest, ids: ResponseIds,
+                 parsers: list[ChoiceParser], echo: str) -> None:
+        super().__init__(body, ids, len(parsers))
+        self.ctx = ctx
+        self.parsers = parsers
+        self.echo = echo
+
+    def choice(self, index: int, out: dict[str, Any]) -> ChatCompletionChoice:
         reason = out["meta_info"]["finish_reason"]
-        parsed = parser.final(out["text"])
-        choices.append(
-            ChatCompletionChoice(
-                index=i,
-                message=_message(parsed, echo),
-                logprobs=_logprobs(ctx, out["meta_info"]) if body.logprobs else None,
-                finish_reason=_finish_reason(reason, bool(parsed.calls)),
-                matched_stop=matched_stop(reason),
-            )
+        parsed = self.parsers[index].final(out["text"])
+        return ChatCompletionChoice(
+            index=index,
+            message=_message(parsed, self.echo),
+            logprobs=_logprobs(self.ctx, out["meta_info"]) if self.body.logprobs else None,
+            finish_reason=_finish_reason(reason, bool(parsed.calls)),
+            matched_stop=matched_stop(reason),
         )
-    return ids.wrap(ChatCompletionResponse, choices, UsageInfo.from_outputs(outputs, body.n))
 
-
-def _stream(
-    ctx: ServerContext,
-    body: ChatCompletionRequest,
-    merged: AsyncIterator[tuple[int, dict[str, Any]]],
-    parsers: list[ChoiceParser],
-    echo: str,
-    ids: ResponseIds,
-) -> AsyncIterator[bytes]:
-    def to_choice(delta: Delta) -> ChatCompletionStreamChoice | None:
+    def delta_choice(self, delta: Delta) -> ChatCompletionStreamChoice | None:
         reason = delta.finish_reason
-        parser = parsers[delta.index]
+        parser = self.parsers[delta.index]
         parsed = parser.stream(delta.new_text, reason is not None)
         meta = delta.out["meta_info"]
-        logprobs = _logprobs(ctx, meta, delta.tokens_sent) if body.logprobs else None
+        logprobs = _logprobs(self.ctx, meta, delta.tokens_sent) if self.body.logprobs else None
         calls = [
             DeltaToolCall(index=c.index, id=c.id, type="function" if c.name else None,
                           function=FunctionCallOut(name=c.name, arguments=c.arguments))
@@ -269,11 +251,10 @@ def _stream(
             matched_stop=matched_stop(reason),
         )
 
-    # The first chunk of every choice carries the role, and the echo (vLLM's order).
-    head = [
-        ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=echo))
-        for i in range(len(parsers))
-    ]
-    usage_n = body.n if body.include_usage else None
-    frame = partial(ids.wrap, ChatCompletionStreamResponse)
-    return stream_choices(merged, len(parsers), to_choice, frame, usage_n, head)
+    def head(self) -> list[ChatCompletionStreamChoice]:
+        """The first chunk of every choice carries the role, and the echo (vLLM's order)."""
+        return [
+            ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                   content=self.echo))
+            for i in range(self.num_choices)
+        ]

@@ -11,16 +11,13 @@ prompt's logprobs, with each choice's first chunk.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 
 from radixserve.server.admission import admit, num_prompts
 from radixserve.server.context import ServerContext, get_ctx
-from radixserve.server.generations import cancel_on_disconnect, collect_final, merged_choices, prime
+from radixserve.server.generations import merged_choices
 from radixserve.server.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -28,12 +25,10 @@ from radixserve.server.openai.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     ResponseIds,
-    UsageInfo,
     finish_reason_name,
     matched_stop,
 )
-from radixserve.server.openai.streaming import Delta, stream_choices
-from radixserve.server.sse import sse_response
+from radixserve.server.openai.streaming import Delta, Reply
 
 router = APIRouter()
 
@@ -48,14 +43,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     inputs = body.generate_inputs(prompts, ctx.context_len, body.logprobs,
                                   prompt_logprobs=prompt_logprobs,
                                   max_completion_tokens=ctx.server_args.max_completion_tokens)
-    merged = merged_choices(ctx.tokenizer_manager, inputs)
-    ids = ResponseIds.new("cmpl", ctx.model_name)
-    if not body.stream:
-        outputs = await cancel_on_disconnect(request, collect_final(merged, len(inputs)))
-        return JSONResponse(_response(ctx, body, outputs, ids).model_dump())
-    first = await prime(request, merged)
-    events = _stream(ctx, body, first, len(inputs), ids)
-    return sse_response(events)
+    reply = _CompletionReply(ctx, body, ResponseIds.new("cmpl", ctx.model_name), len(inputs))
+    return await reply.send(request, merged_choices(ctx.tokenizer_manager, inputs))
 
 
 def _prompt_ids(ctx: ServerContext, prompt: Any) -> list[list[int]]:
@@ -120,41 +109,35 @@ def _add_logprobs(
     return offset
 
 
-def _response(
-    ctx: ServerContext,
-    body: CompletionRequest,
-    outputs: list[dict[str, Any]],
-    ids: ResponseIds,
-) -> CompletionResponse:
-    choices = []
-    for i, out in enumerate(outputs):
+class _CompletionReply(Reply[CompletionRequest]):
+    """Completion choices: the generated text, after the prompt's with ``echo``."""
+
+    response_type = CompletionResponse
+    chunk_type = CompletionStreamResponse
+
+    def __init__(self, ctx: ServerContext, body: CompletionRequest, ids: ResponseIds,
+                 num_choices: int) -> None:
+        super().__init__(body, ids, num_choices)
+        self.ctx = ctx
+        self.offsets: dict[int, int] = {}  # streamed choice → text offset of its next token
+
+    def choice(self, index: int, out: dict[str, Any]) -> CompletionChoice:
+        ctx, body = self.ctx, self.body
         reason = out["meta_info"]["finish_reason"]
-        prefix = _echo(ctx, body, i)
+        prefix = _echo(ctx, body, index)
         logprobs = None
         if body.logprobs is not None:
             logprobs, _ = _logprobs(ctx, body, out["meta_info"], 0, len(prefix), body.echo)
-        choices.append(
-            CompletionChoice(
-                index=i,
-                text=prefix + out["text"],
-                logprobs=logprobs,
-                finish_reason=finish_reason_name(reason),
-                matched_stop=matched_stop(reason),
-            )
+        return CompletionChoice(
+            index=index,
+            text=prefix + out["text"],
+            logprobs=logprobs,
+            finish_reason=finish_reason_name(reason),
+            matched_stop=matched_stop(reason),
         )
-    return ids.wrap(CompletionResponse, choices, UsageInfo.from_outputs(outputs, body.n))
 
-
-def _stream(
-    ctx: ServerContext,
-    body: CompletionRequest,
-    merged: AsyncIterator[tuple[int, dict[str, Any]]],
-    num_choices: int,
-    ids: ResponseIds,
-) -> AsyncIterator[bytes]:
-    offsets: dict[int, int] = {}  # choice → text offset of its next token, once it started
-
-    def to_choice(delta: Delta) -> CompletionChoice | None:
+    def delta_choice(self, delta: Delta) -> CompletionChoice | None:
+        ctx, body, offsets = self.ctx, self.body, self.offsets
         reason = delta.finish_reason
         # The echo rides the choice's first chunk, with the prompt's logprobs (SGLang's order).
         first = delta.index not in offsets
@@ -175,7 +158,3 @@ def _stream(
             finish_reason=finish_reason_name(reason),
             matched_stop=matched_stop(reason),
         )
-
-    usage_n = body.n if body.include_usage else None
-    frame = partial(ids.wrap, CompletionStreamResponse)
-    return stream_choices(merged, num_choices, to_choice, frame, usage_n)

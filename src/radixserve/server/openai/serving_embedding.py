@@ -20,7 +20,7 @@ from radixserve.server.admission import admit, num_prompts
 from radixserve.server.context import get_ctx
 from radixserve.server.errors import APIError
 from radixserve.server.generations import cancel_on_disconnect
-from radixserve.server.strict_request import StrictRequest
+from radixserve.server.strict_request import StrictRequest, non_empty_list
 
 router = APIRouter()
 
@@ -34,12 +34,7 @@ class EmbeddingRequest(StrictRequest):
     dimensions: int | None = None
     user: str | None = None
 
-    @field_validator("input")
-    @classmethod
-    def _non_empty(cls, value: Any) -> Any:
-        if isinstance(value, list) and not value:
-            raise ValueError("input must not be an empty list")
-        return value
+    _non_empty = field_validator("input")(non_empty_list)
 
 
 class EncodeRequest(BaseModel):

@@ -36,7 +36,6 @@ from radixserve.server.generations import (
     prime,
 )
 from radixserve.server.openai.chat_parsing import (
-    ChoiceParser,
     ParsedMessage,
     ToolPlan,
     plan_tools,
@@ -44,6 +43,7 @@ from radixserve.server.openai.chat_parsing import (
 from radixserve.server.openai.protocol import ChatCompletionRequest, ChatMessage, now
 from radixserve.server.openai.responses_objects import (
     OutputItem,
+    Turn,
     item_id,
     output_items,
     response_object,
@@ -61,19 +61,6 @@ from radixserve.server.openai.serving_chat import choice_parser, reasoning_parse
 from radixserve.server.sse import sse_response
 
 router = APIRouter()
-
-
-@dataclasses.dataclass
-class Turn:
-    """One response being generated: what its prompt was built from, and what to store."""
-
-    body: ResponsesRequest
-    response_id: str
-    created_at: int
-    history: list[ChatMessage]  # the conversation before this turn's output, no instructions
-    prompt_ids: list[int]
-    prompt_text: str
-    parser: ChoiceParser
 
 
 def response_store(request: Request) -> ResponseStore:
@@ -224,8 +211,8 @@ def _finish(ctx: ServerContext, store: ResponseStore, turn: Turn, out: dict[str,
     reasoning_tokens = len(ctx.tokenizer.encode(parsed.reasoning, add_special_tokens=False)) \
         if parsed.reasoning else 0
     response = response_object(
-        turn.body, turn.response_id, turn.created_at, ctx.model_name, status,
-        items, incomplete, usage_of(meta, reasoning_tokens, _cache_page(ctx)),
+        turn, ctx.model_name, status, items, incomplete,
+        usage_of(meta, reasoning_tokens, _cache_page(ctx)),
     ).model_dump()
     if turn.body.store:
         output_ids = _written_ids(ctx, out)
