@@ -219,9 +219,7 @@ class ModelRunner:
         if forward_batch.batch_size == 0:
             return torch.empty((0, self.vocab_size), dtype=self.dtype, device=self.device)
         self.attn_backend.init_forward_metadata(forward_batch)
-        return self.model(
-            forward_batch.input_ids, forward_batch.positions, forward_batch, previous_stage
-        )
+        return self.model(forward_batch, previous_stage)
 
     # ------------------------------------------------------------------ weights and memory
     def update_weights_from_disk(self, model_path: str, load_format: str | None) -> None:
@@ -299,7 +297,7 @@ class ModelRunner:
         (embedding models: an encoder, or a decoder served with ``--is-embedding``)."""
         if self.attn_backend is not None:
             self.attn_backend.init_forward_metadata(forward_batch)
-        return self.model.embed(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        return self.model.embed(forward_batch)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, forward_batch: ForwardBatch) -> SampleOutput:
