@@ -30,12 +30,11 @@ from radixserve.layers.cpu_kernels import (
     amx_available,
     apply_token_bitmask,
     attention_kernels_support,
-    decode_attention,
-    extend_attention,
     fused_add_rms_norm,
     linear,
     load_cpu_kernels,
     pack_linear_weight,
+    paged_attention,
     rms_norm,
     rotary,
     silu_and_mul,
@@ -343,8 +342,8 @@ def test_decode_attention_kernel_writes_the_new_kv_and_equals_a_float64_referenc
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(4, kv_heads, head_dim)
     v = qkv[:, (heads + kv_heads) * head_dim :].view(4, kv_heads, head_dim)
 
-    out = decode_attention(q, k, v, loc, k_buffer, v_buffer, req_to_token, pool_rows, seq_lens,
-                           head_dim**-0.5)
+    out = paged_attention(q, k, v, loc, k_buffer, v_buffer, req_to_token, pool_rows, seq_lens,
+                          head_dim**-0.5)
 
     assert torch.equal(k_buffer[loc], k) and torch.equal(v_buffer[loc], v)
     slots = [req_to_token[r, :n] for r, n in zip(pool_rows, lens, strict=True)]
@@ -463,7 +462,7 @@ def test_extend_attention_kernel_writes_the_new_kv_and_equals_a_float64_referenc
         return
     prefix_lens, extend_lens = [0, 37, 5, 100], [70, 1, 16, 33]
     args = extend_problem(dtype, head_dim, heads, kv_heads, prefix_lens, extend_lens)
-    out = extend_attention(**args)
+    out = paged_attention(**args)
     loc = args["loc"]
     assert torch.equal(args["k_buffer"][loc], args["k"]) and torch.equal(
         args["v_buffer"][loc], args["v"])
@@ -479,19 +478,19 @@ def test_extend_attention_gives_a_token_the_same_bits_in_any_chunk_or_batch():
     if not kernels_here():
         return
     whole = extend_problem(torch.bfloat16, 64, 8, 2, [0], [90], seed=3)
-    expected = extend_attention(**whole)
+    expected = paged_attention(**whole)
     # the same request prefilled in chunks of 37: each chunk attends over the cached ones
     for start in range(0, 90, 37):
         end = min(start + 37, 90)
         chunk = dict(whole, q=whole["q"][start:end], k=whole["k"][start:end],
                      v=whole["v"][start:end], loc=whole["loc"][start:end],
                      seq_lens=torch.tensor([end]), extend_lens=torch.tensor([end - start]))
-        assert torch.equal(extend_attention(**chunk), expected[start:end])
+        assert torch.equal(paged_attention(**chunk), expected[start:end])
     # and next to other requests in one batch
     mixed = extend_problem(torch.bfloat16, 64, 8, 2, [12, 0], [5, 90], seed=4)
-    mixed_out = extend_attention(**dict(mixed, q=torch.cat([mixed["q"][:5], whole["q"]]),
-                                        k=torch.cat([mixed["k"][:5], whole["k"]]),
-                                        v=torch.cat([mixed["v"][:5], whole["v"]])))
+    mixed_out = paged_attention(**dict(mixed, q=torch.cat([mixed["q"][:5], whole["q"]]),
+                                       k=torch.cat([mixed["k"][:5], whole["k"]]),
+                                       v=torch.cat([mixed["v"][:5], whole["v"]])))
     # (the second request's K/V are the whole one's, at other slots)
     assert torch.equal(mixed_out[5:], expected)
 
@@ -501,14 +500,14 @@ def test_extend_attention_kernel_rejects_bad_input_with_a_clear_error():
         return
     args = extend_problem(torch.float32, 64, 4, 2, [0, 3], [4, 2])
     with pytest.raises(RuntimeError, match="extend lengths sum to 5, q has 6 tokens"):
-        extend_attention(**dict(args, extend_lens=torch.tensor([3, 2])))
+        paged_attention(**dict(args, extend_lens=torch.tensor([3, 2])))
     with pytest.raises(RuntimeError, match=r"extend_lens must be a contiguous int64 \[2\]"):
-        extend_attention(**dict(args, extend_lens=torch.tensor([4, 2], dtype=torch.int32)))
+        paged_attention(**dict(args, extend_lens=torch.tensor([4, 2], dtype=torch.int32)))
     with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16 up to 256"):
         bad = extend_problem(torch.float32, 40, 4, 2, [0], [3])
-        extend_attention(**bad)
+        paged_attention(**bad)
     with pytest.raises(RuntimeError, match="must share a dtype"):
-        extend_attention(**dict(args, k_buffer=args["k_buffer"].bfloat16()))
+        paged_attention(**dict(args, k_buffer=args["k_buffer"].bfloat16()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

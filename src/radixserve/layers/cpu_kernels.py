@@ -305,7 +305,7 @@ def attention_kernels_support(dtype: torch.dtype, head_dim: int) -> str | None:
     return None
 
 
-def decode_attention(
+def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -316,33 +316,19 @@ def decode_attention(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    extend_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decode token per request: write its K/V (``[bs, kv_heads, head_dim]``) at ``loc`` and
-    attend over the request's ``seq_lens`` slots in ``req_to_token``; returns ``[bs, heads,
-    head_dim]`` for ``q`` of that shape."""
-    out = torch.empty_like(q)
-    torch.ops.radixserve_cpu.decode_attention(
-        q, k, v, loc, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale, out
-    )
-    return out
-
-
-def extend_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    loc: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    extend_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Prefill: write the new tokens' K/V (``[tokens, kv_heads, head_dim]``) at ``loc``; each
-    request's ``extend_lens`` new tokens (the last of its ``seq_lens``) attend causally over its
-    slots. Returns ``[tokens, heads, head_dim]`` for ``q`` of that shape."""
+    """Write the new tokens' K/V (``[tokens, kv_heads, head_dim]``) at ``loc`` and attend over
+    each request's ``seq_lens`` slots in ``req_to_token``; returns ``[tokens, heads, head_dim]``
+    for ``q`` of that shape. Without ``extend_lens``, one decode token per request (the decode
+    kernel); with them, a prefill: each request's ``extend_lens`` new tokens (the last of its
+    ``seq_lens``) attend causally (the extend kernel)."""
+    if extend_lens is None:
+        out = torch.empty_like(q)
+        torch.ops.radixserve_cpu.decode_attention(
+            q, k, v, loc, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale, out
+        )
+        return out
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     torch.ops.radixserve_cpu.extend_attention(
         q, k, v, loc, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, extend_lens,

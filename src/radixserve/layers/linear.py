@@ -24,25 +24,23 @@ After loading, ``prepack_model`` (``layers/packed_weight.py``) calls every layer
 once: its method builds the ``PackedWeight`` of this rank's loaded shard for the kernels of the
 device the model was built for, and ``forward`` multiplies with it.
 
-How a new linear type plugs in: subclass ``LinearBase`` for another split and give it a
-``weight_loader`` that narrows each parameter to the rank's shard along ``output_dim`` /
-``input_dim`` (and places a fused layer's shards); parameters, packing and forward are
+How a new linear type plugs in: subclass ``LinearBase`` for another split, give it
+``shard_sizes`` (the rank's part of the layer's sizes) and a ``weight_loader`` that narrows each
+parameter to the rank's shard along ``output_dim`` / ``input_dim`` (and places a fused layer's
+shards); the constructor's keywords (``LinearOptions``), parameters, packing and forward are
 inherited, whatever the quantisation. A new weight format adds a ``LinearMethod``.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypedDict, Unpack
 
 import torch
 from torch import nn
 
 from radixserve.distributed import RankGroup
-from radixserve.layers import cpu_kernels
-from radixserve.layers.custom_op import select_impl
 from radixserve.layers.packed_weight import (
-    NotPacked,
     PackedWeight,
     PackOptions,
     Prepackable,
@@ -79,6 +77,29 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: WeightSource) -> N
             f"{tuple(loaded_weight.shape)}"
         )
     param.data.copy_(materialize(loaded_weight))
+
+
+class LayerOptions(TypedDict, total=False):
+    """The keywords every layer with a sharded, packed weight takes (the linear layers and the
+    LM head), the same for all layers of a model; ``layer_options`` reads them."""
+
+    quant_config: QuantizationConfig | None  # the checkpoint's quantisation; None (default): none
+    tp: RankGroup | None  # the tensor-parallel group; None (default): one rank, whole weights
+
+
+def layer_options(options: LayerOptions) -> tuple[QuantizationConfig | None, RankGroup]:
+    """``options``' quantisation and tensor-parallel group; a keyword that ``LayerOptions``
+    does not name is a TypeError, as it would be in an explicit signature."""
+    unknown = options.keys() - LayerOptions.__optional_keys__
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(unknown))}")
+    return options.get("quant_config"), options.get("tp") or RankGroup.single()
+
+
+class LinearOptions(LayerOptions, total=False):
+    """A linear layer's keywords: ``LayerOptions`` and whether it adds a bias."""
+
+    bias: bool  # default False
 
 
 def sharded_parameter(
@@ -133,41 +154,38 @@ def kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> int:
 
 
 class LinearBase(Prepackable):
-    """``y = x @ weight.T (+ bias)`` with a per-rank weight of shape ``[out, in]``."""
+    """``y = x @ weight.T (+ bias)`` with a per-rank weight of shape ``[out, in]``.
 
-    # model dtypes whose weights the CPU kernels pack (layers/packed_weight.py)
-    cpu_dtypes = cpu_kernels.KERNEL_DTYPES
+    Built from the whole layer's sizes; ``shard_sizes`` says which part of them this rank holds,
+    so a subclass for another split needs no constructor of its own."""
 
     def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool,
-        quant_config: QuantizationConfig | None,
-        tp: RankGroup | None,
+        self, input_size: int, output_size: int, **options: Unpack[LinearOptions]
     ) -> None:
         super().__init__()
-        self.tp = tp or RankGroup.single()
+        bias = options.pop("bias", False)
+        quant_config, self.tp = layer_options(options)
         self.tp_rank = self.tp.rank_in_group
         self.tp_size = self.tp.size
-        self.input_size = input_size  # this rank's
-        self.output_size = output_size
-        self.impl = select_impl(self.cpu_dtypes)
+        self.input_size, self.output_size = self.shard_sizes(input_size, output_size)  # rank's
         self.method = (
             quant_config.linear_method() if quant_config is not None else UnquantizedLinearMethod()
         )
-        self.method.create_weights(self, input_size, output_size)
+        self.method.create_weights(self, self.input_size, self.output_size)
         if bias:
             self.bias = sharded_parameter(
-                torch.empty(output_size), self.weight_loader, output_dim=0, input_dim=None
+                torch.empty(self.output_size), self.weight_loader, output_dim=0, input_dim=None
             )
         else:
             self.register_parameter("bias", None)
-        self.packed: PackedWeight = NotPacked()
 
-    def prepack(self, options: PackOptions) -> PackedWeight:
-        self.packed = self.method.pack(self, options)
-        return self.packed
+    def shard_sizes(self, input_size: int, output_size: int) -> tuple[int, int]:
+        """This rank's ``(input, output)`` sizes of the whole layer's (``tp_size`` is known when
+        it is called); each subclass knows its split."""
+        raise NotImplementedError
+
+    def pack(self, options: PackOptions) -> PackedWeight:
+        return self.method.pack(self, options)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: WeightSource) -> None:
         """Copy this rank's slice of a checkpoint tensor; each subclass knows its split."""
@@ -180,16 +198,8 @@ class LinearBase(Prepackable):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; each rank holds rows ``[rank*n, (rank+1)*n)``."""
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        quant_config: QuantizationConfig | None = None,
-        tp: RankGroup | None = None,
-    ) -> None:
-        size = (tp or RankGroup.single()).size
-        super().__init__(input_size, divide(output_size, size), bias, quant_config, tp)
+    def shard_sizes(self, input_size: int, output_size: int) -> tuple[int, int]:
+        return input_size, divide(output_size, self.tp_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: WeightSource) -> None:
         size = param.shape[0]
@@ -203,15 +213,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(
-        self,
-        input_size: int,
-        output_sizes: list[int],
-        bias: bool = False,
-        quant_config: QuantizationConfig | None = None,
-        tp: RankGroup | None = None,
+        self, input_size: int, output_sizes: list[int], **options: Unpack[LinearOptions]
     ) -> None:
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, quant_config, tp)
+        super().__init__(input_size, sum(output_sizes), **options)
 
     def shard_range(self, shard_id: int) -> tuple[int, int]:
         """``(offset, size)`` of shard ``shard_id``'s rows on this rank."""
@@ -239,17 +244,22 @@ class QKVParallelLinear(LinearBase):
         head_dim: int,
         total_num_heads: int,
         total_num_kv_heads: int,
-        bias: bool = False,
-        quant_config: QuantizationConfig | None = None,
-        tp: RankGroup | None = None,
+        **options: Unpack[LinearOptions],
     ) -> None:
-        tp_size = (tp or RankGroup.single()).size
         self.head_dim = head_dim
-        self.num_heads = divide(total_num_heads, tp_size)
-        self.num_kv_heads = kv_heads_per_rank(total_num_kv_heads, tp_size)
-        self.kv_replicas = max(1, tp_size // total_num_kv_heads)
-        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        super().__init__(hidden_size, output_size, bias, quant_config, tp)
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_dim
+        super().__init__(hidden_size, output_size, **options)
+
+    def shard_sizes(self, input_size: int, output_size: int) -> tuple[int, int]:
+        """The rank's share of the query heads and the KV heads they read (see
+        ``kv_heads_per_rank``), kept as ``num_heads``, ``num_kv_heads`` and ``kv_replicas``: with
+        replicated KV heads the rank's rows are not ``output_size / tp_size``."""
+        self.num_heads = divide(self.total_num_heads, self.tp_size)
+        self.num_kv_heads = kv_heads_per_rank(self.total_num_kv_heads, self.tp_size)
+        self.kv_replicas = max(1, self.tp_size // self.total_num_kv_heads)
+        return input_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
     @property
     def q_size(self) -> int:
@@ -280,16 +290,8 @@ class QKVParallelLinear(LinearBase):
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are summed over the TP group."""
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        quant_config: QuantizationConfig | None = None,
-        tp: RankGroup | None = None,
-    ) -> None:
-        size = (tp or RankGroup.single()).size
-        super().__init__(divide(input_size, size), output_size, bias, quant_config, tp)
+    def shard_sizes(self, input_size: int, output_size: int) -> tuple[int, int]:
+        return divide(input_size, self.tp_size), output_size
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: WeightSource) -> None:
         dim = param.input_dim

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.layers import cpu_kernels
-from radixserve.layers.custom_op import OpImpl
+from radixserve.layers.custom_op import OpImpl, select_impl
 
 logger = logging.getLogger(__name__)
 
@@ -123,10 +123,27 @@ def pack_float_weight(weight: torch.Tensor, impl: OpImpl, options: PackOptions) 
 
 
 class Prepackable(nn.Module):
-    """A module whose weights are packed once after loading (linear layers, the LM head)."""
+    """A module whose weights are packed once after loading (linear layers, the LM head).
+
+    It picks its kernels when built, as a ``CustomOp`` does (``impl``, from the build context),
+    and holds ``NotPacked`` until ``prepack_model`` calls ``prepack``, which keeps what the
+    subclass's ``pack`` builds."""
+
+    # model dtypes whose weights the CPU kernels pack
+    cpu_dtypes = cpu_kernels.KERNEL_DTYPES
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.impl = select_impl(self.cpu_dtypes)
+        self.packed: PackedWeight = NotPacked()
 
     def prepack(self, options: PackOptions) -> PackedWeight:
         """Build and keep this module's ``PackedWeight`` from its loaded parameters; returns it."""
+        self.packed = self.pack(options)
+        return self.packed
+
+    def pack(self, options: PackOptions) -> PackedWeight:
+        """The ``PackedWeight`` of the loaded parameters, for the kernels of ``impl``."""
         raise NotImplementedError
 
 

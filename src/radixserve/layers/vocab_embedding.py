@@ -9,26 +9,25 @@ layers, unpadded.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Unpack
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed import RankGroup
-from radixserve.layers import cpu_kernels
-from radixserve.layers.custom_op import select_impl
-from radixserve.layers.linear import WeightSource, default_weight_loader
+from radixserve.layers.linear import (
+    LayerOptions,
+    WeightSource,
+    default_weight_loader,
+    layer_options,
+)
 from radixserve.layers.packed_weight import (
-    NotPacked,
     PackedWeight,
     PackOptions,
     Prepackable,
     pack_float_weight,
 )
-
-if TYPE_CHECKING:
-    from radixserve.layers.quantization import QuantizationConfig
 
 
 class VocabShard:
@@ -83,31 +82,19 @@ class LMHead(Prepackable):
     it when the model's quantisation covers the LM head (the embedding keeps the float copy).
     """
 
-    cpu_dtypes = cpu_kernels.KERNEL_DTYPES
-
-    def __init__(
-        self,
-        vocab_size: int,
-        hidden_size: int,
-        quant_config: QuantizationConfig | None = None,
-        tp: RankGroup | None = None,
-    ) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, **options: Unpack[LayerOptions]) -> None:
         super().__init__()
-        self.impl = select_impl(self.cpu_dtypes)
-        self.tp = tp or RankGroup.single()
+        quant_config, self.tp = layer_options(options)
         self.shard = VocabShard(vocab_size, self.tp)
         self.weight = _vocab_weight(self.shard, hidden_size)
         self.quantized = quant_config is not None and quant_config.quantizes_lm_head()
-        self.packed: PackedWeight = NotPacked()
 
-    def prepack(self, options: PackOptions) -> PackedWeight:
+    def pack(self, options: PackOptions) -> PackedWeight:
         if self.quantized:
             from radixserve.layers.quantization.int8 import pack_int8, quantize_int8
 
-            self.packed = pack_int8(*quantize_int8(self.weight), self.impl)
-        else:
-            self.packed = pack_float_weight(self.weight.detach(), self.impl, options)
-        return self.packed
+            return pack_int8(*quantize_int8(self.weight), self.impl)
+        return pack_float_weight(self.weight.detach(), self.impl, options)
 
     def project(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``hidden_states @ weight.T`` in the weight's dtype, ``[rows, vocab_size]``."""

@@ -11,32 +11,31 @@ still have to be finite (a NaN survives masking), which the zeroed padding page 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 
+@dataclass(eq=False)
 class MHATokenToKVPool:
-    """K and V buffers of shape ``[size + page_size, head_num, head_dim]`` for each layer."""
+    """K and V buffers of shape ``[size + page_size, head_num, head_dim]`` for each layer,
+    allocated when the pool is made. A dataclass for its constructor; pools compare by identity."""
 
-    def __init__(
-        self,
-        size: int,
-        page_size: int,
-        dtype: torch.dtype,
-        head_num: int,
-        head_dim: int,
-        layer_num: int,
-        device: torch.device | str,
-    ) -> None:
-        assert size % page_size == 0, f"KV pool size {size} is not a multiple of {page_size}"
-        self.size = size
-        self.page_size = page_size
-        self.dtype = dtype
-        self.head_num = head_num
-        self.head_dim = head_dim
-        self.layer_num = layer_num
-        self.device = torch.device(device)
-        self.k_buffer: list[torch.Tensor] = []
-        self.v_buffer: list[torch.Tensor] = []
+    size: int
+    page_size: int
+    dtype: torch.dtype
+    head_num: int
+    head_dim: int
+    layer_num: int
+    device: torch.device  # a str is accepted and converted
+    k_buffer: list[torch.Tensor] = field(init=False, repr=False, default_factory=list)
+    v_buffer: list[torch.Tensor] = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        assert self.size % self.page_size == 0, (
+            f"KV pool size {self.size} is not a multiple of {self.page_size}"
+        )
+        self.device = torch.device(self.device)
         self.allocate()
 
     def allocate(self) -> None:

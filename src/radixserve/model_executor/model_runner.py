@@ -64,7 +64,8 @@ def available_memory_bytes(device: torch.device) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class RunnerSettings:
-    """The server arguments the model runner reads (how much KV, which kernels)."""
+    """The server arguments the model runner reads (how much KV, which kernels), each field
+    named as its server argument."""
 
     page_size: int = 1
     max_running_requests: int | None = None  # None: min(256, KV tokens)
@@ -72,19 +73,11 @@ class RunnerSettings:
     mem_fraction_static: float | None = None  # None: the device's default
     processes_per_node: int = 1  # processes sharing this machine's memory (CPU)
     attention_backend: str | None = None  # None: the device's default
-    batch_invariant: bool = False  # --enable-deterministic-inference
+    enable_deterministic_inference: bool = False  # only batch-invariant kernels
 
     @classmethod
     def from_args(cls, args: ServerArgs) -> RunnerSettings:
-        return cls(
-            page_size=args.page_size,
-            max_running_requests=args.max_running_requests,
-            max_total_tokens=args.max_total_tokens,
-            mem_fraction_static=args.mem_fraction_static,
-            processes_per_node=args.processes_per_node,
-            attention_backend=args.attention_backend,
-            batch_invariant=args.enable_deterministic_inference,
-        )
+        return cls(**{field.name: getattr(args, field.name) for field in dataclasses.fields(cls)})
 
 
 class ModelRunner:
@@ -100,7 +93,7 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.dtype = model_config.torch_dtype
         # --enable-deterministic-inference: only batch-invariant kernels (checked when packing)
-        self.batch_invariant = settings.batch_invariant
+        self.batch_invariant = settings.enable_deterministic_inference
         if self.batch_invariant and self.device.type != "cpu":
             raise ValueError("--enable-deterministic-inference runs on CPU only in this build")
         self.page_size = settings.page_size
@@ -146,13 +139,8 @@ class ModelRunner:
     def _create_kv_pool(self) -> MHATokenToKVPool:
         cfg = self.model_config
         pool = MHATokenToKVPool(
-            size=self.max_total_num_tokens,
-            page_size=self.page_size,
-            dtype=self.dtype,
-            head_num=self.num_kv_heads,
-            head_dim=cfg.head_dim,
-            layer_num=self.num_layers,
-            device=self.device,
+            self.max_total_num_tokens, self.page_size, self.dtype, self.num_kv_heads,
+            cfg.head_dim, self.num_layers, self.device,
         )
         logger.info(
             "KV cache: %d tokens, %.4g GiB (%s, page size %d); %d request slots",
@@ -219,9 +207,7 @@ class ModelRunner:
         if forward_batch.batch_size == 0:
             return torch.empty((0, self.vocab_size), dtype=self.dtype, device=self.device)
         self.attn_backend.init_forward_metadata(forward_batch)
-        return self.model(
-            forward_batch.input_ids, forward_batch.positions, forward_batch, previous_stage
-        )
+        return self.model(forward_batch, previous_stage)
 
     # ------------------------------------------------------------------ weights and memory
     def update_weights_from_disk(self, model_path: str, load_format: str | None) -> None:
@@ -299,7 +285,7 @@ class ModelRunner:
         (embedding models: an encoder, or a decoder served with ``--is-embedding``)."""
         if self.attn_backend is not None:
             self.attn_backend.init_forward_metadata(forward_batch)
-        return self.model.embed(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        return self.model.embed(forward_batch)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, forward_batch: ForwardBatch) -> SampleOutput:

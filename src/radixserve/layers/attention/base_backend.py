@@ -1,7 +1,7 @@
 """The contract between a model's attention layers and an attention backend.
 
 Per model step the runner calls ``init_forward_metadata(forward_batch)`` once; then every layer's
-``Attention`` calls ``backend.forward(q, k, v, layer, forward_batch)``, which stores the new
+``Attention`` calls ``backend.forward(QKV(q, k, v), layer, forward_batch)``, which stores the new
 tokens' K and V in the KV pool at ``forward_batch.out_cache_loc`` and attends each query over its
 request's whole KV (cached prefix + new tokens, causally). The batch is always passed explicitly;
 a backend keeps only the metadata derived from the current batch.
@@ -10,11 +10,23 @@ a backend keeps only the metadata derived from the current batch.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
-from torch import nn
 
 from radixserve.model_executor.forward_batch import ForwardBatch
+
+
+class QKV(NamedTuple):
+    """The new tokens' query, key and value projections, which travel together from a model's
+    attention to its backend: ``q`` ``[num_tokens, heads * head_dim]``, ``k``/``v``
+    ``[num_tokens, kv_heads * head_dim]``, the new tokens of all requests concatenated in batch
+    order (EXTEND: each request's new tokens; DECODE: one per request)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 class AttentionBackend(ABC):
@@ -23,42 +35,24 @@ class AttentionBackend(ABC):
         """Precompute what all layers share for this batch (slot tables, masks)."""
 
     @abstractmethod
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: Attention,
-        forward_batch: ForwardBatch,
-    ) -> torch.Tensor:
-        """``q`` ``[num_tokens, heads * head_dim]``, ``k``/``v`` ``[num_tokens, kv_heads *
-        head_dim]`` for the new tokens of all requests, concatenated in batch order (EXTEND:
-        each request's new tokens; DECODE: one per request). Returns ``[num_tokens, heads *
-        head_dim]``."""
+    def forward(self, qkv: QKV, layer: Attention, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Attention of ``layer`` for the new tokens; returns ``[num_tokens, heads * head_dim]``."""
 
 
-class Attention(nn.Module):
-    """A model's attention over the paged KV cache: holds the shape facts a backend needs and
-    delegates the computation to the backend it was built with."""
+@dataclass(frozen=True, eq=False)
+class Attention:
+    """A model's attention over the paged KV cache: the shape facts a backend needs, and the
+    backend it was built with, which computes it. It holds no parameters, so it is no
+    ``nn.Module``."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_dim: int,
-        scaling: float,
-        num_kv_heads: int,
-        layer_id: int,
-        backend: AttentionBackend,
-    ) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.scaling = scaling
-        self.num_kv_heads = num_kv_heads
-        self.layer_id = layer_id
-        self.backend = backend
+    num_heads: int
+    head_dim: int
+    scaling: float
+    num_kv_heads: int
+    layer_id: int  # the layer's index in the KV pool
+    backend: AttentionBackend
 
-    def forward(
+    def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        return self.backend.forward(q, k, v, self, forward_batch)
+        return self.backend.forward(QKV(q, k, v), self, forward_batch)

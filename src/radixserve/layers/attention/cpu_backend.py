@@ -20,12 +20,10 @@ any number of query heads per KV head); ``create_attention_backend`` reports why
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from radixserve.layers import cpu_kernels
-from radixserve.layers.attention.base_backend import Attention, AttentionBackend
+from radixserve.layers.attention.base_backend import QKV, Attention, AttentionBackend
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_executor.forward_batch import ForwardBatch
@@ -54,38 +52,19 @@ class CpuAttnBackend(AttentionBackend):
             lens = [1] * len(forward_batch.seq_lens_cpu)
         self._extend_lens = None if lens is None else torch.tensor(lens, dtype=torch.int64)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: Attention,
-        forward_batch: ForwardBatch,
-    ) -> torch.Tensor:
-        """DECODE takes the decode kernel, EXTEND (and, batch invariant, DECODE too) the extend
-        kernel."""
-        if forward_batch.forward_mode.is_decode and not self.batch_invariant:
-            return self._run(cpu_kernels.decode_attention, q, k, v, layer, forward_batch)
-        assert self._extend_lens is not None, "init_forward_metadata must run before attention"
-        return self._run(cpu_kernels.extend_attention, q, k, v, layer, forward_batch,
-                         self._extend_lens)
-
-    def _run(
-        self,
-        kernel: Callable[..., torch.Tensor],
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: Attention,
-        forward_batch: ForwardBatch,
-        *lens: torch.Tensor,
-    ) -> torch.Tensor:
-        """Call an attention kernel, which writes this step's K/V into the pool and attends:
-        per-head views in the pool's dtype in, ``[tokens, heads * head_dim]`` in q's dtype out."""
+    def forward(self, qkv: QKV, layer: Attention, forward_batch: ForwardBatch) -> torch.Tensor:
+        """One kernel call writes this step's K/V into the pool and attends: DECODE takes the
+        decode kernel, EXTEND (and, batch invariant, DECODE too) the extend kernel. Per-head views
+        in the pool's dtype in, ``[tokens, heads * head_dim]`` in q's dtype out."""
+        extend_lens = None
+        if not forward_batch.forward_mode.is_decode or self.batch_invariant:
+            assert self._extend_lens is not None, "init_forward_metadata must run before attention"
+            extend_lens = self._extend_lens
+        q, k, v = qkv
         n, heads, kv_heads = q.shape[0], layer.num_heads, layer.num_kv_heads
         head_dim = layer.head_dim
         pool = self.token_to_kv_pool
-        out = kernel(
+        out = cpu_kernels.paged_attention(
             q.view(n, heads, head_dim).to(pool.dtype),
             k.view(n, kv_heads, head_dim).to(pool.dtype),
             v.view(n, kv_heads, head_dim).to(pool.dtype),
@@ -95,7 +74,7 @@ class CpuAttnBackend(AttentionBackend):
             self.req_to_token_pool.req_to_token,
             forward_batch.req_pool_indices,
             forward_batch.seq_lens,
-            *lens,
             layer.scaling,
+            extend_lens,
         )
         return out.view(n, heads * head_dim).to(q.dtype)

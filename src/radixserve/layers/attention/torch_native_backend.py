@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixserve.layers.attention.base_backend import Attention, AttentionBackend
+from radixserve.layers.attention.base_backend import QKV, Attention, AttentionBackend
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_executor.forward_batch import ForwardBatch
@@ -113,15 +113,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         mask.masked_fill_(~visible, float("-inf"))
         return _Metadata(fb.batch_size, slot_index, max_kv, max_q, q_index, q_valid, mask[:, None])
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: Attention,
-        forward_batch: ForwardBatch,
-    ) -> torch.Tensor:
+    def forward(self, qkv: QKV, layer: Attention, forward_batch: ForwardBatch) -> torch.Tensor:
         assert self._batch is forward_batch, "init_forward_metadata must run before attention"
+        q, k, v = qkv
         num_tokens = q.shape[0]
         heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         pool = self.token_to_kv_pool

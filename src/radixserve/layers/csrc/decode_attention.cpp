@@ -25,6 +25,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "paged_attention.h"
 #include "vec_math.h"
 
 namespace {
@@ -207,20 +208,12 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                                                       scale, out);
     });
   };
-  if (q.scalar_type() == at::kFloat) {
-    run(float{});
-  } else if (q.scalar_type() == at::kBFloat16) {
-    run(c10::BFloat16{});
-  } else {
-    TORCH_CHECK(false, "decode_attention takes float32 or bfloat16, got ", q.scalar_type());
-  }
+  with_attention_dtype("decode_attention", q, run);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor loc, Tensor(a!) k_buffer, "
-        "Tensor(b!) v_buffer, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
-        "float scale, Tensor(c!) out) -> ()");
+  m.def("decode_attention(" RADIXSERVE_PAGED_ATTENTION_ARGS "float scale, Tensor(c!) out) -> ()");
   m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
 }

@@ -30,6 +30,7 @@
 #include <initializer_list>
 #include <vector>
 
+#include "paged_attention.h"
 #include "vec_math.h"
 
 namespace {
@@ -260,22 +261,17 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               "extend_attention: req_to_token must be int64 [requests, context] with "
               "contiguous rows");
   if (tokens == 0) return;
-  if (q.scalar_type() == at::kFloat) {
-    extend_attention_impl<float>(q, k, v, loc, k_buffer, v_buffer, req_to_token,
-                                 req_pool_indices, seq_lens, extend_lens, scale, out);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    extend_attention_impl<c10::BFloat16>(q, k, v, loc, k_buffer, v_buffer, req_to_token,
-                                         req_pool_indices, seq_lens, extend_lens, scale, out);
-  } else {
-    TORCH_CHECK(false, "extend_attention takes float32 or bfloat16, got ", q.scalar_type());
-  }
+  with_attention_dtype("extend_attention", q, [&](auto dtype_tag) {
+    extend_attention_impl<decltype(dtype_tag)>(q, k, v, loc, k_buffer, v_buffer, req_to_token,
+                                               req_pool_indices, seq_lens, extend_lens, scale,
+                                               out);
+  });
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
-  m.def("extend_attention(Tensor q, Tensor k, Tensor v, Tensor loc, Tensor(a!) k_buffer, "
-        "Tensor(b!) v_buffer, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
+  m.def("extend_attention(" RADIXSERVE_PAGED_ATTENTION_ARGS
         "Tensor extend_lens, float scale, Tensor(c!) out) -> ()");
   m.impl("extend_attention", c10::DispatchKey::CPU, &extend_attention);
 }

@@ -124,15 +124,15 @@ class BertModel(nn.Module):
         )
         self.pooler = Pooler(PoolingType.MEAN, normalize=True)
 
-    def embed(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        """``[batch_size, hidden]`` float32 unit vectors, one per request."""
+    def embed(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """``[batch_size, hidden]`` float32 unit vectors, one per request (of the batch's
+        ``input_ids`` at its ``positions``)."""
         lens = forward_batch.extend_seq_lens_cpu
         assert lens is not None and forward_batch.extend_prefix_lens_cpu is not None
         assert not any(forward_batch.extend_prefix_lens_cpu), "an encoder reuses no prefix"
+        input_ids = forward_batch.input_ids
         index, valid = _padded_layout(lens, input_ids.device)
-        x = self.embeddings(input_ids, positions)
+        x = self.embeddings(input_ids, forward_batch.positions)
         padding = None if min(lens) == max(lens) else valid
         for layer in self.encoder.layer:
             x = layer(x, index, padding)

@@ -55,24 +55,29 @@ class MissingLayer(nn.Module):
         raise RuntimeError("this decoder layer lives on another pipeline stage")
 
 
+@dataclass(frozen=True)
+class LayerSpec:
+    """What every decoder layer of a model is built from: its config, the attention backend, the
+    variant's two switches and the stage's tensor-parallel group."""
+
+    config: ModelConfig
+    attn_backend: AttentionBackend
+    qkv_bias: bool  # a bias on q, k and v (Qwen2)
+    qk_norm: bool  # RMSNorm per q and k head before RoPE (Qwen3)
+    tp: RankGroup
+
+
 class LlamaAttention(nn.Module):
-    def __init__(
-        self,
-        config: ModelConfig,
-        kv_layer: int,
-        attn_backend: AttentionBackend,
-        qkv_bias: bool,
-        qk_norm: bool,
-        tp: RankGroup,
-    ) -> None:
+    def __init__(self, spec: LayerSpec, kv_layer: int) -> None:
         super().__init__()
+        config, tp = spec.config, spec.tp
         head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             head_dim,
             config.num_attention_heads,
             config.num_key_value_heads,
-            bias=qkv_bias,
+            bias=spec.qkv_bias,
             quant_config=config.quantization,
             tp=tp,
         )
@@ -83,8 +88,8 @@ class LlamaAttention(nn.Module):
             quant_config=config.quantization,
             tp=tp,
         )
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if spec.qk_norm else None
         self.rotate = ApplyRotaryEmbedding()
         self.attn = Attention(
             num_heads=self.qkv_proj.num_heads,
@@ -92,7 +97,7 @@ class LlamaAttention(nn.Module):
             scaling=head_dim**-0.5,
             num_kv_heads=self.qkv_proj.num_kv_heads,
             layer_id=kv_layer,
-            backend=attn_backend,
+            backend=spec.attn_backend,
         )
 
     def forward(
@@ -139,24 +144,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self,
-        config: ModelConfig,
-        kv_layer: int,
-        attn_backend: AttentionBackend,
-        qkv_bias: bool,
-        qk_norm: bool,
-        tp: RankGroup,
-    ) -> None:
+    def __init__(self, spec: LayerSpec, kv_layer: int) -> None:
         """``kv_layer``: this layer's index in the rank's KV pool (its stage's layers only)."""
         super().__init__()
-        self.self_attn = LlamaAttention(config, kv_layer, attn_backend, qkv_bias, qk_norm, tp)
+        config = spec.config
+        self.self_attn = LlamaAttention(spec, kv_layer)
         self.mlp = LlamaMLP(
             config.hidden_size,
             config.intermediate_size,
             bias=bool(config.hf_config.get("mlp_bias", False)),
             quant_config=config.quantization,
-            tp=tp,
+            tp=spec.tp,
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -203,8 +201,9 @@ class LlamaModel(nn.Module):
             config.head_dim, config.context_len, config.rope_theta, config.rope_scaling
         )
         start = self.stage_layers.start
+        spec = LayerSpec(config, attn_backend, qkv_bias, qk_norm, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i - start, attn_backend, qkv_bias, qk_norm, tp)
+            LlamaDecoderLayer(spec, i - start)
             if i in self.stage_layers
             else MissingLayer()
             for i in range(config.num_hidden_layers)
@@ -212,20 +211,17 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if info.is_last_stage else None
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        previous_stage: StageActivations | None = None,
+        self, forward_batch: ForwardBatch, previous_stage: StageActivations | None = None
     ) -> torch.Tensor | StageActivations:
         """The final hidden states on the last stage, else this stage's ``StageActivations``."""
         residual: torch.Tensor | None
         if self.embed_tokens is not None:
-            hidden_states, residual = self.embed_tokens(input_ids), None
+            hidden_states, residual = self.embed_tokens(forward_batch.input_ids), None
         else:
             assert previous_stage is not None, "a later pipeline stage needs activations"
             hidden_states, residual = previous_stage.hidden_states, previous_stage.residual
-        rope = self.rotary_emb(positions, hidden_states.dtype)  # looked up once for all layers
+        # looked up once for all layers
+        rope = self.rotary_emb(forward_batch.positions, hidden_states.dtype)
         for layer in self.layers[self.stage_layers.start : self.stage_layers.stop]:
             hidden_states, residual = layer(rope, hidden_states, forward_batch, residual)
         assert residual is not None
@@ -267,7 +263,8 @@ class LlamaForCausalLM(nn.Module):
             parallel=self.parallel,
         )
         self.lm_head = (
-            LMHead(config.vocab_size, config.hidden_size, config.quantization, self.parallel.tp)
+            LMHead(config.vocab_size, config.hidden_size, quant_config=config.quantization,
+                   tp=self.parallel.tp)
             if info.is_last_stage
             else None
         )
@@ -306,20 +303,16 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        forward_batch: ForwardBatch,
-        previous_stage: StageActivations | None = None,
+        self, forward_batch: ForwardBatch, previous_stage: StageActivations | None = None
     ) -> torch.Tensor | StageActivations:
-        out = self.model(input_ids, positions, forward_batch, previous_stage)
+        """Reads the batch's ``input_ids`` and ``positions`` (or ``previous_stage``'s
+        activations on a later pipeline stage)."""
+        out = self.model(forward_batch, previous_stage)
         if isinstance(out, StageActivations):
             return out
         assert self.lm_head is not None
         return self.logits_processor(out, self.lm_head, forward_batch)
 
-    def embed(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
+    def embed(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """``[batch_size, hidden]`` float32 unit vectors (EXTEND batches only)."""
-        return self.pooler(self.model(input_ids, positions, forward_batch), forward_batch)
+        return self.pooler(self.model(forward_batch), forward_batch)
