@@ -241,7 +241,8 @@ class Engine:
 
         Needs an embedding model: an encoder checkpoint (BERT) or ``is_embedding=True``.
         """
-        return self._run(self._tm.encode_request(text=prompt, input_ids=input_ids, rid=rid))
+        obj = GenerateReqInput(text=prompt, input_ids=input_ids, rid=rid)
+        return self._run(self._tm.encode_request(obj))
 
     async def async_encode(
         self,
@@ -250,8 +251,8 @@ class Engine:
         rid: str | list[str] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """``encode`` for the caller's own asyncio loop."""
-        coro = self._tm.encode_request(text=prompt, input_ids=input_ids, rid=rid)
-        return await asyncio.wrap_future(self._submit(coro))
+        obj = GenerateReqInput(text=prompt, input_ids=input_ids, rid=rid)
+        return await asyncio.wrap_future(self._submit(self._tm.encode_request(obj)))
 
     # ------------------------------------------------------------------ control
     def abort(self, rid: str = "", abort_all: bool = False) -> None:

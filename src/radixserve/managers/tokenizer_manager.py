@@ -282,13 +282,9 @@ class TokenizerManager:
             raise ValueError(where + why) from e
 
     # ------------------------------------------------------------------ embeddings
-    async def encode_request(
-        self,
-        text: str | list[str] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
-        rid: str | list[str] | None = None,
-    ) -> dict[str, Any] | list[dict[str, Any]]:
-        """Embed one input (→ dict) or a batch (→ list, in input order).
+    async def encode_request(self, obj: GenerateReqInput) -> dict[str, Any] | list[dict[str, Any]]:
+        """Embed ``obj``'s one input (→ dict) or batch (→ list, in input order). An embedding
+        reads only ``text`` or ``input_ids``, and ``rid``: it samples nothing.
 
         Each output is ``{"embedding": [float, ...], "meta_info": {"id", "prompt_tokens",
         "cached_tokens", "finish_reason"}}``. Invalid input raises ``ValueError`` before anything
@@ -300,7 +296,6 @@ class TokenizerManager:
                 "this server serves a generation model: start it with --is-embedding to embed "
                 "with a decoder checkpoint"
             )
-        obj = GenerateReqInput(text=text, input_ids=input_ids, rid=rid)
         await self._admit()  # the last await before the requests are sent
         obj.normalize()
         reqs = []

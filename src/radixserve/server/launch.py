@@ -286,7 +286,7 @@ class _Lifecycle:
         tm = self.ctx.tokenizer_manager
         text, rid = "The capital of France is", f"warmup-{uuid.uuid4().hex}"
         if not tm.is_generation:
-            out = await tm.encode_request(text=text, rid=rid)
+            out = await tm.encode_request(GenerateReqInput(text=text, rid=rid))
             logger.info("warm-up embedding done (%d dimensions)", len(out["embedding"]))
             return
         obj = GenerateReqInput(

@@ -228,7 +228,7 @@ async def health_generate(request: Request) -> Response:
         )
         work = first_item(tm.generate_request(obj))
     else:
-        work = tm.encode_request(text="Hello", rid=rid)
+        work = tm.encode_request(GenerateReqInput(text="Hello", rid=rid))
     what = "generation" if tm.is_generation else "embedding"
     try:
         out = await asyncio.wait_for(work, HEALTH_GENERATE_TIMEOUT_S)

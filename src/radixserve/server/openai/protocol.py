@@ -476,9 +476,12 @@ class _Response(BaseModel, Generic[_C]):
     usage: UsageInfo | None = None
 
 
-class ChatCompletionChoice(_Choice):
-    message: ChatMessageOut
+class _ChatChoice(_Choice):
     logprobs: ChatChoiceLogprobs | None = None
+
+
+class ChatCompletionChoice(_ChatChoice):
+    message: ChatMessageOut
 
 
 class ChatCompletionResponse(_Response[ChatCompletionChoice]):
@@ -501,9 +504,8 @@ class DeltaMessage(BaseModel):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatCompletionStreamChoice(_Choice):
+class ChatCompletionStreamChoice(_ChatChoice):
     delta: DeltaMessage
-    logprobs: ChatChoiceLogprobs | None = None
 
 
 class ChatCompletionStreamResponse(_Response[ChatCompletionStreamChoice]):

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.server.admission import admit, num_prompts
 from radixserve.server.context import get_ctx
 from radixserve.server.errors import APIError
@@ -68,8 +69,8 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
         )
     inputs = body.input
     token_ids = isinstance(inputs, list) and all(isinstance(x, (int, list)) for x in inputs)
-    kwargs: dict[str, Any] = {"input_ids": inputs} if token_ids else {"text": inputs}
-    outputs = await cancel_on_disconnect(request, ctx.tokenizer_manager.encode_request(**kwargs))
+    obj = GenerateReqInput(input_ids=inputs) if token_ids else GenerateReqInput(text=inputs)
+    outputs = await cancel_on_disconnect(request, ctx.tokenizer_manager.encode_request(obj))
     if isinstance(outputs, dict):
         outputs = [outputs]
     prompt_tokens = sum(out["meta_info"]["prompt_tokens"] for out in outputs)
@@ -91,5 +92,6 @@ async def encode(body: EncodeRequest, request: Request) -> Any:
     tm = get_ctx(request).tokenizer_manager
     prompt, field = (body.text, "text") if body.text is not None else (body.input_ids, "input_ids")
     admit(request, num_prompts(prompt), prompt_param=field)
-    work = tm.encode_request(text=body.text, input_ids=body.input_ids, rid=body.rid)
+    obj = GenerateReqInput(text=body.text, input_ids=body.input_ids, rid=body.rid)
+    work = tm.encode_request(obj)
     return await cancel_on_disconnect(request, work)
