@@ -139,7 +139,7 @@ async def one_request(session: aiohttp.ClientSession, model: str, prompt: Any,
                     res.itls.append(now - last)
                 last = now
                 chunks += 1
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.e2e = time.perf_counter() - res.start

@@ -678,7 +678,7 @@ class TokenizerManager:
                 return False
             try:
                 await asyncio.wait_for(self._pong.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return False
             self._check_alive()
         return True

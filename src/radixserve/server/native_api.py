@@ -232,7 +232,7 @@ async def health_generate(request: Request) -> Response:
     what = "generation" if tm.is_generation else "embedding"
     try:
         out = await asyncio.wait_for(work, HEALTH_GENERATE_TIMEOUT_S)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise APIError(
             503, f"health {what} failed: no output within {HEALTH_GENERATE_TIMEOUT_S:g}s (the "
             "scheduler is stuck, paused or overloaded)", headers={"Retry-After": "1"},

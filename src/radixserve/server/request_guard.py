@@ -151,7 +151,7 @@ class RequestGuard:
         while True:
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 of = f" of {declared}" if length is not None else ""
                 raise APIError(
                     408,
