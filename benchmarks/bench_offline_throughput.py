@@ -276,8 +276,7 @@ class _ZeroLogits(torch.nn.Module):
         self.vocab_size = vocab_size
         self.dtype = dtype
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                forward_batch: Any, previous_stage: Any = None) -> torch.Tensor:
+    def forward(self, forward_batch: Any, previous_stage: Any = None) -> torch.Tensor:
         return torch.zeros(forward_batch.batch_size, self.vocab_size, dtype=self.dtype)
 
 
