@@ -9,7 +9,10 @@
 // positions), converts each block to float32 once (K transposed, so that 16 scores come out of
 // one register), and for every row keeps an online softmax: running maximum m, running sum l and
 // the weighted sum of values, rescaled by e^(m_old - m_new) when the maximum grows. Keys past a
-// row's position get probability exactly 0; key blocks past it are skipped.
+// row's position get probability exactly 0; key blocks past it are skipped. Scores and weighted
+// values are computed for tiles of four rows, with the sums in registers, so that each key and
+// value vector is loaded once per tile rather than once per row (the value pass was bound by
+// loads: two per FMA).
 //
 // A row's result depends only on its query, its position and the keys up to it, never on the
 // other rows of its task, the chunk it is prefilled in or the tokens cached before it: the same
@@ -37,7 +40,8 @@ namespace {
 
 using namespace radixserve_cpu;
 
-constexpr int64_t kKeys = 16;     // keys per block: one register of scores
+constexpr int64_t kKeys = 64;     // keys per block: the softmax bookkeeping is per block
+constexpr int kChunks = kKeys / kLanes;  // registers of scores per row and block
 constexpr int64_t kQueries = 16;  // query positions per task
 constexpr int kRowTile = 4;       // rows whose scores are computed together
 
@@ -55,23 +59,62 @@ struct Shape {
   int64_t q_stride, kv_row, table_stride, out_stride;
 };
 
+// acc[r] = acc[r] * alpha[r] + sum_j probs[r][j] v[j] for kRowTile rows from r0 and kDTile * 16
+// dimensions from d0: the sums stay in registers while each value vector is loaded once for all
+// the rows (and each probability once for all the dimensions). Per row and dimension the
+// operations and their order are those of a row on its own; a row that skips the block
+// (`live` false) keeps its acc untouched.
+template <int kDTile>
+inline void weigh_values(float* acc, const float* alpha, const float* probs, const char* live,
+                         const float* vb, int64_t D, int64_t r0, int64_t d0) {
+  __m512 a[kRowTile][kDTile];
+  for (int t = 0; t < kRowTile; ++t) {
+    const __m512 al = _mm512_set1_ps(alpha[r0 + t]);
+    for (int c = 0; c < kDTile; ++c) {
+      a[t][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + t) * D + d0 + c * kLanes), al);
+    }
+  }
+  for (int64_t j = 0; j < kKeys; ++j) {
+    __m512 vv[kDTile];
+    for (int c = 0; c < kDTile; ++c) vv[c] = _mm512_loadu_ps(vb + j * D + d0 + c * kLanes);
+    for (int t = 0; t < kRowTile; ++t) {
+      const __m512 p = _mm512_set1_ps(probs[(r0 + t) * kKeys + j]);
+      for (int c = 0; c < kDTile; ++c) a[t][c] = _mm512_fmadd_ps(p, vv[c], a[t][c]);
+    }
+  }
+  for (int t = 0; t < kRowTile; ++t) {
+    if (!live[r0 + t]) continue;
+    for (int c = 0; c < kDTile; ++c) {
+      _mm512_storeu_ps(acc + (r0 + t) * D + d0 + c * kLanes, a[t][c]);
+    }
+  }
+}
+
 // One task: rows = positions [first, first + count) of request b (absolute positions
-// prefix + i) times the `group` query heads of KV head h.
+// prefix + i) times the `group` query heads of KV head h, padded to whole tiles of kRowTile rows
+// (padding rows see no key and are never written out).
 template <typename T>
 void attend_block(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots,
                   int64_t token0, int64_t prefix, int64_t first, int64_t count, int64_t h,
                   float scale, T* out, const Shape& s, std::vector<float>& scratch) {
   const int64_t D = s.head_dim, G = s.group, rows = count * G;
+  const int64_t padded = (rows + kRowTile - 1) / kRowTile * kRowTile;
   const int64_t max_pos = prefix + first + count - 1;
-  scratch.resize(rows * D * 2 + 2 * rows + kKeys * D * 2 + rows * kKeys);
-  float* qs = scratch.data();             // [rows][D] scaled queries
-  float* acc = qs + rows * D;             // [rows][D] weighted sums of values
-  float* m = acc + rows * D;              // [rows] running maximum
-  float* l = m + rows;                    // [rows] running sum
-  float* kt = l + rows;                   // [D][kKeys] keys, transposed
+  // the arrays of registers start on 64-byte lines (their sizes are multiples of 16 floats), so
+  // that no load or store of a register splits a cache line; the per-row floats come last
+  scratch.resize(padded * D * 2 + kKeys * D * 2 + padded * kKeys + 3 * padded + kLanes);
+  const auto misalign = reinterpret_cast<std::uintptr_t>(scratch.data()) % 64;
+  float* qs = scratch.data() + (64 - misalign) % 64 / sizeof(float);  // [padded][D] scaled queries
+  float* acc = qs + padded * D;           // [padded][D] weighted sums of values
+  float* kt = acc + padded * D;           // [D][kKeys] keys, transposed
   float* vb = kt + kKeys * D;             // [kKeys][D] values
-  float* probs = vb + kKeys * D;          // [rows][kKeys]
-  std::vector<int64_t> pos(rows);
+  float* probs = vb + kKeys * D;          // [padded][kKeys] scores, then probabilities
+  float* m = probs + padded * kKeys;      // [padded] running maximum
+  float* l = m + padded;                  // [padded] running sum
+  float* alpha = l + padded;              // [padded] this block's rescaling of acc
+  std::vector<int64_t> pos(padded, -1);   // -1: a padding row
+  std::vector<char> live(padded);         // whether the row sees a key of the current block
+  std::fill(qs, acc + padded * D, 0.0f);
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < count; ++i) {
     for (int64_t g = 0; g < G; ++g) {
@@ -79,13 +122,13 @@ void attend_block(const T* q, const T* k_buf, const T* v_buf, const int64_t* slo
       const T* qr = q + (token0 + first + i) * s.q_stride + (h * G + g) * D;
       for (int64_t d = 0; d < D; d += kLanes) {
         _mm512_storeu_ps(qs + r * D + d, _mm512_mul_ps(load_row(qr + d), scale_v));
-        _mm512_storeu_ps(acc + r * D + d, _mm512_setzero_ps());
       }
-      m[r] = -INFINITY;
-      l[r] = 0.0f;
       pos[r] = prefix + first + i;
     }
   }
+  std::fill(m, m + padded, -INFINITY);
+  std::fill(l, l + padded, 0.0f);
+  std::fill(alpha, alpha + padded, 1.0f);
   const int64_t head_off = h * D;
   for (int64_t k0 = 0; k0 <= max_pos; k0 += kKeys) {
     const int64_t n = std::min(kKeys, max_pos + 1 - k0);
@@ -101,37 +144,60 @@ void attend_block(const T* q, const T* k_buf, const T* v_buf, const int64_t* slo
       }
     }
     // scores of kRowTile rows at a time: 16 keys per register, one FMA per dimension
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
-      const int64_t tile = std::min<int64_t>(kRowTile, rows - r0);
-      __m512 sc[kRowTile] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                             _mm512_setzero_ps()};
+    for (int64_t r0 = 0; r0 < padded; r0 += kRowTile) {
+      __m512 sc[kRowTile][kChunks];
+      for (int t = 0; t < kRowTile; ++t)
+        for (int c = 0; c < kChunks; ++c) sc[t][c] = _mm512_setzero_ps();
       for (int64_t d = 0; d < D; ++d) {
-        const __m512 kd = _mm512_loadu_ps(kt + d * kKeys);
+        __m512 kd[kChunks];
+        for (int c = 0; c < kChunks; ++c) kd[c] = _mm512_loadu_ps(kt + d * kKeys + c * kLanes);
         for (int t = 0; t < kRowTile; ++t) {
-          if (t < tile) sc[t] = _mm512_fmadd_ps(_mm512_set1_ps(qs[(r0 + t) * D + d]), kd, sc[t]);
+          const __m512 qd = _mm512_set1_ps(qs[(r0 + t) * D + d]);
+          for (int c = 0; c < kChunks; ++c) sc[t][c] = _mm512_fmadd_ps(qd, kd[c], sc[t][c]);
         }
       }
-      for (int t = 0; t < tile; ++t) _mm512_storeu_ps(probs + (r0 + t) * kKeys, sc[t]);
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      if (k0 > pos[r]) continue;  // every key of the block is in this row's future
-      const __mmask16 visible = lanes(std::min(n, pos[r] + 1 - k0));
-      const __m512 sc = _mm512_loadu_ps(probs + r * kKeys);
-      const float block_max = _mm512_mask_reduce_max_ps(visible, sc);
-      const float m_new = std::max(m[r], block_max);
-      const float alpha = std::exp(m[r] - m_new);  // 0 for the first block (m = -inf)
-      const __m512 p = _mm512_maskz_mov_ps(visible, exp_ps(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
-      l[r] = l[r] * alpha + _mm512_reduce_add_ps(p);
-      m[r] = m_new;
-      alignas(64) float pj[kKeys];
-      _mm512_store_ps(pj, p);
-      const __m512 alpha_v = _mm512_set1_ps(alpha);
-      for (int64_t d = 0; d < D; d += kLanes) {
-        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), alpha_v);
-        for (int64_t j = 0; j < kKeys; ++j) {
-          a = _mm512_fmadd_ps(_mm512_set1_ps(pj[j]), _mm512_loadu_ps(vb + j * D + d), a);
+      for (int t = 0; t < kRowTile; ++t)
+        for (int c = 0; c < kChunks; ++c) {
+          _mm512_storeu_ps(probs + (r0 + t) * kKeys + c * kLanes, sc[t][c]);
         }
-        _mm512_storeu_ps(acc + r * D + d, a);
+    }
+    // the online softmax of each row that sees a key of the block
+    for (int64_t r = 0; r < padded; ++r) {
+      live[r] = k0 <= pos[r];
+      if (!live[r]) continue;  // every key of the block is in this row's future
+      const int64_t seen = std::min(n, pos[r] + 1 - k0);  // keys of the block it sees, >= 1
+      __mmask16 visible[kChunks];
+      __m512 sc[kChunks];
+      __m512 top = _mm512_set1_ps(-INFINITY);
+      for (int c = 0; c < kChunks; ++c) {
+        visible[c] = lanes(std::max<int64_t>(0, seen - c * kLanes));
+        sc[c] = _mm512_loadu_ps(probs + r * kKeys + c * kLanes);
+        top = _mm512_mask_max_ps(top, visible[c], top, sc[c]);
+      }
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(top));
+      alpha[r] = std::exp(m[r] - m_new);  // 0 for the first block (m = -inf)
+      const __m512 m_new_v = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = 0; c < kChunks; ++c) {
+        const __m512 p =
+            visible[c] ? _mm512_maskz_mov_ps(visible[c], exp_ps(_mm512_sub_ps(sc[c], m_new_v)))
+                       : _mm512_setzero_ps();
+        sum = _mm512_add_ps(sum, p);
+        _mm512_storeu_ps(probs + r * kKeys + c * kLanes, p);
+      }
+      l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+      m[r] = m_new;
+    }
+    for (int64_t r0 = 0; r0 < padded; r0 += kRowTile) {
+      int64_t d0 = 0;
+      for (; d0 + 4 * kLanes <= D; d0 += 4 * kLanes) {
+        weigh_values<4>(acc, alpha, probs, live.data(), vb, D, r0, d0);
+      }
+      switch ((D - d0) / kLanes) {
+        case 1: weigh_values<1>(acc, alpha, probs, live.data(), vb, D, r0, d0); break;
+        case 2: weigh_values<2>(acc, alpha, probs, live.data(), vb, D, r0, d0); break;
+        case 3: weigh_values<3>(acc, alpha, probs, live.data(), vb, D, r0, d0); break;
+        default: break;
       }
     }
   }
