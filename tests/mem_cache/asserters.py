@@ -13,10 +13,6 @@ import torch
 from radixserve.mem_cache import RadixCache, TokenToKVPoolAllocator
 
 
-def free_pages(allocator: TokenToKVPoolAllocator) -> torch.Tensor:
-    return allocator._free_pages
-
-
 def tree_values(cache: RadixCache) -> list[torch.Tensor]:
     return [node.value for node in cache._nodes()]
 
@@ -47,7 +43,7 @@ def assert_pages_accounted(
     """
     ps = allocator.page_size
     holders = [torch.unique(s // ps) for s in owned if len(s)]
-    everything = torch.cat([free_pages(allocator), *holders])
+    everything = torch.cat([allocator._free_pages, *allocator._released, *holders])
     assert len(torch.unique(everything)) == len(everything), "a page is free and owned, or shared"
     assert sorted(everything.tolist()) == list(range(1, allocator.num_pages + 1)), (
         "pages leaked, or page 0 handed out"

@@ -35,6 +35,28 @@ def test_alloc_and_free_keep_available_size_exact(ps):
 
 
 @pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_freed_pages_come_back_after_the_free_list_in_order_and_a_free_copies_nothing(ps):
+    alloc = TokenToKVPoolAllocator(size=64 * ps, page_size=ps, device="cpu")
+    first = alloc.alloc_extend([0], [10 * ps], [-1])  # pages 1..10
+    assert first is not None
+    head = alloc._free_pages.data_ptr()
+    alloc.free(first[5 * ps : 7 * ps])  # pages 6, 7
+    alloc.free(first[2 * ps : 3 * ps])  # page 3
+    # the free list (pages 11..64) was not copied to append them: a pool sized by memory holds
+    # millions of slots, and every finished or evicted request frees
+    assert alloc._free_pages.data_ptr() == head
+    assert alloc.available_size() == 57 * ps
+    rest = alloc.alloc_extend([0], [54 * ps], [-1])
+    assert rest is not None and (rest[::ps] // ps).tolist() == list(range(11, 65))
+    again = alloc.alloc_extend([0], [3 * ps], [-1])
+    assert again is not None and (again[::ps] // ps).tolist() == [6, 7, 3]
+    assert alloc.alloc_extend([0], [1], [-1]) is None
+    alloc.free(torch.cat([rest, again]))
+    assert alloc.available_size() == 57 * ps
+    assert_pages_accounted(alloc, [first[: 2 * ps], first[3 * ps : 5 * ps], first[7 * ps :]])
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
 def test_page_zero_is_never_handed_out(ps):
     alloc = TokenToKVPoolAllocator(size=6 * ps, page_size=ps, device="cpu")
     slots = alloc.alloc_extend([0], [6 * ps], [-1])

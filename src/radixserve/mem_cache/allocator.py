@@ -11,7 +11,10 @@ end, and the prefix cache can take over whole pages. ``free`` works on pages too
 of a page returns the whole page.
 
 The free list and the double-free bookkeeping are tensors on the pool's device; Python loops run
-per request (in ``alloc_extend``/``alloc_decode``), never per token.
+per request (in ``alloc_extend``/``alloc_decode``), never per token. Freed pages queue behind the
+free list as they come and join it only when it runs short: appending them to it on every
+``free`` copied the whole list (millions of slots in a pool sized by memory: milliseconds per
+finished or evicted request, on the scheduler's thread).
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ class TokenToKVPoolAllocator:
         self.page_size = page_size
         self.num_pages = size // page_size
         self.device = torch.device(device)
-        self._free_pages: torch.Tensor
+        self._free_pages: torch.Tensor  # handed out first, in order
+        self._released: list[torch.Tensor]  # pages freed since, in order, not yet in _free_pages
+        self._num_released: int
         self._page_is_free: torch.Tensor  # [num_pages + 1] bool: catches double frees cheaply
         self.clear()
 
@@ -46,12 +51,14 @@ class TokenToKVPoolAllocator:
         self._free_pages = torch.arange(
             1, self.num_pages + 1, dtype=torch.int64, device=self.device
         )
+        self._released = []
+        self._num_released = 0
         self._page_is_free = torch.ones(self.num_pages + 1, dtype=torch.bool, device=self.device)
         self._page_is_free[0] = False
 
     def available_size(self) -> int:
         """Free KV slots (whole free pages, in tokens)."""
-        return len(self._free_pages) * self.page_size
+        return (len(self._free_pages) + self._num_released) * self.page_size
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """``num_tokens`` fresh slots (``page_size == 1`` only), or ``None`` if too few are free."""
@@ -137,12 +144,21 @@ class TokenToKVPoolAllocator:
         )
         assert not bool(self._page_is_free[pages].any()), "double free of a KV page"
         self._page_is_free[pages] = True
-        self._free_pages = torch.cat((self._free_pages, pages))
+        self._released.append(pages)
+        self._num_released += len(pages)
+
+    def _join_released(self) -> None:
+        if self._released:
+            self._free_pages = torch.cat((self._free_pages, *self._released))
+            self._released = []
+            self._num_released = 0
 
     def _take_pages(self, num_pages: int) -> torch.Tensor | None:
         """The first ``num_pages`` free pages (slots, when page_size is 1), or ``None``."""
         if num_pages > len(self._free_pages):
-            return None
+            if num_pages > len(self._free_pages) + self._num_released:
+                return None
+            self._join_released()  # one copy per pass through the free list, not per free
         pages = self._free_pages[:num_pages]
         self._free_pages = self._free_pages[num_pages:]
         self._page_is_free[pages] = False
