@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixserve.mem_cache import TokenToKVPoolAllocator
+from radixserve.mem_cache.allocator import MAX_QUEUED_FREES
 from tests.mem_cache.asserters import assert_no_overlap, assert_pages_accounted
 
 PAGE_SIZES = [1, 16]
@@ -54,6 +55,20 @@ def test_freed_pages_come_back_after_the_free_list_in_order_and_a_free_copies_no
     alloc.free(torch.cat([rest, again]))
     assert alloc.available_size() == 57 * ps
     assert_pages_accounted(alloc, [first[: 2 * ps], first[3 * ps : 5 * ps], first[7 * ps :]])
+
+
+def test_queued_frees_join_the_free_list_after_a_bounded_number_of_frees():
+    # a pool the free list takes long to run through must not queue one tensor per free forever
+    alloc = TokenToKVPoolAllocator(size=4 * MAX_QUEUED_FREES, page_size=1, device="cpu")
+    taken = alloc.alloc(MAX_QUEUED_FREES)
+    assert taken is not None
+    for slot in taken[: MAX_QUEUED_FREES - 1]:
+        alloc.free(slot.view(1))
+    assert len(alloc._released) == MAX_QUEUED_FREES - 1
+    alloc.free(taken[-1:])
+    assert alloc._released == [] and len(alloc._free_pages) == 4 * MAX_QUEUED_FREES
+    assert alloc._free_pages[3 * MAX_QUEUED_FREES :].tolist() == taken.tolist()
+    assert_pages_accounted(alloc, [])
 
 
 @pytest.mark.parametrize("ps", PAGE_SIZES)

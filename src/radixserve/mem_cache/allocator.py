@@ -12,14 +12,18 @@ of a page returns the whole page.
 
 The free list and the double-free bookkeeping are tensors on the pool's device; Python loops run
 per request (in ``alloc_extend``/``alloc_decode``), never per token. Freed pages queue behind the
-free list as they come and join it only when it runs short: appending them to it on every
-``free`` copied the whole list (millions of slots in a pool sized by memory: milliseconds per
-finished or evicted request, on the scheduler's thread).
+free list as they come and join it when it runs short, or when ``MAX_QUEUED_FREES`` frees have
+queued (which bounds the queue's memory): appending them to it on every ``free`` copied the whole
+list (millions of slots in a pool sized by memory: milliseconds per finished or evicted request,
+on the scheduler's thread).
 """
 
 from __future__ import annotations
 
 import torch
+
+# frees queued before they join the free list: one copy of the list per this many frees
+MAX_QUEUED_FREES = 1024
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -146,6 +150,8 @@ class TokenToKVPoolAllocator:
         self._page_is_free[pages] = True
         self._released.append(pages)
         self._num_released += len(pages)
+        if len(self._released) >= MAX_QUEUED_FREES:
+            self._join_released()
 
     def _join_released(self) -> None:
         if self._released:
