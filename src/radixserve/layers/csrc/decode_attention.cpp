@@ -5,9 +5,13 @@
 // index_puts, gathers every request's K/V into a padded batch (two copies per layer), builds a
 // mask and runs SDPA: a handful of kernels whose start-up costs dominate a decode step's small
 // tensors. Here one call does it all. Each (request, KV head) task writes its new K/V row into the
-// pool, then reads the request's slots in place, once: the query heads that share a KV head are
-// handled together, so each key and value row is loaded once per group. Scores, softmax and the
-// weighted sum of values are float32 whatever the storage dtype.
+// pool, then reads the request's slots in place, a block of 64 keys at a time: the query heads
+// that share the KV head take the block in passes of as many heads as keep their sums in
+// registers (all of a group of 4 at head_dim 64), so each key and value row comes from memory
+// once and from L1 for the other passes. (With the sums in memory, one store per multiply-add
+// had made the value pass store-bound.) Scores, softmax and the weighted sum of values are
+// float32 whatever the storage dtype; every sum runs in the same order whatever the pass sizes,
+// so a request's output does not depend on the batch.
 //
 // Tasks never race: a task writes only its own head of its own request's new slot, and reads
 // only its own request's slots.
@@ -34,14 +38,16 @@ using namespace radixserve_cpu;
 
 constexpr int64_t kMaxHeadRegs = 16;  // head_dim up to 256
 
-// Calls fn(std::integral_constant<int64_t, regs>{}) for regs in 1..16.
-template <int64_t R = 1, typename Fn>
-void with_head_regs(int64_t regs, Fn&& fn) {
-  if constexpr (R <= kMaxHeadRegs) {
-    if (regs == R) {
-      fn(std::integral_constant<int64_t, R>{});
+// Calls fn(std::integral_constant<int64_t, value>{}) for 1 <= value <= kMax: head_dim's register
+// count and a pass's head count become compile-time, so their loops unroll into registers (a
+// runtime count made the kernel 2x slower than SDPA).
+template <int64_t kMax, int64_t V = 1, typename Fn>
+void with_constant(int64_t value, Fn&& fn) {
+  if constexpr (V <= kMax) {
+    if (value == V) {
+      fn(std::integral_constant<int64_t, V>{});
     } else {
-      with_head_regs<R + 1>(regs, fn);
+      with_constant<kMax, V + 1>(value, fn);
     }
   }
 }
@@ -66,6 +72,89 @@ inline void store16(c10::BFloat16* p, __m512 v) {
   store_bf16(reinterpret_cast<uint16_t*>(p), round_to_bf16(v));
 }
 
+// The query heads of a group handled in one pass: their sums (R registers each) stay in
+// registers, at most 16 of the 32 with the key or value row beside them.
+constexpr int64_t kPassRegs = 16;
+constexpr int64_t heads_per_pass(int64_t regs) {
+  return std::max<int64_t>(1, std::min<int64_t>(8, kPassRegs / regs));
+}
+constexpr int64_t kKeyBlock = 64;  // keys per block: a block's rows stay in L1 across the passes
+
+// Where one task's keys and values are: row t of its request at base + slots[t] * kv_row.
+template <typename T>
+struct Rows {
+  const T* k;
+  const T* v;
+  const int64_t* slots;
+  int64_t kv_row;
+};
+
+// Row t of a task's keys or values (`base`: rows.k or rows.v) into R registers; the row kAhead
+// further on is prefetched.
+template <typename T, int64_t R>
+inline void load_row(const T* base, const Rows<T>& rows, int64_t t, int64_t len, int64_t head_dim,
+                     __m512* out) {
+  if (t + kAhead < len) prefetch_row(base + rows.slots[t + kAhead] * rows.kv_row, head_dim);
+  const T* row = base + rows.slots[t] * rows.kv_row;
+  for (int64_t r = 0; r < R; ++r) out[r] = load16(row + r * kLanes);
+}
+
+// One pass of G heads over keys or values [t0, t1): with kScores, scores[g][t] = query_g . k_t;
+// else acc_g += scores[g][t] v_t. `held` (the G heads' queries, or their sums: R registers
+// each) stays in registers for the pass; score rows are `len` apart.
+template <bool kScores, typename T, int64_t R, int64_t G>
+void run_pass(__m512* held, const Rows<T>& rows, int64_t t0, int64_t t1, int64_t len,
+              int64_t head_dim, float* scores) {
+  __m512 reg[G][R];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = 0; r < R; ++r) reg[g][r] = held[g * R + r];
+  for (int64_t t = t0; t < t1; ++t) {
+    __m512 row[R];
+    load_row<T, R>(kScores ? rows.k : rows.v, rows, t, len, head_dim, row);
+    for (int64_t g = 0; g < G; ++g) {
+      if constexpr (kScores) {
+        __m512 dot = _mm512_mul_ps(reg[g][0], row[0]);
+        for (int64_t r = 1; r < R; ++r) dot = _mm512_fmadd_ps(reg[g][r], row[r], dot);
+        scores[g * len + t] = _mm512_reduce_add_ps(dot);
+      } else {
+        const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+        for (int64_t r = 0; r < R; ++r) reg[g][r] = _mm512_fmadd_ps(p, row[r], reg[g][r]);
+      }
+    }
+  }
+  if constexpr (!kScores) {
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t r = 0; r < R; ++r) held[g * R + r] = reg[g][r];
+  }
+}
+
+// Each row of scores (one per query head, `len` long) becomes its softmax, in place.
+void softmax_rows(float* scores, int64_t rows, int64_t len) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* s = scores + g * len;
+    __m512 top_v = _mm512_set1_ps(-INFINITY);  // the row's maximum, 16 lanes at a time
+    for (int64_t t = 0; t < len; t += kLanes) {
+      top_v = _mm512_max_ps(top_v, _mm512_mask_loadu_ps(top_v, lanes(len - t), s + t));
+    }
+    const float top = _mm512_reduce_max_ps(top_v);
+    top_v = _mm512_set1_ps(top);
+    __m512 total_v = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + kLanes <= len; t += kLanes) {
+      __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), top_v));
+      _mm512_storeu_ps(s + t, e);
+      total_v = _mm512_add_ps(total_v, e);
+    }
+    float total = _mm512_reduce_add_ps(total_v);
+    for (; t < len; ++t) {
+      s[t] = std::exp(s[t] - top);
+      total += s[t];
+    }
+    const float inv = 1.0f / total;
+    for (t = 0; t < len; ++t) s[t] *= inv;
+  }
+}
+
 template <typename T, int64_t kRegs>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& loc, const at::Tensor& k_buffer,
@@ -75,6 +164,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = k_buffer.size(1), group = heads / kv_heads;
   constexpr int64_t regs = kRegs;
+  constexpr int64_t pass = heads_per_pass(kRegs);
   const int64_t kv_row = kv_heads * head_dim, table_stride = req_to_token.stride(0);
   const int64_t q_stride = q.stride(0), k_stride = k.stride(0), v_stride = v.stride(0);
   const T* q_ptr = q.data_ptr<T>();
@@ -95,61 +185,33 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
     std::vector<__m512> query(group * regs), acc(group * regs);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads, len = len_ptr[b];
-      const int64_t* slots = table + pool_idx[b] * table_stride;
       const int64_t head_off = h * head_dim;
+      const Rows<T> rows{k_ptr + head_off, v_ptr + head_off,
+                         table + pool_idx[b] * table_stride, kv_row};
       std::copy_n(k_new + b * k_stride + head_off, head_dim, k_ptr + loc_ptr[b] * kv_row + head_off);
       std::copy_n(v_new + b * v_stride + head_off, head_dim, v_ptr + loc_ptr[b] * kv_row + head_off);
       const T* q_group = q_ptr + b * q_stride + h * group * head_dim;
       for (int64_t i = 0; i < group * regs; ++i) {
         query[i] = _mm512_mul_ps(load16(q_group + i * kLanes), scale_v);
+        acc[i] = _mm512_setzero_ps();
       }
-      // scores[g][t] = q_g . k_t: each key row is loaded once for the whole group
+      // Keys, then values, a block at a time: each block's rows come from memory once and from
+      // L1 for the group's other passes.
       scores.resize(group * len);
-      for (int64_t t = 0; t < len; ++t) {
-        if (t + kAhead < len) prefetch_row(k_ptr + slots[t + kAhead] * kv_row + head_off, head_dim);
-        const T* key = k_ptr + slots[t] * kv_row + head_off;
-        __m512 key_regs[kRegs];
-        for (int64_t r = 0; r < regs; ++r) key_regs[r] = load16(key + r * kLanes);
-        for (int64_t g = 0; g < group; ++g) {
-          __m512 dot = _mm512_mul_ps(query[g * regs], key_regs[0]);
-          for (int64_t r = 1; r < regs; ++r) {
-            dot = _mm512_fmadd_ps(query[g * regs + r], key_regs[r], dot);
-          }
-          scores[g * len + t] = _mm512_reduce_add_ps(dot);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {  // softmax over the row, in place
-        float* s = scores.data() + g * len;
-        const float top = *std::max_element(s, s + len);
-        const __m512 top_v = _mm512_set1_ps(top);
-        __m512 total_v = _mm512_setzero_ps();
-        int64_t t = 0;
-        for (; t + kLanes <= len; t += kLanes) {
-          __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), top_v));
-          _mm512_storeu_ps(s + t, e);
-          total_v = _mm512_add_ps(total_v, e);
-        }
-        float total = _mm512_reduce_add_ps(total_v);
-        for (; t < len; ++t) {
-          s[t] = std::exp(s[t] - top);
-          total += s[t];
-        }
-        const float inv = 1.0f / total;
-        for (t = 0; t < len; ++t) s[t] *= inv;
-      }
-      for (int64_t i = 0; i < group * regs; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t t = 0; t < len; ++t) {  // out_g = sum_t p[g][t] v_t, each value row once
-        if (t + kAhead < len) prefetch_row(v_ptr + slots[t + kAhead] * kv_row + head_off, head_dim);
-        const T* value = v_ptr + slots[t] * kv_row + head_off;
-        __m512 value_regs[kRegs];
-        for (int64_t r = 0; r < regs; ++r) value_regs[r] = load16(value + r * kLanes);
-        for (int64_t g = 0; g < group; ++g) {
-          const __m512 p = _mm512_set1_ps(scores[g * len + t]);
-          for (int64_t r = 0; r < regs; ++r) {
-            acc[g * regs + r] = _mm512_fmadd_ps(p, value_regs[r], acc[g * regs + r]);
+      const auto over_blocks = [&](auto scores_tag, __m512* held) {
+        for (int64_t t0 = 0; t0 < len; t0 += kKeyBlock) {
+          const int64_t t1 = std::min(len, t0 + kKeyBlock);
+          for (int64_t g = 0; g < group; g += pass) {
+            with_constant<pass>(std::min(pass, group - g), [&](auto heads_tag) {
+              run_pass<decltype(scores_tag)::value, T, regs, decltype(heads_tag)::value>(
+                  held + g * regs, rows, t0, t1, len, head_dim, scores.data() + g * len);
+            });
           }
         }
-      }
+      };
+      over_blocks(std::true_type{}, query.data());
+      softmax_rows(scores.data(), group, len);
+      over_blocks(std::false_type{}, acc.data());
       T* dst = out_ptr + b * heads * head_dim + h * group * head_dim;
       for (int64_t i = 0; i < group * regs; ++i) store16(dst + i * kLanes, acc[i]);
     }
@@ -198,11 +260,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.dim() == 2 &&
                   req_to_token.stride(1) == 1,
               "req_to_token must be int64 [requests, context] with contiguous rows");
-  // head_dim as a compile-time register count: the loops over it unroll into registers (a
-  // runtime count made the kernel 2x slower than SDPA)
   const auto run = [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
-    with_head_regs(q.size(2) / kLanes, [&](auto regs) {
+    with_constant<kMaxHeadRegs>(q.size(2) / kLanes, [&](auto regs) {
       decode_attention_impl<T, decltype(regs)::value>(q, k, v, loc, k_buffer, v_buffer,
                                                       req_to_token, req_pool_indices, seq_lens,
                                                       scale, out);
