@@ -61,6 +61,34 @@ struct Shape {
   int64_t q_stride, kv_row, table_stride, out_stride;
 };
 
+// cols[e] = element e of rows[0..15]: a 16 x 16 float32 transpose. After the unpacks, register
+// 4q + c holds, in its 128-bit quarter L, element 4L + c of rows 4q..4q+3; two rounds of
+// quarter shuffles gather each element's four quarters.
+inline void transpose16(const __m512* rows, __m512* cols) {
+  __m512 t[kLanes], u[kLanes];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(rows[2 * i], rows[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(rows[2 * i], rows[2 * i + 1]);
+  }
+  const auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 x = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);  // quarters 0, 2
+    const __m512 y = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);  // quarters 1, 3
+    const __m512 z = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512 w = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    cols[c] = _mm512_shuffle_f32x4(x, z, 0x88);
+    cols[4 + c] = _mm512_shuffle_f32x4(y, w, 0x88);
+    cols[8 + c] = _mm512_shuffle_f32x4(x, z, 0xDD);
+    cols[12 + c] = _mm512_shuffle_f32x4(y, w, 0xDD);
+  }
+}
+
 // acc[r] = acc[r] * alpha[r] + sum_j probs[r][j] v[j] for kRowTile rows from r0 and kDTile * 16
 // dimensions from d0: the sums stay in registers while each value vector is loaded once for all
 // the rows (and each probability once for all the dimensions). Per row and dimension the
@@ -134,15 +162,26 @@ void attend_block(const T* q, const T* k_buf, const T* v_buf, const int64_t* slo
   const int64_t head_off = h * D;
   for (int64_t k0 = 0; k0 <= max_pos; k0 += kKeys) {
     const int64_t n = std::min(kKeys, max_pos + 1 - k0);
-    for (int64_t j = 0; j < kKeys; ++j) {  // a short last block is zero-padded
-      const T* kr = k_buf + slots[std::min(k0 + j, max_pos)] * s.kv_row + head_off;
-      const T* vr = v_buf + slots[std::min(k0 + j, max_pos)] * s.kv_row + head_off;
+    // the block in float32, a short last block zero-padded: values as they are, keys
+    // transposed 16 x 16 in registers (a scalar store per element had cost decode steps in
+    // deterministic mode, with few rows per task, more than their scores)
+    for (int64_t j0 = 0; j0 < kKeys; j0 += kLanes) {
+      const T* kr[kLanes];
+      for (int64_t i = 0; i < kLanes; ++i) {
+        const int64_t j = j0 + i;
+        kr[i] = k_buf + slots[std::min(k0 + j, max_pos)] * s.kv_row + head_off;
+        const T* vr = v_buf + slots[std::min(k0 + j, max_pos)] * s.kv_row + head_off;
+        for (int64_t d = 0; d < D; d += kLanes) {
+          _mm512_storeu_ps(vb + j * D + d, j < n ? load_row(vr + d) : _mm512_setzero_ps());
+        }
+      }
       for (int64_t d = 0; d < D; d += kLanes) {
-        const __m512 kv = j < n ? load_row(kr + d) : _mm512_setzero_ps();
-        alignas(64) float tmp[kLanes];
-        _mm512_store_ps(tmp, kv);
-        for (int64_t e = 0; e < kLanes; ++e) kt[(d + e) * kKeys + j] = tmp[e];
-        _mm512_storeu_ps(vb + j * D + d, j < n ? load_row(vr + d) : _mm512_setzero_ps());
+        __m512 rows[kLanes], cols[kLanes];
+        for (int64_t i = 0; i < kLanes; ++i) {
+          rows[i] = j0 + i < n ? load_row(kr[i] + d) : _mm512_setzero_ps();
+        }
+        transpose16(rows, cols);
+        for (int64_t e = 0; e < kLanes; ++e) _mm512_storeu_ps(kt + (d + e) * kKeys + j0, cols[e]);
       }
     }
     // scores of kRowTile rows at a time: 16 keys per register, one FMA per dimension
