@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import random
@@ -98,6 +99,11 @@ def parse_args() -> argparse.Namespace:
         p.error(f"unknown backend(s) {sorted(unknown)}; choose from {BACKENDS}")
     if not 0 < args.min_input_len <= args.max_input_len:
         p.error("need 0 < --min-input-len <= --max-input-len")
+    if args.plot is not None and args.shape_sweep:
+        p.error("--plot draws one model's run; it does not combine with --shape-sweep")
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        # said before the run, not after it: a long run would end without its plot
+        p.error("--plot needs matplotlib (pip install -e '.[bench]')")
     return args
 
 
@@ -337,14 +343,10 @@ def comparisons(records: list[dict[str, Any]], reference: str, other: str,
 
 
 def plot(records: list[dict[str, Any]], label: str, path: Path) -> None:
-    try:
-        import matplotlib
+    import matplotlib  # present: parse_args checks it
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'); no plot", file=sys.stderr)
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, (ax_dec, ax_pre) = plt.subplots(1, 2, figsize=(10, 4), width_ratios=[3, 1])
     for backend in dict.fromkeys(r["backend"] for r in records if r["scenario"] != "step_overhead"):
         color = BACKEND_COLORS.get(backend)

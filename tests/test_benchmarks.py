@@ -127,3 +127,22 @@ def test_bench_offline_throughput_times_each_scenario_and_the_step_overhead(llam
     decode = {r["batch_size"]: r for r in lines if r.get("comparison") == "decode"}
     # float32 greedy: every prompt's tokens equal transformers'
     assert {n: r["identical_outputs"] for n, r in decode.items()} == {1: 1, 3: 3}
+
+
+def test_bench_offline_throughput_refuses_a_plot_it_cannot_draw_before_it_runs(llama_path):
+    """Without matplotlib (hidden from the benchmark here) ``--plot`` is an error at once, as is
+    ``--plot`` with ``--shape-sweep``, whose runs it would not draw."""
+    script = BENCHMARKS / "bench_offline_throughput.py"
+    hide = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    for prefix, extra, message in (
+        ([sys.executable, "-c", hide], [], "--plot needs matplotlib"),
+        ([sys.executable], ["--shape-sweep"], "does not combine with --shape-sweep"),
+    ):
+        done = subprocess.run(
+            [*prefix, str(script), "--model", str(llama_path), "--plot", "out.png", *extra],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert message in done.stderr
+        assert not done.stdout  # nothing ran
