@@ -21,16 +21,16 @@ import torch.nn.functional as F
 from bench_offline_throughput import resolve_model
 
 from radixserve.layers import cpu_kernels
+from radixserve.model_config import ModelConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def layer_projections(config: dict) -> dict[str, tuple[int, int]]:
+def layer_projections(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(output, input) sizes of a Llama-family layer's fused projections."""
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    kv_heads = config.get("num_key_value_heads") or heads
-    inter = config["intermediate_size"]
+    hidden, head_dim = config.hidden_size, config.head_dim
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    inter = config.intermediate_size
     return {
         "qkv_proj": ((heads + 2 * kv_heads) * head_dim, hidden),
         "o_proj": (hidden, heads * head_dim),
@@ -67,8 +67,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for name in args.models.split(","):
         label, path = resolve_model(name)
-        with open(f"{path}/config.json") as f:
-            shapes = layer_projections(json.load(f))
+        shapes = layer_projections(ModelConfig.from_path(path))
         for dtype_name in args.dtypes.split(","):
             dtype = DTYPES[dtype_name]
             weights = {proj: (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)

@@ -168,9 +168,9 @@ void attend_block(const T* q, const T* k_buf, const T* v_buf, const int64_t* slo
     for (int64_t j0 = 0; j0 < kKeys; j0 += kLanes) {
       const T* kr[kLanes];
       for (int64_t i = 0; i < kLanes; ++i) {
-        const int64_t j = j0 + i;
-        kr[i] = k_buf + slots[std::min(k0 + j, max_pos)] * s.kv_row + head_off;
-        const T* vr = v_buf + slots[std::min(k0 + j, max_pos)] * s.kv_row + head_off;
+        const int64_t j = j0 + i, row = slots[std::min(k0 + j, max_pos)] * s.kv_row + head_off;
+        kr[i] = k_buf + row;
+        const T* vr = v_buf + row;
         for (int64_t d = 0; d < D; d += kLanes) {
           _mm512_storeu_ps(vb + j * D + d, j < n ? load_row(vr + d) : _mm512_setzero_ps());
         }
