@@ -3,8 +3,11 @@
 ``transformers`` runs torch's linear (oneDNN); at a batch where a model's time is its linears,
 this ratio is the most our engine can gain over it, whatever the rest of the step costs. The
 shape sweep's targets are read against it (``RESULTS.md``). Both sides get the same weights,
-the same inputs and the same threads, in one process; each projection is timed on its own
-(its weight warm in cache after the first call), best of ``--repeats`` batches of calls.
+the same inputs and the same threads, in one process; each projection is timed on its own, best
+of ``--repeats`` batches of calls. By default a projection's weight is warm in cache after the
+first call; with ``--cold`` each call takes the next of enough copies of it to fill twice the
+last-level cache, so every call streams its weight from memory, as in a model's step, where the
+other layers' weights have evicted it.
 
 Prints one JSON line per projection, then one per model, dtype and batch size with the layer's
 time on each side and the ratio.
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -39,16 +43,37 @@ def layer_projections(config: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def best_seconds(calls: int, repeats: int, fn, *fn_args) -> float:
-    """The fastest mean time of ``fn(*fn_args)`` over ``repeats`` batches of ``calls`` calls."""
-    fn(*fn_args)
+def best_seconds(calls: int, repeats: int, fn, x: torch.Tensor, weights: list[torch.Tensor],
+                 *fn_args) -> float:
+    """The fastest mean time of ``fn(x, weight, *fn_args)`` over ``repeats`` batches of
+    ``calls`` calls, the calls taking ``weights`` in turn (after one pass over all of them)."""
+    for weight in weights:
+        fn(x, weight, *fn_args)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        for _ in range(calls):
-            fn(*fn_args)
+        for i in range(calls):
+            fn(x, weights[i % len(weights)], *fn_args)
         best = min(best, (time.perf_counter() - start) / calls)
     return best
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache Linux reports (sysfs); 32 MiB where it reports none."""
+    sizes = [32 << 20]
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip()
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1)
+        sizes.append(int(text.rstrip("KM")) * scale)
+    return max(sizes)
+
+
+def copies(weight: torch.Tensor, cold: bool) -> list[torch.Tensor]:
+    """``weight`` alone, or (``cold``) as many copies as fill twice the last-level cache."""
+    if not cold:
+        return [weight]
+    count = -(-2 * last_level_cache_bytes() // (weight.numel() * weight.element_size()))
+    return [weight] + [weight.clone() for _ in range(count - 1)]
 
 
 def main() -> None:
@@ -59,6 +84,8 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--cold", action="store_true",
+                   help="stream every call's weight from memory (see the module docstring)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -72,7 +99,9 @@ def main() -> None:
             dtype = DTYPES[dtype_name]
             weights = {proj: (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
                        for proj, (n, k) in shapes.items()}
-            packed = {proj: cpu_kernels.pack_linear_weight(w) for proj, w in weights.items()}
+            packed = {proj: copies(cpu_kernels.pack_linear_weight(w), args.cold)
+                      for proj, w in weights.items()}
+            weights = {proj: copies(w, args.cold) for proj, w in weights.items()}
             for m in (int(b) for b in args.batch_sizes.split(",")):
                 ours_total = torch_total = 0.0
                 for proj, (n, k) in shapes.items():
@@ -85,12 +114,13 @@ def main() -> None:
                     flop = 2 * m * n * k
                     print(json.dumps({
                         "model": label, "dtype": dtype_name, "batch_size": m, "projection": proj,
-                        "n": n, "k": k, "radixserve_gflops": round(flop / ours / 1e9, 1),
+                        "n": n, "k": k, "cold": args.cold,
+                        "radixserve_gflops": round(flop / ours / 1e9, 1),
                         "torch_gflops": round(flop / theirs / 1e9, 1),
                         "speedup": round(theirs / ours, 2)}), flush=True)
                 print(json.dumps({
                     "comparison": "layer_linears", "model": label, "dtype": dtype_name,
-                    "batch_size": m, "radixserve_ms": round(ours_total * 1e3, 3),
+                    "batch_size": m, "cold": args.cold, "radixserve_ms": round(ours_total * 1e3, 3),
                     "torch_ms": round(torch_total * 1e3, 3),
                     "speedup": round(torch_total / ours_total, 2)}), flush=True)
 

@@ -1,6 +1,6 @@
-"""The offline, serving, sessions, constrained, token-bitmask and parallel benchmarks still run
-end to end, on a tiny test checkpoint and a few tokens. Their speed is not checked here (that is
-what they print); their output shape and their own consistency checks are."""
+"""The offline, serving, sessions, constrained, token-bitmask, linear and parallel benchmarks
+still run end to end, on a tiny test checkpoint and a few tokens. Their speed is not checked here
+(that is what they print); their output shape and their own consistency checks are."""
 
 from __future__ import annotations
 
@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+from tests.layers.helpers import require_kernels
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -98,10 +102,7 @@ def test_bench_parallel_times_each_topology_and_models_the_communication(llama_p
 
 
 def test_bench_token_bitmask_times_both_implementations_of_every_case():
-    from radixserve.layers.cpu_kernels import load_cpu_kernels
-
-    if not load_cpu_kernels():
-        return  # the kernel it compares does not exist on this CPU
+    require_kernels()  # the kernel it compares
     lines = run_benchmark("bench_token_bitmask.py", "--batch", "3", "--vocab", "1000",
                           "--calls", "2", "--repeats", "1")
     assert sorted((r["dtype"], r["bitmask"]) for r in lines) == sorted(
@@ -109,6 +110,31 @@ def test_bench_token_bitmask_times_both_implementations_of_every_case():
         for mask in ("all_forbidden", "half_random", "all_allowed"))
     for r in lines:
         assert r["xgrammar_ms"] > 0 and r["kernel_ms"] > 0 and r["argmax_ms"] > 0
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_bench_linear_times_every_projection_of_a_layer_on_both_sides(llama_path, cold):
+    require_kernels()  # the kernel it compares
+    config = json.loads((llama_path / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    qkv = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * head_dim
+    lines = run_benchmark("bench_linear.py", "--models", str(llama_path), "--batch-sizes", "1,3",
+                          "--repeats", "1", *(["--cold"] if cold else []))
+    projections = [r for r in lines if "projection" in r]
+    assert sorted((r["dtype"], r["batch_size"], r["projection"], r["n"], r["k"])
+                  for r in projections) == sorted(
+        (dtype, m, proj, n, k) for dtype in ("bf16", "fp32") for m in (1, 3)
+        for proj, n, k in (("qkv_proj", qkv, hidden), ("o_proj", hidden, hidden),
+                           ("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter)))
+    layers = [r for r in lines if r.get("comparison") == "layer_linears"]
+    assert len(layers) == 4
+    for r in projections + layers:
+        assert r["cold"] is cold
+    for r in projections:
+        assert r["radixserve_gflops"] > 0 and r["torch_gflops"] > 0
+    for r in layers:
+        assert r["radixserve_ms"] > 0 and r["torch_ms"] > 0 and r["speedup"] > 0
 
 
 def test_bench_offline_throughput_times_each_scenario_and_the_step_overhead(llama_path):

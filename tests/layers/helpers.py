@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from radixserve import envs
@@ -19,6 +20,13 @@ def kernels_here() -> bool:
     AVX-512 F/BW, and elsewhere ops keep to torch."""
     assert load_cpu_kernels() == HAS_KERNELS
     return HAS_KERNELS
+
+
+def require_kernels() -> None:
+    """Skip the calling test where the kernels do not run: a kernel test that found nothing to
+    test must show as skipped, not passed."""
+    if not kernels_here():
+        pytest.skip("needs radixserve's CPU kernels (AVX-512 F and BW, not disabled)")
 
 
 def bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:

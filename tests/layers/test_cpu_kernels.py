@@ -47,7 +47,7 @@ from tests.layers.helpers import (
     assert_bf16_equal_but_for_ties,
     bf16_close,
     bf16_inputs,
-    kernels_here,
+    require_kernels,
 )
 
 
@@ -81,8 +81,7 @@ def kernel_linear(x, w, b):
     (40, 71, 7, False), (17, 32, 6, True), (80, 128, 64, False), (7, 9, 100, True),
 ])
 def test_linear_kernel_equals_a_float64_reference_up_to_rounding(dtype, n, k, m, bias):
-    if not kernels_here():
-        return
+    require_kernels()
     w, x, b, reference = random_problem(n, k, m, bias, dtype)
     out = kernel_linear(x, w, b)
     assert out.shape == (m, n) and out.dtype == dtype
@@ -152,8 +151,7 @@ def test_what_a_killed_build_leaves_blocks_no_later_load_or_build(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_linear_kernel_gives_a_row_the_same_bits_in_every_batch(dtype):
-    if not kernels_here():
-        return
+    require_kernels()
     w, x, b, _ = random_problem(1001, 896, 70, True, dtype)
     full = kernel_linear(x, w, b)
     for rows in (slice(0, 1), slice(5, 6), slice(3, 16), slice(31, 70)):
@@ -164,8 +162,7 @@ def test_linear_kernel_gives_a_row_the_same_bits_in_every_batch(dtype):
 
 
 def test_linear_kernel_rejects_bad_input_with_a_clear_error():
-    if not kernels_here():
-        return
+    require_kernels()
     blocked = pack_linear_weight(torch.zeros(40, 64, dtype=torch.bfloat16))
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="linear takes bfloat16 or float32, got Half"):
@@ -237,8 +234,7 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows, hidden", SHAPES)
 def test_rms_norm_kernel_equals_a_float64_reference_with_transformers_roundings(rows, hidden):
-    if not kernels_here():
-        return
+    require_kernels()
     x, _, weight = bf16_inputs(rows, hidden, seed=rows * hidden)
     out = rms_norm(x, weight, EPS)
     assert out.shape == x.shape and out.dtype == torch.bfloat16
@@ -247,8 +243,7 @@ def test_rms_norm_kernel_equals_a_float64_reference_with_transformers_roundings(
 
 @pytest.mark.parametrize("rows, hidden", SHAPES)
 def test_fused_add_rms_norm_stores_torchs_bf16_sum_and_its_norm_in_place(rows, hidden):
-    if not kernels_here():
-        return
+    require_kernels()
     x, residual, weight = bf16_inputs(rows, hidden, seed=rows + hidden)
     total = x + residual  # torch's bf16 add: the unfused decoder's residual stream
     x_ptr, residual_ptr = x.data_ptr(), residual.data_ptr()
@@ -260,8 +255,7 @@ def test_fused_add_rms_norm_stores_torchs_bf16_sum_and_its_norm_in_place(rows, h
 
 @pytest.mark.parametrize("rows, d", SHAPES)
 def test_silu_and_mul_kernel_equals_a_float64_reference_with_torchs_roundings(rows, d):
-    if not kernels_here():
-        return
+    require_kernels()
     x, _, _ = bf16_inputs(rows, 2 * d, seed=rows * d + 1)
     out = silu_and_mul(x)
     assert out.shape == (rows, d) and out.dtype == torch.bfloat16
@@ -269,8 +263,7 @@ def test_silu_and_mul_kernel_equals_a_float64_reference_with_torchs_roundings(ro
 
 
 def test_silu_and_mul_kernel_agrees_with_torch_on_every_bf16_gate():
-    if not kernels_here():
-        return
+    require_kernels()
     # all 65536 bit patterns: the kernel's exp over the whole range, overflow, inf and NaN
     gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     up = torch.ones_like(gate)
@@ -282,8 +275,7 @@ def test_silu_and_mul_kernel_agrees_with_torch_on_every_bf16_gate():
 
 
 def test_kernels_reject_a_wrong_dtype_or_shape_with_a_clear_error():
-    if not kernels_here():
-        return
+    require_kernels()
     x, residual, weight = bf16_inputs(2, 8, seed=3)
     ops = torch.ops.radixserve_cpu
     with pytest.raises(RuntimeError, match="rms_norm: weight is BFloat16, x is Float"):
@@ -323,8 +315,7 @@ def decode_attention_reference(q, k_buffer, v_buffer, slots, scale):
 def test_decode_attention_kernel_writes_the_new_kv_and_equals_a_float64_reference(
     dtype, head_dim, heads, kv_heads
 ):
-    if not kernels_here():
-        return
+    require_kernels()
     assert attention_kernels_support(dtype, head_dim) is None
     gen = torch.Generator().manual_seed(head_dim + heads)
     lens = [1, 15, 17, 200]
@@ -363,8 +354,7 @@ def test_decode_attention_kernel_writes_the_new_kv_and_equals_a_float64_referenc
 def test_decode_attention_gives_a_request_the_same_bits_alone_or_in_a_batch():
     """At head_dim 128 and 8 query heads per KV head the kernel splits each group into passes
     and the keys into blocks; a request's sums still run in one order whatever surrounds it."""
-    if not kernels_here():
-        return
+    require_kernels()
     gen = torch.Generator().manual_seed(7)
     heads, kv_heads, head_dim, num_slots = 16, 2, 128, 700
     k_buffer = torch.randn(num_slots, kv_heads, head_dim, generator=gen).bfloat16()
@@ -387,8 +377,7 @@ def test_decode_attention_gives_a_request_the_same_bits_alone_or_in_a_batch():
 
 
 def test_decode_attention_kernel_rejects_bad_input_with_a_clear_error():
-    if not kernels_here():
-        return
+    require_kernels()
     op = torch.ops.radixserve_cpu.decode_attention
     buf = torch.zeros(8, 2, 64)
     table = torch.zeros(2, 8, dtype=torch.int64)
@@ -417,8 +406,7 @@ def test_decode_attention_kernel_rejects_bad_input_with_a_clear_error():
 
 @pytest.mark.parametrize("heads, head_dim", [(18, 64), (3, 128), (2, 40)])
 def test_rotary_kernel_equals_torchs_four_bf16_ops_bit_for_bit(heads, head_dim):
-    if not kernels_here():
-        return
+    require_kernels()
     gen = torch.Generator().manual_seed(heads)
     emb = RotaryEmbedding(head_dim, 4096, 10000.0)
     positions = torch.randint(0, 4096, (7,), generator=gen)
@@ -489,8 +477,7 @@ def extend_reference(args, prefix_lens, extend_lens):
 def test_extend_attention_kernel_writes_the_new_kv_and_equals_a_float64_reference(
     dtype, head_dim, heads, kv_heads
 ):
-    if not kernels_here():
-        return
+    require_kernels()
     prefix_lens, extend_lens = [0, 37, 5, 100], [70, 1, 16, 33]
     args = extend_problem(dtype, head_dim, heads, kv_heads, prefix_lens, extend_lens)
     out = paged_attention(**args)
@@ -506,8 +493,7 @@ def test_extend_attention_kernel_writes_the_new_kv_and_equals_a_float64_referenc
 
 
 def test_extend_attention_gives_a_token_the_same_bits_in_any_chunk_or_batch():
-    if not kernels_here():
-        return
+    require_kernels()
     whole = extend_problem(torch.bfloat16, 64, 8, 2, [0], [90], seed=3)
     expected = paged_attention(**whole)
     # the same request prefilled in chunks of 37: each chunk attends over the cached ones
@@ -527,8 +513,7 @@ def test_extend_attention_gives_a_token_the_same_bits_in_any_chunk_or_batch():
 
 
 def test_extend_attention_kernel_rejects_bad_input_with_a_clear_error():
-    if not kernels_here():
-        return
+    require_kernels()
     args = extend_problem(torch.float32, 64, 4, 2, [0, 3], [4, 2])
     with pytest.raises(RuntimeError, match="extend lengths sum to 5, q has 6 tokens"):
         paged_attention(**dict(args, extend_lens=torch.tensor([3, 2])))
@@ -551,8 +536,7 @@ def test_extend_attention_kernel_rejects_bad_input_with_a_clear_error():
 def test_token_bitmask_kernel_leaves_what_xgrammars_apply_leaves(dtype, vocab, words):
     import xgrammar as xgr
 
-    if not kernels_here():
-        return
+    require_kernels()
     gen = torch.Generator().manual_seed(vocab + words)
     batch = 5
     # rows with a stride past the vocabulary, as a slice of padded logits
@@ -571,8 +555,7 @@ def test_token_bitmask_kernel_leaves_what_xgrammars_apply_leaves(dtype, vocab, w
 
 
 def test_token_bitmask_kernel_rejects_bad_input_with_a_clear_error():
-    if not kernels_here():
-        return
+    require_kernels()
     logits = torch.zeros(2, 64)
     bitmask = torch.full((2, 2), -1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="float32 or bf16"):

@@ -15,7 +15,12 @@ from radixserve.layers.custom_op import OpImpl, build_context
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.rotary_embedding import ApplyRotaryEmbedding, RotaryEmbedding
 from radixserve.layers.sampler import GreedyArgmax
-from tests.layers.helpers import assert_bf16_equal_but_for_ties, bf16_inputs, kernels_here
+from tests.layers.helpers import (
+    assert_bf16_equal_but_for_ties,
+    bf16_inputs,
+    kernels_here,
+    require_kernels,
+)
 
 OPS = {
     "rms_norm": lambda: RMSNorm(8),
@@ -45,10 +50,8 @@ def test_an_op_takes_the_cpu_kernels_where_they_load_for_the_models_dtype(name, 
 
 
 def cpu_op(make, dtype: torch.dtype = torch.bfloat16):
-    """The op built for ``dtype`` on CPU, or None where the kernels do not run (nothing to
-    test)."""
-    if not kernels_here():
-        return None
+    """The op built for ``dtype`` on CPU (the test skips where the kernels do not run)."""
+    require_kernels()
     op = build(make, dtype)
     assert op.impl is OpImpl.CPU
     return op
@@ -68,8 +71,6 @@ DTYPES = [torch.bfloat16, torch.float32]
 @pytest.mark.parametrize("seed, rows, hidden", SHAPES)
 def test_rms_norm_cpu_equals_native_but_for_ties(seed, rows, hidden, dtype):
     op = cpu_op(lambda: RMSNorm(hidden), dtype)
-    if op is None:
-        return
     x, residual, weight = (t.to(dtype) for t in bf16_inputs(rows, hidden, seed=seed))
     op.weight.data = weight
     equal_but_for_ties(op.forward_cpu(x), op.forward_native(x), steps=2)
@@ -85,8 +86,6 @@ def test_rms_norm_cpu_equals_native_but_for_ties(seed, rows, hidden, dtype):
 
 def test_rms_norm_cpu_takes_views_out_of_place():
     op = cpu_op(lambda: RMSNorm(64))
-    if op is None:
-        return
     # Qwen3's per-head q of a fused qkv row, and a residual view: neither is contiguous
     qkv, residual, weight = bf16_inputs(3, 4 * 64 + 2 * 64, seed=1)
     op.weight.data = weight[:64]
@@ -105,8 +104,6 @@ def test_rms_norm_cpu_takes_views_out_of_place():
 @pytest.mark.parametrize("seed, rows, d", SHAPES)
 def test_silu_and_mul_cpu_equals_native_but_for_ties(seed, rows, d, dtype):
     op = cpu_op(SiluAndMul, dtype)
-    if op is None:
-        return
     x = bf16_inputs(rows, 2 * d, seed=seed)[0].to(dtype)
     equal_but_for_ties(op.forward_cpu(x), op.forward_native(x))
 
@@ -115,8 +112,6 @@ def test_silu_and_mul_cpu_equals_native_but_for_ties(seed, rows, d, dtype):
 @pytest.mark.parametrize("seed", range(6))
 def test_rotary_cpu_equals_native_bit_for_bit(seed, dtype):
     op = cpu_op(ApplyRotaryEmbedding, dtype)
-    if op is None:
-        return
     rng = random.Random(seed)
     tokens, heads, head_dim = rng.randint(1, 40), rng.randint(1, 20), 2 * rng.randint(1, 128)
     gen = torch.Generator().manual_seed(seed)
@@ -136,8 +131,6 @@ def test_rotary_cpu_equals_native_bit_for_bit(seed, dtype):
 @pytest.mark.parametrize("seed, rows, vocab", SHAPES)
 def test_argmax_cpu_equals_native_with_ties_nan_and_banned_rows(seed, rows, vocab, dtype):
     op = cpu_op(GreedyArgmax)
-    if op is None:
-        return
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows + 4, vocab, generator=gen).to(dtype)
     logits[0, [0, vocab - 1]] = 100.0  # a tie: the first maximum wins

@@ -24,7 +24,7 @@ from radixserve.layers.packed_weight import (
     prepack_model,
 )
 from radixserve.layers.vocab_embedding import LMHead, VocabEmbedding
-from tests.layers.helpers import HAS_AMX, bf16_close, kernels_here
+from tests.layers.helpers import HAS_AMX, bf16_close, kernels_here, require_kernels
 from tests.model_executor.harness import make_runner
 
 LAYERS = {
@@ -75,8 +75,7 @@ def test_packed_layers_equal_f_linear_on_the_plain_weight_at_every_batch_size(na
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_packed_weight_is_one_blocked_copy_for_every_batch_size(dtype):
-    if not kernels_here():
-        return
+    require_kernels()
     layer = build_loaded("lm_head", dtype)  # 1001 rows: the copy pads them to 1008
     prepack_model(layer, MEMORY)
     packed = layer.packed

@@ -13,6 +13,7 @@ from radixserve.layers.cpu_kernels import load_cpu_kernels
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
+from tests.layers.helpers import require_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4, 2, 16, 2
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
@@ -122,8 +123,7 @@ def test_decode_attends_over_the_whole_sequence(page_size, dtype):
 def test_batch_invariant_cpu_backend_decodes_a_token_to_its_prefill_bits(dtype):
     """--enable-deterministic-inference: a token decoded gets the bits it gets prefilled, so a
     radix hit on generated tokens equals a cold prefill (without it the two sum differently)."""
-    if "cpu" not in backends(dtype):
-        return
+    require_kernels()
     prefix_lens, extend_lens = [0, 6, 11, 20], [9, 4, 1, 12]  # 63 of the 64 slots
     prefill = _run(ForwardMode.EXTEND, prefix_lens, extend_lens, 1, dtype, "cpu", True)
     # each request's last token again, decoded after the rest

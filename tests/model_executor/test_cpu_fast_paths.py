@@ -11,7 +11,7 @@ import torch
 from radixserve.layers import custom_op
 from radixserve.layers.custom_op import OpImpl
 from tests.checkpoints import build_checkpoint
-from tests.layers.helpers import kernels_here
+from tests.layers.helpers import require_kernels
 from tests.model_executor.harness import ManualSlots, make_runner
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.05}
@@ -36,8 +36,7 @@ def native_runner_steps(path, dtype: str, monkeypatch: pytest.MonkeyPatch) -> to
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kernels_model_equals_the_native_model(arch_path, dtype, monkeypatch):
-    if not kernels_here():
-        return
+    require_kernels()
     runner = make_runner(arch_path, dtype=dtype)
     assert runner.attention_backend == "cpu"
     assert runner.model.model.layers[0].mlp.act_fn.impl is OpImpl.CPU
@@ -52,8 +51,7 @@ def test_kernels_model_equals_the_native_model(arch_path, dtype, monkeypatch):
 def test_cpu_attention_backend_on_other_head_shapes_equals_the_native_model(
     tmp_path, head_dim, heads, kv_heads, monkeypatch
 ):
-    if not kernels_here():
-        return
+    require_kernels()
     path = build_checkpoint(tmp_path / "llama", "llama", hidden_size=112,
                             num_attention_heads=heads, num_key_value_heads=kv_heads,
                             head_dim=head_dim)
@@ -64,8 +62,7 @@ def test_cpu_attention_backend_on_other_head_shapes_equals_the_native_model(
 
 
 def test_the_cpu_attention_backend_refuses_a_shape_its_kernels_cannot_take(tmp_path):
-    if not kernels_here():
-        return
+    require_kernels()
     path = build_checkpoint(tmp_path / "llama", "llama", head_dim=40)
     assert make_runner(path).attention_backend == "torch_native"  # the default falls back
     with pytest.raises(ValueError, match="head_dim that is a multiple of 16 up to 256, not 40"):
