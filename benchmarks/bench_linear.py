@@ -16,6 +16,7 @@ time on each side and the ratio.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -58,14 +59,15 @@ def best_seconds(calls: int, repeats: int, fn, x: torch.Tensor, weights: list[to
     return best
 
 
+@functools.cache
 def last_level_cache_bytes() -> int:
     """The largest CPU cache Linux reports (sysfs); 32 MiB where it reports none."""
-    sizes = [32 << 20]
+    sizes = []
     for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         text = entry.read_text().strip()
         scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1)
         sizes.append(int(text.rstrip("KM")) * scale)
-    return max(sizes)
+    return max(sizes, default=32 << 20)
 
 
 def copies(weight: torch.Tensor, cold: bool) -> list[torch.Tensor]:

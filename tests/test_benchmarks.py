@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from radixserve.model_config import ModelConfig
 from tests.layers.helpers import require_kernels
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -115,17 +116,17 @@ def test_bench_token_bitmask_times_both_implementations_of_every_case():
 @pytest.mark.parametrize("cold", [False, True])
 def test_bench_linear_times_every_projection_of_a_layer_on_both_sides(llama_path, cold):
     require_kernels()  # the kernel it compares
-    config = json.loads((llama_path / "config.json").read_text())
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-    qkv = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * head_dim
+    config = ModelConfig.from_path(str(llama_path))
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_size = config.num_attention_heads * config.head_dim
+    qkv = q_size + 2 * config.num_key_value_heads * config.head_dim
     lines = run_benchmark("bench_linear.py", "--models", str(llama_path), "--batch-sizes", "1,3",
                           "--repeats", "1", *(["--cold"] if cold else []))
     projections = [r for r in lines if "projection" in r]
     assert sorted((r["dtype"], r["batch_size"], r["projection"], r["n"], r["k"])
                   for r in projections) == sorted(
         (dtype, m, proj, n, k) for dtype in ("bf16", "fp32") for m in (1, 3)
-        for proj, n, k in (("qkv_proj", qkv, hidden), ("o_proj", hidden, hidden),
+        for proj, n, k in (("qkv_proj", qkv, hidden), ("o_proj", hidden, q_size),
                            ("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter)))
     layers = [r for r in lines if r.get("comparison") == "layer_linears"]
     assert len(layers) == 4
