@@ -290,7 +290,7 @@ def run_step_overhead(args: argparse.Namespace, model_path: str,
                       work: Workload) -> list[dict[str, Any]]:
     """Median wall time of one decode ``Scheduler.step()`` with the model stubbed out."""
     from radixserve.managers.io_struct import TokenizedGenerateReqInput
-    from radixserve.managers.scheduler_builder import build_scheduler
+    from radixserve.managers.scheduler.scheduler_builder import build_scheduler
     from radixserve.sampling.sampling_params import SamplingParams
     from radixserve.server_args import ServerArgs
 

@@ -244,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server_args = server_args_from_namespace(ns)
     except ValueError as e:
         parser.error(str(e))
-    from radixserve.server.launch import launch_server
+    from radixserve.server.http_server import launch_server
 
     try:
         return launch_server(server_args)

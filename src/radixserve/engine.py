@@ -26,7 +26,6 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, TypedDict, Unpack
 
-from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.io_struct import OpenSessionReqInput, ProfileReq
 from radixserve.managers.ipc import PortArgs
 from radixserve.managers.launcher import (
@@ -35,7 +34,8 @@ from radixserve.managers.launcher import (
     terminate_processes,
     watch_processes,
 )
-from radixserve.managers.tokenizer_manager import TokenizerManager
+from radixserve.managers.tokenizer.generate_request import GenerateReqInput
+from radixserve.managers.tokenizer.tokenizer_manager import TokenizerManager
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from radixserve import Engine
-from radixserve.managers.request_state import ServiceUnavailableError
+from radixserve.managers.tokenizer.request_state import ServiceUnavailableError
 from tests.checkpoints import build_checkpoint
 from tests.engine.conftest import ENGINE_KWARGS, wait_idle
 

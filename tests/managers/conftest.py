@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from radixserve.managers.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput
-from radixserve.managers.scheduler_builder import build_scheduler
+from radixserve.managers.scheduler.scheduler_builder import build_scheduler
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 

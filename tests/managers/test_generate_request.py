@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.managers.generate_request import GenerateReqInput
+from radixserve.managers.tokenizer.generate_request import GenerateReqInput
 
 
 def test_single_text_gets_rid_and_empty_sampling_params():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.managers.retraction import NewTokenRatio, retract_for_decode
-from radixserve.managers.schedule_batch import BatchResources, Req, ScheduleBatch
-from radixserve.managers.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
+from radixserve.managers.scheduler.retraction import NewTokenRatio, retract_for_decode
+from radixserve.managers.scheduler.schedule_batch import BatchResources, Req, ScheduleBatch
+from radixserve.managers.scheduler.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
 from radixserve.mem_cache import RadixCache, ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.sampling.sampling_params import SamplingParams
 

@@ -249,10 +249,10 @@ def test_stats_lines_as_sglang_logs_them(llama_path, caplog):
     """One "Prefill batch." line per prefill, one "Decode batch." line every 40 decode steps."""
     import logging
 
-    from radixserve.managers.scheduler_stats import DECODE_LOG_INTERVAL
+    from radixserve.managers.scheduler.scheduler_stats import DECODE_LOG_INTERVAL
 
     driver = new_driver(llama_path)
-    with caplog.at_level(logging.INFO, logger="radixserve.managers.scheduler"):
+    with caplog.at_level(logging.INFO, logger="radixserve.managers.scheduler.scheduler"):
         driver.generate({"a": [7] * 9, "b": [8] * 5},
                         max_new_tokens=DECODE_LOG_INTERVAL + 2, ignore_eos=True)
     lines = [r.getMessage() for r in caplog.records]

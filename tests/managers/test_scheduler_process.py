@@ -18,7 +18,7 @@ from radixserve.managers.io_struct import (
     GetInternalStateReqOutput,
     TokenizedGenerateReqInput,
 )
-from radixserve.managers.scheduler_process import run_scheduler_process, scheduler_threads
+from radixserve.managers.scheduler.scheduler_process import run_scheduler_process, scheduler_threads
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from radixserve.finish_reason import FinishAbort, FinishLength, FinishReason
-from radixserve.managers.memory_check import MemoryChecker
+from radixserve.managers.scheduler.memory_check import MemoryChecker
 from radixserve.mem_cache import (
     ChunkCache,
     RadixCache,

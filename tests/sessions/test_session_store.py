@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixserve.managers.memory_check import MemoryChecker
+from radixserve.managers.scheduler.memory_check import MemoryChecker
 from radixserve.mem_cache import (
     MHATokenToKVPool,
     RadixCache,

@@ -17,7 +17,7 @@ from radixserve.managers.io_struct import (
     SessionParams,
     TokenizedGenerateReqInput,
 )
-from radixserve.managers.schedule_batch import Req
+from radixserve.managers.scheduler.schedule_batch import Req
 from radixserve.mem_cache import (
     RadixCache,
     ReqToTokenPool,

@@ -35,6 +35,7 @@ from typing import Any
 import zmq
 
 from radixserve.managers import io_struct, ipc
+from radixserve.managers.child_process import install_exit_handlers, report_ready
 from radixserve.managers.io_struct import (
     CloseSessionReqInput,
     LoadReport,
@@ -42,7 +43,6 @@ from radixserve.managers.io_struct import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
-from radixserve.managers.launcher import install_exit_handlers, report_ready
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

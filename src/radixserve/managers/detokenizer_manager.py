@@ -36,8 +36,8 @@ import zmq
 
 from radixserve.finish_reason import FinishReason, FinishStop
 from radixserve.managers import io_struct, ipc
+from radixserve.managers.child_process import install_exit_handlers, report_failure, report_ready
 from radixserve.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, ReqStrOutput
-from radixserve.managers.launcher import install_exit_handlers, report_failure, report_ready
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

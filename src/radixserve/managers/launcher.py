@@ -6,20 +6,10 @@ rank of each data-parallel replica, the detokenizer, the data-parallel controlle
 its arguments as JSON and the write end of a pipe, and returns once every child reported ready;
 ``watch_processes`` reports a child that dies later; ``terminate_processes`` stops them.
 
-Child side: ``_child_main`` is the spawn target; it imports the child's entry point there (the
-parent never loads it). The entry point calls ``install_exit_handlers`` first, builds its
-component, then reports with ``report_ready(conn, info)`` or, on a failure,
-``report_failure(conn, error)``; the parent raises the child's error, or its exit code when it
-died without a word.
-
-How a child ends: it exits at once with code 0 on SIGTERM (it holds nothing to flush:
-interpreter teardown would only cost seconds), and exits the same way when its parent dies, so
-it never outlives the server or Engine that started it. The watch thread exits the process
-itself: a main thread blocked in a collective of torch.distributed would never run a signal
-handler. A child that does hold something to flush (a scheduler with a session store) replaces
-the SIGTERM handler with ``on_sigterm``: it finishes its step, flushes, then exits; when its
-parent dies the watch thread SIGTERMs it and exits the process only if the flush has not ended
-it within ``_FLUSH_GRACE_S``.
+``_child_main`` is the spawn target; it imports the child's entry point there (the parent never
+loads it). What the child itself calls to report and to end with its parent lives in
+``managers/child_process.py``, which the entry points import instead of this module, so that
+nothing imports back up into the launcher.
 """
 
 from __future__ import annotations
@@ -28,7 +18,6 @@ import dataclasses
 import json
 import logging
 import multiprocessing as mp
-import os
 import shutil
 import signal
 import socket
@@ -39,6 +28,7 @@ from functools import partial
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from radixserve.managers.child_process import report_failure
 from radixserve.managers.ipc import PortArgs
 from radixserve.server_args import ServerArgs
 
@@ -71,7 +61,7 @@ def _child_main(name: str, server_args_json: str, port_args_json: str,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if name.startswith("scheduler"):
-            from radixserve.managers.scheduler_process import run_scheduler_process
+            from radixserve.managers.scheduler.scheduler_process import run_scheduler_process
 
             entry = partial(run_scheduler_process, rank_args_json=child_args_json)
         elif name == "detokenizer":
@@ -161,7 +151,7 @@ def child_processes(server_args: ServerArgs) -> dict[str, str]:
     meets at its own ``tcp://`` address: ``--dist-init-addr`` (port + replica index), or a free
     local port.
     """
-    from radixserve.managers.scheduler_process import RankArgs
+    from radixserve.managers.scheduler.scheduler_process import RankArgs
 
     sa = server_args
     children: dict[str, str] = {}
@@ -249,53 +239,3 @@ def watch_processes(
 
     threading.Thread(target=watch, name="radixserve-watchdog", daemon=True).start()
     return stop
-
-
-# ---------------------------------------------------------------------- child side
-_PARENT_POLL_S = 0.5
-_FLUSH_GRACE_S = 180.0  # the session store's flush on SIGTERM takes up to 120 s
-_flushes_on_sigterm = False
-
-
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    os._exit(0)
-
-
-def _exit_when_parent_dies() -> None:
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:  # reparented once the parent is gone
-            time.sleep(_PARENT_POLL_S)
-        if _flushes_on_sigterm:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(_FLUSH_GRACE_S)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def install_exit_handlers() -> None:
-    """Call first thing in a worker process."""
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    _exit_when_parent_dies()
-
-
-def on_sigterm(callback: Callable[[], None]) -> None:
-    """From now on SIGTERM (also the one sent when the parent dies) calls ``callback`` on the
-    main thread instead of exiting; the worker exits when it is done."""
-    global _flushes_on_sigterm
-    _flushes_on_sigterm = True
-    signal.signal(signal.SIGTERM, lambda signum, frame: callback())
-
-
-def report_ready(conn: Connection, info: dict[str, Any] | None = None) -> None:
-    """Tell the parent this child is ready (``info``: what the parent may read of it)."""
-    conn.send_bytes(json.dumps({**(info or {}), "status": "ready"}).encode())
-    conn.close()
-
-
-def report_failure(conn: Connection, error: BaseException) -> None:
-    """Tell the parent this child failed to start, and why."""
-    message = {"status": "error", "message": f"{type(error).__name__}: {error}"}
-    conn.send_bytes(json.dumps(message).encode())

@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import Request
 
-from radixserve.managers.tokenizer_manager import TokenizerManager
+from radixserve.managers.tokenizer.tokenizer_manager import TokenizerManager
 from radixserve.server.errors import APIError
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server_args import ServerArgs

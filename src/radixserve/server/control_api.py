@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from radixserve.managers.io_struct import PauseMode, ProfileReq
-from radixserve.managers.tokenizer_manager import TokenizerManager
+from radixserve.managers.tokenizer.tokenizer_manager import TokenizerManager
 from radixserve.server.context import get_ctx
 
 router = APIRouter()

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
-from radixserve.managers.request_state import (
+from radixserve.managers.tokenizer.request_state import (
     CapacityError,
     SchedulerError,
     ServiceUnavailableError,

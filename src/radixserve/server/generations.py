@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from radixserve.managers.generate_request import GenerateReqInput
-from radixserve.managers.tokenizer_manager import TokenizerManager
+from radixserve.managers.tokenizer.generate_request import GenerateReqInput
+from radixserve.managers.tokenizer.tokenizer_manager import TokenizerManager
 from radixserve.server.errors import APIError
 
 T = TypeVar("T")

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
-    from radixserve.managers.request_state import RequestMetrics
+    from radixserve.managers.tokenizer.request_state import RequestMetrics
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _PREFIX = "radixserve:"

@@ -23,8 +23,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from radixserve import __version__
-from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.io_struct import OpenSessionReqInput
+from radixserve.managers.tokenizer.generate_request import GenerateReqInput
 from radixserve.server.admission import admit, check_batch_size, num_prompts, requested_n
 from radixserve.server.context import ServerState, get_ctx
 from radixserve.server.errors import APIError, stream_error

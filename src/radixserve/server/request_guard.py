@@ -9,7 +9,7 @@ In order:
    ``MAX_BODY_BYTES``, from ``Content-Length`` or counted while reading) and the time to read it
    (408 past ``--request-read-timeout``; the headers have the same time, ``http_protocol.py``),
    the values in a JSON body (400 naming an integer past 64 bits, NaN, a lone surrogate or
-   nesting too deep: ``managers/request_values.py``); POST bodies are read as JSON whatever their
+   nesting too deep: ``managers/tokenizer/request_values.py``); POST bodies are read as JSON whatever their
    Content-Type says.
 2. The route (``native_api``, ``openai/*``), which validates its body with pydantic (errors → 400),
    admits the generations it asks for (``admission.py``: 400 past ``--max-n`` or
@@ -30,7 +30,7 @@ from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from radixserve.managers.request_values import MAX_DEPTH, describe, find_unrepresentable
+from radixserve.managers.tokenizer.request_values import MAX_DEPTH, describe, find_unrepresentable
 from radixserve.server.admission import RETRY_AFTER_S, TICKET_KEY, Ticket
 from radixserve.server.context import ServerContext, ServerState
 from radixserve.server.errors import APIError, send_error

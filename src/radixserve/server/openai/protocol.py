@@ -25,7 +25,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
-from radixserve.managers.generate_request import GenerateReqInput
+from radixserve.managers.tokenizer.generate_request import GenerateReqInput
 from radixserve.server.openai.structured_outputs import ResponseFormat, grammar_params
 from radixserve.server.strict_request import StrictRequest, Unsupported, non_empty_list
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from radixserve.managers.generate_request import GenerateReqInput
+from radixserve.managers.tokenizer.generate_request import GenerateReqInput
 from radixserve.server.admission import admit, num_prompts
 from radixserve.server.context import get_ctx
 from radixserve.server.errors import APIError

@@ -31,15 +31,15 @@ from typing import Any
 
 import uvicorn
 
-from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.launcher import (
     start_subprocesses,
     stop_timeout,
     terminate_processes,
     watch_processes,
 )
-from radixserve.managers.request_state import RequestMetrics
-from radixserve.managers.tokenizer_manager import TokenizerManager
+from radixserve.managers.tokenizer.generate_request import GenerateReqInput
+from radixserve.managers.tokenizer.request_state import RequestMetrics
+from radixserve.managers.tokenizer.tokenizer_manager import TokenizerManager
 from radixserve.model_config import ModelConfig
 from radixserve.server.app import create_app
 from radixserve.server.context import ServerContext, ServerState

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.finish_reason import FinishAbort, FinishReason
-from radixserve.managers.logprob_meta import LogprobMeta
+from radixserve.managers.tokenizer.logprob_meta import LogprobMeta
 
 
 class ServiceUnavailableError(RuntimeError):

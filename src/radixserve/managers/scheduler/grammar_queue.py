@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from radixserve.constrained import GrammarCache, GrammarError, GrammarKey
 from radixserve.finish_reason import FinishAbort
-from radixserve.managers.schedule_batch import Req
+from radixserve.managers.scheduler.schedule_batch import Req
 
 logger = logging.getLogger(__name__)
 

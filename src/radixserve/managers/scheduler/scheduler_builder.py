@@ -18,12 +18,12 @@ import torch
 
 from radixserve.constrained import GrammarCache, create_grammar_backend
 from radixserve.distributed import ParallelState
-from radixserve.managers.output_processor import OutputProcessor
-from radixserve.managers.overlap_worker import OverlapWorker
-from radixserve.managers.retraction import NewTokenRatio
-from radixserve.managers.schedule_policy import SchedulePolicy
-from radixserve.managers.scheduler import Scheduler
-from radixserve.managers.tp_worker import TpModelWorker
+from radixserve.managers.scheduler.output_processor import OutputProcessor
+from radixserve.managers.scheduler.overlap_worker import OverlapWorker
+from radixserve.managers.scheduler.retraction import NewTokenRatio
+from radixserve.managers.scheduler.schedule_policy import SchedulePolicy
+from radixserve.managers.scheduler.scheduler import Scheduler
+from radixserve.managers.scheduler.tp_worker import TpModelWorker
 from radixserve.mem_cache import BasePrefixCache, create_prefix_cache, create_session_store
 from radixserve.model_config import ModelConfig, resolve_device
 from radixserve.model_executor.model_runner import RunnerSettings

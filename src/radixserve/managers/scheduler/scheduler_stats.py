@@ -15,9 +15,9 @@ import logging
 import time
 from typing import Any
 
-from radixserve.managers.schedule_batch import ScheduleBatch
+from radixserve.managers.scheduler.schedule_batch import ScheduleBatch
 
-logger = logging.getLogger("radixserve.managers.scheduler")
+logger = logging.getLogger("radixserve.managers.scheduler.scheduler")
 
 DECODE_LOG_INTERVAL = 40
 HISTORY_STEPS = 240

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from radixserve.layers.sampler import SampleOutput
-from radixserve.managers.overlap_worker import OverlapWorker
-from radixserve.managers.retraction import decode_fits
-from radixserve.managers.schedule_batch import ScheduleBatch
+from radixserve.managers.scheduler.overlap_worker import OverlapWorker
+from radixserve.managers.scheduler.retraction import decode_fits
+from radixserve.managers.scheduler.schedule_batch import ScheduleBatch
 from radixserve.sampling.sampling_batch_info import reads_output_ids
 
 if TYPE_CHECKING:
-    from radixserve.managers.scheduler import Scheduler
+    from radixserve.managers.scheduler.scheduler import Scheduler
 
 
 @dataclass

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from radixserve import envs
-from radixserve.managers.schedule_batch import Req
+from radixserve.managers.scheduler.schedule_batch import Req
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 
 logger = logging.getLogger(__name__)

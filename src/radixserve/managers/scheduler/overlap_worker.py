@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from radixserve.layers.sampler import SampleOutput
-from radixserve.managers.tp_worker import TpModelWorker
+from radixserve.managers.scheduler.tp_worker import TpModelWorker
 from radixserve.model_executor.forward_batch import ForwardBatch
 
 

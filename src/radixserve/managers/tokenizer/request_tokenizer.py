@@ -12,7 +12,6 @@ from typing import Any
 
 import msgspec
 
-from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.io_struct import (
     SessionParams,
     TokenizedEmbeddingReqInput,
@@ -20,7 +19,8 @@ from radixserve.managers.io_struct import (
     per_prompt_options,
 )
 from radixserve.managers.request_checks import check_embedding, check_generate
-from radixserve.managers.request_values import describe, find_unrepresentable
+from radixserve.managers.tokenizer.generate_request import GenerateReqInput
+from radixserve.managers.tokenizer.request_values import describe, find_unrepresentable
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.sessions.session import check_session_id
 

@@ -49,12 +49,12 @@ from radixserve.managers.io_struct import (
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
 )
-from radixserve.managers.profiler import StepProfiler
-from radixserve.managers.scheduler_stats import token_usage
+from radixserve.managers.scheduler.profiler import StepProfiler
+from radixserve.managers.scheduler.scheduler_stats import token_usage
 from radixserve.model_executor.model_runner import MEMORY_TAGS
 
 if TYPE_CHECKING:
-    from radixserve.managers.scheduler import Scheduler
+    from radixserve.managers.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -33,9 +33,9 @@ import torch
 from radixserve.layers.sampler import InputLogprobs, SampleOutput
 from radixserve.managers import io_struct
 from radixserve.managers.io_struct import StageInputLogprobs, StageResult
-from radixserve.managers.request_receiver import RequestReceiver
-from radixserve.managers.scheduler import IDLE_POLL_MS, Scheduler
-from radixserve.managers.watchdog import Watchdog
+from radixserve.managers.scheduler.request_receiver import RequestReceiver
+from radixserve.managers.scheduler.scheduler import IDLE_POLL_MS, Scheduler
+from radixserve.managers.scheduler.watchdog import Watchdog
 
 
 class PipelineLoop:

@@ -22,7 +22,7 @@ import enum
 import math
 from typing import Any
 
-from radixserve.managers.schedule_batch import Req, pages_to_alloc
+from radixserve.managers.scheduler.schedule_batch import Req, pages_to_alloc
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 
 # Beyond this many waiting requests, lpm costs more than it saves: fall back to fcfs.

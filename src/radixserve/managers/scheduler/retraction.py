@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radixserve.managers.schedule_batch import Req, ScheduleBatch, release_kv
+from radixserve.managers.scheduler.schedule_batch import Req, ScheduleBatch, release_kv
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 
 # A retracted batch is assumed to decode at least this many more steps when re-estimating the

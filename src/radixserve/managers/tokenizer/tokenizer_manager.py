@@ -40,9 +40,9 @@ import zmq.asyncio
 
 from radixserve.finish_reason import FinishAbort, FinishReason
 from radixserve.managers import io_struct, ipc
-from radixserve.managers.generate_request import GenerateReqInput
-from radixserve.managers.logprob_meta import LogprobMeta
-from radixserve.managers.request_state import (
+from radixserve.managers.tokenizer.generate_request import GenerateReqInput
+from radixserve.managers.tokenizer.logprob_meta import LogprobMeta
+from radixserve.managers.tokenizer.request_state import (
     CapacityError,
     ReqState,
     RequestMetrics,
@@ -50,8 +50,8 @@ from radixserve.managers.request_state import (
     ServiceUnavailableError,
     raise_if_rejected,
 )
-from radixserve.managers.request_tokenizer import RequestTokenizer
-from radixserve.managers.request_values import describe, find_unrepresentable
+from radixserve.managers.tokenizer.request_tokenizer import RequestTokenizer
+from radixserve.managers.tokenizer.request_values import describe, find_unrepresentable
 from radixserve.server_args import ServerArgs
 from radixserve.sessions.session import RESUME_NEEDS_ID, check_session_id
 

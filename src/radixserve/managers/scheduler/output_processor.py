@@ -47,7 +47,7 @@ from radixserve.managers.io_struct import (
     ReqEmbeddingOutput,
     ReqTokenOutput,
 )
-from radixserve.managers.schedule_batch import Req, ScheduleBatch, release_kv
+from radixserve.managers.scheduler.schedule_batch import Req, ScheduleBatch, release_kv
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 
 logger = logging.getLogger(__name__)

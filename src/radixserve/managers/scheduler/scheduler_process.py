@@ -21,14 +21,14 @@ import zmq
 
 from radixserve.distributed import ParallelState, RankInfo, init_parallel_state
 from radixserve.managers import ipc
-from radixserve.managers.launcher import (
+from radixserve.managers.child_process import (
     install_exit_handlers,
     on_sigterm,
     report_failure,
     report_ready,
 )
-from radixserve.managers.request_receiver import RequestReceiver
-from radixserve.managers.scheduler_builder import build_scheduler
+from radixserve.managers.scheduler.request_receiver import RequestReceiver
+from radixserve.managers.scheduler.scheduler_builder import build_scheduler
 from radixserve.model_config import resolve_device
 from radixserve.server_args import ServerArgs
 
@@ -133,7 +133,7 @@ def run_scheduler_process(
         logger.info("scheduler ready: %s", scheduler.ready_info())
         receiver = RequestReceiver(parallel, recv, scheduler.sessions.expired_ids)
         if info.pp_size > 1:
-            from radixserve.managers.pipeline_loop import PipelineLoop
+            from radixserve.managers.scheduler.pipeline_loop import PipelineLoop
 
             PipelineLoop(scheduler, receiver).run()
         else:

@@ -45,7 +45,6 @@ from radixserve.distributed import ParallelState
 from radixserve.finish_reason import FinishAbort
 from radixserve.layers.sampler import SampleOutput
 from radixserve.managers.dispatcher import TypeBasedDispatcher
-from radixserve.managers.grammar_queue import GrammarQueue
 from radixserve.managers.io_struct import (
     AbortReq,
     CloseSessionReqInput,
@@ -64,33 +63,34 @@ from radixserve.managers.io_struct import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
-from radixserve.managers.memory_check import MemoryChecker, busy_check_enabled
-from radixserve.managers.overlap_schedule import OverlapSchedule
 from radixserve.managers.request_checks import check_embedding, check_generate
-from radixserve.managers.request_receiver import RequestReceiver
-from radixserve.managers.retraction import (
+from radixserve.managers.scheduler.grammar_queue import GrammarQueue
+from radixserve.managers.scheduler.memory_check import MemoryChecker, busy_check_enabled
+from radixserve.managers.scheduler.overlap_schedule import OverlapSchedule
+from radixserve.managers.scheduler.request_receiver import RequestReceiver
+from radixserve.managers.scheduler.retraction import (
     retract_all,
     retract_for_decode,
 )
-from radixserve.managers.schedule_batch import (
+from radixserve.managers.scheduler.schedule_batch import (
     BatchResources,
     Req,
     ScheduleBatch,
     num_live_reqs,
     pages_to_alloc,
 )
-from radixserve.managers.schedule_policy import (
+from radixserve.managers.scheduler.schedule_policy import (
     AddResult,
     PrefillAdder,
     decode_reservation,
 )
-from radixserve.managers.scheduler_control import SchedulerControl
-from radixserve.managers.scheduler_stats import SchedulerStats, token_usage
-from radixserve.managers.watchdog import Watchdog
+from radixserve.managers.scheduler.scheduler_control import SchedulerControl
+from radixserve.managers.scheduler.scheduler_stats import SchedulerStats, token_usage
+from radixserve.managers.scheduler.watchdog import Watchdog
 from radixserve.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from radixserve.managers.scheduler_builder import SchedulerParts, SchedulerSettings
+    from radixserve.managers.scheduler.scheduler_builder import SchedulerParts, SchedulerSettings
 
 logger = logging.getLogger(__name__)
 
