@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["Engine", "ServerArgs"]
-__version__ = "0.1.0"
+from radixserve.version import __version__
+
+__all__ = ["Engine", "ServerArgs", "__version__"]
 
 if TYPE_CHECKING:
     from radixserve.engine import Engine

@@ -15,11 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from radixserve import __version__, envs
-from radixserve.layers.attention import ATTENTION_BACKENDS
-from radixserve.layers.quantization import QUANTIZATION_METHODS
-from radixserve.server.openai.reasoning import REASONING_PARSERS
-from radixserve.server.openai.tool_parsers import TOOL_CALL_PARSERS
+from radixserve import envs
+from radixserve.registry_choices import REGISTRY_CHOICES, check_registry_choices
 from radixserve.server_args import (
     DEVICES,
     DTYPES,
@@ -27,6 +24,7 @@ from radixserve.server_args import (
     SCHEDULE_POLICIES,
     ServerArgs,
 )
+from radixserve.version import __version__
 
 # The secrets, each also read from a file (--NAME-file) or an environment variable.
 KEY_FLAGS = {"api_key": envs.RADIXSERVE_API_KEY, "admin_api_key": envs.RADIXSERVE_ADMIN_API_KEY}
@@ -35,13 +33,10 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 CHOICES: dict[str, Sequence[str]] = {
     "dtype": DTYPES,
     "device": DEVICES,
-    "attention_backend": ATTENTION_BACKENDS,
-    "quantization": QUANTIZATION_METHODS,
     "schedule_policy": SCHEDULE_POLICIES,
     "load_balance_method": LOAD_BALANCE_METHODS,
     "log_level": LOG_LEVELS,
-    "tool_call_parser": tuple(TOOL_CALL_PARSERS),
-    "reasoning_parser": tuple(REASONING_PARSERS),
+    **REGISTRY_CHOICES,
 }
 
 HELP: dict[str, str] = {
@@ -228,7 +223,7 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
         path = default_model_path()
         values["model_path"] = str(path)
         values["served_model_name"] = values["served_model_name"] or path.name
-    return ServerArgs(**values)
+    return check_registry_choices(ServerArgs(**values))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -36,6 +36,7 @@ from radixserve.managers.launcher import (
 )
 from radixserve.managers.tokenizer.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer.tokenizer_manager import TokenizerManager
+from radixserve.registry_choices import check_registry_choices
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,9 @@ class Engine:
         unknown = sorted(set(kwargs) - ServerArgs.field_names())
         if unknown:
             raise TypeError(f"unknown Engine argument(s): {', '.join(unknown)}")
-        self.server_args = ServerArgs(model_path=os.fspath(model_path), **kwargs)
+        self.server_args = check_registry_choices(
+            ServerArgs(model_path=os.fspath(model_path), **kwargs)
+        )
         if self.server_args.node_rank != 0:
             raise ValueError(
                 "an Engine runs on machine 0; start the other machines' ranks with "

@@ -14,8 +14,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from radixserve.model_executor.models.bert import BertModel
-    from radixserve.model_executor.models.llama import LlamaForCausalLM
+    from torch import nn
 
 # architecture → (module under radixserve.model_executor.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
@@ -48,8 +47,11 @@ def hidden_act_of(architecture: str) -> str:
     return _HIDDEN_ACT.get(architecture, "silu")
 
 
-def get_model_class(architecture: str) -> type[LlamaForCausalLM] | type[BertModel]:
-    """The class implementing ``architecture``; ``ValueError`` names the supported ones."""
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """The class implementing ``architecture``; ``ValueError`` names the supported ones.
+
+    Typed as any module: naming the model classes here, even for a type checker, would import
+    ``model_executor`` (which imports ``model_config`` and so this module) from below it."""
     if architecture not in _MODELS:
         raise ValueError(
             f"unsupported architecture {architecture!r}; "

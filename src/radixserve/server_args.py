@@ -94,18 +94,6 @@ class ServerArgs:
             raise ValueError(
                 f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
             )
-        from radixserve.layers.attention import ATTENTION_BACKENDS
-        from radixserve.layers.quantization import QUANTIZATION_METHODS
-        from radixserve.server.openai.reasoning import REASONING_PARSERS
-        from radixserve.server.openai.tool_parsers import TOOL_CALL_PARSERS
-
-        for name, choices in (("attention_backend", ATTENTION_BACKENDS),
-                              ("quantization", QUANTIZATION_METHODS),
-                              ("tool_call_parser", tuple(TOOL_CALL_PARSERS)),
-                              ("reasoning_parser", tuple(REASONING_PARSERS))):
-            value = getattr(self, name)
-            if value is not None and value not in choices:
-                raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         self._check_parallelism()

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from radixserve.distributed import RankInfo, init_parallel_state
+from radixserve.forward_batch import StageActivations
 from radixserve.model_config import ModelConfig
 from radixserve.model_executor.model_runner import ModelRunner, RunnerSettings
-from radixserve.model_executor.models.llama import StageActivations
 from radixserve.server_args import ServerArgs
 from tests.checkpoints import build_checkpoint
 from tests.distributed.helpers import run_ranks

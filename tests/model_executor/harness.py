@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
+from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.model_config import ModelConfig
-from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixserve.model_executor.model_runner import ModelRunner, RunnerSettings
 from radixserve.server_args import ServerArgs
 

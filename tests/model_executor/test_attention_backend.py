@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
+from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.layers.attention import Attention, create_attention_backend
 from radixserve.layers.cpu_kernels import load_cpu_kernels
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
-from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 from tests.layers.helpers import require_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4, 2, 16, 2

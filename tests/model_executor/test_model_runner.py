@@ -8,8 +8,8 @@ import psutil
 import pytest
 import torch
 
+from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
-from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixserve.model_executor.model_loader import checkpoint_weight_bytes
 from tests.model_executor.harness import ManualSlots, make_runner
 

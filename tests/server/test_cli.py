@@ -10,6 +10,7 @@ from radixserve.cli import build_parser, server_args_from_namespace
 from radixserve.model_config import ModelConfig
 from radixserve.server.default_model import default_model_path
 from radixserve.server.http_server import load_chat_template
+from radixserve.registry_choices import check_registry_choices
 from radixserve.server_args import ServerArgs
 
 
@@ -55,7 +56,11 @@ def test_attention_backend_flag_and_engine_argument_take_the_registrys_names():
     ns = build_parser().parse_args(["serve", "--model-path", "m", "--attention-backend", "cpu"])
     assert server_args_from_namespace(ns).attention_backend == "cpu"
     with pytest.raises(ValueError, match="attention_backend must be one of .*'flash'"):
-        ServerArgs(model_path="m", attention_backend="flash")
+        check_registry_choices(ServerArgs(model_path="m", attention_backend="flash"))
+    ns = build_parser().parse_args(["serve", "--model-path", "m"])
+    ns.attention_backend = "flash"  # as an Engine argument would: past argparse's choices
+    with pytest.raises(ValueError, match="attention_backend must be one of .*'flash'"):
+        server_args_from_namespace(ns)
 
 
 def test_default_model_prefers_the_demo_checkpoint_in_the_working_directory(tmp_path,

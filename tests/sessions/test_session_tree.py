@@ -18,6 +18,7 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from radixserve.managers.scheduler.schedule_batch import Req
+from radixserve.managers.scheduler.session_controller import SessionController, SessionTurn
 from radixserve.mem_cache import (
     RadixCache,
     ReqToTokenPool,
@@ -26,7 +27,6 @@ from radixserve.mem_cache import (
 )
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.sessions.session import Session, SessionError
-from radixserve.sessions.session_controller import SessionController, SessionTurn
 
 BOS = 0
 LENGTH = FinishLength(length=2)

@@ -33,50 +33,22 @@ inherited, whatever the quantisation. A new weight format adds a ``LinearMethod`
 
 from __future__ import annotations
 
-import abc
-from typing import TYPE_CHECKING, Protocol, TypedDict, Unpack
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 import torch
 from torch import nn
 
 from radixserve.distributed import RankGroup
-from radixserve.layers.packed_weight import (
-    PackedWeight,
-    PackOptions,
-    Prepackable,
-    pack_float_weight,
+from radixserve.layers.linear_method import (
+    UnquantizedLinearMethod,
+    WeightSource,
+    default_weight_loader,
+    sharded_parameter,
 )
+from radixserve.layers.packed_weight import PackedWeight, PackOptions, Prepackable
 
 if TYPE_CHECKING:
-    from radixserve.layers.quantization import QuantizationConfig
-
-
-class LazyWeight(Protocol):
-    """A checkpoint tensor not read yet: ``narrow`` narrows what ``load`` will read."""
-
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-
-    def narrow(self, dim: int, start: int, length: int) -> LazyWeight: ...
-
-    def load(self) -> torch.Tensor: ...
-
-
-WeightSource = torch.Tensor | LazyWeight
-
-
-def materialize(source: WeightSource) -> torch.Tensor:
-    return source if isinstance(source, torch.Tensor) else source.load()
-
-
-def default_weight_loader(param: torch.Tensor, loaded_weight: WeightSource) -> None:
-    """Copy ``loaded_weight`` into ``param`` (or a view of it), converting dtype and device."""
-    if tuple(param.shape) != tuple(loaded_weight.shape):
-        raise ValueError(
-            f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
-            f"{tuple(loaded_weight.shape)}"
-        )
-    param.data.copy_(materialize(loaded_weight))
+    from radixserve.layers.quantization.base import QuantizationConfig
 
 
 class LayerOptions(TypedDict, total=False):
@@ -100,42 +72,6 @@ class LinearOptions(LayerOptions, total=False):
     """A linear layer's keywords: ``LayerOptions`` and whether it adds a bias."""
 
     bias: bool  # default False
-
-
-def sharded_parameter(
-    data: torch.Tensor, loader: object, output_dim: int | None, input_dim: int | None
-) -> nn.Parameter:
-    """A frozen parameter with its loader and the dimensions that tensor parallelism splits."""
-    param = nn.Parameter(data, requires_grad=False)
-    param.weight_loader = loader
-    param.output_dim = output_dim
-    param.input_dim = input_dim
-    return param
-
-
-class LinearMethod(abc.ABC):
-    """How a linear layer holds its weight: the parameters the checkpoint fills (this rank's
-    shard) and the ``PackedWeight`` built from them once they are loaded."""
-
-    @abc.abstractmethod
-    def create_weights(self, layer: LinearBase, input_size: int, output_size: int) -> None:
-        """Register ``layer``'s weight parameters for an ``[output_size, input_size]`` shard,
-        each with ``layer.weight_loader`` (``sharded_parameter``)."""
-
-    @abc.abstractmethod
-    def pack(self, layer: LinearBase, options: PackOptions) -> PackedWeight:
-        """The ``PackedWeight`` of the loaded parameters, for ``layer.impl``."""
-
-
-class UnquantizedLinearMethod(LinearMethod):
-    """One ``weight`` ``[out, in]`` in the model's dtype."""
-
-    def create_weights(self, layer: LinearBase, input_size: int, output_size: int) -> None:
-        weight = torch.empty(output_size, input_size)
-        layer.weight = sharded_parameter(weight, layer.weight_loader, output_dim=0, input_dim=1)
-
-    def pack(self, layer: LinearBase, options: PackOptions) -> PackedWeight:
-        return pack_float_weight(layer.weight.detach(), layer.impl, options)
 
 
 def divide(numerator: int, denominator: int, what: str = "tp_size") -> int:

@@ -16,8 +16,8 @@ import itertools
 import torch
 from torch import nn
 
+from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.vocab_embedding import LMHead
-from radixserve.model_executor.forward_batch import ForwardBatch
 
 
 class LogitsProcessor(nn.Module):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.model_executor.forward_batch import ForwardBatch
+from radixserve.forward_batch import ForwardBatch
 
 
 class PoolingType(enum.Enum):

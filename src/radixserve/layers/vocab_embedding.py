@@ -16,12 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed import RankGroup
-from radixserve.layers.linear import (
-    LayerOptions,
-    WeightSource,
-    default_weight_loader,
-    layer_options,
-)
+from radixserve.layers.linear import LayerOptions, layer_options
+from radixserve.layers.linear_method import WeightSource, default_weight_loader
 from radixserve.layers.packed_weight import (
     PackedWeight,
     PackOptions,

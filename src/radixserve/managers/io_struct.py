@@ -29,6 +29,7 @@ import msgspec
 
 from radixserve.finish_reason import FinishReason
 from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.sessions.session_params import SessionParams
 
 
 class _Msg(msgspec.Struct, tag=True, kw_only=True):
@@ -36,14 +37,6 @@ class _Msg(msgspec.Struct, tag=True, kw_only=True):
 
 
 # ---------------------------------------------------------------- tokenizer -> scheduler
-class SessionParams(msgspec.Struct, kw_only=True):
-    id: str
-    rid: str | None = None
-    offset: int | None = None
-    replace: bool = False
-    drop_previous_output: bool = False
-
-
 class TokenizedGenerateReqInput(_Msg):
     rid: str
     input_ids: list[int]

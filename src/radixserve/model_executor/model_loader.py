@@ -31,7 +31,7 @@ from tqdm import tqdm
 from radixserve.distributed import ParallelState
 from radixserve.layers.attention import AttentionBackend
 from radixserve.layers.custom_op import build_context
-from radixserve.layers.linear import default_weight_loader
+from radixserve.layers.linear_method import default_weight_loader
 from radixserve.layers.packed_weight import prepack_model
 from radixserve.model_config import ModelConfig
 from radixserve.model_executor.models.llama import LlamaForCausalLM

@@ -24,6 +24,7 @@ import psutil
 import torch
 
 from radixserve.distributed import ParallelState
+from radixserve.forward_batch import ForwardBatch, StageActivations
 from radixserve.layers.attention import create_attention_backend, default_attention_backend
 from radixserve.layers.custom_op import build_context
 from radixserve.layers.linear import kv_heads_per_rank
@@ -32,13 +33,11 @@ from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_config import ModelConfig, resolve_device
-from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.model_executor.model_loader import (
     checkpoint_weight_bytes,
     load_model,
     route_checkpoint_name,
 )
-from radixserve.model_executor.models.llama import StageActivations
 from radixserve.server_args import ServerArgs
 
 if TYPE_CHECKING:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from radixserve import __version__
 from radixserve.server.context import ServerContext
 from radixserve.server.control_api import router as control_router
 from radixserve.server.dashboard import router as dashboard_router
@@ -18,6 +17,7 @@ from radixserve.server.openai.serving_embedding import router as embedding_route
 from radixserve.server.openai.serving_models import router as models_router
 from radixserve.server.openai.serving_responses import router as responses_router
 from radixserve.server.request_guard import MAX_BODY_BYTES, RequestGuard
+from radixserve.version import __version__
 
 
 def create_app(ctx: ServerContext, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:

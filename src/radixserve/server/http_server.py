@@ -41,6 +41,7 @@ from radixserve.managers.tokenizer.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer.request_state import RequestMetrics
 from radixserve.managers.tokenizer.tokenizer_manager import TokenizerManager
 from radixserve.model_config import ModelConfig
+from radixserve.registry_choices import check_registry_choices
 from radixserve.server.app import create_app
 from radixserve.server.context import ServerContext, ServerState
 from radixserve.server.generations import first_item
@@ -68,6 +69,7 @@ def launch_server(server_args: ServerArgs) -> int:
     Raises ``ValueError`` (bad model or chat template), ``OSError`` (port unavailable) or
     ``RuntimeError`` (a child failed to start) before serving.
     """
+    check_registry_choices(server_args)
     chat_template = load_chat_template(server_args.chat_template)
     model_config = ModelConfig.from_path(
         server_args.model_path,

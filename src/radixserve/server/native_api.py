@@ -22,7 +22,6 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from radixserve import __version__
 from radixserve.managers.io_struct import OpenSessionReqInput
 from radixserve.managers.tokenizer.generate_request import GenerateReqInput
 from radixserve.server.admission import admit, check_batch_size, num_prompts, requested_n
@@ -32,6 +31,7 @@ from radixserve.server.generations import cancel_on_disconnect, first_item, prim
 from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.sse import DONE, sse_event, sse_response
 from radixserve.server.strict_request import StrictRequest, Unsupported
+from radixserve.version import __version__
 
 router = APIRouter()
 

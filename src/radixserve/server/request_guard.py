@@ -9,8 +9,8 @@ In order:
    ``MAX_BODY_BYTES``, from ``Content-Length`` or counted while reading) and the time to read it
    (408 past ``--request-read-timeout``; the headers have the same time, ``http_protocol.py``),
    the values in a JSON body (400 naming an integer past 64 bits, NaN, a lone surrogate or
-   nesting too deep: ``managers/tokenizer/request_values.py``); POST bodies are read as JSON whatever their
-   Content-Type says.
+   nesting too deep: ``managers/tokenizer/request_values.py``); POST bodies are read as JSON
+   whatever their Content-Type says.
 2. The route (``native_api``, ``openai/*``), which validates its body with pydantic (errors → 400),
    admits the generations it asks for (``admission.py``: 400 past ``--max-n`` or
    ``--max-batch-size``, 429 past ``--max-queued-requests``) and calls the ``TokenizerManager``

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from radixserve.finish_reason import FinishReason
-from radixserve.managers.io_struct import SessionParams
+from radixserve.sessions.session_params import SessionParams
 
 # Refusal of an open_session with resume but no session id (the TokenizerManager names the
 # sessions opened without one, so it refuses this one itself).

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from radixserve.model_executor.forward_batch import ForwardBatch
+from radixserve.forward_batch import ForwardBatch
 
 
 class QKV(NamedTuple):

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.forward_batch import ForwardBatch
 from radixserve.layers import cpu_kernels
 from radixserve.layers.attention.base_backend import QKV, Attention, AttentionBackend
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
-from radixserve.model_executor.forward_batch import ForwardBatch
 
 
 class CpuAttnBackend(AttentionBackend):

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.attention.base_backend import QKV, Attention, AttentionBackend
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
-from radixserve.model_executor.forward_batch import ForwardBatch
 
 
 @dataclass

@@ -6,7 +6,7 @@ import abc
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from radixserve.layers.linear import LinearMethod
+    from radixserve.layers.linear_method import LinearMethod
 
 
 class QuantizationConfig(abc.ABC):

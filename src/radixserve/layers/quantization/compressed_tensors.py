@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from radixserve.layers.linear import LinearMethod, WeightSource, sharded_parameter
+from radixserve.layers.linear_method import LinearMethod, WeightSource, sharded_parameter
 from radixserve.layers.packed_weight import PackedWeight, PackOptions
 from radixserve.layers.quantization.base import QuantizationConfig
 from radixserve.layers.quantization.int8 import pack_int8
 
 if TYPE_CHECKING:
-    from radixserve.layers.linear import LinearBase
+    from radixserve.layers.linear_method import LinearLayer
 
 _WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False}
 _STRATEGIES = ("channel", "group")
@@ -54,7 +54,7 @@ class CompressedTensorsW8A16Method(LinearMethod):
     def __init__(self, group_size: int | None) -> None:
         self.group_size = group_size
 
-    def create_weights(self, layer: LinearBase, input_size: int, output_size: int) -> None:
+    def create_weights(self, layer: LinearLayer, input_size: int, output_size: int) -> None:
         if self.group_size and input_size % self.group_size:
             raise ValueError(f"group_size {self.group_size} does not divide a linear layer's "
                              f"{input_size} inputs")
@@ -72,7 +72,7 @@ class CompressedTensorsW8A16Method(LinearMethod):
             input_dim=None,
         )
 
-    def pack(self, layer: LinearBase, options: PackOptions) -> PackedWeight:
+    def pack(self, layer: LinearLayer, options: PackOptions) -> PackedWeight:
         q = unpack_int8(layer.weight_packed.detach(), layer.input_size)
         return pack_int8(q, layer.weight_scale.detach(), layer.impl)
 

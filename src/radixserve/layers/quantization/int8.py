@@ -17,12 +17,12 @@ import torch.nn.functional as F
 
 from radixserve.layers import cpu_kernels
 from radixserve.layers.custom_op import OpImpl
-from radixserve.layers.linear import LinearMethod, UnquantizedLinearMethod, sharded_parameter
+from radixserve.layers.linear_method import LinearMethod, UnquantizedLinearMethod, sharded_parameter
 from radixserve.layers.packed_weight import PackedWeight, PackOptions
 from radixserve.layers.quantization.base import QuantizationConfig
 
 if TYPE_CHECKING:
-    from radixserve.layers.linear import LinearBase
+    from radixserve.layers.linear_method import LinearLayer
 
 INT8_MAX = 127
 
@@ -94,10 +94,10 @@ class Int8AtLoadMethod(LinearMethod):
     int8 quantisation (``weight`` int8, ``weight_scale`` float32 ``[N, 1]``): the float copy
     is freed, and a second packing reuses the int8 one."""
 
-    def create_weights(self, layer: LinearBase, input_size: int, output_size: int) -> None:
+    def create_weights(self, layer: LinearLayer, input_size: int, output_size: int) -> None:
         UnquantizedLinearMethod().create_weights(layer, input_size, output_size)
 
-    def pack(self, layer: LinearBase, options: PackOptions) -> PackedWeight:
+    def pack(self, layer: LinearLayer, options: PackOptions) -> PackedWeight:
         if layer.weight.dtype != torch.int8:
             q, scales = quantize_int8(layer.weight)
             layer.weight = sharded_parameter(q, layer.weight_loader, output_dim=0, input_dim=1)

@@ -21,9 +21,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.sampler import SampleOutput
 from radixserve.managers.scheduler.tp_worker import TpModelWorker
-from radixserve.model_executor.forward_batch import ForwardBatch
 
 
 class OverlapWorker:

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from radixserve.finish_reason import FinishLength, FinishReason, FinishStop
+from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.managers.io_struct import (
     SessionParams,
     TokenizedGenerateReqInput,
@@ -55,7 +56,6 @@ from radixserve.managers.io_struct import (
 )
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
-from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixserve.sampling.sampling_batch_info import GrammarMask, SamplingBatchInfo
 from radixserve.sampling.sampling_params import SamplingParams
 

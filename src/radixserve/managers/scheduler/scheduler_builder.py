@@ -23,12 +23,12 @@ from radixserve.managers.scheduler.overlap_worker import OverlapWorker
 from radixserve.managers.scheduler.retraction import NewTokenRatio
 from radixserve.managers.scheduler.schedule_policy import SchedulePolicy
 from radixserve.managers.scheduler.scheduler import Scheduler
+from radixserve.managers.scheduler.session_controller import SessionController
 from radixserve.managers.scheduler.tp_worker import TpModelWorker
 from radixserve.mem_cache import BasePrefixCache, create_prefix_cache, create_session_store
 from radixserve.model_config import ModelConfig, resolve_device
 from radixserve.model_executor.model_runner import RunnerSettings
 from radixserve.server_args import ServerArgs
-from radixserve.sessions.session_controller import SessionController
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,10 @@ from __future__ import annotations
 import torch
 
 from radixserve.distributed import ParallelState
+from radixserve.forward_batch import ForwardBatch, StageActivations
 from radixserve.layers.sampler import SampleOutput
 from radixserve.model_config import ModelConfig
-from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.model_executor.model_runner import ModelRunner, RunnerSettings
-from radixserve.model_executor.models.llama import StageActivations
 
 
 class TpModelWorker:

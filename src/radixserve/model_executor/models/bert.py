@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from radixserve.layers.pooler import Pooler, PoolingType
 from radixserve.model_config import ModelConfig
-from radixserve.model_executor.forward_batch import ForwardBatch
 
 
 def _padded_layout(lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

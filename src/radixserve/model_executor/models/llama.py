@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from radixserve.distributed import ParallelState, RankGroup
+from radixserve.forward_batch import ForwardBatch, StageActivations
 from radixserve.layers.activation import SiluAndMul
 from radixserve.layers.attention import Attention, AttentionBackend
 from radixserve.layers.layernorm import RMSNorm
@@ -34,18 +35,8 @@ from radixserve.layers.quantization import QuantizationConfig
 from radixserve.layers.rotary_embedding import ApplyRotaryEmbedding, RotaryEmbedding
 from radixserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from radixserve.model_config import ModelConfig
-from radixserve.model_executor.forward_batch import ForwardBatch
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, signed sin) of RotaryEmbedding.forward
-
-
-@dataclass
-class StageActivations:
-    """What a pipeline stage hands to the next: the residual stream as ``hidden_states +
-    residual`` (the add is left to the next layer's norm, see ``LlamaDecoderLayer.forward``)."""
-
-    hidden_states: torch.Tensor  # [num_tokens, hidden]
-    residual: torch.Tensor  # [num_tokens, hidden]
 
 
 class MissingLayer(nn.Module):

@@ -1,4 +1,8 @@
-"""The scheduler/runner seam: one ``ForwardBatch`` per model step.
+"""The scheduler/runner/model seam: one ``ForwardBatch`` per model step, and the
+``StageActivations`` a pipeline stage hands to the next.
+
+It sits below every user (the scheduler builds it, the runner, the models and the attention
+backends read it), so none of them imports another to reach it.
 
 Data flows ``Req`` (scheduler state, per request) → ``ScheduleBatch`` (the running set, scheduler
 side) → ``ForwardBatch`` (plain tensors, built by ``ScheduleBatch.to_forward_batch``) → model →
@@ -69,3 +73,12 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+@dataclass
+class StageActivations:
+    """What a pipeline stage hands to the next: the residual stream as ``hidden_states +
+    residual`` (the add is left to the next layer's norm, see ``LlamaDecoderLayer.forward``)."""
+
+    hidden_states: torch.Tensor  # [num_tokens, hidden]
+    residual: torch.Tensor  # [num_tokens, hidden]
