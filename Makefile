@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test serve lint clean fuzz soak
+.PHONY: install test test-quick system-deps serve lint clean fuzz soak
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -13,8 +13,19 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-test: $(STAMP)
+# Debian's headless Chromium, which the inspector page's browser test drives
+# (tests/server/test_dashboard_browser.py); installed once, as root, where it is missing.
+system-deps:
+	@command -v chromium >/dev/null 2>&1 || { \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
+# The whole suite: what CI runs (about 20-25 minutes on two cores).
+test: $(STAMP) system-deps
 	$(PY) -m pytest -q tests
+
+# The inner loop: every test that starts no process of its own (marked in tests/conftest.py).
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -m "not processes" tests
 
 # The long runs of the reliability suite (tests/reliability), not part of `make test`:
 # schemathesis with 1,000 examples per route and a fresh seed; a 15-minute soak (DURATION=s).

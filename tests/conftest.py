@@ -33,3 +33,30 @@ def llama_path(checkpoint_factory) -> Path:
 @pytest.fixture(params=ARCHITECTURES)
 def arch_path(request, checkpoint_factory) -> Path:
     return checkpoint_factory(request.param)
+
+
+# ``make test-quick`` runs what needs no process of its own: ``-m "not processes"``. A test is
+# marked ``processes`` when it asks for a fixture that starts a server, or its file starts
+# processes itself (a server, an Engine, the launcher's children, a subprocess, a spawn context).
+PROCESS_FIXTURES = {"server", "client", "api"}
+PROCESS_MARKS = (
+    "start_server(", "Engine(", "start_subprocesses", "subprocess", "get_context(", "Popen",
+    "run_scheduler_process", "multiprocessing",
+)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "processes: starts server, engine or other processes (left out of test-quick)"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    sources: dict[Path, bool] = {}
+    for item in items:
+        path = Path(item.fspath)
+        if path not in sources:
+            text = path.read_text()
+            sources[path] = any(mark in text for mark in PROCESS_MARKS)
+        if sources[path] or PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.processes)

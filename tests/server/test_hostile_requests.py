@@ -2,7 +2,7 @@
 deep nesting, numbers at and past every bound, NaN and infinities, huge n / logprobs / stop
 lists, path-traversal model names.
 
-Every one gets the documented 4xx (README, "Reliability") with the OpenAI error object; those the
+Every one gets the documented 4xx (docs/reliability.md) with the OpenAI error object; those the
 HTTP edge can refuse never reach the scheduler (its ``num_received_reqs`` does not move), and
 after all of them the server is healthy and holds no KV. Bodies are encoded here with Python's
 ``json`` (which writes big integers, ``NaN``, ``Infinity`` and escaped lone surrogates as a

@@ -12,7 +12,7 @@ Nothing a client sends is silently ignored. Every request field is one of:
   carries anything but a value meaning "unused";
 - unknown: refused with a 400 naming it (OpenAI does the same).
 
-README.md has the table.
+docs/api.md ("Fields: honoured or refused") has the table.
 """
 
 from __future__ import annotations
