@@ -23,9 +23,10 @@ system-deps:
 test: $(STAMP) system-deps
 	$(PY) -m pytest -q tests
 
-# The inner loop: every test that starts no process of its own (marked in tests/conftest.py).
+# The inner loop: the tests that start no process of their own and take seconds, not minutes
+# (the markers are set in tests/conftest.py).
 test-quick: $(STAMP)
-	$(PY) -m pytest -q -m "not processes" tests
+	$(PY) -m pytest -q -m "not processes and not slow" tests
 
 # The long runs of the reliability suite (tests/reliability), not part of `make test`:
 # schemathesis with 1,000 examples per route and a fresh seed; a 15-minute soak (DURATION=s).

@@ -35,10 +35,13 @@ def arch_path(request, checkpoint_factory) -> Path:
     return checkpoint_factory(request.param)
 
 
-# ``make test-quick`` runs what needs no process of its own: ``-m "not processes"``. A test is
-# marked ``processes`` when it asks for a fixture that starts a server, or its file starts
-# processes itself (a server, an Engine, the launcher's children, a subprocess, a spawn context).
+# ``make test-quick`` runs what needs no process of its own and is not ``slow`` (a unit test of
+# a minute or more). A test is marked ``processes`` when it asks for a fixture that starts a
+# server, its folder is one whose tests all start processes (ranks of torch.distributed, the
+# soak's server), or its file starts processes itself (a server, an Engine, the launcher's
+# children, a subprocess, a spawn context).
 PROCESS_FIXTURES = {"server", "client", "api"}
+PROCESS_FOLDERS = ("distributed", "reliability")
 PROCESS_MARKS = (
     "start_server(", "Engine(", "start_subprocesses", "subprocess", "get_context(", "Popen",
     "run_scheduler_process", "multiprocessing",
@@ -49,6 +52,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "processes: starts server, engine or other processes (left out of test-quick)"
     )
+    config.addinivalue_line(
+        "markers", "slow: a unit test of a minute or more (left out of test-quick)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -57,6 +63,8 @@ def pytest_collection_modifyitems(config, items):
         path = Path(item.fspath)
         if path not in sources:
             text = path.read_text()
-            sources[path] = any(mark in text for mark in PROCESS_MARKS)
+            sources[path] = path.parent.name in PROCESS_FOLDERS or any(
+                mark in text for mark in PROCESS_MARKS
+            )
         if sources[path] or PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.processes)

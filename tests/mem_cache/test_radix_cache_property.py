@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -121,6 +122,7 @@ def insert(cache: RadixCache, ref: Reference, tokens: list[int]) -> None:
 
 # Thousands of random operation sequences (issue #2), each up to a few dozen operations.
 # No deadline, no speed health check: a loaded machine is slow, not wrong.
+@pytest.mark.slow  # 2,000 random traffics: about a minute (left out of make test-quick)
 @settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ps=st.sampled_from([1, 2, 4]), ops=_ops)
 def test_random_traffic_agrees_with_naive_reference(ps, ops):

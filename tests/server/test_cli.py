@@ -8,9 +8,9 @@ import pytest
 
 from radixserve.cli import build_parser, server_args_from_namespace
 from radixserve.model_config import ModelConfig
+from radixserve.registry_choices import check_registry_choices
 from radixserve.server.default_model import default_model_path
 from radixserve.server.http_server import load_chat_template
-from radixserve.registry_choices import check_registry_choices
 from radixserve.server_args import ServerArgs
 
 
