@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,8 +65,6 @@ from radixserve.managers.io_struct import (
 from radixserve.managers.request_checks import check_embedding, check_generate
 from radixserve.managers.scheduler.grammar_queue import GrammarQueue
 from radixserve.managers.scheduler.memory_check import MemoryChecker, busy_check_enabled
-from radixserve.managers.scheduler.overlap_schedule import OverlapSchedule
-from radixserve.managers.scheduler.request_receiver import RequestReceiver
 from radixserve.managers.scheduler.retraction import (
     retract_all,
     retract_for_decode,
@@ -85,29 +82,17 @@ from radixserve.managers.scheduler.schedule_policy import (
     decode_reservation,
 )
 from radixserve.managers.scheduler.scheduler_control import SchedulerControl
+from radixserve.managers.scheduler.scheduler_loop import LoopScheduler, MicroBatch, SchedulerLoop
 from radixserve.managers.scheduler.scheduler_stats import SchedulerStats, token_usage
-from radixserve.managers.scheduler.watchdog import Watchdog
 from radixserve.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from radixserve.managers.scheduler.scheduler_builder import SchedulerParts, SchedulerSettings
+    from radixserve.managers.scheduler.scheduler_parts import SchedulerParts, SchedulerSettings
 
 logger = logging.getLogger(__name__)
 
-# How long an idle loop blocks on its socket before looking around again.
-IDLE_POLL_MS = 1000
 # How long a step with nothing to run waits for a grammar to compile (messages wait meanwhile).
 _GRAMMAR_WAIT_S = 0.01
-
-
-@dataclass
-class MicroBatch:
-    """One pipeline micro-batch's running requests (the only one without pipelining)."""
-
-    running: ScheduleBatch
-    last_was_prefill: bool = False
-    # A step of this micro-batch still in the pipeline (its result not processed yet).
-    in_flight: ScheduleBatch | None = None
 
 
 class Scheduler:
@@ -124,12 +109,15 @@ class Scheduler:
         send_to_tokenizer: Callable[[Any], None],
         parallel: ParallelState,
         device: torch.device,
+        make_loop: Callable[[LoopScheduler], SchedulerLoop],
         dp_rank: int = 0,
         send_load: Callable[[LoadReport], None] | None = None,
     ) -> None:
         """Built by ``build_scheduler`` (``scheduler_builder.py``), which reads the server's
-        arguments and makes ``parts``. ``dp_rank``: the data-parallel replica this rank belongs
-        to; ``send_load``: where changes of its load go (the data-parallel controller)."""
+        arguments and makes ``parts``. ``make_loop``: the loop that drives this scheduler
+        (normal, overlap or pipeline; ``scheduler_loop.py``), made once here. ``dp_rank``: the
+        data-parallel replica this rank belongs to; ``send_load``: where changes of its load go
+        (the data-parallel controller)."""
         self.settings = settings
         self.send_to_tokenizer = send_to_tokenizer
         self.send_load = send_load
@@ -184,12 +172,12 @@ class Scheduler:
         self.last_leak_check: dict[str, Any] = {}
         self.stop_requested = False
         self.idle_checked = False  # the idle self-check ran since the last step
-        self.overlap = None if parts.overlap is None else OverlapSchedule(self, parts.overlap)
         self.paused = False  # by PauseGenerationReqInput: no step runs until continued
         self.stats = SchedulerStats()
         self.control = SchedulerControl(self)
         self._step_start = time.perf_counter()
         self._inject_faults = envs.RADIXSERVE_TEST_INJECT_FAULTS.get()
+        self.loop = make_loop(self)
 
         self.dispatcher = TypeBasedDispatcher(
             [
@@ -232,23 +220,18 @@ class Scheduler:
     def _in_flight_reqs(self) -> list[Req]:
         return [r for mb in self.micro_batches if mb.in_flight for r in mb.in_flight.reqs]
 
-    # ------------------------------------------------------------------ the loop
-    def event_loop(self, receiver: RequestReceiver) -> None:
-        """Run until ``stop_requested``; an idle scheduler blocks on its input instead of
-        spinning. The watchdog ends the process if one step hangs for ``--watchdog-timeout``
-        seconds. On a stop, streaming sessions are written to a session store that outlives the
-        process (``--session-store``), so that a restarted server resumes them."""
-        watchdog = Watchdog(self.settings.watchdog_timeout)
-        watchdog.start()
-        while not self.stop_requested:
-            self.process_input_requests(receiver.recv())
-            watchdog.step_started()
-            busy = self.step()
-            watchdog.step_finished()
-            self.report_load()
-            if not busy:
-                receiver.wait(IDLE_POLL_MS)
-        self.sessions.persist_all()
+    # ------------------------------------------------------------------ the loop's surface
+    # What the loops (``scheduler_loop.py``: ``LoopScheduler``) call; nothing else of this
+    # class is theirs to read or write.
+    def step(self) -> bool:
+        """One step of this scheduler's loop; False when there was nothing to run or
+        generation is paused (tests drive the scheduler with it)."""
+        return self.loop.run_step()
+
+    @property
+    def overlap(self) -> SchedulerLoop | None:
+        """The loop when it is the overlap loop (it has a step in flight between steps)."""
+        return self.loop if self.loop.launches_ahead else None
 
     def report_load(self) -> None:
         """Tell the data-parallel controller this replica's load, when it changed."""
@@ -289,22 +272,11 @@ class Scheduler:
             return None
         return ControlErrorOutput(request=type(msg).__name__, message=message)
 
-    def step(self) -> bool:
-        """Run one batch; False when there was nothing to run or generation is paused."""
+    def skip_step_paused(self) -> bool:
+        """True while generation is paused: no step runs (sessions' housekeeping still does)."""
         if self.paused:
             self.sessions.on_step()
-            return False
-        if self.overlap is not None:
-            return self.overlap.step()
-        self.begin_step()
-        batch = self.get_next_batch_to_run()
-        if batch is None:
-            return self.on_idle()
-        result = self.run_batch(batch)
-        assert result is not None, "without pipelining every rank has the step's outcome"
-        self.process_batch_result(batch, result)
-        self.check_busy_invariant()
-        return True
+        return self.paused
 
     def begin_step(self) -> None:
         """A step starts: sessions' housekeeping, compiled grammars join the waiting queue, and
@@ -316,14 +288,60 @@ class Scheduler:
     def run_batch(self, batch: ScheduleBatch) -> SampleOutput | torch.Tensor | None:
         """The model step of ``batch``: its tokens (an embedding model: its embeddings), or
         None on a pipeline stage that does not sample (the tokens come round the pipeline)."""
-        self.idle_checked = False
+        self.note_launch()
         forward_batch = batch.to_forward_batch()
         if self.is_generation:
             result = self.tp_worker.forward_batch_generation(forward_batch)
         else:
             result = self.tp_worker.forward_batch_embedding(forward_batch)
-        self.control.after_step()
+        self.model_step_done()
         return result
+
+    def note_launch(self) -> None:
+        """A model step is launched: the next idle period runs the idle self-check again."""
+        self.idle_checked = False
+
+    def model_step_done(self) -> None:
+        """After every model step: the profiler counts it, ``slow_down`` sleeps."""
+        self.control.after_step()
+
+    def admission_pending(self) -> bool:
+        """Whether the next step may admit a request, so that it cannot be planned before the
+        tokens of the step in flight are known (overlap loop): a chunked request continues, or
+        a waiting request may find a request row (one is free below ``max_running_requests``,
+        or an idle streaming session's row could be released)."""
+        if self.chunked_req is not None:
+            return True
+        if not self.waiting_queue or len(self.running_batch) >= self.max_running_requests:
+            return False
+        return (
+            self.req_to_token_pool.available_size() > 0
+            or self.tree_cache.session_held_rows() > 0
+        )
+
+    def prepare_decode_behind(self, previous: ScheduleBatch) -> None:
+        """Plan the running batch's next decode step while ``previous`` (its last step, still
+        computing) has not returned its tokens (overlap loop)."""
+        self.new_token_ratio.step()
+        self.running_batch.prepare_for_decode(behind=previous)
+
+    def launch_in_micro_batch(self, index: int, batch: ScheduleBatch) -> None:
+        """``batch`` of micro-batch ``index`` enters the pipeline (pipeline loop)."""
+        if any(mb.in_flight is not None for mb in self.micro_batches):
+            self.num_pipelined_steps += 1
+        self.micro_batches[index].in_flight = batch
+
+    def take_in_flight(self, index: int) -> ScheduleBatch | None:
+        """Micro-batch ``index``'s batch in the pipeline, if any, taken out of it; that
+        micro-batch becomes the current one, as its result is processed next (pipeline loop)."""
+        batch = self.micro_batches[index].in_flight
+        if batch is not None:
+            self.select_micro_batch(index).in_flight = None
+        return batch
+
+    def persist_sessions(self) -> None:
+        """The loop ends on a stop: streaming sessions go to the session store."""
+        self.sessions.persist_all()
 
     def on_idle(self) -> bool:
         """Nothing to run: wait a moment for a compiling grammar (True: not idle), else run
@@ -654,7 +672,7 @@ class Scheduler:
                 "max_total_num_tokens": self.max_total_num_tokens,
                 "num_retracted_reqs": self.num_retracted_reqs,
                 "num_aborted_reqs": self.num_aborted_reqs,
-                "num_overlapped_steps": self.overlap.num_steps if self.overlap else 0,
+                "num_overlapped_steps": self.loop.num_steps,
                 "paused": self.paused,
                 "num_open_sessions": len(self.sessions.sessions),
                 "num_session_reqs": self.sessions.num_reqs(),
@@ -719,8 +737,7 @@ class Scheduler:
         with a step whose requests have all finished. What needs the scheduler idle (a flush, a
         weight update, releasing memory) or nothing computing (a pause) finishes it first.
         """
-        if self.overlap is not None:
-            self.overlap.finish_in_flight()
+        self.loop.finish_in_flight()
 
     def is_idle(self) -> bool:
         return (
@@ -728,7 +745,7 @@ class Scheduler:
             and not self.grammar_queue
             and all(mb.running.is_empty() and mb.in_flight is None for mb in self.micro_batches)
             and not self.chunked_req
-            and (self.overlap is None or self.overlap.in_flight is None)
+            and not self.loop.has_in_flight
         )
 
     def holding_reqs(self) -> list[Req]:
@@ -768,6 +785,7 @@ class Scheduler:
             self.memory.check(self.holding_reqs())
 
     def request_stop(self) -> None:
-        """Leave ``event_loop`` after the current step (SIGTERM with a session store)."""
+        """Leave the loop's ``run_forever`` after the current step (SIGTERM with a session
+        store)."""
         self.stop_requested = True
 
