@@ -69,18 +69,19 @@ class PipelineLoop(SchedulerLoop):
     def iteration(self, mb_id: int) -> bool:
         """Steps 2-3 of the module docstring; whether a batch was launched."""
         scheduler = self.scheduler
-        scheduler.select_micro_batch(mb_id)
+        micro_batches = scheduler.micro_batches
+        micro_batches.select(mb_id)
         scheduler.begin_step()
         batch = scheduler.get_next_batch_to_run()
         if batch is not None:
-            scheduler.launch_in_micro_batch(mb_id, batch)
+            micro_batches.launch(mb_id, batch)
             result = scheduler.run_batch(batch)
             if self.info.is_last_stage:
                 assert result is not None
                 self._own_results[mb_id] = result
                 self.p2p.send_bytes(_encode(result), self.info.stage_rank(0))
         next_id = (mb_id + 1) % self.info.pp_size
-        launched = scheduler.take_in_flight(next_id)
+        launched = micro_batches.take_in_flight(next_id)
         if launched is not None:
             result = self._take_result(next_id)
             scheduler.process_batch_result(launched, result)

@@ -1,33 +1,23 @@
-"""The scheduler process: the loop of docs/architecture.md §4 and the handlers of incoming messages.
+"""The scheduler's state and the handlers of incoming messages (docs/architecture.md §4).
 
-    while True:
-        process_input_requests(recv_nowait())   # TypeBasedDispatcher: type → handler
-        step():  requests whose grammar compiled join the waiting queue (grammar_queue.py)
-                 batch = get_next_batch_to_run() # a new prefill if one fits, else a decode step
-                 run it, process its result      # output_processor.py
-                 or, idle: wait briefly for a grammar that compiles, or
-                           self_check_during_idle() and block on the socket
-                 (paused: no steps; messages are still handled)
-
-``PauseGenerationReqInput`` stops the steps until ``ContinueGenerationReqInput``; see
-``handle_pause_generation``.
-
-With ``--enable-overlap-schedule`` the model runs on a thread of its own (``OverlapWorker``) and
-a decode step N+1 is launched before step N's tokens are processed (``overlap_schedule.py``).
+The ``Scheduler`` owns the waiting queue, the running batch (one per pipeline micro-batch,
+``micro_batches.py``) and the chunked request. A loop drives it (``scheduler_loop.py``: normal,
+overlap or pipeline, chosen by ``build_scheduler``) through the methods of its "loop's surface":
+a step admits compiled grammars, takes ``get_next_batch_to_run`` (a new prefill if one fits,
+``prefill_planner.py``, else a decode step), runs it and processes its result
+(``output_processor.py``). Messages are dispatched by type (``process_input_requests``): new
+requests (checked by ``request_validation.py``), aborts, sessions, and the control requests of
+``scheduler_control.py`` (flush, pause, weights, memory, ...).
 
 Parallel ranks: every rank of a replica runs this scheduler on the same messages
 (``RequestReceiver``) and so takes the same decisions; only rank 0 sends outputs and replies.
 Grammars compile on each rank, and a step waits until all queued ones are compiled, so that all
-ranks admit them at the same step. With pipeline parallelism the running requests form
-``pp_size`` micro-batches, each with its own running batch, driven by ``PipelineLoop``
-(``pipeline_loop.py``); ``select_micro_batch`` makes one of them the ``running_batch`` the rest
-of this class works on.
+ranks admit them at the same step.
 
-The single-job objects it composes, built by ``build_scheduler`` (``scheduler_builder.py``):
-``SchedulePolicy`` + ``PrefillAdder`` (admission), ``retract_for_decode`` (memory pressure),
-``OutputProcessor`` (results), ``TpModelWorker`` (the model), ``GrammarQueue`` (constrained
-requests until their grammar is compiled), ``SessionController`` and the prefix cache
-(``mem_cache``).
+The parts it composes are built by ``build_scheduler`` (``scheduler_builder.py``): the model
+(``TpModelWorker``), the prefix cache (``mem_cache``), ``PrefillPlanner`` (admission),
+``retract_for_decode`` (memory pressure), ``OutputProcessor`` (results), ``GrammarQueue``
+(constrained requests until their grammar is compiled) and the ``SessionController``.
 """
 
 from __future__ import annotations
@@ -47,43 +37,33 @@ from radixserve.managers.dispatcher import TypeBasedDispatcher
 from radixserve.managers.io_struct import (
     AbortReq,
     CloseSessionReqInput,
-    ContinueGenerationReqInput,
-    ContinueGenerationReqOutput,
     ControlErrorOutput,
-    FlushCacheReq,
-    FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
     LoadReport,
     OpenSessionReqInput,
-    OpenSessionReqOutput,
-    PauseGenerationReqInput,
-    PauseGenerationReqOutput,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
-from radixserve.managers.request_checks import check_embedding, check_generate
 from radixserve.managers.scheduler.grammar_queue import GrammarQueue
 from radixserve.managers.scheduler.memory_check import MemoryChecker, busy_check_enabled
+from radixserve.managers.scheduler.micro_batches import MicroBatches
+from radixserve.managers.scheduler.request_validation import (
+    embedding_error,
+    generate_error,
+)
 from radixserve.managers.scheduler.retraction import (
     retract_all,
     retract_for_decode,
 )
 from radixserve.managers.scheduler.schedule_batch import (
-    BatchResources,
     Req,
     ScheduleBatch,
     num_live_reqs,
-    pages_to_alloc,
-)
-from radixserve.managers.scheduler.schedule_policy import (
-    AddResult,
-    PrefillAdder,
-    decode_reservation,
 )
 from radixserve.managers.scheduler.scheduler_control import SchedulerControl
-from radixserve.managers.scheduler.scheduler_loop import LoopScheduler, MicroBatch, SchedulerLoop
-from radixserve.managers.scheduler.scheduler_stats import SchedulerStats, token_usage
+from radixserve.managers.scheduler.scheduler_loop import LoopScheduler, SchedulerLoop
+from radixserve.managers.scheduler.scheduler_stats import LoadReporter, SchedulerStats
 from radixserve.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -108,7 +88,6 @@ class Scheduler:
         settings: SchedulerSettings,
         send_to_tokenizer: Callable[[Any], None],
         parallel: ParallelState,
-        device: torch.device,
         make_loop: Callable[[LoopScheduler], SchedulerLoop],
         dp_rank: int = 0,
         send_load: Callable[[LoadReport], None] | None = None,
@@ -120,8 +99,7 @@ class Scheduler:
         (the data-parallel controller)."""
         self.settings = settings
         self.send_to_tokenizer = send_to_tokenizer
-        self.send_load = send_load
-        self._last_load: LoadReport | None = None
+        self.load_reporter = None if send_load is None else LoadReporter(dp_rank, send_load)
         self.parallel = parallel
         self.dp_rank = dp_rank
         self.model_config = parts.model_config
@@ -141,33 +119,23 @@ class Scheduler:
             self.tree_cache, self.allocator, self.req_to_token_pool, self.max_total_num_tokens
         )
         self.check_busy = busy_check_enabled()
-        self.res = BatchResources(
-            req_to_token_pool=self.req_to_token_pool,
-            allocator=self.allocator,
-            tree_cache=self.tree_cache,
-            device=device,
-            vocab_size=self.model_config.vocab_size,
-            eos_token_ids=self.model_config.eos_token_ids,
-            grammars=self.grammars,
-        )
-        self.policy = parts.policy
+        self.batch_resources = parts.batch_resources
         self.new_token_ratio = parts.new_token_ratio
+        self.prefill_planner = parts.prefill_planner
+        self.limits = parts.limits
         self.output_processor = parts.output_processor
 
         self.waiting_queue: list[Req] = []
-        self.micro_batches = [
-            MicroBatch(ScheduleBatch([], self.res)) for _ in range(self.parallel.info.pp_size)
-        ]
-        self._mb = self.micro_batches[0]  # the micro-batch running_batch refers to
+        self.micro_batches = MicroBatches(
+            self.parallel.info.pp_size, lambda: ScheduleBatch([], self.batch_resources)
+        )
         self.chunked_req: Req | None = None  # holds KV between its prefill chunks
         # Generate and embedding requests received (the load reports count them).
         self.num_received_reqs = 0
-        # Pipeline: batches launched while another micro-batch's step was still in flight.
-        self.num_pipelined_steps = 0
         self.num_retracted_reqs = 0
         self.num_aborted_reqs = 0  # running or waiting requests ended by an abort
         # Session turns that arrived while their session's turn in flight was being aborted:
-        # judged once the abort took effect (``_finish_aborted``), so that they find it gone.
+        # judged once the abort took effect (``finish_aborted``), so that they find it gone.
         self._after_aborts: list[TokenizedGenerateReqInput] = []
         self.last_leak_check: dict[str, Any] = {}
         self.stop_requested = False
@@ -184,12 +152,9 @@ class Scheduler:
                 (TokenizedGenerateReqInput, self.handle_generate_request),
                 (TokenizedEmbeddingReqInput, self.handle_embedding_request),
                 (AbortReq, self.handle_abort),
-                (FlushCacheReq, self.handle_flush_cache),
                 (GetInternalStateReq, self.handle_get_internal_state),
-                (OpenSessionReqInput, self.handle_open_session),
-                (CloseSessionReqInput, self.handle_close_session),
-                (PauseGenerationReqInput, self.handle_pause_generation),
-                (ContinueGenerationReqInput, self.handle_continue_generation),
+                (OpenSessionReqInput, self.sessions.open),
+                (CloseSessionReqInput, lambda msg: self.sessions.close(msg.session_id)),
                 *self.control.handlers(),
             ]
         )
@@ -203,22 +168,10 @@ class Scheduler:
             "page_size": self.page_size,
         }
 
-    # ------------------------------------------------------------------ micro-batches
     @property
     def running_batch(self) -> ScheduleBatch:
-        return self._mb.running
-
-    @running_batch.setter
-    def running_batch(self, batch: ScheduleBatch) -> None:
-        self._mb.running = batch
-
-    def select_micro_batch(self, index: int) -> MicroBatch:
-        """Make micro-batch ``index`` the one ``running_batch`` refers to (pipeline loop)."""
-        self._mb = self.micro_batches[index]
-        return self._mb
-
-    def _in_flight_reqs(self) -> list[Req]:
-        return [r for mb in self.micro_batches if mb.in_flight for r in mb.in_flight.reqs]
+        """The running batch of the current micro-batch (the only one without pipelining)."""
+        return self.micro_batches.current.running
 
     # ------------------------------------------------------------------ the loop's surface
     # What the loops (``scheduler_loop.py``: ``LoopScheduler``) call; nothing else of this
@@ -235,19 +188,11 @@ class Scheduler:
 
     def report_load(self) -> None:
         """Tell the data-parallel controller this replica's load, when it changed."""
-        if self.send_load is None:
-            return
-        used, _ = token_usage(self.memory_state())
-        load = LoadReport(
-            dp_rank=self.dp_rank,
-            num_reqs=self.num_running() + self.num_waiting(),
-            num_waiting_reqs=self.num_waiting(),
-            num_tokens=used,
-            num_received=self.num_received_reqs,
-        )
-        if load != self._last_load:
-            self._last_load = load
-            self.send_load(load)
+        if self.load_reporter is not None:
+            self.load_reporter.report(
+                self.num_running(), self.num_waiting(), self.memory_state(),
+                self.num_received_reqs,
+            )
 
     def process_input_requests(self, msgs: list[Any]) -> None:
         """Dispatch each message; one that raises fails alone (its request gets a 500, a
@@ -325,20 +270,6 @@ class Scheduler:
         self.new_token_ratio.step()
         self.running_batch.prepare_for_decode(behind=previous)
 
-    def launch_in_micro_batch(self, index: int, batch: ScheduleBatch) -> None:
-        """``batch`` of micro-batch ``index`` enters the pipeline (pipeline loop)."""
-        if any(mb.in_flight is not None for mb in self.micro_batches):
-            self.num_pipelined_steps += 1
-        self.micro_batches[index].in_flight = batch
-
-    def take_in_flight(self, index: int) -> ScheduleBatch | None:
-        """Micro-batch ``index``'s batch in the pipeline, if any, taken out of it; that
-        micro-batch becomes the current one, as its result is processed next (pipeline loop)."""
-        batch = self.micro_batches[index].in_flight
-        if batch is not None:
-            self.select_micro_batch(index).in_flight = None
-        return batch
-
     def persist_sessions(self) -> None:
         """The loop ends on a stop: streaming sessions go to the session store."""
         self.sessions.persist_all()
@@ -379,7 +310,7 @@ class Scheduler:
             self.output_processor.process_batch_result(batch, result)
         else:
             self.output_processor.process_embedding_result(batch, result)
-        self._mb.last_was_prefill = batch.forward_mode.is_extend
+        self.micro_batches.current.last_was_prefill = batch.forward_mode.is_extend
         if batch.forward_mode.is_extend:
             batch.filter_batch()
             self.running_batch.merge_batch(batch)
@@ -392,8 +323,9 @@ class Scheduler:
         Right after a prefill the running batch decodes first, so that prefill and decode
         alternate: a stream of arrivals or a long chunked prompt cannot starve running requests.
         """
-        self._finish_aborted()
-        if not (self._mb.last_was_prefill and not self.running_batch.is_empty()):
+        self.finish_aborted()
+        if not (self.micro_batches.current.last_was_prefill
+                and not self.running_batch.is_empty()):
             batch = self._get_new_batch_prefill()
             if batch is not None:
                 return batch
@@ -402,7 +334,7 @@ class Scheduler:
         self._update_running_batch()
         return None if self.running_batch.is_empty() else self.running_batch
 
-    def _finish_aborted(self) -> None:
+    def finish_aborted(self) -> None:
         """Requests marked by an abort leave (and free their KV) before the next batch forms."""
         aborted = [r for r in self.running_batch.reqs if r.to_abort is not None]
         chunked = self.chunked_req
@@ -422,7 +354,7 @@ class Scheduler:
         """Whether the chunked request's last chunk is still in the pipeline: its next chunk
         needs that one's KV in the cache (never true without pipelining)."""
         return self.chunked_req is not None and any(
-            r is self.chunked_req for r in self._in_flight_reqs()
+            r is self.chunked_req for r in self.micro_batches.in_flight_reqs()
         )
 
     def _get_new_batch_prefill(self) -> ScheduleBatch | None:
@@ -430,61 +362,22 @@ class Scheduler:
             return None
         if self._chunk_in_flight():
             return None
-        # Every micro-batch's requests count against the limits (and hold KV to decode).
-        running = [r for r in self.holding_reqs() if r is not self.chunked_req]
-        free_running = self.max_running_requests - len(running) - (self.chunked_req is not None)
-        if self.req_to_token_pool.available_size() == 0:
-            # Idle sessions must not starve new requests of rows: their KV goes to the store
-            # (or is dropped). Give back no more than can be admitted, sparing sessions whose
-            # own turn waits (it takes its slot's row over).
-            self.tree_cache.evict_session_rows(
-                min(len(self.waiting_queue), free_running),
-                spare={r.streaming_session_id for r in self.waiting_queue},
-            )
-        # Offloaded sessions of waiting turns come back first, within what admission could
-        # give them: free and reclaimable KV less what running requests will still decode.
-        reserved = sum(decode_reservation(r, self.new_token_ratio.value) for r in running)
-        self.tree_cache.load_back(
+        plan = self.prefill_planner.plan(
             self.waiting_queue,
-            self.allocator.available_size() + self.tree_cache.reclaimable_size() - reserved,
-            min(self.req_to_token_pool.available_size(), free_running),
+            self.chunked_req,
+            [r for r in self.holding_reqs() if r is not self.chunked_req],
+            self.max_running_requests,
+            self.settings.max_prefill_tokens,
+            self.settings.chunked_prefill_size,
         )
-        adder = PrefillAdder(
-            tree_cache=self.tree_cache,
-            allocator=self.allocator,
-            running_reqs=running,
-            new_token_ratio=self.new_token_ratio.value,
-            max_prefill_tokens=self.settings.max_prefill_tokens,
-            chunked_prefill_size=self.settings.chunked_prefill_size,
-            free_rows=self.req_to_token_pool.available_size(),
-            free_running=free_running,
-            allow_chunking=not self.model_config.is_encoder,
-        )
-        if self.chunked_req is not None:
-            if adder.add_chunked_req(self.chunked_req) is AddResult.CONTINUE:
-                self.chunked_req = None  # its last chunk runs now
-        if self.chunked_req is None:
-            self.policy.calc_priority(self.waiting_queue)
-            for req in self.waiting_queue:
-                if adder.add_one_req(req) is AddResult.STOP:
-                    break
-            if adder.new_chunked_req is not None:
-                self.chunked_req = adder.new_chunked_req
-        if not adder.can_run:
-            return None
-        admitted = {id(r) for r in adder.can_run}
-        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
-        batch = ScheduleBatch(adder.can_run, self.res)
-        batch.prepare_for_extend()
-        return batch
+        self.waiting_queue, self.chunked_req = plan.waiting, plan.chunked_req
+        return plan.batch
 
     def _update_running_batch(self) -> None:
         """Make room for one more token per running request (retracting if needed)."""
-        others_hold_kv = any(
-            mb is not self._mb and (mb.in_flight is not None or not mb.running.is_empty())
-            for mb in self.micro_batches
+        result = retract_for_decode(
+            self.running_batch, self.new_token_ratio, self.micro_batches.others_hold_kv()
         )
-        result = retract_for_decode(self.running_batch, self.new_token_ratio, others_hold_kv)
         if result.retracted:
             self.num_retracted_reqs += len(result.retracted)
             self.waiting_queue[:0] = result.retracted
@@ -512,7 +405,7 @@ class Scheduler:
         if not self.is_generation or self.control.released:
             req = Req(msg.rid, list(msg.input_ids), msg.sampling_params)
             if self.control.released:
-                self._reject(req, self._released_message(), status_code=503)
+                self._reject(req, self.control.released_message(), status_code=503)
             else:
                 self._reject(
                     req, "this server serves an embedding model: use /encode or /v1/embeddings"
@@ -534,7 +427,7 @@ class Scheduler:
             req.streaming_session_id = turn.streaming_session_id
         else:
             req, error = Req.from_message(msg, list(msg.input_ids)), None
-        error = error or self._validate(req.origin_input_ids, msg)
+        error = error or generate_error(req.origin_input_ids, msg, self.limits)
         if error is not None:
             self._reject(req, error)
             return
@@ -551,68 +444,23 @@ class Scheduler:
         self.num_received_reqs += 1
         req = Req(msg.rid, list(msg.input_ids), SamplingParams(max_new_tokens=0))
         if self.control.released:
-            self._reject(req, self._released_message(), status_code=503)
+            self._reject(req, self.control.released_message(), status_code=503)
             return
         if self.is_generation:
             error = "this server serves a generation model: start it with --is-embedding"
         else:
-            error = self._validate_embedding(req.origin_input_ids)
+            budget = min(self.settings.max_prefill_tokens, self.settings.chunked_prefill_size)
+            error = embedding_error(req.origin_input_ids, self.limits, budget)
         if error is not None:
             self._reject(req, error)
             return
         self.waiting_queue.append(req)
-
-    def _released_message(self) -> str:
-        return (
-            f"the server's memory is released ({sorted(self.control.released)}): "
-            "resume_memory_occupation first"
-        )
-
-    def _validate_embedding(self, ids: list[int]) -> str | None:
-        try:
-            check_embedding(ids, vocab_size=self.model_config.vocab_size,
-                            context_len=self.model_config.context_len)
-        except ValueError as e:
-            return str(e)
-        # An encoder's input is encoded in one step: it must fit one prefill batch.
-        budget = min(self.settings.max_prefill_tokens, self.settings.chunked_prefill_size)
-        if self.model_config.is_encoder and len(ids) > budget:
-            return f"the input ({len(ids)} tokens) exceeds the prefill budget ({budget} tokens)"
-        if pages_to_alloc(0, len(ids), self.page_size) > self.max_total_num_tokens:
-            return (
-                f"the input ({len(ids)} tokens) does not fit in the KV cache "
-                f"({self.max_total_num_tokens} tokens)"
-            )
-        return None
 
     def _reject(self, req: Req, error: str, status_code: int = 400) -> None:
         logger.info("request %r rejected: %s", req.rid, error)
         # status_code 400: bad input, raised to the caller as a ValueError; 503: unavailable.
         reason = FinishAbort(message=error, status_code=status_code)
         self.output_processor.finish_now([req], reason)
-
-    def _validate(self, ids: list[int], msg: TokenizedGenerateReqInput) -> str | None:
-        """Why the request cannot run, or None. It never reaches the model when rejected.
-
-        ``ids`` is the whole prompt (for a session request: as assembled from its session):
-        the TokenizerManager's checks again (``request_checks``), then the KV pool's size.
-        """
-        try:
-            check_generate(
-                ids, msg.sampling_params,
-                vocab_size=self.model_config.vocab_size,
-                context_len=self.model_config.context_len,
-                return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
-                top_logprobs_num=msg.top_logprobs_num, token_ids_logprob=msg.token_ids_logprob,
-            )
-        except ValueError as e:
-            return str(e)
-        if pages_to_alloc(0, len(ids) + 1, self.page_size) > self.max_total_num_tokens:
-            return (
-                f"the prompt ({len(ids)} tokens) does not fit in the KV cache "
-                f"({self.max_total_num_tokens} tokens)"
-            )
-        return None
 
     def _aborting(self, rid: str | None) -> bool:
         """Whether ``rid`` is a request an abort has marked, which ends at the next step."""
@@ -622,7 +470,7 @@ class Scheduler:
 
     def handle_abort(self, msg: AbortReq) -> None:
         """Waiting requests finish now; those holding KV are marked and finish at the next step
-        (``_finish_aborted``), so that a batch in flight is never changed under its feet."""
+        (``finish_aborted``), so that a batch in flight is never changed under its feet."""
 
         def hit(req: Req) -> bool:
             return msg.abort_all or req.rid == msg.rid
@@ -636,20 +484,7 @@ class Scheduler:
             if hit(req):
                 req.to_abort = reason.message
         if self.paused:  # no step is in flight and none will come to finish them
-            self._finish_aborted()
-
-    def handle_flush_cache(self, msg: FlushCacheReq) -> FlushCacheReqOutput:
-        self.finish_step_in_flight()
-        if not self.is_idle():
-            return FlushCacheReqOutput(
-                success=False,
-                message=(
-                    f"cannot flush the cache while requests run or wait "
-                    f"({self.num_running()} running, {self.num_waiting()} waiting)"
-                ),
-            )
-        self.flush()
-        return FlushCacheReqOutput(success=True)
+            self.finish_aborted()
 
     def flush(self) -> None:
         """Drop the prefix cache, session slots and every allocation (idle only)."""
@@ -683,50 +518,20 @@ class Scheduler:
                 "last_leak_check": self.last_leak_check,
                 "dp_rank": self.dp_rank,
                 "num_received_reqs": self.num_received_reqs,
-                "num_pipelined_steps": self.num_pipelined_steps,
+                "num_pipelined_steps": self.micro_batches.num_pipelined_steps,
                 "session_ids": sorted(self.sessions.sessions),
             }
         )
 
-    def handle_pause_generation(self, msg: PauseGenerationReqInput) -> PauseGenerationReqOutput:
-        """Stop running batches (see ``PauseGenerationReqInput`` for the modes).
-
-        The step in flight (overlap schedule) is finished and its tokens processed first, so the
-        reply means: nothing computes until ``handle_continue_generation``. Aborts arriving
-        while paused take effect at once, as no step will come to finish the marked requests.
-        Pausing a paused scheduler applies the new mode to what is there.
-        """
-        self.paused = True
-        self.finish_step_in_flight()
-        aborted_before = self.num_aborted_reqs
-        self._finish_aborted()
-        retracted: list[Req] = []
-        if msg.mode == "abort":
-            self.handle_abort(AbortReq(abort_all=True))
-        elif msg.mode == "retract":
-            chunked = [self.chunked_req] if self.chunked_req is not None else []
-            retracted = retract_all([*self.running_batch.reqs, *chunked], self.tree_cache)
-            self.running_batch.reqs, self.chunked_req = [], None
-            self.waiting_queue[:0] = retracted
-            self.num_retracted_reqs += len(retracted)
-        aborted = self.num_aborted_reqs - aborted_before
-        logger.info("generation paused (%s): %d request(s) aborted, %d retracted",
-                    msg.mode, aborted, len(retracted))
-        return PauseGenerationReqOutput(num_aborted=aborted, num_retracted=len(retracted))
-
-    def handle_continue_generation(
-        self, msg: ContinueGenerationReqInput
-    ) -> ContinueGenerationReqOutput:
-        if self.paused:
-            logger.info("generation continued")
-        self.paused = False
-        return ContinueGenerationReqOutput()
-
-    def handle_open_session(self, msg: OpenSessionReqInput) -> OpenSessionReqOutput:
-        return self.sessions.open(msg)
-
-    def handle_close_session(self, msg: CloseSessionReqInput) -> None:
-        self.sessions.close(msg.session_id)
+    def retract_all(self) -> int:
+        """Every running request (and the chunked one) back to the front of the waiting
+        queue, its KV freed (a pause in mode ``retract``); how many."""
+        chunked = [self.chunked_req] if self.chunked_req is not None else []
+        retracted = retract_all([*self.running_batch.reqs, *chunked], self.tree_cache)
+        self.running_batch.reqs, self.chunked_req = [], None
+        self.waiting_queue[:0] = retracted
+        self.num_retracted_reqs += len(retracted)
+        return len(retracted)
 
     # ------------------------------------------------------------------ memory invariant
     def finish_step_in_flight(self) -> None:
@@ -743,7 +548,7 @@ class Scheduler:
         return (
             not self.waiting_queue
             and not self.grammar_queue
-            and all(mb.running.is_empty() and mb.in_flight is None for mb in self.micro_batches)
+            and self.micro_batches.is_empty()
             and not self.chunked_req
             and not self.loop.has_in_flight
         )
@@ -751,12 +556,7 @@ class Scheduler:
     def holding_reqs(self) -> list[Req]:
         """Every admitted unfinished request: the running batches of all micro-batches, the
         prefills still in the pipeline and the chunked request, each once."""
-        seen: dict[int, Req] = {}
-        for mb in self.micro_batches:
-            for req in mb.running.reqs:
-                seen[id(req)] = req
-        for req in self._in_flight_reqs():
-            seen.setdefault(id(req), req)
+        seen = self.micro_batches.holding_reqs()
         if self.chunked_req is not None:
             seen.setdefault(id(self.chunked_req), self.chunked_req)
         return list(seen.values())

@@ -22,7 +22,10 @@ from radixserve.managers.scheduler.output_processor import OutputProcessor
 from radixserve.managers.scheduler.overlap_schedule import OverlapLoop
 from radixserve.managers.scheduler.overlap_worker import OverlapWorker
 from radixserve.managers.scheduler.pipeline_loop import PipelineLoop
+from radixserve.managers.scheduler.prefill_planner import PrefillPlanner
+from radixserve.managers.scheduler.request_validation import RequestLimits
 from radixserve.managers.scheduler.retraction import NewTokenRatio
+from radixserve.managers.scheduler.schedule_batch import BatchResources
 from radixserve.managers.scheduler.schedule_policy import SchedulePolicy
 from radixserve.managers.scheduler.scheduler import Scheduler
 from radixserve.managers.scheduler.scheduler_loop import LoopScheduler, NormalLoop, SchedulerLoop
@@ -107,6 +110,26 @@ def build_scheduler(
         stream_interval=server_args.stream_interval,
         send_to_tokenizer=send_to_tokenizer,
     )
+    new_token_ratio = NewTokenRatio.from_conservativeness(server_args.schedule_conservativeness)
+    batch_resources = BatchResources(
+        req_to_token_pool=runner.req_to_token_pool,
+        allocator=runner.token_to_kv_pool_allocator,
+        tree_cache=tree_cache,
+        device=device,
+        vocab_size=model_config.vocab_size,
+        eos_token_ids=model_config.eos_token_ids,
+        grammars=grammars,
+    )
+    prefill_planner = PrefillPlanner(
+        batch_resources,
+        SchedulePolicy(server_args.schedule_policy, tree_cache, radix_enabled),
+        new_token_ratio,
+        allow_chunking=not model_config.is_encoder,
+    )
+    limits = RequestLimits(  # vocabulary, context, page, KV pool
+        model_config.vocab_size, model_config.context_len, runner.page_size,
+        runner.max_total_num_tokens, is_encoder=model_config.is_encoder,
+    )
     parts = SchedulerParts(
         model_config=model_config,
         is_generation=is_generation,
@@ -114,10 +137,10 @@ def build_scheduler(
         tree_cache=tree_cache,
         grammars=grammars,
         sessions=sessions,
-        policy=SchedulePolicy(server_args.schedule_policy, tree_cache, radix_enabled),
-        new_token_ratio=NewTokenRatio.from_conservativeness(
-            server_args.schedule_conservativeness
-        ),
+        batch_resources=batch_resources,
+        new_token_ratio=new_token_ratio,
+        prefill_planner=prefill_planner,
+        limits=limits,
         output_processor=output_processor,
     )
     settings = SchedulerSettings(
@@ -127,7 +150,7 @@ def build_scheduler(
     )
     make_loop = choose_loop(server_args, parallel, tp_worker, is_generation)
     return Scheduler(
-        parts, settings, send_to_tokenizer, parallel, device, make_loop, dp_rank, send_load
+        parts, settings, send_to_tokenizer, parallel, make_loop, dp_rank, send_load
     )
 
 

@@ -17,7 +17,6 @@ module imports the other's class: this module imports no scheduler module but th
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from radixserve.managers.scheduler.watchdog import Watchdog
@@ -26,6 +25,7 @@ if TYPE_CHECKING:
     import torch
 
     from radixserve.layers.sampler import SampleOutput
+    from radixserve.managers.scheduler.micro_batches import MicroBatches
     from radixserve.managers.scheduler.request_receiver import RequestReceiver
     from radixserve.managers.scheduler.schedule_batch import ScheduleBatch
 
@@ -33,20 +33,11 @@ if TYPE_CHECKING:
 IDLE_POLL_MS = 1000
 
 
-@dataclass
-class MicroBatch:
-    """One pipeline micro-batch's running requests (the only one without pipelining)."""
-
-    running: ScheduleBatch
-    last_was_prefill: bool = False
-    # A step of this micro-batch still in the pipeline (its result not processed yet).
-    in_flight: ScheduleBatch | None = None
-
-
 class LoopScheduler(Protocol):
     """What a loop may call on the ``Scheduler`` (each method's doc is on the scheduler)."""
 
     stop_requested: bool
+    micro_batches: MicroBatches  # the pipeline loop selects and launches micro-batches
 
     @property
     def running_batch(self) -> ScheduleBatch: ...
@@ -70,11 +61,6 @@ class LoopScheduler(Protocol):
     # the overlap loop
     def admission_pending(self) -> bool: ...
     def prepare_decode_behind(self, previous: ScheduleBatch) -> None: ...
-
-    # the pipeline loop
-    def select_micro_batch(self, index: int) -> MicroBatch: ...
-    def launch_in_micro_batch(self, index: int, batch: ScheduleBatch) -> None: ...
-    def take_in_flight(self, index: int) -> ScheduleBatch | None: ...
 
 
 class SchedulerLoop(ABC):

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 
 from radixserve.constrained import GrammarCache
 from radixserve.managers.scheduler.output_processor import OutputProcessor
+from radixserve.managers.scheduler.prefill_planner import PrefillPlanner
+from radixserve.managers.scheduler.request_validation import RequestLimits
 from radixserve.managers.scheduler.retraction import NewTokenRatio
-from radixserve.managers.scheduler.schedule_policy import SchedulePolicy
+from radixserve.managers.scheduler.schedule_batch import BatchResources
 from radixserve.managers.scheduler.tp_worker import TpModelWorker
 from radixserve.mem_cache import BasePrefixCache
 from radixserve.model_config import ModelConfig
@@ -34,6 +36,8 @@ class SchedulerParts:
     tree_cache: BasePrefixCache
     grammars: GrammarCache
     sessions: SessionController
-    policy: SchedulePolicy
-    new_token_ratio: NewTokenRatio
+    batch_resources: BatchResources  # the pools, cache and device every batch uses
+    new_token_ratio: NewTokenRatio  # shared by the planner and the decode steps
+    prefill_planner: PrefillPlanner
+    limits: RequestLimits  # what a new request is checked against
     output_processor: OutputProcessor
