@@ -6,8 +6,8 @@ overlap or pipeline, chosen by ``build_scheduler``) through the methods of its "
 a step admits compiled grammars, takes ``get_next_batch_to_run`` (a new prefill if one fits,
 ``prefill_planner.py``, else a decode step), runs it and processes its result
 (``output_processor.py``). Messages are dispatched by type (``process_input_requests``): new
-requests (checked by ``request_validation.py``), aborts, sessions, and the control requests of
-``scheduler_control.py`` (flush, pause, weights, memory, ...).
+requests (``request_intake.py``, checked by ``request_validation.py``), aborts, sessions, and
+the control requests of ``scheduler_control.py`` (flush, pause, weights, memory, ...).
 
 Parallel ranks: every rank of a replica runs this scheduler on the same messages
 (``RequestReceiver``) and so takes the same decisions; only rank 0 sends outputs and replies.
@@ -48,10 +48,7 @@ from radixserve.managers.io_struct import (
 from radixserve.managers.scheduler.grammar_queue import GrammarQueue
 from radixserve.managers.scheduler.memory_check import MemoryChecker, busy_check_enabled
 from radixserve.managers.scheduler.micro_batches import MicroBatches
-from radixserve.managers.scheduler.request_validation import (
-    embedding_error,
-    generate_error,
-)
+from radixserve.managers.scheduler.request_intake import RequestIntake
 from radixserve.managers.scheduler.retraction import (
     retract_all,
     retract_for_decode,
@@ -122,7 +119,6 @@ class Scheduler:
         self.batch_resources = parts.batch_resources
         self.new_token_ratio = parts.new_token_ratio
         self.prefill_planner = parts.prefill_planner
-        self.limits = parts.limits
         self.output_processor = parts.output_processor
 
         self.waiting_queue: list[Req] = []
@@ -130,27 +126,27 @@ class Scheduler:
             self.parallel.info.pp_size, lambda: ScheduleBatch([], self.batch_resources)
         )
         self.chunked_req: Req | None = None  # holds KV between its prefill chunks
-        # Generate and embedding requests received (the load reports count them).
-        self.num_received_reqs = 0
         self.num_retracted_reqs = 0
         self.num_aborted_reqs = 0  # running or waiting requests ended by an abort
-        # Session turns that arrived while their session's turn in flight was being aborted:
-        # judged once the abort took effect (``finish_aborted``), so that they find it gone.
-        self._after_aborts: list[TokenizedGenerateReqInput] = []
         self.last_leak_check: dict[str, Any] = {}
         self.stop_requested = False
         self.idle_checked = False  # the idle self-check ran since the last step
         self.paused = False  # by PauseGenerationReqInput: no step runs until continued
         self.stats = SchedulerStats()
         self.control = SchedulerControl(self)
+        self.intake = RequestIntake(
+            self, is_generation=self.is_generation, limits=parts.limits, sessions=self.sessions,
+            grammar_queue=self.grammar_queue, output_processor=self.output_processor,
+            control=self.control,
+        )
         self._step_start = time.perf_counter()
         self._inject_faults = envs.RADIXSERVE_TEST_INJECT_FAULTS.get()
         self.loop = make_loop(self)
 
         self.dispatcher = TypeBasedDispatcher(
             [
-                (TokenizedGenerateReqInput, self.handle_generate_request),
-                (TokenizedEmbeddingReqInput, self.handle_embedding_request),
+                (TokenizedGenerateReqInput, self.intake.handle_generate_request),
+                (TokenizedEmbeddingReqInput, self.intake.handle_embedding_request),
                 (AbortReq, self.handle_abort),
                 (GetInternalStateReq, self.handle_get_internal_state),
                 (OpenSessionReqInput, self.sessions.open),
@@ -191,7 +187,7 @@ class Scheduler:
         if self.load_reporter is not None:
             self.load_reporter.report(
                 self.num_running(), self.num_waiting(), self.memory_state(),
-                self.num_received_reqs,
+                self.intake.num_received_reqs,
             )
 
     def process_input_requests(self, msgs: list[Any]) -> None:
@@ -346,9 +342,7 @@ class Scheduler:
         self.num_aborted_reqs += len(aborted)
         if aborted:
             self.running_batch.filter_batch()
-        deferred, self._after_aborts = self._after_aborts, []
-        for msg in deferred:
-            self.handle_generate_request(msg)
+        self.intake.run_deferred()
 
     def _chunk_in_flight(self) -> bool:
         """Whether the chunked request's last chunk is still in the pipeline: its next chunk
@@ -399,75 +393,6 @@ class Scheduler:
             self.running_batch.prepare_for_decode()
 
     # ------------------------------------------------------------------ handlers
-    def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
-        self.num_received_reqs += 1
-        turn = None
-        if not self.is_generation or self.control.released:
-            req = Req(msg.rid, list(msg.input_ids), msg.sampling_params)
-            if self.control.released:
-                self._reject(req, self.control.released_message(), status_code=503)
-            else:
-                self._reject(
-                    req, "this server serves an embedding model: use /encode or /v1/embeddings"
-                )
-            return
-        if msg.session_params is not None:
-            # A request of a session is judged after what it depends on has ended: a replaced
-            # running request (aborted here), or its streaming session's turn whose abort
-            # (a client that went away) arrived just before it.
-            replaced = self.sessions.running_rid_to_replace(msg)
-            if replaced is not None:
-                self.handle_abort(AbortReq(rid=replaced))
-            if self._aborting(replaced or self.sessions.inflight_rid(msg)):
-                self._after_aborts.append(msg)
-                return
-        if msg.session_params is not None:
-            turn = self.sessions.plan(msg)
-            req, error = Req.from_message(msg, turn.input_ids), turn.error
-            req.streaming_session_id = turn.streaming_session_id
-        else:
-            req, error = Req.from_message(msg, list(msg.input_ids)), None
-        error = error or generate_error(req.origin_input_ids, msg, self.limits)
-        if error is not None:
-            self._reject(req, error)
-            return
-        if turn is not None:
-            for replaced in self.sessions.admit(turn, req):
-                self.handle_abort(AbortReq(rid=replaced.rid))
-        if msg.sampling_params.grammar is not None:
-            self.grammar_queue.add(req)
-        else:
-            self.waiting_queue.append(req)
-
-    def handle_embedding_request(self, msg: TokenizedEmbeddingReqInput) -> None:
-        """Queue an embedding: a prefill that samples nothing (``max_new_tokens`` 0)."""
-        self.num_received_reqs += 1
-        req = Req(msg.rid, list(msg.input_ids), SamplingParams(max_new_tokens=0))
-        if self.control.released:
-            self._reject(req, self.control.released_message(), status_code=503)
-            return
-        if self.is_generation:
-            error = "this server serves a generation model: start it with --is-embedding"
-        else:
-            budget = min(self.settings.max_prefill_tokens, self.settings.chunked_prefill_size)
-            error = embedding_error(req.origin_input_ids, self.limits, budget)
-        if error is not None:
-            self._reject(req, error)
-            return
-        self.waiting_queue.append(req)
-
-    def _reject(self, req: Req, error: str, status_code: int = 400) -> None:
-        logger.info("request %r rejected: %s", req.rid, error)
-        # status_code 400: bad input, raised to the caller as a ValueError; 503: unavailable.
-        reason = FinishAbort(message=error, status_code=status_code)
-        self.output_processor.finish_now([req], reason)
-
-    def _aborting(self, rid: str | None) -> bool:
-        """Whether ``rid`` is a request an abort has marked, which ends at the next step."""
-        if rid is None:
-            return False
-        return any(r.rid == rid and r.to_abort is not None for r in self.holding_reqs())
-
     def handle_abort(self, msg: AbortReq) -> None:
         """Waiting requests finish now; those holding KV are marked and finish at the next step
         (``finish_aborted``), so that a batch in flight is never changed under its feet."""
@@ -517,7 +442,7 @@ class Scheduler:
                 "new_token_ratio": self.new_token_ratio.value,
                 "last_leak_check": self.last_leak_check,
                 "dp_rank": self.dp_rank,
-                "num_received_reqs": self.num_received_reqs,
+                "num_received_reqs": self.intake.num_received_reqs,
                 "num_pipelined_steps": self.micro_batches.num_pipelined_steps,
                 "session_ids": sorted(self.sessions.sessions),
             }
