@@ -23,19 +23,13 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from radixserve.managers.scheduler.grammar_queue import GrammarQueue
-from radixserve.managers.scheduler.output_processor import OutputProcessor
-from radixserve.managers.scheduler.request_validation import (
-    RequestLimits,
-    embedding_error,
-    generate_error,
-)
+from radixserve.managers.scheduler.request_validation import embedding_error, generate_error
 from radixserve.managers.scheduler.schedule_batch import Req
 from radixserve.managers.scheduler.scheduler_control import SchedulerControl
 from radixserve.sampling.sampling_params import SamplingParams
-from radixserve.sessions.session_controller import SessionController
 
 if TYPE_CHECKING:
-    from radixserve.managers.scheduler.scheduler_parts import SchedulerSettings
+    from radixserve.managers.scheduler.scheduler_parts import SchedulerParts, SchedulerSettings
 
 # The scheduler's log, where refusals have always been logged.
 logger = logging.getLogger("radixserve.managers.scheduler.scheduler")
@@ -55,22 +49,16 @@ class RequestIntake:
     def __init__(
         self,
         scheduler: IntakeScheduler,
-        *,
-        is_generation: bool,
-        limits: RequestLimits,
-        sessions: SessionController,
+        parts: SchedulerParts,
         grammar_queue: GrammarQueue,
-        output_processor: OutputProcessor,
         control: SchedulerControl,
     ) -> None:
-        """``control``: whether memory is released (new requests then get 503)."""
+        """``parts``: the scheduler's (the model's kind, the limits, sessions, the output path);
+        ``control``: whether memory is released (new requests then get 503)."""
         self.scheduler = scheduler
-        self.is_generation = is_generation
-        self.limits = limits
-        self.sessions = sessions
-        self.grammar_queue = grammar_queue
-        self.output_processor = output_processor
-        self.control = control
+        self.is_generation, self.limits = parts.is_generation, parts.limits
+        self.sessions, self.output_processor = parts.sessions, parts.output_processor
+        self.grammar_queue, self.control = grammar_queue, control
         # Generate and embedding requests received (the load reports count them).
         self.num_received_reqs = 0
         # Session turns that arrived while their session's turn in flight was being aborted:

@@ -134,11 +134,7 @@ class Scheduler:
         self.paused = False  # by PauseGenerationReqInput: no step runs until continued
         self.stats = SchedulerStats()
         self.control = SchedulerControl(self)
-        self.intake = RequestIntake(
-            self, is_generation=self.is_generation, limits=parts.limits, sessions=self.sessions,
-            grammar_queue=self.grammar_queue, output_processor=self.output_processor,
-            control=self.control,
-        )
+        self.intake = RequestIntake(self, parts, self.grammar_queue, self.control)
         self._step_start = time.perf_counter()
         self._inject_faults = envs.RADIXSERVE_TEST_INJECT_FAULTS.get()
         self.loop = make_loop(self)
