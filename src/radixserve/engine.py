@@ -26,6 +26,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, TypedDict, Unpack
 
+from radixserve.managers import io_struct
 from radixserve.managers.io_struct import OpenSessionReqInput, ProfileReq
 from radixserve.managers.ipc import PortArgs
 from radixserve.managers.launcher import (
@@ -128,13 +129,13 @@ class Engine:
         )
         self._thread.start()
         # The tokenizer loads on the loop thread while the children start.
-        tm_future = self._submit(self._start_tokenizer_manager())
+        manager_future = self._submit(self._start_tokenizer_manager())
         try:
             _, self._processes, self.scheduler_info = start_subprocesses(sa, self.port_args)
-            self.tokenizer_manager = tm_future.result()
+            self.tokenizer_manager = manager_future.result()
         except BaseException:
             try:
-                self.tokenizer_manager = tm_future.result()
+                self.tokenizer_manager = manager_future.result()
             except Exception:
                 logger.debug("tokenizer manager failed to start", exc_info=True)
             self.shutdown()
@@ -143,26 +144,32 @@ class Engine:
         atexit.register(self.shutdown)
 
     async def _start_tokenizer_manager(self) -> TokenizerManager:
-        tm = TokenizerManager(self.server_args, self.port_args, self.model_config)
-        tm.start()
-        return tm
+        tokenizer_manager = TokenizerManager(self.server_args, self.port_args, self.model_config)
+        tokenizer_manager.start()
+        return tokenizer_manager
 
     def _on_child_death(self, message: str) -> None:
         """From the watchdog thread: make waiting and future calls raise instead of hang."""
-        tm = self.tokenizer_manager
-        if self._closed or tm is None:
+        tokenizer_manager = self.tokenizer_manager
+        if self._closed or tokenizer_manager is None:
             return
         logger.error(message)
         try:
-            self._loop.call_soon_threadsafe(tm.fail_all, message)
+            self._loop.call_soon_threadsafe(tokenizer_manager.fail_all, message)
         except RuntimeError:  # the loop was closed by a concurrent shutdown
             pass
 
     @property
-    def _tm(self) -> TokenizerManager:
+    def _live_manager(self) -> TokenizerManager:
+        """The tokenizer manager; ``RuntimeError`` once the engine is shut down."""
         if self._closed or self.tokenizer_manager is None:
             raise RuntimeError("the engine is shut down")
         return self.tokenizer_manager
+
+    def _control(self, req: Any) -> Any:
+        """Send a control request (``control_client.py``) and wait for the reply to act on;
+        ``ValueError`` with the scheduler's reason when it refuses."""
+        return self._run(self._live_manager.control.call(req))
 
     def _submit(self, coro: Any) -> Any:
         if self._closed:
@@ -193,7 +200,7 @@ class Engine:
         before returning). Closing a stream iterator early aborts its unfinished requests.
         """
         obj = _generate_req(prompt, sampling_params, options)
-        agen = self._tm.generate_request(obj)
+        agen = self._live_manager.generate_request(obj)
         if not obj.stream:
             return self._run(_first_and_close(agen))
         first = self._run(_anext(agen))
@@ -217,7 +224,7 @@ class Engine:
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """``generate`` for the caller's own asyncio loop; ``stream`` → an async iterator."""
         obj = _generate_req(prompt, sampling_params, options)
-        agen = self._tm.generate_request(obj)
+        agen = self._live_manager.generate_request(obj)
         if not obj.stream:
             return await asyncio.wrap_future(self._submit(_first_and_close(agen)))
         first = await asyncio.wrap_future(self._submit(_anext(agen)))
@@ -245,7 +252,7 @@ class Engine:
         Needs an embedding model: an encoder checkpoint (BERT) or ``is_embedding=True``.
         """
         obj = GenerateReqInput(text=prompt, input_ids=input_ids, rid=rid)
-        return self._run(self._tm.encode_request(obj))
+        return self._run(self._live_manager.encode_request(obj))
 
     async def async_encode(
         self,
@@ -255,20 +262,20 @@ class Engine:
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """``encode`` for the caller's own asyncio loop."""
         obj = GenerateReqInput(text=prompt, input_ids=input_ids, rid=rid)
-        return await asyncio.wrap_future(self._submit(self._tm.encode_request(obj)))
+        return await asyncio.wrap_future(self._submit(self._live_manager.encode_request(obj)))
 
     # ------------------------------------------------------------------ control
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort a request by id (or all); its generate call ends with finish_reason abort."""
 
         async def abort() -> None:
-            self._tm.abort_request(rid, abort_all)
+            self._live_manager.abort_request(rid, abort_all)
 
         self._run(abort())
 
     def flush_cache(self) -> dict[str, Any]:
         """``{"success", "message"}``; refused while requests are running."""
-        reply = self._run(self._tm.flush_cache())
+        reply = self._control(io_struct.FlushCacheReq())
         return {"success": reply.success, "message": reply.message}
 
     def pause_generation(self, mode: str = "abort") -> None:
@@ -278,14 +285,14 @@ class Engine:
         return to the queue and re-prefill later; ``in_place``: they keep their KV and resume.
         New requests queue up meanwhile. ``ValueError`` for another mode.
         """
-        self._run(self._tm.pause_generation(mode))
+        self._run(self._live_manager.pause_generation(mode))
 
     def continue_generation(self) -> None:
-        self._run(self._tm.continue_generation())
+        self._control(io_struct.ContinueGenerationReqInput())
 
     def get_server_info(self) -> dict[str, Any]:
         """The arguments, the sizes the scheduler chose, and each replica's internal state."""
-        states = self._run(self._tm.get_internal_states())
+        states = self._run(self._live_manager.control.internal_states())
         return {
             **dataclasses.asdict(self.server_args),
             "max_total_num_tokens": self.scheduler_info["max_total_num_tokens"],
@@ -301,21 +308,24 @@ class Engine:
         wait meanwhile, running ones finish first (or are aborted). ``ValueError`` on refusal:
         the old weights keep serving."""
         message = self._run(
-            self._tm.update_weights_from_disk(model_path, load_format, abort_all_requests)
+            self._live_manager.update_weights_from_disk(model_path, load_format, abort_all_requests)
         )
         return {"success": True, "message": message}
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """The first ``truncate_size`` rows of checkpoint tensor ``name`` as served."""
-        return self._run(self._tm.get_weights_by_name(name, truncate_size))
+        req = io_struct.GetWeightsByNameReqInput(name=name, truncate_size=truncate_size)
+        return self._control(req).parameter
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
         """Free the KV pool (``kv_cache``) and/or the weights (``weights``; default both);
         generate/encode raise ``ServiceUnavailableError`` until they are resumed."""
-        return {"success": True, "message": self._run(self._tm.release_memory_occupation(tags))}
+        message = self._run(self._live_manager.release_memory_occupation(tags))
+        return {"success": True, "message": message}
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
-        return {"success": True, "message": self._run(self._tm.resume_memory_occupation(tags))}
+        message = self._run(self._live_manager.resume_memory_occupation(tags))
+        return {"success": True, "message": message}
 
     def start_profile(
         self,
@@ -331,32 +341,32 @@ class Engine:
             action="start", output_dir=output_dir, num_steps=num_steps, activities=activities,
             record_shapes=record_shapes, with_stack=with_stack,
         )
-        reply = self._run(self._tm.profile(req))
+        reply = self._control(req)
         return {"success": True, "message": reply.message, "trace_path": reply.trace_path}
 
     def stop_profile(self) -> dict[str, Any]:
-        reply = self._run(self._tm.profile(ProfileReq(action="stop")))
+        reply = self._control(ProfileReq(action="stop"))
         return {"success": True, "message": reply.message, "trace_path": reply.trace_path}
 
     def set_internal_state(self, server_args: dict[str, Any]) -> dict[str, Any]:
         """Change ``max_running_requests``, ``max_prefill_tokens`` or ``chunked_prefill_size``
         while serving; returns their values now."""
-        return self._run(self._tm.set_internal_state(server_args))
+        return self._control(io_struct.SetInternalStateReq(server_args=server_args)).server_args
 
     def slow_down(self, forward_sleep_time: float | None) -> None:
         """Test hook: every forward step sleeps this many seconds (None: back to normal)."""
-        self._run(self._tm.slow_down(forward_sleep_time))
+        self._control(io_struct.SlowDownReqInput(forward_sleep_time=forward_sleep_time))
 
     def freeze_gc(self) -> dict[str, int]:
-        return self._run(self._tm.freeze_gc())
+        return self._run(self._live_manager.control.freeze_gc())
 
     def get_load(self) -> list[dict[str, Any]]:
-        return self._run(self._tm.get_load())
+        return self._run(self._live_manager.control.load())
 
     def get_inspector_state(self) -> dict[str, Any]:
         """What the ``/dashboard`` page shows: memory, the running batch and the queue, the radix
         tree, sessions and a history of recent steps."""
-        return self._run(self._tm.get_inspector_state())
+        return self._control(io_struct.GetInspectorStateReq()).state
 
     def open_session(
         self,
@@ -372,10 +382,10 @@ class Engine:
             capacity_of_str_len=capacity_of_str_len, session_id=session_id,
             streaming=streaming, timeout=timeout, resume=resume,
         )
-        return self._run(self._tm.open_session(req))
+        return self._run(self._live_manager.open_session(req))
 
     def close_session(self, session_id: str) -> None:
-        self._run(self._tm.close_session(session_id))
+        self._run(self._live_manager.close_session(session_id))
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -397,15 +407,15 @@ class Engine:
             shutil.rmtree(self.port_args.directory, ignore_errors=True)
 
     def _stop_loop(self) -> None:
-        tm = self.tokenizer_manager
-        if tm is not None:
+        tokenizer_manager = self.tokenizer_manager
+        if tokenizer_manager is not None:
 
-            async def stop_tm() -> None:
-                tm.shutdown()
+            async def stop_manager() -> None:
+                tokenizer_manager.shutdown()
                 await asyncio.sleep(0)  # let the cancelled receive task finish
 
             try:
-                asyncio.run_coroutine_threadsafe(stop_tm(), self._loop).result(timeout=10)
+                asyncio.run_coroutine_threadsafe(stop_manager(), self._loop).result(timeout=10)
             except Exception:  # shutdown goes on: the children must still be stopped
                 logger.warning("tokenizer manager did not stop cleanly", exc_info=True)
         self._loop.call_soon_threadsafe(self._loop.stop)

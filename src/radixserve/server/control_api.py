@@ -1,8 +1,10 @@
 """Operator routes (SGLang's names): pause, weights, memory, profiling, internal state, load.
 
 All but ``/get_load`` are in ``app.CONTROL_PATHS``: with ``--admin-api-key`` they need that key.
-Each calls the ``TokenizerManager`` method of the same name; a refusal (``ValueError``) is a 400
-with the scheduler's reason, while memory is released generation gets 503.
+Each sends its control request through the tokenizer manager's ``ControlClient``
+(``managers/tokenizer/control_client.py``), or calls the ``TokenizerManager`` method of the same
+name where the request needs its state (pause, weights, memory); a refusal (``ValueError``) is a
+400 with the scheduler's reason, while memory is released generation gets 503.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from radixserve.managers import io_struct
 from radixserve.managers.io_struct import PauseMode, ProfileReq
 from radixserve.managers.tokenizer.tokenizer_manager import TokenizerManager
 from radixserve.server.context import get_ctx
@@ -80,7 +83,7 @@ async def pause_generation(
 async def continue_generation(
     request: Request, body: EmptyRequest | None = None
 ) -> dict[str, Any]:
-    await get_ctx(request).tokenizer_manager.continue_generation()
+    await get_ctx(request).tokenizer_manager.control.call(io_struct.ContinueGenerationReqInput())
     return {"status": "ok", "message": "Generation continued successfully."}
 
 
@@ -100,8 +103,9 @@ async def update_weights_from_disk(
 @router.post("/get_weights_by_name", operation_id="get_weights_by_name")
 async def get_weights_by_name(body: GetWeightsByNameRequest, request: Request) -> list[Any]:
     """The first ``truncate_size`` rows of a checkpoint tensor, as the server holds it."""
-    tm = get_ctx(request).tokenizer_manager
-    return await tm.get_weights_by_name(body.name, body.truncate_size)
+    req = io_struct.GetWeightsByNameReqInput(name=body.name, truncate_size=body.truncate_size)
+    reply = await get_ctx(request).tokenizer_manager.control.call(req)
+    return reply.parameter
 
 
 def _memory_route(change: Callable[[TokenizerManager, list[str] | None], Awaitable[str]]) -> None:
@@ -126,36 +130,39 @@ async def start_profile(
 ) -> dict[str, Any]:
     """Record a torch.profiler trace of the scheduler's steps (Chrome trace JSON)."""
     options = (body or StartProfileRequest()).model_dump()
-    reply = await get_ctx(request).tokenizer_manager.profile(ProfileReq(action="start", **options))
+    req = ProfileReq(action="start", **options)
+    reply = await get_ctx(request).tokenizer_manager.control.call(req)
     return {"success": True, "message": reply.message, "trace_path": reply.trace_path}
 
 
 @router.post("/stop_profile")
 async def stop_profile(request: Request, body: EmptyRequest | None = None) -> dict[str, Any]:
-    reply = await get_ctx(request).tokenizer_manager.profile(ProfileReq(action="stop"))
+    reply = await get_ctx(request).tokenizer_manager.control.call(ProfileReq(action="stop"))
     return {"success": True, "message": reply.message, "trace_path": reply.trace_path}
 
 
 @router.post("/set_internal_state")
 async def set_internal_state(body: SetInternalStateRequest, request: Request) -> dict[str, Any]:
-    values = await get_ctx(request).tokenizer_manager.set_internal_state(body.server_args)
-    return {"updated": True, "server_args": values}
+    req = io_struct.SetInternalStateReq(server_args=body.server_args)
+    reply = await get_ctx(request).tokenizer_manager.control.call(req)
+    return {"updated": True, "server_args": reply.server_args}
 
 
 @router.post("/slow_down")
 async def slow_down(body: SlowDownRequest, request: Request) -> dict[str, Any]:
     """A test hook (as in SGLang): every forward step sleeps ``forward_sleep_time`` seconds."""
-    value = await get_ctx(request).tokenizer_manager.slow_down(body.forward_sleep_time)
-    return {"success": True, "forward_sleep_time": value}
+    req = io_struct.SlowDownReqInput(forward_sleep_time=body.forward_sleep_time)
+    reply = await get_ctx(request).tokenizer_manager.control.call(req)
+    return {"success": True, "forward_sleep_time": reply.forward_sleep_time}
 
 
 @router.post("/freeze_gc")
 async def freeze_gc(request: Request, body: EmptyRequest | None = None) -> dict[str, Any]:
-    frozen = await get_ctx(request).tokenizer_manager.freeze_gc()
+    frozen = await get_ctx(request).tokenizer_manager.control.freeze_gc()
     return {"success": True, "frozen_objects": frozen}
 
 
 @router.get("/get_load")
 async def get_load(request: Request) -> list[dict[str, Any]]:
     """Running and queued requests and KV usage per replica: what routers poll."""
-    return await get_ctx(request).tokenizer_manager.get_load()
+    return await get_ctx(request).tokenizer_manager.control.load()

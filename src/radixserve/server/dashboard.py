@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
+from radixserve.managers.io_struct import GetInspectorStateReq
 from radixserve.server.context import get_ctx
 
 router = APIRouter()
@@ -31,7 +32,8 @@ async def dashboard() -> HTMLResponse:
 @router.get("/dashboard/state")
 async def dashboard_state(request: Request) -> dict[str, Any]:
     ctx = get_ctx(request)
-    state = await ctx.tokenizer_manager.get_inspector_state()
+    reply = await ctx.tokenizer_manager.control.call(GetInspectorStateReq())
+    state = reply.state
     return {
         **state,
         "model": ctx.model_name,

@@ -66,12 +66,12 @@ async def collect_final(merged: AsyncIterator[tuple[int, T]], n: int) -> list[T]
 
 
 def merged_choices(
-    tm: TokenizerManager, inputs: Sequence[GenerateReqInput]
+    tokenizer_manager: TokenizerManager, inputs: Sequence[GenerateReqInput]
 ) -> AsyncIterator[tuple[int, Any]]:
     """``merge_generations`` of one generation per input (the OpenAI routes' choices), every
     input validated before any is sent: a bad one fails the request with nothing running."""
-    prepared = [tm.prepare_generate(obj) for obj in inputs]
-    return merge_generations([tm.generate_request(p) for p in prepared])
+    prepared = [tokenizer_manager.prepare_generate(obj) for obj in inputs]
+    return merge_generations([tokenizer_manager.generate_request(p) for p in prepared])
 
 
 _END = object()

@@ -225,17 +225,17 @@ class _Lifecycle:
 
     async def run(self, port_args: Any, processes: list[Any], sock: socket.socket) -> int:
         args = self.server_args
-        tm = TokenizerManager(args, port_args, self.model_config)
-        tm.start()
+        tokenizer_manager = TokenizerManager(args, port_args, self.model_config)
+        tokenizer_manager.start()
         metrics = ServerMetrics(args.model_name) if args.enable_metrics else None
         hooks = [metrics.on_request_finished] if metrics is not None else []
         if args.log_requests:
             hooks.append(_log_finished_request)
         if hooks:
-            tm.on_request_finished = lambda m: [hook(m) for hook in hooks]
+            tokenizer_manager.on_request_finished = lambda m: [hook(m) for hook in hooks]
         self.ctx = ServerContext(
             server_args=args,
-            tokenizer_manager=tm,
+            tokenizer_manager=tokenizer_manager,
             scheduler_info=self.scheduler_info,
             metrics=metrics,
             chat_template=self.chat_template,
@@ -262,7 +262,7 @@ class _Lifecycle:
             stop_watch.set()
             warmup_task.cancel()
             await asyncio.gather(warmup_task, return_exceptions=True)
-            tm.shutdown()
+            tokenizer_manager.shutdown()
         logger.info("server stopped")
         return self.exit_code
 
@@ -285,16 +285,16 @@ class _Lifecycle:
             print(f"radixserve ready: {url} (model {self.ctx.model_name})", flush=True)
 
     async def _warm_up(self) -> None:
-        tm = self.ctx.tokenizer_manager
+        tokenizer_manager = self.ctx.tokenizer_manager
         text, rid = "The capital of France is", f"warmup-{uuid.uuid4().hex}"
-        if not tm.is_generation:
-            out = await tm.encode_request(GenerateReqInput(text=text, rid=rid))
+        if not tokenizer_manager.is_generation:
+            out = await tokenizer_manager.encode_request(GenerateReqInput(text=text, rid=rid))
             logger.info("warm-up embedding done (%d dimensions)", len(out["embedding"]))
             return
         obj = GenerateReqInput(
             text=text, sampling_params={"max_new_tokens": 8, "temperature": 0.0}, rid=rid
         )
-        out = await first_item(tm.generate_request(obj))
+        out = await first_item(tokenizer_manager.generate_request(obj))
         logger.info("warm-up generation done (%d tokens)", out["meta_info"]["completion_tokens"])
 
     def on_signal(self, sig: int) -> None:

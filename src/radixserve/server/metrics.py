@@ -6,7 +6,7 @@ Two sources feed them:
   ``RequestMetrics`` (arrival, first token, per-message token times, finish): token counters and
   the TTFT / inter-token / end-to-end latency histograms (TTFT and inter-token latency are only
   seen for streamed requests, whose tokens arrive step by step);
-* per scrape, the scheduler's internal state (``get_internal_states``, summed over the
+* per scrape, the scheduler's internal state (``ControlClient.internal_states``, summed over the
   data-parallel replicas): running and queued requests and KV-cache usage, set as gauges just
   before the text is rendered.
 

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from radixserve.managers.io_struct import OpenSessionReqInput
+from radixserve.managers.io_struct import FlushCacheReq, OpenSessionReqInput
 from radixserve.managers.tokenizer.generate_request import GenerateReqInput
 from radixserve.server.admission import admit, check_batch_size, num_prompts, requested_n
 from radixserve.server.context import ServerState, get_ctx
@@ -204,7 +204,7 @@ async def health(request: Request) -> Response:
         raise APIError(503, f"The server is {ctx.state.value}.", headers={"Retry-After": "1"})
     timeout = ctx.server_args.health_timeout
     try:
-        alive = await ctx.tokenizer_manager.check_health(timeout)
+        alive = await ctx.tokenizer_manager.control.check_health(timeout)
     except RuntimeError as exc:  # the scheduler is gone
         raise APIError(503, f"The scheduler is not running: {exc}") from exc
     if not alive:
@@ -219,17 +219,17 @@ async def health(request: Request) -> Response:
 async def health_generate(request: Request) -> Response:
     """Generate one token (embedding models: embed one input) end to end, within a timeout;
     left out of metrics (``log_metrics`` false)."""
-    tm = get_ctx(request).tokenizer_manager
+    tokenizer_manager = get_ctx(request).tokenizer_manager
     rid = f"health-generate-{uuid.uuid4().hex}"
-    if tm.is_generation:
+    if tokenizer_manager.is_generation:
         obj = GenerateReqInput(
             text="Hello", sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=rid,
             log_metrics=False,
         )
-        work = first_item(tm.generate_request(obj))
+        work = first_item(tokenizer_manager.generate_request(obj))
     else:
-        work = tm.encode_request(GenerateReqInput(text="Hello", rid=rid))
-    what = "generation" if tm.is_generation else "embedding"
+        work = tokenizer_manager.encode_request(GenerateReqInput(text="Hello", rid=rid))
+    what = "generation" if tokenizer_manager.is_generation else "embedding"
     try:
         out = await asyncio.wait_for(work, HEALTH_GENERATE_TIMEOUT_S)
     except TimeoutError:
@@ -301,7 +301,7 @@ async def get_server_info(request: Request) -> dict[str, Any]:
         max_total_num_tokens=ctx.scheduler_info.get("max_total_num_tokens"),
         max_running_requests=ctx.scheduler_info.get("max_running_requests"),
         page_size=ctx.scheduler_info.get("page_size", ctx.server_args.page_size),
-        internal_states=await ctx.tokenizer_manager.get_internal_states(),
+        internal_states=await ctx.tokenizer_manager.control.internal_states(),
         num_inflight_requests=ctx.tokenizer_manager.num_inflight,
         queued_generations=ctx.queued_generations,  # admitted, counted against the limit
         processes=ctx.scheduler_info.get("processes", {}),
@@ -315,7 +315,7 @@ async def metrics(request: Request) -> Response:
     ctx = get_ctx(request)
     if ctx.metrics is None:
         raise APIError(404, "Metrics are disabled; start the server with --enable-metrics.")
-    ctx.metrics.update_scheduler_state(await ctx.tokenizer_manager.get_internal_states())
+    ctx.metrics.update_scheduler_state(await ctx.tokenizer_manager.control.internal_states())
     return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
 
@@ -325,7 +325,7 @@ async def metrics(request: Request) -> Response:
 @router.post("/flush_cache", operation_id="flush_cache")
 async def flush_cache(request: Request) -> dict[str, Any]:
     """Drop the prefix cache; refused (400) while requests are running."""
-    reply = await get_ctx(request).tokenizer_manager.flush_cache()
+    reply = await get_ctx(request).tokenizer_manager.control.call(FlushCacheReq())
     if not reply.success:
         raise APIError(400, reply.message or "The cache cannot be flushed while requests run.")
     return {"success": True, "message": reply.message or "Cache flushed."}

@@ -1,35 +1,31 @@
-"""The overlap schedule (``--enable-overlap-schedule``): the scheduler's ``step`` when the model
-runs on the ``OverlapWorker``'s thread.
+"""The overlap loop (``--enable-overlap-schedule``): the scheduler's steps with the model on the
+``OverlapWorker``'s thread.
 
 While decode step N computes, step N+1 is planned and launched, then N's tokens are processed,
 so the scheduler's work hides behind the forward. Whatever needs step N's outcome first (an
 admission, an abort, a retraction, sampling that reads the outputs: ``can_decode_ahead``) waits
-for it and then goes as the plain ``Scheduler.step`` would; prefills run one at a time, waited
-for at once.
+for it and then goes as the normal loop's step would; prefills run one at a time, waited for at
+once.
 
 A request that finishes at step N is already in step N+1: that step writes the KV of its last
 token and samples one token more, which ``process_batch_result`` discards. Greedy outputs are
-those of the plain schedule.
+those of the normal loop.
 
-Composed into the ``Scheduler`` (never mixed in): it drives the scheduler's own step parts
-(``begin_step``, ``get_next_batch_to_run``, ``process_batch_result``) and owns only the step in
-flight.
+A peer of ``NormalLoop`` and ``PipelineLoop`` (``scheduler_loop.py``): it drives the scheduler
+through ``LoopScheduler`` and owns only the step in flight.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from radixserve.layers.sampler import SampleOutput
 from radixserve.managers.scheduler.overlap_worker import OverlapWorker
 from radixserve.managers.scheduler.retraction import decode_fits
 from radixserve.managers.scheduler.schedule_batch import ScheduleBatch
+from radixserve.managers.scheduler.scheduler_loop import LoopScheduler, SchedulerLoop
 from radixserve.sampling.sampling_batch_info import reads_output_ids
-
-if TYPE_CHECKING:
-    from radixserve.managers.scheduler.scheduler import Scheduler
 
 
 @dataclass
@@ -40,41 +36,51 @@ class InFlight:
     result: Future[SampleOutput]
 
 
-class OverlapSchedule:
-    def __init__(self, scheduler: Scheduler, worker: OverlapWorker) -> None:
-        self.scheduler = scheduler
+class OverlapLoop(SchedulerLoop):
+    launches_ahead = True
+
+    def __init__(
+        self, scheduler: LoopScheduler, watchdog_timeout: float, worker: OverlapWorker
+    ) -> None:
+        super().__init__(scheduler, watchdog_timeout)
         self.worker = worker
         self.in_flight: InFlight | None = None
         self.num_steps = 0  # decode steps launched before the previous one's result
 
-    def step(self) -> bool:
-        """``Scheduler.step`` with the model on the worker's thread (see the module doc)."""
-        s = self.scheduler
-        s.begin_step()
+    def run_step(self) -> bool:
+        """One step with the model on the worker's thread (see the module doc)."""
+        scheduler = self.scheduler
+        if scheduler.skip_step_paused():
+            return False
+        scheduler.begin_step()
         previous, self.in_flight = self.in_flight, None
         if previous is not None and self.can_decode_ahead():
-            s.new_token_ratio.step()
-            s.running_batch.prepare_for_decode(behind=previous.batch)
+            scheduler.prepare_decode_behind(previous.batch)
             self.in_flight = self._launch_decode()
             self.num_steps += 1
             self._finish(previous)
-            s.control.after_step()
-            s.check_busy_invariant()
+            scheduler.model_step_done()
+            scheduler.check_busy_invariant()
             return True
         if previous is not None:
             self._finish(previous)
-            s.control.after_step()
-        batch = s.get_next_batch_to_run()
+            scheduler.model_step_done()
+        batch = scheduler.get_next_batch_to_run()
         if batch is None:
-            return s.on_idle() if previous is None else True
-        s.idle_checked = False
+            return scheduler.on_idle() if previous is None else True
+        scheduler.note_launch()
         if batch.forward_mode.is_extend:
-            s.process_batch_result(batch, self.worker.launch(batch.to_forward_batch()).result())
-            s.control.after_step()
+            result = self.worker.launch(batch.to_forward_batch()).result()
+            scheduler.process_batch_result(batch, result)
+            scheduler.model_step_done()
         else:
             self.in_flight = self._launch_decode()
-        s.check_busy_invariant()
+        scheduler.check_busy_invariant()
         return True
+
+    @property
+    def has_in_flight(self) -> bool:
+        return self.in_flight is not None
 
     def finish_in_flight(self) -> None:
         """Wait for the step in flight, if any, and process its tokens (a pause needs
@@ -85,15 +91,12 @@ class OverlapSchedule:
 
     def can_decode_ahead(self) -> bool:
         """Whether the running batch's next step can be planned before the tokens of the step
-        in flight are known: nothing could be admitted now (the waiting requests wait for a
-        request slot, which only a finish frees), nothing waits to be aborted or retracted, no
-        streaming session turn (its slot takes the turn's KV when it finishes) and no sampler
-        that reads the outputs so far (penalties, seeds, a grammar's mask)."""
-        s = self.scheduler
-        batch = s.running_batch
-        if batch.is_empty() or s.chunked_req is not None:
-            return False
-        if s.waiting_queue and self._could_admit_now():
+        in flight are known: nothing could be admitted now (``admission_pending``), nothing
+        waits to be aborted or retracted, no streaming session turn (its slot takes the turn's
+        KV when it finishes) and no sampler that reads the outputs so far (penalties, seeds, a
+        grammar's mask)."""
+        batch = self.scheduler.running_batch
+        if batch.is_empty() or self.scheduler.admission_pending():
             return False
         for req in batch.reqs:
             if req.to_abort is not None or req.streaming_session_id is not None:
@@ -103,14 +106,6 @@ class OverlapSchedule:
             if reads_output_ids(req.sampling_params, len(req.output_ids)):
                 return False
         return decode_fits(batch)
-
-    def _could_admit_now(self) -> bool:
-        """Whether a waiting request may find a request row: one is free below
-        ``max_running_requests``, or an idle streaming session's row could be released."""
-        s = self.scheduler
-        if len(s.running_batch) >= s.max_running_requests:
-            return False
-        return s.req_to_token_pool.available_size() > 0 or s.tree_cache.session_held_rows() > 0
 
     def _launch_decode(self) -> InFlight:
         """Launch the running batch's prepared decode step."""

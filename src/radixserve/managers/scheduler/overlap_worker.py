@@ -1,7 +1,7 @@
 """Model steps of the overlap schedule (``--enable-overlap-schedule``) on one background thread.
 
 While decode step N runs here, the scheduler thread plans step N+1 and then processes step N's
-tokens (``OverlapSchedule.step``). Step N+1 is planned before those tokens exist, so its
+tokens (``OverlapLoop.run_step``). Step N+1 is planned before those tokens exist, so its
 ``input_ids`` are taken here, from step N's sampled tokens, just before its forward
 (``prev_rows[i]``: the row of request i in step N). Steps run one at a time in launch order, so a
 step sees every KV write of the steps launched before it. The torch ops release the GIL, so the

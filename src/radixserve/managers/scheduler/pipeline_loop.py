@@ -24,69 +24,67 @@ computes m: each stage waits only for what it consumes. All sends are non-blocki
 
 A request belongs to one micro-batch from its prefill to its end; the chunked request's next
 chunk waits until its previous chunk's result was processed (``Scheduler._chunk_in_flight``).
+
+A peer of ``NormalLoop`` and ``OverlapLoop`` (``scheduler_loop.py``): ``run_step`` is one
+iteration (steps 2-3) of the next micro-batch, and a round of ``run_forever`` visits each once.
 """
 
 from __future__ import annotations
 
 import torch
 
+from radixserve.distributed import PointToPoint, RankInfo
 from radixserve.layers.sampler import InputLogprobs, SampleOutput
 from radixserve.managers import io_struct
 from radixserve.managers.io_struct import StageInputLogprobs, StageResult
-from radixserve.managers.scheduler.request_receiver import RequestReceiver
-from radixserve.managers.scheduler.scheduler import IDLE_POLL_MS, Scheduler
-from radixserve.managers.scheduler.watchdog import Watchdog
+from radixserve.managers.scheduler.scheduler_loop import LoopScheduler, SchedulerLoop
 
 
-class PipelineLoop:
-    def __init__(self, scheduler: Scheduler, receiver: RequestReceiver) -> None:
-        self.scheduler = scheduler
-        self.receiver = receiver
-        self.info = scheduler.parallel.info
-        assert scheduler.parallel.p2p is not None and self.info.pp_size > 1
-        self.p2p = scheduler.parallel.p2p
-        self.device = scheduler.tp_worker.model_runner.device
+class PipelineLoop(SchedulerLoop):
+    def __init__(
+        self,
+        scheduler: LoopScheduler,
+        watchdog_timeout: float,
+        info: RankInfo,
+        p2p: PointToPoint,
+        device: torch.device,
+    ) -> None:
+        super().__init__(scheduler, watchdog_timeout)
+        assert info.pp_size > 1
+        self.info = info
+        self.p2p = p2p
+        self.device = device
+        self.steps_per_round = info.pp_size
+        self._next_mb = 0  # the micro-batch of the next iteration
         self._own_results: dict[int, SampleOutput] = {}  # last stage: sampled, not processed
 
-    def run(self) -> None:
-        """Run forever; an idle round blocks on the input (rank 0) instead of spinning. The
-        watchdog ends the process if steps 2-3 of one iteration hang for
-        ``--watchdog-timeout`` seconds."""
-        watchdog = Watchdog(self.scheduler.settings.watchdog_timeout)
-        watchdog.start()
-        while True:
-            busy = False
-            for mb_id in range(self.info.pp_size):
-                self.scheduler.process_input_requests(self.receiver.recv())
-                watchdog.step_started()
-                busy |= self.iteration(mb_id)
-                watchdog.step_finished()
-            self.scheduler.report_load()
-            if not busy:
-                self.scheduler.on_idle()
-                self.receiver.wait(IDLE_POLL_MS)
+    def run_step(self) -> bool:
+        """One iteration, of the next micro-batch in turn; whether a batch was launched."""
+        mb_id, self._next_mb = self._next_mb, (self._next_mb + 1) % self.info.pp_size
+        return self.iteration(mb_id)
+
+    def on_idle_round(self) -> None:
+        self.scheduler.on_idle()
 
     def iteration(self, mb_id: int) -> bool:
         """Steps 2-3 of the module docstring; whether a batch was launched."""
-        sched = self.scheduler
-        mb = sched.select_micro_batch(mb_id)
-        sched.begin_step()
-        batch = sched.get_next_batch_to_run()
+        scheduler = self.scheduler
+        micro_batches = scheduler.micro_batches
+        micro_batches.select(mb_id)
+        scheduler.begin_step()
+        batch = scheduler.get_next_batch_to_run()
         if batch is not None:
-            if any(other.in_flight is not None for other in sched.micro_batches):
-                sched.num_pipelined_steps += 1
-            mb.in_flight = batch
-            result = sched.run_batch(batch)
+            micro_batches.launch(mb_id, batch)
+            result = scheduler.run_batch(batch)
             if self.info.is_last_stage:
                 assert result is not None
                 self._own_results[mb_id] = result
                 self.p2p.send_bytes(_encode(result), self.info.stage_rank(0))
         next_id = (mb_id + 1) % self.info.pp_size
-        launched = sched.micro_batches[next_id].in_flight
+        launched = micro_batches.take_in_flight(next_id)
         if launched is not None:
             result = self._take_result(next_id)
-            sched.select_micro_batch(next_id).in_flight = None
-            sched.process_batch_result(launched, result)
+            scheduler.process_batch_result(launched, result)
         return batch is not None
 
     def _take_result(self, mb_id: int) -> SampleOutput:

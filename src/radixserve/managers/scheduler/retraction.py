@@ -57,8 +57,8 @@ class RetractResult:
 
 def decode_fits(batch: ScheduleBatch) -> bool:
     """Whether the next decode step of ``batch`` can allocate (evicting from the cache)."""
-    res = batch.res
-    capacity = res.allocator.available_size() + res.tree_cache.reclaimable_size()
+    resources = batch.resources
+    capacity = resources.allocator.available_size() + resources.tree_cache.reclaimable_size()
     return batch.decode_tokens_needed() <= capacity
 
 
@@ -72,14 +72,14 @@ def retract_for_decode(
     rows are freed; ``batch.reqs`` keeps the rest. The last one cannot fit alone, unless
     ``others_hold_kv`` (other micro-batches run requests): then it is retracted too.
     """
-    res = batch.res
+    resources = batch.resources
     result = RetractResult()
     if decode_fits(batch):
         return result
     batch.reqs.sort(key=lambda r: (r.remaining_new_tokens(), -len(r.output_ids)))
     while not decode_fits(batch):
         victim = batch.reqs.pop()
-        release_kv(victim, res.tree_cache)
+        release_kv(victim, resources.tree_cache)
         if batch.reqs or others_hold_kv:
             victim.reset_after_retract()
             result.retracted.append(victim)

@@ -328,9 +328,9 @@ class BatchResources:
 class ScheduleBatch:
     """The requests of one model step (the running set between steps)."""
 
-    def __init__(self, reqs: list[Req], res: BatchResources) -> None:
+    def __init__(self, reqs: list[Req], resources: BatchResources) -> None:
         self.reqs = reqs
-        self.res = res
+        self.resources = resources
         self.forward_mode = ForwardMode.DECODE
         # Step tensors (device), filled by prepare_for_extend / prepare_for_decode.
         self.input_ids: torch.Tensor = _EMPTY
@@ -353,20 +353,20 @@ class ScheduleBatch:
     # ------------------------------------------------------------------ allocation
     def _alloc_kv(self, num_tokens: int, alloc: Any) -> torch.Tensor:
         """Run ``alloc()`` after evicting enough from the cache; the caller checked capacity."""
-        allocator = self.res.allocator
+        allocator = self.resources.allocator
         if allocator.available_size() < num_tokens:
-            self.res.tree_cache.evict(num_tokens - allocator.available_size())
+            self.resources.tree_cache.evict(num_tokens - allocator.available_size())
         out = alloc()
         assert out is not None, (
             f"KV allocation of {num_tokens} tokens failed although admission checked capacity "
             f"(available {allocator.available_size()}, "
-            f"evictable {self.res.tree_cache.evictable_size()})"
+            f"evictable {self.resources.tree_cache.evictable_size()})"
         )
         return out
 
     def _last_locs(self, rows: list[int], lens: list[int]) -> list[int]:
         """KV slot of each request's last token already in its row (-1 when none)."""
-        table = self.res.req_to_token_pool.req_to_token
+        table = self.resources.req_to_token_pool.req_to_token
         idx = [i for i, n in enumerate(lens) if n > 0]
         out = [-1] * len(lens)
         if idx:
@@ -376,7 +376,7 @@ class ScheduleBatch:
         return out
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(self.res.device, non_blocking=True)
+        return torch.tensor(values, dtype=torch.int64).to(self.resources.device, non_blocking=True)
 
     def prepare_for_extend(self) -> None:
         """Give each admitted request a row and KV slots for ``fill_ids[len(prefix):]``.
@@ -388,11 +388,11 @@ class ScheduleBatch:
             | [0, len(prefix_indices))       | prefix_indices (matched)  | prefix cache |
             | [len(prefix), len(fill_ids))   | allocated here            | the request  |
         """
-        res = self.res
+        resources = self.resources
         self.forward_mode = ForwardMode.EXTEND
         for req in self.reqs:
             if req.req_pool_idx is None:
-                req.req_pool_idx = res.req_to_token_pool.alloc()
+                req.req_pool_idx = resources.req_to_token_pool.alloc()
                 assert req.req_pool_idx is not None, "admission checked free request slots"
         rows = [r.req_pool_idx for r in self.reqs]
         self.prefix_lens_cpu = [len(r.prefix_indices) for r in self.reqs]
@@ -402,7 +402,7 @@ class ScheduleBatch:
         ]
         assert all(n > 0 for n in self.extend_lens_cpu), "every prefill computes >= 1 token"
 
-        table = res.req_to_token_pool.req_to_token
+        table = resources.req_to_token_pool.req_to_token
         # Rows of reused prefixes point at the cache's slots.
         with_prefix = [i for i, p in enumerate(self.prefix_lens_cpu) if p > 0]
         if with_prefix:
@@ -417,13 +417,15 @@ class ScheduleBatch:
 
         num_new = sum(self.extend_lens_cpu)
         need = sum(
-            pages_to_alloc(p, s, res.page_size)
+            pages_to_alloc(p, s, resources.page_size)
             for p, s in zip(self.prefix_lens_cpu, self.seq_lens_cpu, strict=True)
         )
         last_locs = self._last_locs(rows, self.prefix_lens_cpu)
         self.out_cache_loc = self._alloc_kv(
             need,
-            lambda: res.allocator.alloc_extend(self.prefix_lens_cpu, self.seq_lens_cpu, last_locs),
+            lambda: resources.allocator.alloc_extend(
+                self.prefix_lens_cpu, self.seq_lens_cpu, last_locs
+            ),
         )
         assert self.out_cache_loc.numel() == num_new
 
@@ -447,7 +449,7 @@ class ScheduleBatch:
 
     def decode_tokens_needed(self) -> int:
         """KV slots the next decode step takes: a new page for each request whose last is full."""
-        page = self.res.page_size
+        page = self.resources.page_size
         return sum(page for r in self.reqs if r.kv_len % page == 0)
 
     def prepare_for_decode(self, behind: ScheduleBatch | None = None) -> None:
@@ -457,7 +459,7 @@ class ScheduleBatch:
         ``input_ids`` then stays empty and ``input_rows`` says where each request's token is in
         that step's output; the worker fills ``input_ids`` from it before this step runs.
         """
-        res = self.res
+        resources = self.resources
         self.forward_mode = ForwardMode.DECODE
         rows = [r.req_pool_idx for r in self.reqs]
         kv_lens = [r.kv_len for r in self.reqs]
@@ -467,7 +469,7 @@ class ScheduleBatch:
         last_locs = self._last_locs(rows, kv_lens)
         self.out_cache_loc = self._alloc_kv(
             self.decode_tokens_needed(),
-            lambda: res.allocator.alloc_decode(self.seq_lens_cpu, last_locs),
+            lambda: resources.allocator.alloc_decode(self.seq_lens_cpu, last_locs),
         )
         if behind is None:
             self.input_ids = self._to_device([r.output_ids[-1] for r in self.reqs])
@@ -479,7 +481,7 @@ class ScheduleBatch:
         self.positions = self._to_device(kv_lens)
         self.req_pool_indices = self._to_device(rows)
         self.seq_lens = self._to_device(self.seq_lens_cpu)
-        table = res.req_to_token_pool.req_to_token
+        table = resources.req_to_token_pool.req_to_token
         table[self.req_pool_indices.to(table.device), self.positions.to(table.device)] = (
             self.out_cache_loc.to(table.device)
         )
@@ -497,21 +499,21 @@ class ScheduleBatch:
     def snapshot(self) -> ScheduleBatch:
         """This step's requests and mode, kept apart from later changes of ``self`` (the
         overlap schedule processes a step's result after the running batch moved on)."""
-        copy = ScheduleBatch(list(self.reqs), self.res)
+        copy = ScheduleBatch(list(self.reqs), self.resources)
         copy.forward_mode = self.forward_mode
         return copy
 
     # ------------------------------------------------------------------ the seam
     def to_forward_batch(self) -> ForwardBatch:
-        res = self.res
+        resources = self.resources
         return_logprob = any(r.return_logprob for r in self.reqs)
         sampling_info = SamplingBatchInfo.from_params(
             [r.sampling_params for r in self.reqs],
             output_ids=[r.output_ids for r in self.reqs],
             input_ids=[r.origin_input_ids for r in self.reqs],
-            eos_token_ids=res.eos_token_ids,
-            vocab_size=res.vocab_size,
-            device=res.device,
+            eos_token_ids=resources.eos_token_ids,
+            vocab_size=resources.vocab_size,
+            device=resources.device,
             grammar_mask=self._grammar_mask(),
         )
         is_extend = self.forward_mode.is_extend
@@ -542,8 +544,8 @@ class ScheduleBatch:
         rows = [i for i, r in enumerate(self.reqs) if r.grammar is not None]
         if not rows:
             return None
-        assert self.res.grammars is not None, "a request has a grammar, so the cache exists"
-        backend = self.res.grammars.backend
+        assert self.resources.grammars is not None, "a request has a grammar, so the cache exists"
+        backend = self.resources.grammars.backend
         bitmask = backend.allocate_bitmask(len(self.reqs))
         for i in rows:
             self.reqs[i].grammar.fill_bitmask(bitmask, i)

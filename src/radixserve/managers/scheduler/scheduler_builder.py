@@ -2,15 +2,15 @@
 the output path, each from the settings it reads (docs/architecture.md §4).
 
 ``build_scheduler`` is the one place where the scheduler's side reads ``ServerArgs``. The
-``Scheduler`` receives what it composes (``SchedulerParts``) and the few settings its own loop
-reads (``SchedulerSettings``): a new setting is wired here, to the component that uses it, and a
-test can hand the scheduler parts built another way.
+``Scheduler`` receives what it composes (``SchedulerParts``), the few settings its own code reads
+(``SchedulerSettings``, both in ``scheduler_parts.py``) and the loop that drives it (normal,
+overlap or pipeline: ``choose_loop``): a new setting is wired here, to the component that uses
+it, and a test can hand the scheduler parts built another way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -19,41 +19,23 @@ import torch
 from radixserve.constrained import GrammarCache, create_grammar_backend
 from radixserve.distributed import ParallelState
 from radixserve.managers.scheduler.output_processor import OutputProcessor
+from radixserve.managers.scheduler.overlap_schedule import OverlapLoop
 from radixserve.managers.scheduler.overlap_worker import OverlapWorker
+from radixserve.managers.scheduler.pipeline_loop import PipelineLoop
+from radixserve.managers.scheduler.prefill_planner import PrefillPlanner
+from radixserve.managers.scheduler.request_validation import RequestLimits
 from radixserve.managers.scheduler.retraction import NewTokenRatio
+from radixserve.managers.scheduler.schedule_batch import BatchResources
 from radixserve.managers.scheduler.schedule_policy import SchedulePolicy
 from radixserve.managers.scheduler.scheduler import Scheduler
+from radixserve.managers.scheduler.scheduler_loop import LoopScheduler, NormalLoop, SchedulerLoop
+from radixserve.managers.scheduler.scheduler_parts import SchedulerParts, SchedulerSettings
 from radixserve.managers.scheduler.session_controller import SessionController
 from radixserve.managers.scheduler.tp_worker import TpModelWorker
-from radixserve.mem_cache import BasePrefixCache, create_prefix_cache, create_session_store
+from radixserve.mem_cache import create_prefix_cache, create_session_store
 from radixserve.model_config import ModelConfig, resolve_device
 from radixserve.model_executor.model_runner import RunnerSettings
 from radixserve.server_args import ServerArgs
-
-
-@dataclass(frozen=True)
-class SchedulerSettings:
-    """What the scheduler's loop reads itself; ``set_internal_state`` replaces the budgets."""
-
-    max_prefill_tokens: int
-    chunked_prefill_size: int
-    watchdog_timeout: float
-
-
-@dataclass
-class SchedulerParts:
-    """The collaborators one rank's scheduler composes."""
-
-    model_config: ModelConfig
-    is_generation: bool  # embedding models (an encoder, or --is-embedding) only prefill
-    tp_worker: TpModelWorker
-    tree_cache: BasePrefixCache
-    grammars: GrammarCache
-    sessions: SessionController
-    policy: SchedulePolicy
-    new_token_ratio: NewTokenRatio
-    output_processor: OutputProcessor
-    overlap: OverlapWorker | None  # --enable-overlap-schedule
 
 
 def build_scheduler(
@@ -128,9 +110,26 @@ def build_scheduler(
         stream_interval=server_args.stream_interval,
         send_to_tokenizer=send_to_tokenizer,
     )
-    overlap = None
-    if server_args.enable_overlap_schedule and is_generation:
-        overlap = OverlapWorker(tp_worker)
+    new_token_ratio = NewTokenRatio.from_conservativeness(server_args.schedule_conservativeness)
+    batch_resources = BatchResources(
+        req_to_token_pool=runner.req_to_token_pool,
+        allocator=runner.token_to_kv_pool_allocator,
+        tree_cache=tree_cache,
+        device=device,
+        vocab_size=model_config.vocab_size,
+        eos_token_ids=model_config.eos_token_ids,
+        grammars=grammars,
+    )
+    prefill_planner = PrefillPlanner(
+        batch_resources,
+        SchedulePolicy(server_args.schedule_policy, tree_cache, radix_enabled),
+        new_token_ratio,
+        allow_chunking=not model_config.is_encoder,
+    )
+    limits = RequestLimits(  # vocabulary, context, page, KV pool
+        model_config.vocab_size, model_config.context_len, runner.page_size,
+        runner.max_total_num_tokens, is_encoder=model_config.is_encoder,
+    )
     parts = SchedulerParts(
         model_config=model_config,
         is_generation=is_generation,
@@ -138,16 +137,38 @@ def build_scheduler(
         tree_cache=tree_cache,
         grammars=grammars,
         sessions=sessions,
-        policy=SchedulePolicy(server_args.schedule_policy, tree_cache, radix_enabled),
-        new_token_ratio=NewTokenRatio.from_conservativeness(
-            server_args.schedule_conservativeness
-        ),
+        batch_resources=batch_resources,
+        new_token_ratio=new_token_ratio,
+        prefill_planner=prefill_planner,
+        limits=limits,
         output_processor=output_processor,
-        overlap=overlap,
     )
     settings = SchedulerSettings(
         max_prefill_tokens=server_args.max_prefill_tokens,
         chunked_prefill_size=server_args.chunked_prefill_size,
         watchdog_timeout=server_args.watchdog_timeout,
     )
-    return Scheduler(parts, settings, send_to_tokenizer, parallel, device, dp_rank, send_load)
+    make_loop = choose_loop(server_args, parallel, tp_worker, is_generation)
+    return Scheduler(
+        parts, settings, send_to_tokenizer, parallel, make_loop, dp_rank, send_load
+    )
+
+
+def choose_loop(
+    server_args: ServerArgs, parallel: ParallelState, tp_worker: TpModelWorker,
+    is_generation: bool,
+) -> Callable[[LoopScheduler], SchedulerLoop]:
+    """The one place a scheduler's loop is chosen: ``PipelineLoop`` with ``--pp-size`` > 1,
+    ``OverlapLoop`` with ``--enable-overlap-schedule`` (generation models only: an embedding
+    has no decode steps to overlap), else ``NormalLoop``. Returns how to make it for the
+    scheduler it drives."""
+    timeout = server_args.watchdog_timeout
+    info = parallel.info
+    if info.pp_size > 1:
+        assert parallel.p2p is not None, "pipeline stages talk point to point"
+        p2p, device = parallel.p2p, tp_worker.model_runner.device
+        return lambda scheduler: PipelineLoop(scheduler, timeout, info, p2p, device)
+    if server_args.enable_overlap_schedule and is_generation:
+        worker = OverlapWorker(tp_worker)
+        return lambda scheduler: OverlapLoop(scheduler, timeout, worker)
+    return lambda scheduler: NormalLoop(scheduler, timeout)

@@ -1,18 +1,11 @@
-"""The scheduler's control requests: weights, memory, profiling, knobs, load, health, inspector.
+"""The scheduler's control requests: cache flush, pause, weights, memory, profiling, knobs, load,
+health, inspector.
 
 ``SchedulerControl`` is composed into the ``Scheduler`` (never mixed in): it owns the state
-these requests add (the profiler, the forward sleep, which memory is released) and reaches the
-scheduler only through the narrow surface below. Every handler returns its ``*Output`` reply.
-
-    scheduler.finish_step_in_flight()   process the overlap step in flight, if any
-    scheduler.is_idle()            nothing runs, waits or is in flight
-    scheduler.flush()              drop the prefix cache and every slot (idle only)
-    scheduler.memory_state()       KV and request-slot figures
-    scheduler.num_running(), scheduler.num_waiting(), scheduler.waiting_queue,
-    scheduler.running_batch
-    scheduler.max_running_requests, scheduler.settings   the knobs set_internal_state changes
-    scheduler.tp_worker.model_runner   weights and KV pool
-    scheduler.tree_cache, scheduler.sessions, scheduler.stats   for the inspector
+these requests add (the profiler, the forward sleep) and reaches the scheduler only through
+``ControlledScheduler``, the narrow surface below (this module never imports the scheduler).
+Every handler returns its ``*Output`` reply. The client side of these requests is
+``managers/tokenizer/control_client.py``.
 """
 
 from __future__ import annotations
@@ -22,10 +15,15 @@ import gc
 import logging
 import tempfile
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from radixserve import envs
 from radixserve.managers.io_struct import (
+    AbortReq,
+    ContinueGenerationReqInput,
+    ContinueGenerationReqOutput,
+    FlushCacheReq,
+    FlushCacheReqOutput,
     FreezeGCReq,
     FreezeGCReqOutput,
     GetInspectorStateReq,
@@ -36,6 +34,8 @@ from radixserve.managers.io_struct import (
     GetWeightsByNameReqOutput,
     HealthCheckReq,
     HealthCheckReqOutput,
+    PauseGenerationReqInput,
+    PauseGenerationReqOutput,
     ProfileReq,
     ProfileReqOutput,
     ReleaseMemoryOccupationReqInput,
@@ -54,7 +54,13 @@ from radixserve.managers.scheduler.scheduler_stats import token_usage
 from radixserve.model_executor.model_runner import MEMORY_TAGS
 
 if TYPE_CHECKING:
-    from radixserve.managers.scheduler.scheduler import Scheduler
+    from radixserve.managers.scheduler.schedule_batch import Req, ScheduleBatch
+    from radixserve.managers.scheduler.scheduler_parts import SchedulerSettings
+    from radixserve.managers.scheduler.scheduler_stats import SchedulerStats
+    from radixserve.managers.scheduler.session_controller import SessionController
+    from radixserve.managers.scheduler.tp_worker import TpModelWorker
+    from radixserve.mem_cache import BasePrefixCache
+    from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +70,40 @@ _INSPECT_MAX_NODES = 256
 _INSPECT_MAX_REQS = 64
 
 
+class ControlledScheduler(Protocol):
+    """What the control requests reach of the ``Scheduler`` (each method's doc is there)."""
+
+    tp_worker: TpModelWorker  # its model runner: weights and memory
+    req_to_token_pool: ReqToTokenPool
+    tree_cache: BasePrefixCache
+    sessions: SessionController
+    stats: SchedulerStats
+    page_size: int
+    max_total_num_tokens: int
+    dp_rank: int
+    waiting_queue: list[Req]
+    num_aborted_reqs: int
+    # What the control requests change: the knobs of set_internal_state, the pause.
+    max_running_requests: int
+    settings: SchedulerSettings
+    paused: bool
+
+    @property
+    def running_batch(self) -> ScheduleBatch: ...
+
+    def finish_step_in_flight(self) -> None: ...
+    def is_idle(self) -> bool: ...
+    def flush(self) -> None: ...
+    def memory_state(self) -> dict[str, int]: ...
+    def num_running(self) -> int: ...
+    def num_waiting(self) -> int: ...
+    def handle_abort(self, msg: AbortReq) -> None: ...
+    def finish_aborted(self) -> None: ...
+    def retract_all(self) -> int: ...
+
+
 class SchedulerControl:
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: ControlledScheduler) -> None:
         self.scheduler = scheduler
         self.profiler = StepProfiler(envs.RADIXSERVE_TORCH_PROFILER_DIR.get(tempfile.gettempdir()))
         self.forward_sleep_time: float | None = None
@@ -73,6 +111,9 @@ class SchedulerControl:
     def handlers(self) -> list[tuple[type, Any]]:
         """``(message type, handler)`` pairs for the scheduler's dispatcher."""
         return [
+            (FlushCacheReq, self.flush_cache),
+            (PauseGenerationReqInput, self.pause_generation),
+            (ContinueGenerationReqInput, self.continue_generation),
             (UpdateWeightFromDiskReqInput, self.update_weights_from_disk),
             (GetWeightsByNameReqInput, self.get_weights_by_name),
             (ReleaseMemoryOccupationReqInput, self.release_memory_occupation),
@@ -90,6 +131,13 @@ class SchedulerControl:
     def released(self) -> set[str]:
         return self.scheduler.tp_worker.model_runner.released
 
+    def released_message(self) -> str:
+        """Why a new request is refused (503) while memory is released."""
+        return (
+            f"the server's memory is released ({sorted(self.released)}): "
+            "resume_memory_occupation first"
+        )
+
     def after_step(self) -> None:
         """Called after every model step: the profiler counts it, ``slow_down`` sleeps (inside
         the step as the watchdog sees it)."""
@@ -98,14 +146,61 @@ class SchedulerControl:
             time.sleep(self.forward_sleep_time)
 
     def _busy(self) -> str | None:
-        s = self.scheduler
-        s.finish_step_in_flight()
-        if s.is_idle():
+        """Why the scheduler is not idle once the step in flight finished, or None."""
+        scheduler = self.scheduler
+        scheduler.finish_step_in_flight()
+        if scheduler.is_idle():
             return None
         return (
-            f"requests are running or waiting ({s.num_running()} running, "
-            f"{s.num_waiting()} waiting)"
+            f"requests are running or waiting ({scheduler.num_running()} running, "
+            f"{scheduler.num_waiting()} waiting)"
         )
+
+    # ------------------------------------------------------------------ cache, pause
+    def flush_cache(self, msg: FlushCacheReq) -> FlushCacheReqOutput:
+        scheduler = self.scheduler
+        scheduler.finish_step_in_flight()
+        if not scheduler.is_idle():
+            return FlushCacheReqOutput(
+                success=False,
+                message=(
+                    f"cannot flush the cache while requests run or wait "
+                    f"({scheduler.num_running()} running, {scheduler.num_waiting()} waiting)"
+                ),
+            )
+        scheduler.flush()
+        return FlushCacheReqOutput(success=True)
+
+    def pause_generation(self, msg: PauseGenerationReqInput) -> PauseGenerationReqOutput:
+        """Stop running batches (see ``PauseGenerationReqInput`` for the modes).
+
+        The step in flight (overlap loop) is finished and its tokens processed first, so the
+        reply means: nothing computes until ``continue_generation``. Aborts arriving while
+        paused take effect at once, as no step will come to finish the marked requests.
+        Pausing a paused scheduler applies the new mode to what is there.
+        """
+        scheduler = self.scheduler
+        scheduler.paused = True
+        scheduler.finish_step_in_flight()
+        aborted_before = scheduler.num_aborted_reqs
+        scheduler.finish_aborted()
+        retracted = 0
+        if msg.mode == "abort":
+            scheduler.handle_abort(AbortReq(abort_all=True))
+        elif msg.mode == "retract":
+            retracted = scheduler.retract_all()
+        aborted = scheduler.num_aborted_reqs - aborted_before
+        logger.info("generation paused (%s): %d request(s) aborted, %d retracted",
+                    msg.mode, aborted, retracted)
+        return PauseGenerationReqOutput(num_aborted=aborted, num_retracted=retracted)
+
+    def continue_generation(
+        self, msg: ContinueGenerationReqInput
+    ) -> ContinueGenerationReqOutput:
+        if self.scheduler.paused:
+            logger.info("generation continued")
+        self.scheduler.paused = False
+        return ContinueGenerationReqOutput()
 
     # ------------------------------------------------------------------ weights
     def update_weights_from_disk(
@@ -202,7 +297,7 @@ class SchedulerControl:
 
     # ------------------------------------------------------------------ knobs
     def set_internal_state(self, msg: SetInternalStateReq) -> SetInternalStateReqOutput:
-        s = self.scheduler
+        scheduler = self.scheduler
         changes = dict(msg.server_args)
         error = None
         unknown = sorted(set(changes) - set(TUNABLE))
@@ -212,20 +307,21 @@ class SchedulerControl:
             if error is None and (not isinstance(value, int) or isinstance(value, bool)
                                   or value < TUNABLE[key]):
                 error = f"{key} must be an integer >= {TUNABLE[key]}, got {value!r}"
-        rows = s.req_to_token_pool.size
+        rows = scheduler.req_to_token_pool.size
         if error is None and changes.get("max_running_requests", 0) > rows:
             error = f"max_running_requests cannot exceed the {rows} request slots allocated"
-        if error is None and changes.get("chunked_prefill_size", s.page_size) < s.page_size:
-            error = f"chunked_prefill_size must be at least page_size ({s.page_size})"
+        page_size = scheduler.page_size
+        if error is None and changes.get("chunked_prefill_size", page_size) < page_size:
+            error = f"chunked_prefill_size must be at least page_size ({page_size})"
         if error is None:
             if "max_running_requests" in changes:
-                s.max_running_requests = changes.pop("max_running_requests")
-            s.settings = dataclasses.replace(s.settings, **changes)
+                scheduler.max_running_requests = changes.pop("max_running_requests")
+            scheduler.settings = dataclasses.replace(scheduler.settings, **changes)
             logger.info("internal state set: %s", msg.server_args)
         current = {
-            "max_running_requests": s.max_running_requests,
-            "max_prefill_tokens": s.settings.max_prefill_tokens,
-            "chunked_prefill_size": s.settings.chunked_prefill_size,
+            "max_running_requests": scheduler.max_running_requests,
+            "max_prefill_tokens": scheduler.settings.max_prefill_tokens,
+            "chunked_prefill_size": scheduler.settings.chunked_prefill_size,
         }
         return SetInternalStateReqOutput(
             updated=error is None, message=error or "updated", server_args=current
@@ -245,20 +341,20 @@ class SchedulerControl:
 
     # ------------------------------------------------------------------ load, health, inspector
     def get_load(self, msg: GetLoadReqInput) -> GetLoadReqOutput:
-        s = self.scheduler
-        used, usage = token_usage(s.memory_state())
-        running, waiting = s.num_running(), s.num_waiting()
+        scheduler = self.scheduler
+        used, usage = token_usage(scheduler.memory_state())
+        running, waiting = scheduler.num_running(), scheduler.num_waiting()
         return GetLoadReqOutput(
-            dp_rank=s.dp_rank, num_reqs=running + waiting, num_running_reqs=running,
+            dp_rank=scheduler.dp_rank, num_reqs=running + waiting, num_running_reqs=running,
             num_waiting_reqs=waiting, num_tokens=used,
-            max_total_num_tokens=s.max_total_num_tokens, token_usage=usage,
+            max_total_num_tokens=scheduler.max_total_num_tokens, token_usage=usage,
         )
 
     def health_check(self, msg: HealthCheckReq) -> HealthCheckReqOutput:
         return HealthCheckReqOutput(seq=msg.seq)
 
     def inspect(self, msg: GetInspectorStateReq) -> GetInspectorStateReqOutput:
-        s = self.scheduler
+        scheduler = self.scheduler
 
         def describe(req: Any) -> dict[str, Any]:
             return {
@@ -272,19 +368,19 @@ class SchedulerControl:
         sessions = [
             {"id": sid, "streaming": sess.streaming, "num_reqs": len(sess.req_nodes),
              "inflight": getattr(sess, "inflight_rid", None)}
-            for sid, sess in list(s.sessions.sessions.items())[:_INSPECT_MAX_REQS]
+            for sid, sess in list(scheduler.sessions.sessions.items())[:_INSPECT_MAX_REQS]
         ]
         state = {
             "time": time.time(),
-            "memory": s.memory_state(),
-            "num_running_reqs": s.num_running(),
-            "num_waiting_reqs": s.num_waiting(),
-            "running": [describe(r) for r in s.running_batch.reqs[:_INSPECT_MAX_REQS]],
-            "waiting": [describe(r) for r in s.waiting_queue[:_INSPECT_MAX_REQS]],
-            "radix_tree": s.tree_cache.snapshot(_INSPECT_MAX_NODES),
+            "memory": scheduler.memory_state(),
+            "num_running_reqs": scheduler.num_running(),
+            "num_waiting_reqs": scheduler.num_waiting(),
+            "running": [describe(r) for r in scheduler.running_batch.reqs[:_INSPECT_MAX_REQS]],
+            "waiting": [describe(r) for r in scheduler.waiting_queue[:_INSPECT_MAX_REQS]],
+            "radix_tree": scheduler.tree_cache.snapshot(_INSPECT_MAX_NODES),
             "sessions": sessions,
-            "history": list(s.stats.history),
-            "stats": s.stats.summary(),
+            "history": list(scheduler.stats.history),
+            "stats": scheduler.stats.summary(),
             "released_memory": sorted(self.released),
             "profiling": self.profiler.active,
             "forward_sleep_time": self.forward_sleep_time,

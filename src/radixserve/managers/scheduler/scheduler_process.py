@@ -1,8 +1,8 @@
 """The scheduler process: one per rank of each replica (see ``launcher.child_processes``).
 
 ``run_scheduler_process`` joins the replica's process group, wires rank 0 to ZMQ (the others
-send nothing: rank 0 sends the same outputs), builds the ``Scheduler`` and runs its loop: the
-plain one, or ``PipelineLoop`` with pipeline parallelism.
+send nothing: rank 0 sends the same outputs), builds the ``Scheduler`` and runs the loop
+``build_scheduler`` chose for it (normal, overlap or pipeline: ``scheduler_loop.py``).
 """
 
 from __future__ import annotations
@@ -132,12 +132,9 @@ def run_scheduler_process(
         report_ready(ready_conn, scheduler.ready_info())
         logger.info("scheduler ready: %s", scheduler.ready_info())
         receiver = RequestReceiver(parallel, recv, scheduler.sessions.expired_ids)
-        if info.pp_size > 1:
-            from radixserve.managers.scheduler.pipeline_loop import PipelineLoop
-
-            PipelineLoop(scheduler, receiver).run()
-        else:
-            scheduler.event_loop(receiver)  # returns on a stop that flushed the sessions
-            os._exit(0)
+        # The loop build_scheduler chose (normal, overlap or pipeline) runs until a stop, which
+        # persisted the sessions (without a session store it never stops).
+        scheduler.loop.run_forever(receiver)
+        os._exit(0)
     finally:
         ctx.destroy(linger=0)

@@ -13,8 +13,10 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
+from radixserve.managers.io_struct import LoadReport
 from radixserve.managers.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger("radixserve.managers.scheduler.scheduler")
@@ -100,3 +102,28 @@ class SchedulerStats:
             "num_generated_tokens": self.num_generated_tokens,
             "gen_throughput": self.gen_throughput,
         }
+
+
+class LoadReporter:
+    """Sends a replica's load to the data-parallel controller when it changed (its
+    ``LoadReport``s choose the replica of the next request)."""
+
+    def __init__(self, dp_rank: int, send_load: Callable[[LoadReport], None]) -> None:
+        self.dp_rank = dp_rank
+        self.send_load = send_load
+        self._last: LoadReport | None = None
+
+    def report(
+        self, num_running: int, num_waiting: int, memory: dict[str, int], num_received: int
+    ) -> None:
+        used, _ = token_usage(memory)
+        load = LoadReport(
+            dp_rank=self.dp_rank,
+            num_reqs=num_running + num_waiting,
+            num_waiting_reqs=num_waiting,
+            num_tokens=used,
+            num_received=num_received,
+        )
+        if load != self._last:
+            self._last = load
+            self.send_load(load)

@@ -7,7 +7,8 @@ Flow of a generate call::
         → register one ReqState per rid → TokenizedGenerateReqInput ──ZMQ──▶ scheduler
     handle_loop (task reading the PULL socket)
         BatchStrOutput (from the detokenizer) → append to the rid's state → wake its generate call
-        replies of control requests (flush, internal state, sessions, pause, ...) → waiting future
+        replies of control requests (flush, internal state, sessions, pause, ...) → the
+        ``ControlClient`` (``control_client.py``), which completes the waiting caller's future
         (with ``--dp-size N`` a control request goes to every replica and its future completes
         with the N replies; a session's open goes to one replica)
     generate_request yields SGLang-shaped dicts built from the state; when its consumer stops
@@ -25,13 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
-import itertools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -40,13 +39,13 @@ import zmq.asyncio
 
 from radixserve.finish_reason import FinishAbort, FinishReason
 from radixserve.managers import io_struct, ipc
+from radixserve.managers.tokenizer.control_client import ControlClient
 from radixserve.managers.tokenizer.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer.logprob_meta import LogprobMeta
 from radixserve.managers.tokenizer.request_state import (
     CapacityError,
     ReqState,
     RequestMetrics,
-    SchedulerError,
     ServiceUnavailableError,
     raise_if_rejected,
 )
@@ -61,25 +60,6 @@ logger = logging.getLogger(__name__)
 # cancelled by a disconnect the server has already read (``_let_disconnects_land``): two at
 # most were seen under the session stress test's load.
 _DISCONNECT_ROUNDS = 32
-_CONTROL_REPLIES = (
-    io_struct.FlushCacheReqOutput,
-    io_struct.GetInternalStateReqOutput,
-    io_struct.OpenSessionReqOutput,
-    io_struct.PauseGenerationReqOutput,
-    io_struct.ContinueGenerationReqOutput,
-    io_struct.UpdateWeightFromDiskReqOutput,
-    io_struct.GetWeightsByNameReqOutput,
-    io_struct.ReleaseMemoryOccupationReqOutput,
-    io_struct.ResumeMemoryOccupationReqOutput,
-    io_struct.ProfileReqOutput,
-    io_struct.SetInternalStateReqOutput,
-    io_struct.SlowDownReqOutput,
-    io_struct.FreezeGCReqOutput,
-    io_struct.GetLoadReqOutput,
-    io_struct.GetInspectorStateReqOutput,
-)
-
-
 @dataclass(frozen=True)
 class PreparedGenerate:
     """A call's requests, validated and encoded, not yet sent (``prepare_generate``)."""
@@ -125,22 +105,16 @@ class TokenizerManager:
         self._dead_message: str | None = None
         # Embedding models (an encoder, or a decoder served with --is-embedding) only encode.
         self.is_generation = not (server_args.is_embedding or model_config.is_encoder)
-        # Control requests: one in flight per reply type, answered in order by the scheduler
-        # (by every data-parallel replica: the future gets the list of their replies).
-        self._control_locks: dict[type, asyncio.Lock] = {}
-        self._control_futures: dict[type, _Replies] = {}
-        self._reply_type_of: dict[str, type] = {}  # request type name → its reply type
+        # Control requests (weights, memory, pause, flush, ...) and liveness pings.
+        self.control = ControlClient(
+            self._send_msg, self._check_alive, server_args.dp_size, server_args.watchdog_timeout
+        )
         # Admission: closed while weights are swapped or memory released (requests wait);
         # while memory is released, requests get ServiceUnavailableError.
         self._admission = asyncio.Event()
         self._admission.set()
         self._exclusive = asyncio.Lock()  # one weights/memory operation at a time
         self.memory_released: set[str] = set()
-        # Liveness pings: the highest sequence number the scheduler has answered.
-        self._ping_seq = itertools.count(1)
-        self._pong_seq = 0
-        self._pong = asyncio.Event()
-        self._pongs: dict[int, int] = {}  # ping → replicas that answered it (data parallel)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -165,9 +139,7 @@ class TokenizerManager:
         self._dead_message = message
         for state in list(self._states.values()):
             state.notify.set()
-        for replies in self._control_futures.values():
-            if not replies.future.done():
-                replies.future.set_exception(RuntimeError(message))
+        self.control.fail_all(message)
 
     @property
     def num_inflight(self) -> int:
@@ -372,27 +344,7 @@ class TokenizerManager:
         elif isinstance(msg, io_struct.BatchEmbeddingOutput):
             for emb in msg.outputs:
                 self._handle_embedding(emb)
-        elif isinstance(msg, io_struct.HealthCheckReqOutput):
-            answered = self._pongs.pop(msg.seq, 0) + 1
-            if answered < self.server_args.dp_size:
-                self._pongs[msg.seq] = answered
-            else:  # every replica answered this ping
-                self._pong_seq = max(self._pong_seq, msg.seq)
-                self._pong.set()
-        elif isinstance(msg, _CONTROL_REPLIES):
-            replies = self._control_futures.get(type(msg))
-            if replies is not None and not replies.future.done():
-                replies.add(msg)
-            else:
-                logger.warning("unexpected %s without a waiting caller", type(msg).__name__)
-        elif isinstance(msg, io_struct.ControlErrorOutput):
-            reply_type = self._reply_type_of.get(msg.request)
-            replies = self._control_futures.get(reply_type) if reply_type else None
-            if replies is not None and not replies.future.done():
-                replies.future.set_exception(SchedulerError(msg.message))
-            else:
-                logger.error("the scheduler failed on %s: %s", msg.request, msg.message)
-        else:
+        elif not self.control.on_message(msg):
             logger.warning("tokenizer manager ignores message %s", type(msg).__name__)
 
     def _handle_output(self, out: io_struct.ReqStrOutput) -> None:
@@ -461,23 +413,11 @@ class TokenizerManager:
                 logger.exception("on_request_finished callback failed")
 
     # ------------------------------------------------------------------ control requests
+    # Those that need this manager's state; the others go through ``self.control`` directly.
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """Ask the scheduler to abort ``rid`` (or everything); the request finishes as abort."""
         self._check_alive()
         self._send_msg(io_struct.AbortReq(rid=rid, abort_all=abort_all))
-
-    async def flush_cache(self) -> io_struct.FlushCacheReqOutput:
-        """Flush the prefix cache; the scheduler refuses (success False) while requests run
-        (with several replicas: the first refusal, else the first success)."""
-        replies = await self._control_all(io_struct.FlushCacheReq(), io_struct.FlushCacheReqOutput)
-        return next((r for r in replies if not r.success), replies[0])
-
-    async def get_internal_states(self) -> list[dict[str, Any]]:
-        """Every data-parallel replica's internal state, in replica order."""
-        replies = await self._control_all(
-            io_struct.GetInternalStateReq(), io_struct.GetInternalStateReqOutput
-        )
-        return [r.state for r in sorted(replies, key=lambda r: r.state.get("dp_rank", 0))]
 
     async def open_session(self, req: io_struct.OpenSessionReqInput) -> str:
         """Open a session and return its id; ``ValueError`` with the scheduler's reason.
@@ -492,7 +432,7 @@ class TokenizerManager:
             if req.resume:
                 raise ValueError(RESUME_NEEDS_ID)
             req = msgspec.structs.replace(req, session_id=uuid.uuid4().hex)
-        [reply] = await self._control_all(req, io_struct.OpenSessionReqOutput, fan_out=1)
+        [reply] = await self.control.call_all(req, fan_out=1)
         if reply.at_capacity:
             raise CapacityError(reply.message)
         if not reply.success or reply.session_id is None:
@@ -518,9 +458,8 @@ class TokenizerManager:
             # the micro-batches in the pipeline cannot be held between stages
             raise ValueError("pause_generation does not combine with pipeline parallelism")
         in_flight = set(self._states)
-        replies = await self._control_all(
+        replies = await self.control.call_all(
             io_struct.PauseGenerationReqInput(mode=mode),  # type: ignore[arg-type]
-            io_struct.PauseGenerationReqOutput,
         )
         reply = io_struct.PauseGenerationReqOutput(  # every data-parallel replica's counts together
             num_aborted=sum(r.num_aborted for r in replies),
@@ -530,12 +469,6 @@ class TokenizerManager:
             await asyncio.sleep(0.01)  # their final outputs are on the way (the detokenizer)
             self._check_alive()
         return reply
-
-    async def continue_generation(self) -> None:
-        """Let a paused scheduler run batches again (a no-op when it is not paused)."""
-        await self._control(
-            io_struct.ContinueGenerationReqInput(), io_struct.ContinueGenerationReqOutput
-        )
 
     # ------------------------------------------------------------------ operations
     async def _admit(self) -> None:
@@ -570,26 +503,14 @@ class TokenizerManager:
         async with self._exclusive:
             try:
                 await self._drain(abort_all_requests)
-                reply = await self._control(
+                reply = await self.control.call(
                     io_struct.UpdateWeightFromDiskReqInput(
                         model_path=model_path, load_format=load_format
-                    ),
-                    io_struct.UpdateWeightFromDiskReqOutput,
+                    )
                 )
             finally:
                 self._admission.set()
-        if not reply.success:
-            raise ValueError(reply.message)
         return reply.message
-
-    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
-        reply = await self._control(
-            io_struct.GetWeightsByNameReqInput(name=name, truncate_size=truncate_size),
-            io_struct.GetWeightsByNameReqOutput,
-        )
-        if reply.parameter is None:
-            raise ValueError(reply.message)
-        return reply.parameter
 
     async def release_memory_occupation(self, tags: list[str] | None = None) -> str:
         """Free the KV pool and/or the weights; requests get ``ServiceUnavailableError`` until
@@ -597,136 +518,18 @@ class TokenizerManager:
         async with self._exclusive:
             try:
                 await self._drain(abort=False)
-                reply = await self._control(
-                    io_struct.ReleaseMemoryOccupationReqInput(tags=tags),
-                    io_struct.ReleaseMemoryOccupationReqOutput,
-                )
-                if reply.success:
-                    self.memory_released |= set(tags or ("kv_cache", "weights"))
+                release = io_struct.ReleaseMemoryOccupationReqInput(tags=tags)
+                reply = await self.control.call(release)
+                self.memory_released |= set(tags or ("kv_cache", "weights"))
             finally:
                 self._admission.set()
-        if not reply.success:
-            raise ValueError(reply.message)
         return reply.message
 
     async def resume_memory_occupation(self, tags: list[str] | None = None) -> str:
         async with self._exclusive:
-            reply = await self._control(
-                io_struct.ResumeMemoryOccupationReqInput(tags=tags),
-                io_struct.ResumeMemoryOccupationReqOutput,
-            )
-            if reply.success:
-                self.memory_released -= set(tags or ("kv_cache", "weights"))
-        if not reply.success:
-            raise ValueError(reply.message)
+            reply = await self.control.call(io_struct.ResumeMemoryOccupationReqInput(tags=tags))
+            self.memory_released -= set(tags or ("kv_cache", "weights"))
         return reply.message
-
-    async def profile(self, req: io_struct.ProfileReq) -> io_struct.ProfileReqOutput:
-        reply = await self._control(req, io_struct.ProfileReqOutput)
-        if not reply.success:
-            raise ValueError(reply.message)
-        return reply
-
-    async def set_internal_state(self, server_args: dict[str, Any]) -> dict[str, Any]:
-        reply = await self._control(
-            io_struct.SetInternalStateReq(server_args=server_args),
-            io_struct.SetInternalStateReqOutput,
-        )
-        if not reply.updated:
-            raise ValueError(reply.message)
-        return reply.server_args
-
-    async def slow_down(self, forward_sleep_time: float | None) -> float | None:
-        if forward_sleep_time is not None and forward_sleep_time < 0:
-            raise ValueError(f"forward_sleep_time must be >= 0, got {forward_sleep_time}")
-        reply = await self._control(
-            io_struct.SlowDownReqInput(forward_sleep_time=forward_sleep_time),
-            io_struct.SlowDownReqOutput,
-        )
-        return reply.forward_sleep_time
-
-    async def freeze_gc(self) -> dict[str, int]:
-        """``gc.freeze()`` in the scheduler and in this process; the objects each froze."""
-        reply = await self._control(io_struct.FreezeGCReq(), io_struct.FreezeGCReqOutput)
-        gc.collect()
-        gc.freeze()
-        return {"scheduler": reply.frozen_objects, "tokenizer_manager": gc.get_freeze_count()}
-
-    async def get_load(self) -> list[dict[str, Any]]:
-        """One entry per data-parallel replica (SGLang's ``/get_load`` shape)."""
-        replies = await self._control_all(io_struct.GetLoadReqInput(), io_struct.GetLoadReqOutput)
-        return [msgspec.structs.asdict(r) for r in sorted(replies, key=lambda r: r.dp_rank)]
-
-    async def get_inspector_state(self) -> dict[str, Any]:
-        reply = await self._control(
-            io_struct.GetInspectorStateReq(), io_struct.GetInspectorStateReqOutput
-        )
-        return reply.state
-
-    async def check_health(self, timeout: float) -> bool:
-        """Whether the scheduler answers a liveness ping within ``timeout`` seconds (it answers
-        between steps, so a step stuck for longer fails it). Concurrent checks share pings."""
-        self._check_alive()
-        seq = next(self._ping_seq)
-        self._send_msg(io_struct.HealthCheckReq(seq=seq))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self._pong_seq < seq:
-            self._pong.clear()
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self._pong.wait(), remaining)
-            except TimeoutError:
-                return False
-            self._check_alive()
-        return True
-
-    async def _control(self, req: io_struct._Msg, reply_type: type) -> Any:
-        """Send a control request to every replica; the first reply that reports a refusal
-        (``success`` or ``updated`` false), else the first reply."""
-        replies = await self._control_all(req, reply_type)
-        refused = (
-            r for r in replies
-            if getattr(r, "success", True) is False or getattr(r, "updated", True) is False
-        )
-        return next(refused, replies[0])
-
-    async def _control_all(
-        self, req: io_struct._Msg, reply_type: type, fan_out: int | None = None
-    ) -> list[Any]:
-        """Send a control request; its replies, one per replica that answers (``fan_out``,
-        default every data-parallel replica)."""
-        self._check_alive()
-        self._reply_type_of[type(req).__name__] = reply_type
-        lock = self._control_locks.setdefault(reply_type, asyncio.Lock())
-        async with lock:
-            replies = _Replies(
-                asyncio.get_running_loop().create_future(),
-                fan_out or self.server_args.dp_size,
-            )
-            frame = self._encode(req)
-            self._control_futures[reply_type] = replies
-            try:
-                self._send_sock.send(frame, copy=False)
-                return await asyncio.wait_for(replies.future, self.server_args.watchdog_timeout)
-            finally:
-                del self._control_futures[reply_type]
-
-
-@dataclass
-class _Replies:
-    """The replies of one control request so far; the future completes with all of them."""
-
-    future: asyncio.Future
-    expected: int
-    received: list[Any] = field(default_factory=list)
-
-    def add(self, reply: Any) -> None:
-        self.received.append(reply)
-        if len(self.received) == self.expected:
-            self.future.set_result(self.received)
 
 
 def _session_ids(obj: GenerateReqInput) -> set[str]:

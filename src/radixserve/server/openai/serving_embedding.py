@@ -89,9 +89,9 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
 @router.post("/encode")
 async def encode(body: EncodeRequest, request: Request) -> Any:
     """SGLang's native embedding route; the reply is what ``Engine.encode`` returns."""
-    tm = get_ctx(request).tokenizer_manager
+    tokenizer_manager = get_ctx(request).tokenizer_manager
     prompt, field = (body.text, "text") if body.text is not None else (body.input_ids, "input_ids")
     admit(request, num_prompts(prompt), prompt_param=field)
     obj = GenerateReqInput(text=body.text, input_ids=body.input_ids, rid=body.rid)
-    work = tm.encode_request(obj)
+    work = tokenizer_manager.encode_request(obj)
     return await cancel_on_disconnect(request, work)
