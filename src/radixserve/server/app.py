@@ -11,6 +11,7 @@ from radixserve.server.control_api import router as control_router
 from radixserve.server.dashboard import router as dashboard_router
 from radixserve.server.errors import install_error_handlers
 from radixserve.server.native_api import router as native_router
+from radixserve.server.ollama import router as ollama_router
 from radixserve.server.openai.responses_store import ResponseStore
 from radixserve.server.openai.serving_chat import router as chat_router
 from radixserve.server.openai.serving_completions import router as completions_router
@@ -38,5 +39,6 @@ def create_app(ctx: ServerContext, max_body_bytes: int = MAX_BODY_BYTES) -> Fast
     app.include_router(embedding_router)
     app.include_router(models_router)
     app.include_router(responses_router)
+    app.include_router(ollama_router)
     app.add_middleware(RequestGuard, ctx=ctx, max_body_bytes=max_body_bytes)
     return app

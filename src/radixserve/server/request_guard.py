@@ -39,7 +39,7 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 # Routes that run the model: they count as in flight (drain) and get an admission ticket.
 GENERATION_PATHS = frozenset(
     {"/generate", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/encode",
-     "/v1/embeddings"}
+     "/v1/embeddings", "/api/chat", "/api/generate", "/api/embed"}  # the last three: Ollama's
 )
 # Operator routes: they need --admin-api-key when it is set (else --api-key, like the rest).
 CONTROL_PATHS = frozenset({
