@@ -65,6 +65,13 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return new[:new.index(1)] if 1 in new else new
 
 
+def chat_ids(tok, messages: list[dict], **kwargs) -> list[int]:
+    """The prompt ids of ``messages`` as the server builds them: the template's text, tokenized
+    without adding special tokens again."""
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    return tok.encode(text, add_special_tokens=False)
+
+
 def error_of(call, status: int) -> str:
     with pytest.raises(ollama.ResponseError) as e:
         result = call()
@@ -96,7 +103,7 @@ def test_raw_generate_equals_transformers_greedy_and_returns_its_context(olm, se
 def test_generate_renders_the_chat_template_with_system(olm, server, hf):
     model, tok = hf
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    ids = chat_ids(tok, messages)
     r = olm.generate(model=server.model, prompt=PROMPT, system="Be brief.", options=GREEDY)
     assert list(r.context) == ids + hf_greedy(model, ids, 8)
 
@@ -127,7 +134,7 @@ def test_chat_equals_transformers_greedy_stream_and_whole(olm, server, hf):
     messages = [{"role": "user", "content": "Name a built-in function."},
                 {"role": "assistant", "content": "len"},
                 {"role": "user", "content": "Another one?"}]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    ids = chat_ids(tok, messages)
     expected = hf_greedy(model, ids, 16)
     options = {"temperature": 0, "num_predict": 16}
     r = olm.chat(model=server.model, messages=messages, options=options, keep_alive=-1)
@@ -219,7 +226,6 @@ def test_format_json_schema_and_json_go_through_the_grammar(olm, server):
     ({"options": {"num_predict": -3}}, "num_predict"),
     ({"think": "high"}, "think"),
     ({"think": True}, "--reasoning-parser"),
-    ({"format": "yaml"}, "format"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"tools": [WEATHER_TOOL]}, "--tool-call-parser"),
     ({"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, "images"),
@@ -242,6 +248,27 @@ def test_generate_refusals_and_an_unknown_model(olm, server):
     assert "llama3.2:1b" in missing
     assert olm.generate(model=f"{server.model}:latest", prompt="hi",
                         options={"num_predict": 1}).done
+
+
+def test_raw_http_default_stream_and_error_shape(server):
+    """What the client cannot send or hides: Ollama streams when ``stream`` is left out, and
+    every error body is ``{"error": message}``."""
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        body = {"model": server.model, "prompt": PROMPT, "options": {"num_predict": 4}}
+        with http.stream("POST", "/api/generate", json=body) as r:
+            assert r.headers["content-type"] == "application/x-ndjson"
+            lines = [json.loads(line) for line in r.iter_lines()]
+        assert lines[-1]["done"] is True and lines[-1]["eval_count"] == 4 or \
+            lines[-1]["done_reason"] == "stop"
+        for bad, param in (({**body, "format": "yaml"}, "format"),
+                           ({**body, "stream": False, "options": {"num_ctx": 10**6}},
+                            "num_ctx")):
+            r = http.post("/api/generate", json=bad)
+            assert r.status_code == 400 and list(r.json()) == ["error"], r.text
+            assert param in r.json()["error"]
+        r = http.post("/api/chat", content=b"{not json", headers={"content-type":
+                                                                   "application/json"})
+        assert r.status_code == 400 and "JSON" in r.json()["error"]
 
 
 # ---------------------------------------------------------------------------- model routes
@@ -308,8 +335,9 @@ def test_tool_calls_round_trip(tools_server):
             "name": "get_weather", "arguments": dict(call.function.arguments)}}]},
         {"role": "tool", "content": "18 degrees", "tool_call_id": "call00000",
          "name": "get_weather"}]
-    ids = tok.apply_chat_template(openai_history, tools=[WEATHER_TOOL],
-                                  add_generation_prompt=True)
+    # The tool as the client sends it (its Tool model keeps only the fields it knows).
+    sent_tool = ollama.Tool.model_validate(WEATHER_TOOL).model_dump(exclude_none=True)
+    ids = chat_ids(tok, openai_history, tools=[sent_tool])
     assert after.prompt_eval_count == len(ids)
     shown = olm.show(tools_server.model)
     assert shown.capabilities == ["completion", "tools", "thinking"]
