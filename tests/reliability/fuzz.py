@@ -29,7 +29,10 @@ from radixserve.server.errors import ERROR_TYPES
 
 CALL_TIMEOUT_S = 60.0
 # Documented 5xx answers, not bugs: SGLang's fork-join route that radixserve does not implement.
-EXPECTED_5XX = {("POST", "/concate_and_append_request"): 501}
+EXPECTED_5XX = {("POST", "/concate_and_append_request"): 501,
+                # Ollama's model management: the model is fixed at start
+                **{("POST", f"/api/{r}"): 501 for r in ("pull", "push", "create", "copy")},
+                ("DELETE", "/api/delete"): 501}
 
 
 @dataclass
@@ -100,8 +103,11 @@ def operations(schema: Any) -> list[Any]:
     return [result.ok() for result in schema.get_all_operations()]
 
 
-def is_error_object(body: Any) -> bool:
+def is_error_object(body: Any, path: str = "") -> bool:
+    """The OpenAI error object; on Ollama's routes (``/api/``), Ollama's ``{"error": message}``."""
     error = body.get("error") if isinstance(body, dict) else None
+    if path.startswith("/api/"):
+        return isinstance(error, str) and bool(error)
     return (isinstance(error, dict) and isinstance(error.get("message"), str)
             and bool(error["message"]) and isinstance(error.get("type"), str))
 
@@ -147,7 +153,7 @@ def judge(report: OperationReport, case: Any, response: requests.Response) -> No
             body = response.json()
         except ValueError:
             body = None
-        if not is_error_object(body):
+        if not is_error_object(body, case.path):
             report.fail(f"{status} without an error object",
                         f"{where} -> {status} {response.text[:300]}")
     content_type = response.headers.get("content-type", "")
