@@ -39,7 +39,8 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 # Routes that run the model: they count as in flight (drain) and get an admission ticket.
 GENERATION_PATHS = frozenset(
     {"/generate", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/encode",
-     "/v1/embeddings", "/api/chat", "/api/generate", "/api/embed"}  # the last three: Ollama's
+     "/v1/embeddings", "/v1/score",
+     "/api/chat", "/api/generate", "/api/embed"}  # Ollama's
 )
 OLLAMA_PREFIX = "/api/"  # Ollama's routes: errors are {"error": message} there
 # Operator routes: they need --admin-api-key when it is set (else --api-key, like the rest).
