@@ -176,6 +176,11 @@ def test_options_stop_seed_and_num_predict(olm, server):
                                      "top_k": 50, "top_p": 0.95, "repeat_penalty": 1.1})
                for s in (7, 7, 8)]
     assert sampled[0].context == sampled[1].context != sampled[2].context
+    # top_k 0 is the whole vocabulary (llama.cpp's meaning): the same as leaving it out.
+    whole_vocab = [olm.generate(model=server.model, prompt=PROMPT, raw=True,
+                                options={"temperature": 1.0, "seed": 7, "num_predict": 16, **k})
+                   for k in ({"top_k": 0}, {})]
+    assert whole_vocab[0].context == whole_vocab[1].context
     one = olm.generate(model=server.model, prompt=PROMPT, raw=True,
                        options={"temperature": 0, "num_predict": 1})
     assert one.eval_count == 1 and one.done_reason in ("length", "stop")
@@ -266,9 +271,13 @@ def test_raw_http_default_stream_and_error_shape(server):
             r = http.post("/api/generate", json=bad)
             assert r.status_code == 400 and list(r.json()) == ["error"], r.text
             assert param in r.json()["error"]
-        r = http.post("/api/chat", content=b"{not json", headers={"content-type":
-                                                                   "application/json"})
-        assert r.status_code == 400 and "JSON" in r.json()["error"]
+        # Refused by the request guard, before any route: the same shape.
+        for content, needle in ((b"{not json", "JSON"),
+                                (b'{"model": "m", "options": {"seed": 99999999999999999999999}}',
+                                 "64 bits")):
+            r = http.post("/api/chat", content=content,
+                          headers={"content-type": "application/json"})
+            assert r.status_code == 400 and needle in r.json()["error"], r.text
 
 
 # ---------------------------------------------------------------------------- model routes

@@ -9,8 +9,9 @@ Options map to SGLang's sampling parameters by meaning: ``num_predict`` → ``ma
 (-1 and -2: up to the end of the context), ``repeat_penalty`` → ``repetition_penalty``, the rest
 by their own names. ``num_ctx`` is the request's context window: it may not exceed the model's
 context length (radixserve does not resize the context per request), the prompt must fit in it
-and generation stops at its end. An option left out takes radixserve's default (the checkpoint's
-``generation_config.json``, as on the OpenAI API), not the defaults of an Ollama Modelfile.
+and generation stops at its end. ``top_k`` 0 (or less) means the whole vocabulary, as in
+llama.cpp. An option left out takes radixserve's default, as on the OpenAI API (temperature 1,
+no top-p, top-k or penalty), not the defaults of an Ollama Modelfile.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class GenerationRequest(OllamaRequest):
         params: dict[str, Any] = {"max_new_tokens": max_new, **self.grammar()}
         optional = {
             "temperature": o.temperature,
-            "top_k": o.top_k,
+            "top_k": -1 if o.top_k is not None and o.top_k <= 0 else o.top_k,
             "top_p": o.top_p,
             "min_p": o.min_p,
             "stop": o.stop,
