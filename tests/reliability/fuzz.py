@@ -82,12 +82,30 @@ def _plausible_generate(body: dict[str, Any], draw: Callable[[Any], Any]) -> Non
     body["sampling_params"] = params
 
 
+def _ollama_options(body: dict[str, Any], draw: Callable[[Any], Any]) -> None:
+    options = body.get("options")
+    body["options"] = options if isinstance(options, dict) else {}
+    body["options"].setdefault("num_predict", draw(_SHORT))
+
+
+def _plausible_ollama_chat(body: dict[str, Any], draw: Callable[[Any], Any]) -> None:
+    body["messages"] = [{"role": "user", "content": draw(st.text(min_size=1, max_size=40))}]
+    _ollama_options(body, draw)
+
+
+def _plausible_ollama_generate(body: dict[str, Any], draw: Callable[[Any], Any]) -> None:
+    body["prompt"] = draw(st.text(min_size=1, max_size=40))
+    _ollama_options(body, draw)
+
+
 # Bodies the schema alone rarely makes valid (a chat message's fields depend on its role; the
 # native sampling parameters are an open dict): half of the positive examples get a valid core
 # and keep their fuzzed fields, so that the fuzz reaches generation, not only validation.
 PLAUSIBLE: dict[str, Callable[[dict[str, Any], Callable[[Any], Any]], None]] = {
     "/v1/chat/completions": _plausible_chat,
     "/generate": _plausible_generate,
+    "/api/chat": _plausible_ollama_chat,  # Ollama's: these also get the served model's name
+    "/api/generate": _plausible_ollama_generate,
 }
 
 
@@ -160,6 +178,12 @@ def judge(report: OperationReport, case: Any, response: requests.Response) -> No
     if status == 200 and content_type.startswith("text/event-stream"):
         for error in stream_server_errors(response.text):
             report.fail("stream error event", f"{where} -> {error}")
+    if status == 200 and content_type.startswith("application/x-ndjson"):
+        # Ollama's streams: a request is refused before its first line (``prime``), so an
+        # error line means the generation failed after it started.
+        for line in response.text.splitlines():
+            if line.startswith('{"error"'):
+                report.fail("stream error line", f"{where} -> {line[:300]}")
 
 
 def _short(body: Any, limit: int = 300) -> str:
@@ -178,6 +202,7 @@ class ServerKeeper:
         self.tunables = {k: info[k] for k in ("max_running_requests", "max_prefill_tokens",
                                                 "chunked_prefill_size")}
         self.tunables["max_running_requests"] = info["internal_states"][0]["max_running_requests"]
+        self.model = self._call("GET", "/v1/models").json()["data"][0]["id"]
         self._undo: dict[str, Callable[[], None]] = {
             "/pause_generation": lambda: self._call("POST", "/continue_generation"),
             "/release_memory_occupation": lambda: self._call("POST", "/resume_memory_occupation"),
@@ -219,6 +244,8 @@ class ServerKeeper:
                 del body[name]  # fewer fuzzed fields: more of these reach generation
             body.pop("model", None)
             plausible(body, draw)
+            if case.path.startswith("/api/"):  # Ollama's routes need the model named
+                body["model"] = self.model
         if case.path == "/start_profile" and isinstance(body.get("output_dir"), str):
             body["output_dir"] = self.profile_dir
         return case

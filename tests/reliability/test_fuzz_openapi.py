@@ -65,7 +65,8 @@ def test_every_operation_keeps_the_error_contract(fuzz_server, tmp_path):
         has_inputs = any(True for _ in op.iter_parameters()) or op.body
         assert report.calls >= (examples if has_inputs else 1), report.label
     # Generation was reached, not only validation.
-    for label in ("POST /generate", "POST /v1/chat/completions", "POST /v1/completions"):
+    for label in ("POST /generate", "POST /v1/chat/completions", "POST /v1/completions",
+                  "POST /api/chat", "POST /api/generate"):
         assert next(r for r in reports if r.label == label).statuses.get(200, 0) > 0, label
     failures = [f"{r.label} [{kind}]: {detail}"
                 for r in reports for kind, detail in r.failures.items()]
