@@ -2,11 +2,12 @@
 negative bodies, judged by the error contract (``server/errors.py``).
 
 ``fuzz_operation`` sends ``examples`` generated requests to one operation, one at a time, and
-returns what broke the contract: a 5xx, a 4xx without the OpenAI error object, a stream whose
-error event reports a server error, or no answer within ``CALL_TIMEOUT_S``. It keeps going
-after a failure (the whole picture, not the first bug) and puts the server back the way it was
-after each operator call that changes its state (pause, slow down, release memory, profile,
-tuned limits), so that one operation's examples never break the next one's.
+returns what broke the contract: a 5xx, a 4xx without the OpenAI error object (Ollama's
+``{"error": message}`` on its ``/api/`` routes), a stream whose error event reports a server
+error (any error line of an Ollama NDJSON stream), or no answer within ``CALL_TIMEOUT_S``.
+It keeps going after a failure (the whole picture, not the first bug) and puts the server back
+the way it was after each operator call that changes its state (pause, slow down, release
+memory, profile, tuned limits), so that one operation's examples never break the next one's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Schemathesis against ``/openapi.json``: every operation the server declares, 200 positive and
 negative examples each in CI (``RADIXSERVE_FUZZ_EXAMPLES``: ``make fuzz`` sends 1,000 with a
-fresh random seed). No 5xx, every 4xx the OpenAI error object, and afterwards the server is
-healthy and holds nothing: no KV, no request state, no session.
+fresh random seed). No 5xx, every 4xx the OpenAI error object (Ollama's on ``/api/``), and
+afterwards the server is healthy and holds nothing: no KV, no request state, no session.
 
 The server runs with ``--max-completion-tokens 16`` (larger requests are refused, requests
 without a bound get 16), so that no fuzzed request generates for long.
