@@ -253,6 +253,7 @@ def test_generate_refusals_and_an_unknown_model(olm, server):
     assert "llama3.2:1b" in missing
     assert olm.generate(model=f"{server.model}:latest", prompt="hi",
                         options={"num_predict": 1}).done
+    assert "--is-embedding" in error_of(lambda: olm.embed(model=server.model, input="hi"), 400)
 
 
 def test_raw_http_default_stream_and_error_shape(server):
