@@ -2,11 +2,12 @@
 negative bodies, judged by the error contract (``server/errors.py``).
 
 ``fuzz_operation`` sends ``examples`` generated requests to one operation, one at a time, and
-returns what broke the contract: a 5xx, a 4xx without the OpenAI error object, a stream whose
-error event reports a server error, or no answer within ``CALL_TIMEOUT_S``. It keeps going
-after a failure (the whole picture, not the first bug) and puts the server back the way it was
-after each operator call that changes its state (pause, slow down, release memory, profile,
-tuned limits), so that one operation's examples never break the next one's.
+returns what broke the contract: a 5xx, a 4xx without the OpenAI error object (Ollama's
+``{"error": message}`` on its ``/api/`` routes), a stream whose error event reports a server
+error (any error line of an Ollama NDJSON stream), or no answer within ``CALL_TIMEOUT_S``.
+It keeps going after a failure (the whole picture, not the first bug) and puts the server back
+the way it was after each operator call that changes its state (pause, slow down, release
+memory, profile, tuned limits), so that one operation's examples never break the next one's.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from radixserve.server.errors import ERROR_TYPES
 
 CALL_TIMEOUT_S = 60.0
 # Documented 5xx answers, not bugs: SGLang's fork-join route that radixserve does not implement.
-EXPECTED_5XX = {("POST", "/concate_and_append_request"): 501}
+EXPECTED_5XX = {("POST", "/concate_and_append_request"): 501,
+                # Ollama's model management: the model is fixed at start
+                **{("POST", f"/api/{r}"): 501 for r in ("pull", "push", "create", "copy")},
+                ("DELETE", "/api/delete"): 501}
 
 
 @dataclass
@@ -79,12 +83,30 @@ def _plausible_generate(body: dict[str, Any], draw: Callable[[Any], Any]) -> Non
     body["sampling_params"] = params
 
 
+def _ollama_options(body: dict[str, Any], draw: Callable[[Any], Any]) -> None:
+    options = body.get("options")
+    body["options"] = options if isinstance(options, dict) else {}
+    body["options"].setdefault("num_predict", draw(_SHORT))
+
+
+def _plausible_ollama_chat(body: dict[str, Any], draw: Callable[[Any], Any]) -> None:
+    body["messages"] = [{"role": "user", "content": draw(st.text(min_size=1, max_size=40))}]
+    _ollama_options(body, draw)
+
+
+def _plausible_ollama_generate(body: dict[str, Any], draw: Callable[[Any], Any]) -> None:
+    body["prompt"] = draw(st.text(min_size=1, max_size=40))
+    _ollama_options(body, draw)
+
+
 # Bodies the schema alone rarely makes valid (a chat message's fields depend on its role; the
 # native sampling parameters are an open dict): half of the positive examples get a valid core
 # and keep their fuzzed fields, so that the fuzz reaches generation, not only validation.
 PLAUSIBLE: dict[str, Callable[[dict[str, Any], Callable[[Any], Any]], None]] = {
     "/v1/chat/completions": _plausible_chat,
     "/generate": _plausible_generate,
+    "/api/chat": _plausible_ollama_chat,  # Ollama's: these also get the served model's name
+    "/api/generate": _plausible_ollama_generate,
 }
 
 
@@ -100,8 +122,11 @@ def operations(schema: Any) -> list[Any]:
     return [result.ok() for result in schema.get_all_operations()]
 
 
-def is_error_object(body: Any) -> bool:
+def is_error_object(body: Any, path: str = "") -> bool:
+    """The OpenAI error object; on Ollama's routes (``/api/``), Ollama's ``{"error": message}``."""
     error = body.get("error") if isinstance(body, dict) else None
+    if path.startswith("/api/"):
+        return isinstance(error, str) and bool(error)
     return (isinstance(error, dict) and isinstance(error.get("message"), str)
             and bool(error["message"]) and isinstance(error.get("type"), str))
 
@@ -147,13 +172,19 @@ def judge(report: OperationReport, case: Any, response: requests.Response) -> No
             body = response.json()
         except ValueError:
             body = None
-        if not is_error_object(body):
+        if not is_error_object(body, case.path):
             report.fail(f"{status} without an error object",
                         f"{where} -> {status} {response.text[:300]}")
     content_type = response.headers.get("content-type", "")
     if status == 200 and content_type.startswith("text/event-stream"):
         for error in stream_server_errors(response.text):
             report.fail("stream error event", f"{where} -> {error}")
+    if status == 200 and content_type.startswith("application/x-ndjson"):
+        # Ollama's streams: a request is refused before its first line (``prime``), so an
+        # error line means the generation failed after it started.
+        for line in response.text.splitlines():
+            if line.startswith('{"error"'):
+                report.fail("stream error line", f"{where} -> {line[:300]}")
 
 
 def _short(body: Any, limit: int = 300) -> str:
@@ -172,6 +203,7 @@ class ServerKeeper:
         self.tunables = {k: info[k] for k in ("max_running_requests", "max_prefill_tokens",
                                                 "chunked_prefill_size")}
         self.tunables["max_running_requests"] = info["internal_states"][0]["max_running_requests"]
+        self.model = self._call("GET", "/v1/models").json()["data"][0]["id"]
         self._undo: dict[str, Callable[[], None]] = {
             "/pause_generation": lambda: self._call("POST", "/continue_generation"),
             "/release_memory_occupation": lambda: self._call("POST", "/resume_memory_occupation"),
@@ -213,6 +245,8 @@ class ServerKeeper:
                 del body[name]  # fewer fuzzed fields: more of these reach generation
             body.pop("model", None)
             plausible(body, draw)
+            if case.path.startswith("/api/"):  # Ollama's routes need the model named
+                body["model"] = self.model
         if case.path == "/start_profile" and isinstance(body.get("output_dir"), str):
             body["output_dir"] = self.profile_dir
         return case

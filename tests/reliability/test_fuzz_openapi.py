@@ -1,7 +1,7 @@
 """Schemathesis against ``/openapi.json``: every operation the server declares, 200 positive and
 negative examples each in CI (``RADIXSERVE_FUZZ_EXAMPLES``: ``make fuzz`` sends 1,000 with a
-fresh random seed). No 5xx, every 4xx the OpenAI error object, and afterwards the server is
-healthy and holds nothing: no KV, no request state, no session.
+fresh random seed). No 5xx, every 4xx the OpenAI error object (Ollama's on ``/api/``), and
+afterwards the server is healthy and holds nothing: no KV, no request state, no session.
 
 The server runs with ``--max-completion-tokens 16`` (larger requests are refused, requests
 without a bound get 16), so that no fuzzed request generates for long.
@@ -65,7 +65,8 @@ def test_every_operation_keeps_the_error_contract(fuzz_server, tmp_path):
         has_inputs = any(True for _ in op.iter_parameters()) or op.body
         assert report.calls >= (examples if has_inputs else 1), report.label
     # Generation was reached, not only validation.
-    for label in ("POST /generate", "POST /v1/chat/completions", "POST /v1/completions"):
+    for label in ("POST /generate", "POST /v1/chat/completions", "POST /v1/completions",
+                  "POST /api/chat", "POST /api/generate"):
         assert next(r for r in reports if r.label == label).statuses.get(200, 0) > 0, label
     failures = [f"{r.label} [{kind}]: {detail}"
                 for r in reports for kind, detail in r.failures.items()]

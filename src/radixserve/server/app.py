@@ -10,12 +10,14 @@ from radixserve.server.control_api import router as control_router
 from radixserve.server.dashboard import router as dashboard_router
 from radixserve.server.errors import install_error_handlers
 from radixserve.server.native_api import router as native_router
+from radixserve.server.ollama import router as ollama_router
 from radixserve.server.openai.responses_store import ResponseStore
 from radixserve.server.openai.serving_chat import router as chat_router
 from radixserve.server.openai.serving_completions import router as completions_router
 from radixserve.server.openai.serving_embedding import router as embedding_router
 from radixserve.server.openai.serving_models import router as models_router
 from radixserve.server.openai.serving_responses import router as responses_router
+from radixserve.server.openai.serving_score import router as score_router
 from radixserve.server.request_guard import MAX_BODY_BYTES, RequestGuard
 from radixserve.version import __version__
 
@@ -38,5 +40,7 @@ def create_app(ctx: ServerContext, max_body_bytes: int = MAX_BODY_BYTES) -> Fast
     app.include_router(embedding_router)
     app.include_router(models_router)
     app.include_router(responses_router)
+    app.include_router(score_router)
+    app.include_router(ollama_router)
     app.add_middleware(RequestGuard, ctx=ctx, max_body_bytes=max_body_bytes)
     return app

@@ -99,9 +99,12 @@ def error_response(err: APIError) -> JSONResponse:
     )
 
 
-async def send_error(send: Send, err: APIError) -> None:
-    """Answer with ``err`` directly on an ASGI ``send`` (for middlewares)."""
-    body = json.dumps(error_body(err.status_code, err.message, err.param, err.code)).encode()
+async def send_error(send: Send, err: APIError, *, message_only: bool = False) -> None:
+    """Answer with ``err`` directly on an ASGI ``send`` (for middlewares). ``message_only``:
+    Ollama's shape, ``{"error": message}``, for its routes (``server/ollama/route.py``)."""
+    payload = ({"error": _clip(err.message, MAX_MESSAGE_CHARS)} if message_only
+               else error_body(err.status_code, err.message, err.param, err.code))
+    body = json.dumps(payload).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
     await send({"type": "http.response.start", "status": err.status_code, "headers": headers})

@@ -39,8 +39,10 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 # Routes that run the model: they count as in flight (drain) and get an admission ticket.
 GENERATION_PATHS = frozenset(
     {"/generate", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/encode",
-     "/v1/embeddings"}
+     "/v1/embeddings", "/v1/score",
+     "/api/chat", "/api/generate", "/api/embed"}  # Ollama's
 )
+OLLAMA_PREFIX = "/api/"  # Ollama's routes: errors are {"error": message} there
 # Operator routes: they need --admin-api-key when it is set (else --api-key, like the rest).
 CONTROL_PATHS = frozenset({
     "/flush_cache", "/update_weights_from_disk", "/get_weights_by_name",
@@ -79,7 +81,7 @@ class RequestGuard:
             body, receive = await self._read_body(scope, receive)
             _check_values(body)
         except APIError as err:
-            await send_error(send, err)
+            await send_error(send, err, message_only=path.startswith(OLLAMA_PREFIX))
             return
         if scope["method"] == "POST":
             scope = _as_json(scope)
