@@ -1,0 +1,112 @@
+"""No request can stall the others: user-controlled work on the scheduler's thread is bounded.
+
+The stall of issue 37 item 1: ``stop_regex`` ``(a|aa)+$b`` over output that a ``logit_bias``
+forces to ``aaaa...`` made Python's backtracking ``re`` take exponential time at every decode
+step, on the scheduler's thread, and every other request waited. The test sends it, waits until
+the request has produced far more ``a`` than a backtracking search survives, then shows another
+request finishing while the first is still running, and the server healthy afterwards. Deadlines
+only bound a failure (a stalled scheduler), they are never the synchronisation.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from tests.server.conftest import assert_no_leak, start_server
+from tests.sync import STATE_TIMEOUT_S, UNTIL_ABORTED, in_background, wait_for
+
+BACKTRACKING = "(a|aa)+$b"  # never matches; exponential in the run of a's for a backtracker
+# A backtracking search of BACKTRACKING over 40 a's takes ~1e8 steps: well past a stall.
+PAST_THE_STALL = 64
+
+
+@pytest.fixture(scope="module")
+def server(llama_path):
+    srv = start_server(llama_path)
+    yield srv
+    srv.check_clean_stop()
+
+
+@pytest.fixture(scope="module")
+def a_token(llama_path) -> int:
+    (token,) = AutoTokenizer.from_pretrained(llama_path).encode("a")
+    return token
+
+
+class ForcedStream:
+    """A streaming /generate whose every token is ``a`` (a forcing logit_bias), on a thread."""
+
+    def __init__(self, base_url: str, a_token: int, stop_regex: str) -> None:
+        self.completion_tokens = 0
+        self.text = ""
+        self.finish_reason: dict | None = None
+        self.finished = threading.Event()
+        body = {"text": "say a", "stream": True, "sampling_params": {
+            "max_new_tokens": UNTIL_ABORTED, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(a_token): 100}, "stop_regex": stop_regex}}
+        self.future = in_background(self._run, base_url, body)
+
+    def _run(self, base_url: str, body: dict) -> None:
+        try:
+            with httpx.Client(base_url=base_url, timeout=STATE_TIMEOUT_S) as c, \
+                    c.stream("POST", "/generate", json=body) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line.removeprefix("data: "))
+                        self.text = chunk["text"]
+                        self.completion_tokens = chunk["meta_info"]["completion_tokens"]
+                        self.finish_reason = chunk["meta_info"]["finish_reason"]
+        finally:
+            self.finished.set()
+
+
+def test_a_backtracking_stop_regex_does_not_stall_other_requests(server, a_token):
+    forced = ForcedStream(server.base_url, a_token, BACKTRACKING)
+    wait_for(lambda: {"tokens": forced.completion_tokens, "finished": forced.finished.is_set()},
+             lambda s: s["tokens"] >= PAST_THE_STALL or s["finished"],
+             "the forced request runs past the stall")
+    assert not forced.finished.is_set(), forced.future.exception()
+    assert forced.text.startswith("a" * PAST_THE_STALL)
+
+    # Another user's short request finishes while the forced one still runs.
+    with httpx.Client(base_url=server.base_url, timeout=STATE_TIMEOUT_S) as c:
+        r = c.post("/generate", json={"text": "hello", "sampling_params": {
+            "max_new_tokens": 4, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+        assert r.json()["meta_info"]["completion_tokens"] == 4
+        assert not forced.finished.is_set(), "the forced request ended before the check"
+
+        forced.future.result(STATE_TIMEOUT_S)
+        assert forced.finish_reason == {"type": "length", "length": UNTIL_ABORTED}
+        assert forced.text == "a" * UNTIL_ABORTED
+        assert c.get("/health").status_code == 200
+        assert server.proc.poll() is None
+        assert_no_leak(c)
+
+
+def test_a_matching_stop_regex_still_stops_and_is_cut(server, a_token):
+    """The same linear matcher finds matches: ``a{5}$`` ends the forced run at five a's (the
+    window search sees the output's end), and the detokenizer cuts where the match begins."""
+    with httpx.Client(base_url=server.base_url, timeout=STATE_TIMEOUT_S) as c:
+        r = c.post("/generate", json={"text": "say a", "sampling_params": {
+            "max_new_tokens": 64, "temperature": 0, "logit_bias": {str(a_token): 100},
+            "stop_regex": "a{5}$"}})
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert meta["finish_reason"] == {"type": "stop", "matched": "a{5}$"}
+    assert meta["completion_tokens"] == 5
+    assert r.json()["text"] == ""
+
+
+@pytest.mark.parametrize("pattern", [r"(a)\1", "(?=a)a", "(?<!b)a"])
+def test_a_pattern_that_needs_backtracking_is_refused_naming_stop_regex(server, pattern):
+    with httpx.Client(base_url=server.base_url, timeout=STATE_TIMEOUT_S) as c:
+        r = c.post("/generate", json={"text": "x", "sampling_params": {"stop_regex": pattern}})
+        assert r.status_code == 400, r.text
+        assert "stop_regex" in r.json()["error"]["message"]
