@@ -40,6 +40,7 @@ import zmq.asyncio
 
 from radixserve.finish_reason import FinishAbort, FinishReason
 from radixserve.managers import io_struct, ipc
+from radixserve.managers.caller import current_caller, may_act_for
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.logprob_meta import LogprobMeta
 from radixserve.managers.request_state import (
@@ -256,6 +257,7 @@ class TokenizerManager:
                 metrics=RequestMetrics(rid=req.rid, arrival_time=now),
                 log_metrics=log_metrics,
                 session_id=_session_id(req),
+                owner=current_caller.get(),
             )
             for i, req in enumerate(reqs)
         ]
@@ -462,8 +464,16 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ control requests
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        """Ask the scheduler to abort ``rid`` (or everything); the request finishes as abort."""
+        """Ask the scheduler to abort ``rid`` (or everything); the request finishes as abort.
+
+        A rid is aborted only for the caller that sent it (``managers/caller.py``): for anyone
+        else it is unknown, and aborting an unknown rid does nothing. ``abort_all`` is the
+        HTTP edge's to allow (an admin route when an admin key is configured)."""
         self._check_alive()
+        if rid and not abort_all:
+            state = self._states.get(rid)
+            if state is not None and not may_act_for(current_caller.get(), state.owner):
+                return
         self._send_msg(io_struct.AbortReq(rid=rid, abort_all=abort_all))
 
     async def flush_cache(self) -> io_struct.FlushCacheReqOutput:

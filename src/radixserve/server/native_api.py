@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from radixserve import __version__
+from radixserve.managers.caller import ADMIN, current_caller
 from radixserve.managers.generate_request import GenerateReqInput
 from radixserve.managers.io_struct import OpenSessionReqInput
 from radixserve.server.admission import admit, check_batch_size, num_prompts, requested_n
@@ -336,6 +337,11 @@ async def abort_request(body: AbortRequest, request: Request) -> dict[str, Any]:
     """Abort one request by ``rid`` or every request; they finish with finish_reason abort."""
     if not body.rid and not body.abort_all:
         raise APIError(400, "Give a non-empty 'rid' or 'abort_all': true.", param="rid")
+    if (body.abort_all and get_ctx(request).server_args.admin_api_key is not None
+            and current_caller.get() != ADMIN):
+        raise APIError(403, "abort_all needs the admin API key (--admin-api-key); with this key "
+                       "abort the requests you sent by rid.", param="abort_all",
+                       code="permission_denied")
     get_ctx(request).tokenizer_manager.abort_request(rid=body.rid, abort_all=body.abort_all)
     return {"success": True}
 

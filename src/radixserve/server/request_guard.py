@@ -30,6 +30,7 @@ from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from radixserve.managers.caller import ADMIN, ANONYMOUS, API_KEY, current_caller
 from radixserve.managers.request_values import MAX_DEPTH, describe, find_unrepresentable
 from radixserve.server.admission import RETRY_AFTER_S, TICKET_KEY, Ticket
 from radixserve.server.context import ServerContext, ServerState
@@ -72,9 +73,10 @@ class RequestGuard:
             return
         path = scope["path"]
         generation = path in GENERATION_PATHS and scope["method"] == "POST"
+        caller = None
         try:
             if path != HEALTH_PATH:
-                self._check_api_key(scope)
+                caller = self._check_api_key(scope)
                 self._check_state()
             body, receive = await self._read_body(scope, receive)
             _check_values(body)
@@ -83,6 +85,7 @@ class RequestGuard:
             return
         if scope["method"] == "POST":
             scope = _as_json(scope)
+        current_caller.set(caller)  # this task's; what the request creates is the caller's
         if not generation:
             await self.app(scope, receive, send)
             return
@@ -94,14 +97,16 @@ class RequestGuard:
             self.ctx.in_flight -= 1
             self.ctx.queued_generations -= ticket.generations
 
-    def _check_api_key(self, scope: Scope) -> None:
+    def _check_api_key(self, scope: Scope) -> str | None:
+        """Raise 401 unless the request carries a key that opens its route; return who it is
+        (``managers/caller.py``: None when no key is configured)."""
         control = scope["path"] in CONTROL_PATHS
         # The admin key opens every route; the API key all but the control routes.
         accepted = [self._expected_admin_auth]
         if not control:
             accepted.append(self._expected_auth)
         if self._expected_auth is None and not (control and self._expected_admin_auth):
-            return
+            return self._caller(scope)
         headers = [value for name, value in scope["headers"] if name == b"authorization"]
         given = headers[0] if headers else b""
         if scope["path"] in DASHBOARD_PATHS and not given:  # a browser opening the page
@@ -120,6 +125,22 @@ class RequestGuard:
                 f"Missing or invalid {which}: send 'Authorization: Bearer <key>'.",
                 code="invalid_api_key",
             )
+        return self._caller(scope)
+
+    def _caller(self, scope: Scope) -> str | None:
+        """Who an admitted request is: None without keys (everyone is the same caller), else
+        the key it carries, or ``ANONYMOUS`` on a route no key guards."""
+        args = self.ctx.server_args
+        if args.api_key is None and args.admin_api_key is None:
+            return None
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        if args.admin_api_key is not None and hmac.compare_digest(
+                given, f"Bearer {args.admin_api_key}".encode()):
+            return ADMIN
+        if args.api_key is not None and hmac.compare_digest(
+                given, f"Bearer {args.api_key}".encode()):
+            return API_KEY
+        return ANONYMOUS
 
     def _check_state(self) -> None:
         state = self.ctx.state
