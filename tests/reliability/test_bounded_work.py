@@ -17,17 +17,18 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.server.conftest import assert_no_leak, start_server
+from tests.server.conftest import assert_no_leak, internal_state, start_server
 from tests.sync import STATE_TIMEOUT_S, UNTIL_ABORTED, in_background, wait_for
 
 BACKTRACKING = "(a|aa)+$b"  # never matches; exponential in the run of a's for a backtracker
 # A backtracking search of BACKTRACKING over 40 a's takes ~1e8 steps: well past a stall.
 PAST_THE_STALL = 64
+IDLE_S = 1  # --session-idle-timeout
 
 
 @pytest.fixture(scope="module")
 def server(llama_path):
-    srv = start_server(llama_path)
+    srv = start_server(llama_path, "--session-idle-timeout", str(IDLE_S))
     yield srv
     srv.check_clean_stop()
 
@@ -110,3 +111,81 @@ def test_a_pattern_that_needs_backtracking_is_refused_naming_stop_regex(server, 
         r = c.post("/generate", json={"text": "x", "sampling_params": {"stop_regex": pattern}})
         assert r.status_code == 400, r.text
         assert "stop_regex" in r.json()["error"]["message"]
+
+
+def test_a_session_opened_without_timeout_gets_the_default_idle_timeout(server):
+    with httpx.Client(base_url=server.base_url, timeout=STATE_TIMEOUT_S) as c:
+        assert c.get("/get_server_info").json()["session_idle_timeout"] == IDLE_S
+        r = c.post("/open_session", json={"capacity_of_str_len": 64})
+        assert r.status_code == 200, r.text
+        session = r.json()
+        wait_for(lambda: internal_state(c), lambda s: session not in s["session_ids"],
+                 "the idle session timed out")
+        r = c.post("/generate", json={"input_ids": [5, 6, 7], "session_params": {"id": session},
+                                      "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 400 and "does not exist or is closed" in r.text, r.text
+
+
+@pytest.mark.parametrize("timeout", [IDLE_S + 0.5, 1e308])
+def test_a_session_may_not_outlive_the_servers_idle_timeout(server, timeout):
+    """1,024 sessions that never expire would refuse every new one until a restart."""
+    with httpx.Client(base_url=server.base_url, timeout=STATE_TIMEOUT_S) as c:
+        before = internal_state(c)["num_open_sessions"]
+        r = c.post("/open_session", json={"capacity_of_str_len": 64, "timeout": timeout})
+        assert r.status_code == 400, r.text
+        assert "--session-idle-timeout" in r.json()["error"]["message"]
+        assert internal_state(c)["num_open_sessions"] <= before  # (earlier ones expire)
+        r = c.post("/open_session", json={"capacity_of_str_len": 64, "timeout": IDLE_S / 2})
+        assert r.status_code == 200, r.text
+
+
+class RunningStream:
+    """A streaming /generate of ``UNTIL_ABORTED`` tokens on a thread; ``first`` is set by its
+    first chunk: from then on it runs, one step after the other, so that a ``slow_down`` that
+    returns has its next step sleeping. (The scheduler's internal state is not asked for while
+    a step sleeps: that control request would wait behind the sleep.)"""
+
+    def __init__(self, base_url: str) -> None:
+        self.first = threading.Event()
+        self.tokens = 0
+        self.future = in_background(self._run, base_url)
+
+    def _run(self, base_url: str) -> None:
+        body = {"text": "slow", "stream": True,
+                "sampling_params": {"max_new_tokens": UNTIL_ABORTED, "ignore_eos": True}}
+        with httpx.Client(base_url=base_url, timeout=STATE_TIMEOUT_S) as c, \
+                c.stream("POST", "/generate", json=body) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    self.tokens = json.loads(line[6:])["meta_info"]["completion_tokens"]
+                    self.first.set()
+
+
+def test_slow_down_is_bounded_and_a_reset_ends_the_sleep_at_once(server):
+    """``forward_sleep_time`` past ``--watchdog-timeout`` (300 s here) is refused; one at the
+    bound sleeps after every step until a reset arrives, which ends the sleep instead of
+    waiting (and timing out) behind it."""
+    with httpx.Client(base_url=server.base_url, timeout=STATE_TIMEOUT_S) as c:
+        r = c.post("/slow_down", json={"forward_sleep_time": 1e9})
+        assert r.status_code == 400, r.text
+        assert "--watchdog-timeout" in r.json()["error"]["message"]
+        running = RunningStream(server.base_url)
+        assert running.first.wait(STATE_TIMEOUT_S), "the request never started"
+        try:
+            assert c.post("/slow_down", json={"forward_sleep_time": 300}).status_code == 200
+        finally:  # the next step sleeps 300 s: the reset must come back well before it ends
+            r = c.post("/slow_down", json={"forward_sleep_time": None})
+        assert r.status_code == 200 and r.json()["forward_sleep_time"] is None, r.text
+        running.future.result(STATE_TIMEOUT_S)
+        assert running.tokens == UNTIL_ABORTED
+
+
+def test_sigterm_stops_a_slowed_down_server(server):
+    """The last test of the module: SIGTERM while a step sleeps for 300 s exits 0
+    (``check_clean_stop`` allows 60 s)."""
+    running = RunningStream(server.base_url)
+    assert running.first.wait(STATE_TIMEOUT_S), "the request never started"
+    with httpx.Client(base_url=server.base_url, timeout=STATE_TIMEOUT_S) as c:
+        assert c.post("/slow_down", json={"forward_sleep_time": 300}).status_code == 200
+    server.check_clean_stop()

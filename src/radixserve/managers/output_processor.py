@@ -32,6 +32,7 @@ input is complete finishes at once and its embedding goes to the tokenizer manag
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +52,7 @@ from radixserve.managers.schedule_batch import Req, ScheduleBatch, release_kv
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 
 logger = logging.getLogger(__name__)
+_INJECTED_HANG_S = 3600.0
 
 
 def _logprobs_output(req: Req, start: int) -> LogprobsOutput:
@@ -151,6 +153,8 @@ class OutputProcessor:
     ) -> None:
         if self.inject_faults and req.rid.startswith("inject-fault-output-"):
             raise RuntimeError(f"injected fault while processing {req.rid}")
+        if self.inject_faults and req.rid.startswith("inject-hang-"):
+            time.sleep(_INJECTED_HANG_S)  # a hung step, for the watchdog's test
         if req.sampling_params.max_new_tokens == 0:
             req.finished_reason = FinishLength(length=0)
             return

@@ -183,6 +183,7 @@ class Scheduler:
         self._after_aborts: list[TokenizedGenerateReqInput] = []
         self.last_leak_check: dict[str, Any] = {}
         self.stop_requested = False
+        self.receiver: RequestReceiver | None = None  # set by event_loop
         self.idle_checked = False  # the idle self-check ran since the last step
         self.overlap = None if parts.overlap is None else OverlapSchedule(self, parts.overlap)
         self.paused = False  # by PauseGenerationReqInput: no step runs until continued
@@ -240,6 +241,7 @@ class Scheduler:
         process (``--session-store``), so that a restarted server resumes them."""
         watchdog = Watchdog(self.settings.watchdog_timeout)
         watchdog.start()
+        self.receiver = receiver  # a slowed-down step sleeps on it (SchedulerControl._sleep)
         while not self.stop_requested:
             self.process_input_requests(receiver.recv())
             watchdog.step_started()

@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 TUNABLE = {"max_running_requests": 1, "max_prefill_tokens": 1, "chunked_prefill_size": 1}
 _INSPECT_MAX_NODES = 256
 _INSPECT_MAX_REQS = 64
+_SLEEP_SLICE_S = 0.1  # slow_down sleeps in slices this long, checking for a reset or a stop
 
 
 class SchedulerControl:
@@ -95,7 +96,22 @@ class SchedulerControl:
         the step as the watchdog sees it)."""
         self.profiler.on_step()
         if self.forward_sleep_time:
-            time.sleep(self.forward_sleep_time)
+            self._sleep(self.forward_sleep_time)
+
+    def _sleep(self, seconds: float) -> None:
+        """``slow_down``'s sleep, in slices: a new ``slow_down`` (a reset, say) or a stop
+        (SIGTERM) ends it early, so that the hook is never stuck. The value is bounded by
+        ``--watchdog-timeout`` (``TokenizerManager.slow_down``)."""
+        deadline = time.monotonic() + seconds
+        receiver = self.scheduler.receiver
+        while not self.scheduler.stop_requested:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if receiver is None:
+                time.sleep(min(left, _SLEEP_SLICE_S))
+            elif receiver.wait_for(SlowDownReqInput, min(left, _SLEEP_SLICE_S)):
+                return
 
     def _busy(self) -> str | None:
         s = self.scheduler

@@ -649,6 +649,11 @@ class TokenizerManager:
     async def slow_down(self, forward_sleep_time: float | None) -> float | None:
         if forward_sleep_time is not None and forward_sleep_time < 0:
             raise ValueError(f"forward_sleep_time must be >= 0, got {forward_sleep_time}")
+        limit = self.server_args.watchdog_timeout
+        if forward_sleep_time is not None and forward_sleep_time > limit:
+            # Longer would only end the server (the watchdog) and outlast the reset's wait.
+            raise ValueError(f"forward_sleep_time must be at most --watchdog-timeout "
+                             f"({limit:g} s), got {forward_sleep_time:g}")
         reply = await self._control(
             io_struct.SlowDownReqInput(forward_sleep_time=forward_sleep_time),
             io_struct.SlowDownReqOutput,
