@@ -233,6 +233,10 @@ CASES = [
          message="not UTF-8"),
     Case("body_with_a_utf8_bom", CHAT, b"\xef\xbb\xbf" + json.dumps(chat()).encode(),
          message="byte order mark"),
+    # --- the default bound on generations in flight (4096): the largest batch times the largest n
+    Case("max_prompts_times_max_n", GENERATE,
+         {"text": ["a"] * 2048, "sampling_params": {"max_new_tokens": 1, "n": 64}},
+         message="--max-queued-requests"),
     # --- the scheduler's own refusals still come back as 400
     Case("generate_in_an_unknown_session", GENERATE, generate(session_params={"id": "nope"}),
          message="nope", reaches_scheduler=True),

@@ -12,18 +12,23 @@ component, then reports with ``report_ready(conn, info)`` or, on a failure,
 ``report_failure(conn, error)``; the parent raises the child's error, or its exit code when it
 died without a word.
 
-How a child ends: it exits at once with code 0 on SIGTERM (it holds nothing to flush:
-interpreter teardown would only cost seconds), and exits the same way when its parent dies, so
-it never outlives the server or Engine that started it. The watch thread exits the process
-itself: a main thread blocked in a collective of torch.distributed would never run a signal
-handler. A child that does hold something to flush (a scheduler with a session store) replaces
-the SIGTERM handler with ``on_sigterm``: it finishes its step, flushes, then exits; when its
-parent dies the watch thread SIGTERMs it and exits the process only if the flush has not ended
-it within ``_FLUSH_GRACE_S``.
+How a child ends: only its parent ends it, with ``STOP_SIGNAL`` (SIGUSR1, sent by
+``terminate_processes``), or by dying. The child ignores SIGINT and SIGTERM: a terminal's Ctrl-C
+and a supervisor's SIGTERM to the whole process group (systemd's default) reach the parent too,
+which drains its requests and then stops its children; a child that exited on the group's signal
+would look like a crash to the parent. On ``STOP_SIGNAL`` a child exits at once with code 0 (it
+holds nothing to flush: interpreter teardown would only cost seconds), and exits the same way
+when its parent dies, so it never outlives the server or Engine that started it. The watch
+thread exits the process itself: a main thread blocked in a collective of torch.distributed
+would never run a signal handler. A child that does hold something to flush (a scheduler with
+a session store) replaces the handler with ``on_sigterm``: it finishes its step, flushes, then
+exits; when its parent dies the watch thread signals it and exits the process only if the flush
+has not ended it within ``_FLUSH_GRACE_S``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -65,10 +70,12 @@ def _child_main(name: str, server_args_json: str, port_args_json: str,
                 ready_conn: Connection, child_args_json: str) -> None:
     """Spawn target: import the named entry point here, so the parent never loads it.
 
-    Ctrl-C in a terminal signals the whole process group; the children ignore it and are stopped
-    by their parent, which may still be draining requests.
+    Ctrl-C in a terminal, or SIGTERM to the process group, signals every process of the group;
+    the children ignore both and are stopped by their parent (``STOP_SIGNAL``), which may still
+    be draining requests.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         if name.startswith("scheduler"):
             from radixserve.managers.scheduler_process import run_scheduler_process
@@ -133,11 +140,17 @@ def stop_timeout(server_args: ServerArgs) -> float:
     return SESSION_STORE_STOP_TIMEOUT_S if server_args.session_store is not None else 5.0
 
 
+def stop_process(proc: mp.process.BaseProcess) -> None:
+    """Ask a child to stop (``STOP_SIGNAL``: it ignores SIGTERM, see the module docstring)."""
+    if proc.is_alive() and proc.pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, STOP_SIGNAL)
+
+
 def terminate_processes(processes: list[mp.process.BaseProcess], timeout: float = 5.0) -> None:
-    """SIGTERM, then SIGKILL whatever is still alive after ``timeout``; reap all."""
+    """``STOP_SIGNAL``, then SIGKILL whatever is still alive after ``timeout``; reap all."""
     for proc in processes:
-        if proc.is_alive():
-            proc.terminate()
+        stop_process(proc)
     deadline = time.monotonic() + timeout
     for proc in processes:
         proc.join(max(0.0, deadline - time.monotonic()))
@@ -253,6 +266,8 @@ def watch_processes(
 
 # ---------------------------------------------------------------------- child side
 _PARENT_POLL_S = 0.5
+# How a parent stops its children (they ignore the process group's SIGINT and SIGTERM).
+STOP_SIGNAL = signal.SIGUSR1
 _FLUSH_GRACE_S = 180.0  # the session store's flush on SIGTERM takes up to 120 s
 _flushes_on_sigterm = False
 
@@ -268,7 +283,7 @@ def _exit_when_parent_dies() -> None:
         while os.getppid() == parent:  # reparented once the parent is gone
             time.sleep(_PARENT_POLL_S)
         if _flushes_on_sigterm:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), STOP_SIGNAL)
             time.sleep(_FLUSH_GRACE_S)
         os._exit(0)
 
@@ -277,16 +292,16 @@ def _exit_when_parent_dies() -> None:
 
 def install_exit_handlers() -> None:
     """Call first thing in a worker process."""
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(STOP_SIGNAL, _exit_on_sigterm)
     _exit_when_parent_dies()
 
 
 def on_sigterm(callback: Callable[[], None]) -> None:
-    """From now on SIGTERM (also the one sent when the parent dies) calls ``callback`` on the
-    main thread instead of exiting; the worker exits when it is done."""
+    """From now on ``STOP_SIGNAL`` (also the one sent when the parent dies) calls ``callback``
+    on the main thread instead of exiting; the worker exits when it is done."""
     global _flushes_on_sigterm
     _flushes_on_sigterm = True
-    signal.signal(signal.SIGTERM, lambda signum, frame: callback())
+    signal.signal(STOP_SIGNAL, lambda signum, frame: callback())
 
 
 def report_ready(conn: Connection, info: dict[str, Any] | None = None) -> None:
