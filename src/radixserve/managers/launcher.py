@@ -76,6 +76,12 @@ def _child_main(name: str, server_args_json: str, port_args_json: str,
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # tqdm's default lock is a multiprocessing semaphore, which a child ending with os._exit
+    # leaves to the resource tracker ("leaked semaphore" at every exit). No bar is shared
+    # between processes: a thread lock serves.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     try:
         if name.startswith("scheduler"):
             from radixserve.managers.scheduler_process import run_scheduler_process
