@@ -139,6 +139,26 @@ def test_a_session_may_not_outlive_the_servers_idle_timeout(server, timeout):
         assert r.status_code == 200, r.text
 
 
+def _tokenize(base_url: str, prompt: str) -> int:
+    with httpx.Client(base_url=base_url, timeout=STATE_TIMEOUT_S) as c:
+        r = c.post("/tokenize", json={"prompt": prompt})
+        assert r.status_code == 200, r.text[:2000]
+        return r.json()["count"]
+
+
+def test_a_seven_megabyte_tokenize_does_not_hold_other_requests(server):
+    """The big prompt is tokenized off the event loop (seconds of work): a short generation
+    sent meanwhile finishes while the tokenization still runs. On the loop it could only
+    finish after it."""
+    big = in_background(_tokenize, server.base_url, "word " * 1_400_000)
+    with httpx.Client(base_url=server.base_url, timeout=STATE_TIMEOUT_S) as c:
+        r = c.post("/generate", json={"text": "hello", "sampling_params": {
+            "max_new_tokens": 4, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+    assert not big.done(), "the short request waited for the big tokenization"
+    assert big.result(STATE_TIMEOUT_S) >= 1_400_000
+
+
 class RunningStream:
     """A streaming /generate of ``UNTIL_ABORTED`` tokens on a thread; ``first`` is set by its
     first chunk: from then on it runs, one step after the other, so that a ``slow_down`` that
