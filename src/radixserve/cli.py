@@ -107,7 +107,7 @@ HELP: dict[str, str] = {
     "enable_metrics": "Serve Prometheus metrics on GET /metrics.",
     "max_queued_requests": "Most generations in flight (a request counts prompts x n, after its "
     "body is parsed): past it 429 with Retry-After; a request that alone asks for more is a "
-    "400 (default: unbounded).",
+    "400 (default: 4096).",
     "max_n": "Most samples per prompt (n) one request may ask for (more: 400).",
     "max_batch_size": "Most prompts in one request (/generate, /v1/completions, /encode, "
     "/v1/embeddings; more: 400).",

@@ -46,7 +46,8 @@ RADIXSERVE_ADMIN_API_KEY = EnvStr("RADIXSERVE_ADMIN_API_KEY")
 RADIXSERVE_TORCH_PROFILER_DIR = EnvStr("RADIXSERVE_TORCH_PROFILER_DIR")
 # Test hook: requests whose rid starts with "inject-fault-" raise inside the scheduler (while it
 # handles the message, or while it processes their output), to test that one failing request
-# gets a 500 and the others keep running.
+# gets a 500 and the others keep running; one whose rid starts with "inject-hang-" hangs its step
+# (the watchdog's test: slow_down is bounded by --watchdog-timeout).
 RADIXSERVE_TEST_INJECT_FAULTS = EnvBool("RADIXSERVE_TEST_INJECT_FAULTS")
 # "busy": check the memory invariant after every scheduler step too (raising on a violation),
 # not only when the scheduler goes idle. Costs a little per step; the session tests run with it.

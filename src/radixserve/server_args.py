@@ -66,7 +66,7 @@ class ServerArgs:
     # serving
     stream_interval: int = 1
     enable_metrics: bool = False
-    max_queued_requests: int | None = None
+    max_queued_requests: int | None = 4096  # generations (prompts x n); None: unbounded
     max_n: int = 64
     max_batch_size: int = 2048
     max_top_logprobs_num: int = 20

@@ -18,6 +18,7 @@ from radixserve.managers.io_struct import (
     GetInternalStateReqOutput,
     TokenizedGenerateReqInput,
 )
+from radixserve.managers.launcher import stop_process
 from radixserve.managers.scheduler.scheduler_process import run_scheduler_process, scheduler_threads
 from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
@@ -61,7 +62,7 @@ def test_scheduler_process_serves_over_zmq_and_exits_cleanly_on_sigterm(llama_pa
         assert isinstance(state, GetInternalStateReqOutput)
         assert state.state["last_leak_check"]["ok"]
 
-        proc.terminate()
+        stop_process(proc)  # how a parent stops a child (it ignores SIGTERM)
         proc.join(30)
         assert proc.exitcode == 0
     finally:

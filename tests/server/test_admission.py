@@ -180,6 +180,10 @@ def test_max_completion_tokens_caps_requests_without_max_tokens(http):
     chat = http.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "Once"}], **plain}).json()
     assert chat["usage"]["completion_tokens"] == MAX_TOKENS
+    # The native default (128 new tokens) is clamped to the cap, not refused by it.
+    native = http.post("/generate", json={"text": "Once", "sampling_params": plain})
+    assert native.status_code == 200, native.text
+    assert native.json()["meta_info"]["completion_tokens"] == MAX_TOKENS
 
 
 @pytest.mark.parametrize(("path", "body"), [

@@ -214,6 +214,29 @@ CASES = [
          {"model_path": "../../../../etc"}, message="etc"),
     Case("weights_by_a_traversal_name", "/get_weights_by_name", {"name": "../../etc/passwd"},
          message="passwd"),
+    # --- OpenAI's ranges, one token limit, one value per key, UTF-8 only (issue 37 items 8, 9)
+    Case("temperature_past_two", CHAT, chat(temperature=1e308), param="temperature"),
+    Case("responses_temperature_past_two", "/v1/responses",
+         {"input": "hi", "max_output_tokens": 2, "temperature": 2.5}, param="temperature"),
+    Case("logit_bias_past_a_hundred", CHAT, chat(logit_bias={"5": 101}), param="logit_bias",
+         message="between -100 and 100"),
+    Case("max_tokens_and_max_completion_tokens", CHAT, chat(max_completion_tokens=3),
+         message="not both"),
+    Case("duplicate_json_key", CHAT,
+         b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "max_tokens": 2}',
+         param="max_tokens", message="repeats the key"),
+    Case("body_in_utf16_with_a_bom", CHAT, json.dumps(chat()).encode("utf-16"),
+         message="not UTF-8"),
+    Case("body_in_utf32_without_a_bom", CHAT, json.dumps(chat()).encode("utf-32-le"),
+         message="not UTF-8"),
+    Case("body_in_utf16_without_a_bom", CHAT, json.dumps(chat()).encode("utf-16-le"),
+         message="not UTF-8"),
+    Case("body_with_a_utf8_bom", CHAT, b"\xef\xbb\xbf" + json.dumps(chat()).encode(),
+         message="byte order mark"),
+    # --- the default bound on generations in flight (4096): the largest batch times the largest n
+    Case("max_prompts_times_max_n", GENERATE,
+         {"text": ["a"] * 2048, "sampling_params": {"max_new_tokens": 1, "n": 64}},
+         message="--max-queued-requests"),
     # --- the scheduler's own refusals still come back as 400
     Case("generate_in_an_unknown_session", GENERATE, generate(session_params={"id": "nope"}),
          message="nope", reaches_scheduler=True),
@@ -262,6 +285,22 @@ def test_values_at_each_bound_are_accepted(client, path, body):
     r = client.post(path, content=json.dumps(body).encode(),
                     headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text[:2000]
+
+
+@pytest.mark.parametrize(("headers", "message"), [
+    ({"x-big": "a" * 100_000}, "bytes long"),
+    ({f"x-h{i}": "1" for i in range(2000)}, "header fields"),
+], ids=["a_100_kb_header", "two_thousand_headers"])
+def test_an_oversized_request_head_is_431(client, headers, message):
+    r = client.post(GENERATE, json=generate(), headers=headers)
+    assert r.status_code == 431, r.text[:2000]
+    assert message in r.json()["error"]["message"]
+
+
+def test_a_head_at_the_limits_is_served(client):
+    headers = {f"x-h{i}": "1" for i in range(90)}
+    headers["x-big"] = "a" * 12_000
+    assert client.post(GENERATE, json=generate(), headers=headers).status_code == 200
 
 
 def test_the_server_is_healthy_and_leak_free_after_the_hostile_requests(client):

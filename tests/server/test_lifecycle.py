@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -58,6 +59,38 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero_without_children(llam
         assert ready == [f"{READY_PREFIX}{srv.base_url} (model {srv.model})"]
     finally:
         srv.kill()
+
+
+def test_sigterm_to_the_whole_process_group_exits_zero_without_an_error(llama_path, tmp_path):
+    """What systemd and ``kill -TERM -PGID`` do: every process of the group gets SIGTERM. The
+    children leave shutdown to the parent (they ignore it), so no child "exits unexpectedly"
+    and the server drains and exits 0, as on a terminal's Ctrl-C."""
+    log = tmp_path / "stderr.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "radixserve", "serve", "--model-path", str(llama_path),
+             "--port", str(free_port()), "--dtype", "float32", "--device", "cpu",
+             "--max-total-tokens", "4096", "--log-level", "warning"],
+            stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+        )
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.startswith(READY_PREFIX):
+                    break
+            children = psutil.Process(proc.pid).children(recursive=True)
+            assert len(children) >= 2
+            os.killpg(proc.pid, signal.SIGTERM)
+            assert proc.wait(60) == 0, log.read_text()[-3000:]
+            _, alive = psutil.wait_procs(children, timeout=10)
+            assert not alive
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    text = log.read_text()
+    assert "exited unexpectedly" not in text and "ERROR" not in text, text[-3000:]
+    assert "leaked semaphore" not in text, text[-3000:]  # (the tracker was among the children)
 
 
 def test_busy_port_fails_fast_with_a_clear_error(llama_path):

@@ -164,6 +164,8 @@ def test_length_limit_mid_json_is_finish_reason_length(oai, server):
          "needs json_schema.schema"),
         ({"response_format": {"type": "xml"}}, "response_format.type", "json_object"),
         ({"regex": "[0-9"}, None, "invalid regex"),
+        ({"response_format": response_format({"$ref": "#"})}, None, "admits no output"),
+        ({"ebnf": 'root ::= root "a"'}, None, "admits no output"),
         ({"regex": "a", "response_format": {"type": "json_object"}}, None, "at most one of"),
         ({"function_call": "auto"}, "function_call", "deprecated functions API"),
         ({"store": True}, "store", "stored completions"),
@@ -181,6 +183,22 @@ def test_unusable_grammars_and_unsupported_fields_are_400_naming_them(client, bo
     assert message in error["message"]
     if param is not None:
         assert error["param"] == param
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_dead_ends_mid_output_is_an_error_not_a_200(client, stream):
+    """After "a" this grammar admits nothing (x has no finite derivation): the request fails
+    with a 400 error object (an error event on a stream), never text outside the grammar."""
+    body = {"text": "x", "stream": stream, "sampling_params": {
+        "ebnf": 'root ::= "a" x\nx ::= x "b"', "max_new_tokens": 8, "temperature": 0}}
+    r = client.post("/generate", json=body)
+    if not stream or r.status_code != 200:  # a stream whose first output was the failure
+        assert r.status_code == 400, r.text
+        assert "dead end" in r.json()["error"]["message"]
+        return
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    assert "error" in events[-1] and "dead end" in events[-1]["error"]["message"], events
 
 
 def test_invalid_grammar_on_a_stream_fails_before_it_starts(client):

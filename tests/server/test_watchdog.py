@@ -13,18 +13,20 @@ from tests.server.conftest import start_server
 
 
 def test_a_hung_step_dumps_stacks_turns_health_503_and_exits_nonzero(llama_path):
-    srv = start_server(llama_path, "--watchdog-timeout", "8", "--health-timeout", "1")
+    srv = start_server(llama_path, "--watchdog-timeout", "8", "--health-timeout", "1",
+                       env={"RADIXSERVE_TEST_INJECT_FAULTS": "1"})
     try:
         children = srv.children()
         with httpx.Client(base_url=srv.base_url, timeout=30) as c:
             assert c.get("/health").status_code == 200
-            # The injected hang: each step now sleeps far longer than the watchdog allows.
-            assert c.post("/slow_down", json={"forward_sleep_time": 120}).status_code == 200
+            # slow_down cannot outlast the watchdog (it is bounded by --watchdog-timeout) ...
+            r = c.post("/slow_down", json={"forward_sleep_time": 120})
+            assert r.status_code == 400 and "--watchdog-timeout" in r.text, r.text
 
-            def victim() -> None:
+            def victim() -> None:  # ... so the hang is injected: this request's step hangs
                 try:
                     with httpx.Client(base_url=srv.base_url, timeout=120) as v:
-                        v.post("/generate", json={"text": "hang",
+                        v.post("/generate", json={"text": "hang", "rid": "inject-hang-1",
                                                   "sampling_params": {"max_new_tokens": 2}})
                 except httpx.HTTPError:
                     pass  # the server may go away under it

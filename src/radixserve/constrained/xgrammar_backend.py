@@ -84,16 +84,29 @@ class XGrammarBackend(GrammarBackend):
     def compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
         try:
             if key.kind == "json_schema":
-                return self._compile_json_schema(key.spec)
-            if key.kind == "regex":
-                return self._compiler.compile_regex(key.spec)
-            if key.kind == "ebnf":
-                return self._compiler.compile_grammar(key.spec)
-            if key.kind == "structural_tag":
-                return self._compile_structural_tag(key.spec)
+                compiled = self._compile_json_schema(key.spec)
+            elif key.kind == "regex":
+                compiled = self._compiler.compile_regex(key.spec)
+            elif key.kind == "ebnf":
+                compiled = self._compiler.compile_grammar(key.spec)
+            elif key.kind == "structural_tag":
+                compiled = self._compile_structural_tag(key.spec)
+            else:
+                raise GrammarError(f"unknown grammar kind {key.kind!r}")
         except RuntimeError as e:  # xgrammar reports every invalid grammar this way
             raise GrammarError(f"invalid {key.kind}: {_clean(e)}") from None
-        raise GrammarError(f"unknown grammar kind {key.kind!r}")
+        self._check_admits_output(key, compiled)
+        return compiled
+
+    def _check_admits_output(self, key: GrammarKey, compiled: xgr.CompiledGrammar) -> None:
+        """Refuse a grammar that admits no first token, not even the end (``{"$ref": "#"}``,
+        ``root ::= root "a"``): decoding under it could only produce text outside it."""
+        matcher = xgr.GrammarMatcher(compiled)
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        if not bool(bitmask.any()) and not matcher.is_terminated():
+            raise GrammarError(f"invalid {key.kind}: it admits no output at all (no string "
+                               "matches it, not even an empty one)")
 
     def _compile_json_schema(self, spec: str) -> xgr.CompiledGrammar:
         schema = _parse_json(spec, "json_schema")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +37,7 @@ from radixserve.finish_reason import FinishReason, FinishStop
 from radixserve.managers import io_struct, ipc
 from radixserve.managers.child_process import install_exit_handlers, report_failure, report_ready
 from radixserve.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, ReqStrOutput
+from radixserve.sampling.stop_regex import match_start
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -130,8 +130,7 @@ class IncrementalDetokenizer:
         """Where the stop string (or, failing that, the stop regex) ``matched`` begins."""
         pos = self.text.find(matched)
         if pos == -1 and matched in self._stop_regex:
-            found = re.search(matched, self.text)
-            pos = found.start() if found else -1
+            pos = match_start(matched, self.text)  # RE2: linear in the text
         return pos
 
     def _safe_end(self) -> int:

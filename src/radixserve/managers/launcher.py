@@ -14,10 +14,12 @@ nothing imports back up into the launcher.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import signal
 import socket
@@ -28,7 +30,7 @@ from functools import partial
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from radixserve.managers.child_process import report_failure
+from radixserve.managers.child_process import STOP_SIGNAL, report_failure
 from radixserve.managers.ipc import PortArgs
 from radixserve.server_args import ServerArgs
 
@@ -55,10 +57,18 @@ def _child_main(name: str, server_args_json: str, port_args_json: str,
                 ready_conn: Connection, child_args_json: str) -> None:
     """Spawn target: import the named entry point here, so the parent never loads it.
 
-    Ctrl-C in a terminal signals the whole process group; the children ignore it and are stopped
-    by their parent, which may still be draining requests.
+    Ctrl-C in a terminal, or SIGTERM to the process group, signals every process of the group;
+    the children ignore both and are stopped by their parent (``STOP_SIGNAL``), which may still
+    be draining requests.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # tqdm's default lock is a multiprocessing semaphore, which a child ending with os._exit
+    # leaves to the resource tracker ("leaked semaphore" at every exit). No bar is shared
+    # between processes: a thread lock serves.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     try:
         if name.startswith("scheduler"):
             from radixserve.managers.scheduler.scheduler_process import run_scheduler_process
@@ -123,11 +133,17 @@ def stop_timeout(server_args: ServerArgs) -> float:
     return SESSION_STORE_STOP_TIMEOUT_S if server_args.session_store is not None else 5.0
 
 
+def stop_process(proc: mp.process.BaseProcess) -> None:
+    """Ask a child to stop (``STOP_SIGNAL``: it ignores SIGTERM, see managers/child_process.py)."""
+    if proc.is_alive() and proc.pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, STOP_SIGNAL)
+
+
 def terminate_processes(processes: list[mp.process.BaseProcess], timeout: float = 5.0) -> None:
-    """SIGTERM, then SIGKILL whatever is still alive after ``timeout``; reap all."""
+    """``STOP_SIGNAL``, then SIGKILL whatever is still alive after ``timeout``; reap all."""
     for proc in processes:
-        if proc.is_alive():
-            proc.terminate()
+        stop_process(proc)
     deadline = time.monotonic() + timeout
     for proc in processes:
         proc.join(max(0.0, deadline - time.monotonic()))

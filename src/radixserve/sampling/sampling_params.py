@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
 import msgspec
 
+from radixserve.sampling.stop_regex import validate_stop_regex
+
 _EPS = 1e-6
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
-MAX_STOP_REGEX = 32
 # Every generated token is checked against every stop string: bound the work one request buys.
 MAX_STOP_STRINGS = 128
 MAX_STOP_STRING_CHARS = 4096
@@ -150,7 +150,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError("logit_bias values must be finite numbers")
         if self.stream_interval is not None and self.stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
-        self._validate_stop_regex()
+        validate_stop_regex(self.stop_regex)  # RE2: linear-time search (stop_regex.py)
         grammars = [k for k in GRAMMAR_FIELDS if getattr(self, k)]
         if len(grammars) > 1:
             raise ValueError(
@@ -164,13 +164,3 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             if bad:
                 raise ValueError(f"logit_bias token ids out of vocabulary range: {bad[:10]}")
 
-    def _validate_stop_regex(self) -> None:
-        if len(self.stop_regex) > MAX_STOP_REGEX:
-            raise ValueError(f"at most {MAX_STOP_REGEX} stop_regex patterns are allowed")
-        for pattern in self.stop_regex:
-            if not pattern:
-                raise ValueError("stop_regex patterns must be non-empty")
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"stop_regex {pattern!r} is not a valid regex: {e}") from None

@@ -35,10 +35,12 @@ logger = logging.getLogger(__name__)
 ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     408: "request_timeout",
     413: "request_too_large",
+    431: "request_too_large",
     429: "rate_limit_error",
     500: "server_error",
     501: "not_implemented_error",

@@ -22,6 +22,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from radixserve.managers.caller import ADMIN, current_caller
 from radixserve.managers.io_struct import FlushCacheReq, OpenSessionReqInput
 from radixserve.managers.tokenizer.generate_request import GenerateReqInput
 from radixserve.server.admission import admit, check_batch_size, num_prompts, requested_n
@@ -29,6 +30,7 @@ from radixserve.server.context import ServerState, get_ctx
 from radixserve.server.errors import APIError, stream_error
 from radixserve.server.generations import cancel_on_disconnect, first_item, prime
 from radixserve.server.metrics import CONTENT_TYPE
+from radixserve.server.off_loop import run_sized
 from radixserve.server.sse import DONE, sse_event, sse_response
 from radixserve.server.strict_request import StrictRequest, Unsupported
 from radixserve.version import __version__
@@ -160,7 +162,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     fields = body.model_dump(exclude_none=True, exclude={"model", "routed_dp_rank"})
     fields["data_parallel_rank"] = _dp_rank(body, ctx.server_args.dp_size)
     obj = GenerateReqInput(**fields)
-    agen = ctx.tokenizer_manager.generate_request(obj)
+    prepared = await run_sized(request, ctx.tokenizer_manager.prepare_generate, obj)
+    agen = ctx.tokenizer_manager.generate_request(prepared)
     if not obj.stream:
         return JSONResponse(await cancel_on_disconnect(request, first_item(agen)))
     return sse_response(_stream_events(await prime(request, agen)))
@@ -336,6 +339,11 @@ async def abort_request(body: AbortRequest, request: Request) -> dict[str, Any]:
     """Abort one request by ``rid`` or every request; they finish with finish_reason abort."""
     if not body.rid and not body.abort_all:
         raise APIError(400, "Give a non-empty 'rid' or 'abort_all': true.", param="rid")
+    if (body.abort_all and get_ctx(request).server_args.admin_api_key is not None
+            and current_caller.get() != ADMIN):
+        raise APIError(403, "abort_all needs the admin API key (--admin-api-key); with this key "
+                       "abort the requests you sent by rid.", param="abort_all",
+                       code="permission_denied")
     get_ctx(request).tokenizer_manager.abort_request(rid=body.rid, abort_all=body.abort_all)
     return {"success": True}
 
@@ -358,15 +366,17 @@ async def close_session(body: CloseSessionRequest, request: Request) -> dict[str
 # ---------------------------------------------------------------------------- tokenizer
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
-    """Token ids of one prompt or of a batch of at most ``--max-batch-size`` prompts (the
-    tokenizer runs on the event loop, so a batch is bounded like a generation's)."""
+    """Token ids of one prompt or of a batch of at most ``--max-batch-size`` prompts (a large
+    body is tokenized off the event loop: ``off_loop.py``)."""
     ctx = get_ctx(request)
     tok = ctx.tokenizer
     if isinstance(body.prompt, str):
-        ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await run_sized(request, lambda: tok.encode(
+            body.prompt, add_special_tokens=body.add_special_tokens))
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.context_len}
     check_batch_size(ctx.server_args, len(body.prompt), "prompt")
-    rows = [tok.encode(p, add_special_tokens=body.add_special_tokens) for p in body.prompt]
+    rows = await run_sized(request, lambda: [
+        tok.encode(p, add_special_tokens=body.add_special_tokens) for p in body.prompt])
     return {"tokens": rows, "count": [len(r) for r in rows], "max_model_len": ctx.context_len}
 
 

@@ -2,15 +2,17 @@
 
 In order:
 
-1. ``RequestGuard`` (pure ASGI, before any parsing): the API key (every route but ``/health``;
+1. ``RequestGuard`` (pure ASGI, before any parsing): the header count and size (431 past
+   ``MAX_HEADERS`` or ``MAX_HEADER_BYTES``), the API key (every route but ``/health``;
    ``CONTROL_PATHS`` need ``--admin-api-key`` instead when it is set),
    the server state (503 while starting or draining), the in-flight count of generation requests
    (the drain waits on it) with an admission ``Ticket`` each, the body size (413 past
    ``MAX_BODY_BYTES``, from ``Content-Length`` or counted while reading) and the time to read it
    (408 past ``--request-read-timeout``; the headers have the same time, ``http_protocol.py``),
    the values in a JSON body (400 naming an integer past 64 bits, NaN, a lone surrogate or
-   nesting too deep: ``managers/tokenizer/request_values.py``); POST bodies are read as JSON
-   whatever their Content-Type says.
+   nesting too deep: ``managers/tokenizer/request_values.py``), a body that is not UTF-8 (a
+   byte order mark, UTF-16 or UTF-32) and a key repeated in one JSON object (400); POST bodies
+   are read as JSON whatever their Content-Type says.
 2. The route (``native_api``, ``openai/*``), which validates its body with pydantic (errors → 400),
    admits the generations it asks for (``admission.py``: 400 past ``--max-n`` or
    ``--max-batch-size``, 429 past ``--max-queued-requests``) and calls the ``TokenizerManager``
@@ -30,12 +32,16 @@ from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from radixserve.managers.caller import ADMIN, ANONYMOUS, API_KEY, current_caller
 from radixserve.managers.tokenizer.request_values import MAX_DEPTH, describe, find_unrepresentable
 from radixserve.server.admission import RETRY_AFTER_S, TICKET_KEY, Ticket
 from radixserve.server.context import ServerContext, ServerState
 from radixserve.server.errors import APIError, send_error
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
+# The request head: past these, 431 (h11 bounds only a head still arriving, to 16 KiB).
+MAX_HEADERS = 100
+MAX_HEADER_BYTES = 16 * 1024
 # Routes that run the model: they count as in flight (drain) and get an admission ticket.
 GENERATION_PATHS = frozenset(
     {"/generate", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/encode",
@@ -74,9 +80,11 @@ class RequestGuard:
             return
         path = scope["path"]
         generation = path in GENERATION_PATHS and scope["method"] == "POST"
+        caller = None
         try:
+            _check_headers(scope)
             if path != HEALTH_PATH:
-                self._check_api_key(scope)
+                caller = self._check_api_key(scope)
                 self._check_state()
             body, receive = await self._read_body(scope, receive)
             _check_values(body)
@@ -85,6 +93,7 @@ class RequestGuard:
             return
         if scope["method"] == "POST":
             scope = _as_json(scope)
+        current_caller.set(caller)  # this task's; what the request creates is the caller's
         if not generation:
             await self.app(scope, receive, send)
             return
@@ -96,14 +105,16 @@ class RequestGuard:
             self.ctx.in_flight -= 1
             self.ctx.queued_generations -= ticket.generations
 
-    def _check_api_key(self, scope: Scope) -> None:
+    def _check_api_key(self, scope: Scope) -> str | None:
+        """Raise 401 unless the request carries a key that opens its route; return who it is
+        (``managers/caller.py``: None when no key is configured)."""
         control = scope["path"] in CONTROL_PATHS
         # The admin key opens every route; the API key all but the control routes.
         accepted = [self._expected_admin_auth]
         if not control:
             accepted.append(self._expected_auth)
         if self._expected_auth is None and not (control and self._expected_admin_auth):
-            return
+            return self._caller(scope)
         headers = [value for name, value in scope["headers"] if name == b"authorization"]
         given = headers[0] if headers else b""
         if scope["path"] in DASHBOARD_PATHS and not given:  # a browser opening the page
@@ -122,6 +133,22 @@ class RequestGuard:
                 f"Missing or invalid {which}: send 'Authorization: Bearer <key>'.",
                 code="invalid_api_key",
             )
+        return self._caller(scope)
+
+    def _caller(self, scope: Scope) -> str | None:
+        """Who an admitted request is: None without keys (everyone is the same caller), else
+        the key it carries, or ``ANONYMOUS`` on a route no key guards."""
+        args = self.ctx.server_args
+        if args.api_key is None and args.admin_api_key is None:
+            return None
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        if args.admin_api_key is not None and hmac.compare_digest(
+                given, f"Bearer {args.admin_api_key}".encode()):
+            return ADMIN
+        if args.api_key is not None and hmac.compare_digest(
+                given, f"Bearer {args.api_key}".encode()):
+            return API_KEY
+        return ANONYMOUS
 
     def _check_state(self) -> None:
         state = self.ctx.state
@@ -174,6 +201,18 @@ class RequestGuard:
         return body, _replay([body], None, receive)
 
 
+def _check_headers(scope: Scope) -> None:
+    """431 past ``MAX_HEADERS`` header fields or ``MAX_HEADER_BYTES`` of names and values."""
+    headers = scope["headers"]
+    if len(headers) > MAX_HEADERS:
+        raise APIError(431, f"The request has {len(headers)} header fields; at most "
+                       f"{MAX_HEADERS} are accepted.", headers={"Connection": "close"})
+    size = sum(len(name) + len(value) for name, value in headers)
+    if size > MAX_HEADER_BYTES:
+        raise APIError(431, f"The request headers are {size} bytes long; at most "
+                       f"{MAX_HEADER_BYTES} are accepted.", headers={"Connection": "close"})
+
+
 def _check_values(body: bytes) -> None:
     """400 naming the first value of a JSON body that the server cannot carry (an integer past
     64 bits, NaN, a lone surrogate, deep nesting: ``request_values``), before any route reads
@@ -181,19 +220,63 @@ def _check_values(body: bytes) -> None:
     if not body:
         return
     try:
-        data = json.loads(body)
+        # surrogatepass: an encoded lone surrogate is refused below, naming where it is.
+        text = body.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"The request body is not UTF-8 (byte {e.start}); JSON must be "
+                       "sent as UTF-8.") from None
+    if text.startswith("\ufeff"):
+        raise APIError(400, "The request body starts with a byte order mark; send UTF-8 JSON "
+                       "without one.")
+    try:
+        data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except RecursionError:
         raise APIError(
             400, f"The request body is nested more than {MAX_DEPTH} levels deep."
         ) from None
     except json.JSONDecodeError:
+        if _other_encoding(body):  # UTF-16/32 without a byte order mark: NULs are UTF-8
+            raise APIError(400, "The request body is not UTF-8 JSON (it reads as UTF-16 or "
+                           "UTF-32); JSON must be sent as UTF-8.") from None
         return
+    except _DuplicateKeyError as e:
+        raise APIError(400, f"The request body repeats the key {e.key[:100]!r} in one object: "
+                       "each key may appear once.", param=e.key[:100]) from None
     except ValueError as e:  # an integer of more than 4300 digits, bytes that are not UTF-8
         raise APIError(400, f"The request body is not valid JSON: {e}") from None
     found = find_unrepresentable(data)
     if found is not None:
         path, why = found
         raise APIError(400, describe(path, why), param=path or None)
+
+
+class _DuplicateKeyError(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """``json.loads``' object hook: a repeated key is an error, not "the last one wins" (which
+    value a client meant, and which one a proxy in front checked, would differ)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKeyError(key)
+            seen.add(key)
+    return obj
+
+
+def _other_encoding(body: bytes) -> bool:
+    """Whether ``body`` is JSON in another encoding that a route's ``json.loads(bytes)`` would
+    detect and read (UTF-16 or UTF-32, which it sniffs from the NUL bytes)."""
+    try:
+        json.loads(body)
+    except ValueError:
+        return False
+    return True
 
 
 def _as_json(scope: Scope) -> Scope:

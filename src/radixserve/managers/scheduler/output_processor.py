@@ -32,6 +32,7 @@ input is complete finishes at once and its embedding goes to the tokenizer manag
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +52,7 @@ from radixserve.managers.scheduler.schedule_batch import Req, ScheduleBatch, rel
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 
 logger = logging.getLogger(__name__)
+_INJECTED_HANG_S = 3600.0
 
 
 def _logprobs_output(req: Req, start: int) -> LogprobsOutput:
@@ -151,6 +153,8 @@ class OutputProcessor:
     ) -> None:
         if self.inject_faults and req.rid.startswith("inject-fault-output-"):
             raise RuntimeError(f"injected fault while processing {req.rid}")
+        if self.inject_faults and req.rid.startswith("inject-hang-"):
+            time.sleep(_INJECTED_HANG_S)  # a hung step, for the watchdog's test
         if req.sampling_params.max_new_tokens == 0:
             req.finished_reason = FinishLength(length=0)
             return
@@ -163,11 +167,15 @@ class OutputProcessor:
             if req.token_ids_logprob:
                 req.output_token_ids_logprobs.append(result.token_ids_logprobs[i])
         if req.grammar is not None and not req.grammar.accept_token(token):
-            # The sampler applies the grammar's mask, so this is a bug: end the request, not
-            # the server.
-            logger.error("request %r: sampled token %d outside its grammar", req.rid, token)
+            # The sampler applies the grammar's mask, so the mask was empty: the grammar admits
+            # no continuation of this output (it dead-ends; one that admits nothing at all is
+            # refused when compiled). The request fails with an error, never a 200 with text
+            # outside its grammar.
+            logger.warning("request %r: token %d outside its grammar (a dead end after %d "
+                           "tokens)", req.rid, token, len(req.output_ids))
             req.finished_reason = FinishAbort(
-                message=f"internal error: token {token} violates the grammar"
+                message=f"the grammar admits no continuation of the output after "
+                f"{len(req.output_ids)} tokens (it has a dead end)", status_code=400,
             )
             return
         req.check_finished(self.eos_token_ids, self.tokenizer)

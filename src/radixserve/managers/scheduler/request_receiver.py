@@ -14,6 +14,7 @@ wait on when idle; the others wait inside the receive.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import zmq
@@ -40,6 +41,8 @@ class RequestReceiver:
         self.socket = socket
         self.expired_sessions = expired_sessions
         self._poller: zmq.Poller | None = None
+        # Read while a slowed-down step slept (``wait_for``): handed out first by ``recv``.
+        self._pending: list[Message] = []
         if socket is not None:
             self._poller = zmq.Poller()
             self._poller.register(socket, zmq.POLLIN)
@@ -53,6 +56,8 @@ class RequestReceiver:
                 for session_id in self.expired_sessions():
                     logger.info("session %r timed out", session_id)
                     msgs.append(CloseSessionReqInput(session_id=session_id))
+                msgs.extend(self._pending)
+                self._pending.clear()
                 msgs.extend(ipc.recv_nowait(self.socket))
             if parallel.tp.size > 1:
                 data = io_struct.encode_batch(msgs) if self.socket is not None else None
@@ -74,3 +79,18 @@ class RequestReceiver:
         return at once and block in the next ``recv`` instead)."""
         if self._poller is not None:
             self._poller.poll(timeout_ms)
+
+    def wait_for(self, wanted: type, timeout_s: float) -> bool:
+        """Sleep up to ``timeout_s`` (``slow_down``'s sleep after a step), ending early when a
+        ``wanted`` message (the next ``SlowDownReqInput``) arrives: True then. What arrives
+        meanwhile is kept, in order, for the next ``recv``. Ranks without the socket sleep."""
+        if any(isinstance(m, wanted) for m in self._pending):
+            return True
+        if self._poller is None or self.socket is None:
+            time.sleep(timeout_s)
+            return False
+        if not self._poller.poll(max(int(timeout_s * 1000), 1)):
+            return False
+        arrived = ipc.recv_nowait(self.socket)
+        self._pending.extend(arrived)
+        return any(isinstance(m, wanted) for m in arrived)

@@ -39,8 +39,6 @@ while the current one still runs: its token is then in flight, not yet in ``outp
 
 from __future__ import annotations
 
-import functools
-import re
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -56,23 +54,17 @@ from radixserve.managers.io_struct import (
 )
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
+from radixserve.sampling import stop_regex
 from radixserve.sampling.sampling_batch_info import GrammarMask, SamplingBatchInfo
 from radixserve.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from radixserve.constrained import GrammarCache, GrammarMatcher
 
-try:  # the regex parser (``sre_parse`` before Python 3.11)
-    import re._parser as sre_parse  # type: ignore[import-not-found]
-except ImportError:  # pragma: no cover - Python 3.10
-    import sre_parse  # type: ignore[no-redef]
-
 _EMPTY = torch.empty(0, dtype=torch.int64)
 # Every ``Req`` alive in this process, for the internal state's ``num_live_reqs``: once no
 # request runs, waits or belongs to an open session it must be 0 (nothing holds on to them).
 _LIVE_REQS: weakref.WeakSet[Req] = weakref.WeakSet()
-# A stop regex that can match more characters than this is searched in the whole output.
-_MAX_REGEX_WINDOW = 1024
 
 
 def pages_to_alloc(prefix_len: int, seq_len: int, page_size: int) -> int:
@@ -266,25 +258,17 @@ class Req:
                     self.finished_reason = FinishStop(matched=stop)
                     return
         if params.stop_regex:
-            window = stop_regex_window(params.stop_regex)
-            tail = self.output_ids if window is None else self.output_ids[-window:]
-            text = tokenizer.decode(tail, skip_special_tokens=params.skip_special_tokens)
-            for pattern in params.stop_regex:
-                if re.search(pattern, text):
-                    self.finished_reason = FinishStop(matched=pattern)
-                    return
-
-
-@functools.lru_cache(maxsize=256)
-def _regex_max_width(pattern: str) -> int:
-    return sre_parse.parse(pattern).getwidth()[1]
-
-
-def stop_regex_window(patterns: list[str]) -> int | None:
-    """Output tokens to decode to find any match of ``patterns``: four per character of the
-    longest possible match (+1, as for stop strings), None (all) when a match is unbounded."""
-    width = max(_regex_max_width(p) for p in patterns)
-    return None if width >= _MAX_REGEX_WINDOW else 4 * width + 1
+            # RE2 over a window of bounded size: the work per step does not grow with the
+            # output, whatever the pattern (sampling/stop_regex.py).
+            window = stop_regex.window_tokens(params.stop_regex)
+            text = tokenizer.decode(
+                self.output_ids[-window:], skip_special_tokens=params.skip_special_tokens
+            )
+            matched = stop_regex.find_stop_regex(
+                params.stop_regex, text, at_start=len(self.output_ids) <= window
+            )
+            if matched is not None:
+                self.finished_reason = FinishStop(matched=matched)
 
 
 def release_kv(req: Req, tree_cache: BasePrefixCache) -> None:

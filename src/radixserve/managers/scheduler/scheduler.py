@@ -64,6 +64,7 @@ from radixserve.managers.scheduler.scheduler_stats import LoadReporter, Schedule
 from radixserve.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from radixserve.managers.scheduler.request_receiver import RequestReceiver
     from radixserve.managers.scheduler.scheduler_parts import SchedulerParts, SchedulerSettings
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,9 @@ class Scheduler:
         self.num_aborted_reqs = 0  # running or waiting requests ended by an abort
         self.last_leak_check: dict[str, Any] = {}
         self.stop_requested = False
+        # where this rank's messages come from; a slowed-down step sleeps on it
+        # (SchedulerControl._sleep); set by the process before its loop runs
+        self.receiver: RequestReceiver | None = None
         self.idle_checked = False  # the idle self-check ran since the last step
         self.paused = False  # by PauseGenerationReqInput: no step runs until continued
         self.stats = SchedulerStats()

@@ -54,6 +54,7 @@ from radixserve.managers.scheduler.scheduler_stats import token_usage
 from radixserve.model_executor.model_runner import MEMORY_TAGS
 
 if TYPE_CHECKING:
+    from radixserve.managers.scheduler.request_receiver import RequestReceiver
     from radixserve.managers.scheduler.schedule_batch import Req, ScheduleBatch
     from radixserve.managers.scheduler.scheduler_parts import SchedulerSettings
     from radixserve.managers.scheduler.scheduler_stats import SchedulerStats
@@ -68,6 +69,7 @@ logger = logging.getLogger(__name__)
 TUNABLE = {"max_running_requests": 1, "max_prefill_tokens": 1, "chunked_prefill_size": 1}
 _INSPECT_MAX_NODES = 256
 _INSPECT_MAX_REQS = 64
+_SLEEP_SLICE_S = 0.1  # slow_down sleeps in slices this long, checking for a reset or a stop
 
 
 class ControlledScheduler(Protocol):
@@ -87,6 +89,8 @@ class ControlledScheduler(Protocol):
     max_running_requests: int
     settings: SchedulerSettings
     paused: bool
+    stop_requested: bool
+    receiver: RequestReceiver | None  # a slowed-down step sleeps on it
 
     @property
     def running_batch(self) -> ScheduleBatch: ...
@@ -143,7 +147,22 @@ class SchedulerControl:
         the step as the watchdog sees it)."""
         self.profiler.on_step()
         if self.forward_sleep_time:
-            time.sleep(self.forward_sleep_time)
+            self._sleep(self.forward_sleep_time)
+
+    def _sleep(self, seconds: float) -> None:
+        """``slow_down``'s sleep, in slices: a new ``slow_down`` (a reset, say) or a stop
+        (SIGTERM) ends it early, so that the hook is never stuck. The value is bounded by
+        ``--watchdog-timeout`` (``TokenizerManager.slow_down``)."""
+        deadline = time.monotonic() + seconds
+        receiver = self.scheduler.receiver
+        while not self.scheduler.stop_requested:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if receiver is None:
+                time.sleep(min(left, _SLEEP_SLICE_S))
+            elif receiver.wait_for(SlowDownReqInput, min(left, _SLEEP_SLICE_S)):
+                return
 
     def _busy(self) -> str | None:
         """Why the scheduler is not idle once the step in flight finished, or None."""

@@ -132,6 +132,7 @@ def run_scheduler_process(
         report_ready(ready_conn, scheduler.ready_info())
         logger.info("scheduler ready: %s", scheduler.ready_info())
         receiver = RequestReceiver(parallel, recv, scheduler.sessions.expired_ids)
+        scheduler.receiver = receiver
         # The loop build_scheduler chose (normal, overlap or pipeline) runs until a stop, which
         # persisted the sessions (without a session store it never stops).
         scheduler.loop.run_forever(receiver)

@@ -59,7 +59,8 @@ class SessionTurn:
 @dataclass(eq=False)
 class SessionController:
     """``max_sessions`` bounds the open sessions (None: unbounded); ``default_timeout`` is the
-    idle timeout of a session opened without one (None: such sessions never expire)."""
+    idle timeout of a session opened without one and the longest one a client may ask for
+    (None: such sessions never expire, and any timeout is allowed)."""
 
     cache: BasePrefixCache
     bos_token_id: int | None
@@ -81,6 +82,12 @@ class SessionController:
             return fail(f"capacity_of_str_len must be positive, got {msg.capacity_of_str_len}")
         if msg.timeout is not None and not (math.isfinite(msg.timeout) and msg.timeout > 0):
             return fail(f"timeout must be a positive finite number of seconds, got {msg.timeout}")
+        if (msg.timeout is not None and self.default_timeout is not None
+                and msg.timeout > self.default_timeout):
+            # A client may shorten its session's life, not outlive the server's idle timeout:
+            # sessions that never expire would hold --max-sessions until a restart.
+            return fail(f"timeout must be at most the server's --session-idle-timeout "
+                        f"({self.default_timeout:g} s), got {msg.timeout:g}")
         if msg.session_id is not None:
             try:
                 check_session_id(msg.session_id)

@@ -37,9 +37,15 @@ def _unsuccessful(reply: Any) -> str | None:
     return None if reply.success else reply.message
 
 
-def _check_sleep(req: io_struct.SlowDownReqInput) -> None:
-    if req.forward_sleep_time is not None and req.forward_sleep_time < 0:
-        raise ValueError(f"forward_sleep_time must be >= 0, got {req.forward_sleep_time}")
+def _check_sleep(req: io_struct.SlowDownReqInput, timeout: float) -> None:
+    """``slow_down``'s sleep is bounded by ``--watchdog-timeout`` (``timeout``): a longer one
+    would only end the server (the watchdog) and outlast the reset's wait."""
+    sleep = req.forward_sleep_time
+    if sleep is not None and sleep < 0:
+        raise ValueError(f"forward_sleep_time must be >= 0, got {sleep}")
+    if sleep is not None and sleep > timeout:
+        raise ValueError(f"forward_sleep_time must be at most --watchdog-timeout "
+                         f"({timeout:g} s), got {sleep:g}")
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,8 @@ class ControlCall:
     reply: type
     refusal: Callable[[Any], str | None] | None = None
     raises: bool = True
-    check: Callable[[Any], None] | None = None  # raises ValueError before anything is sent
+    # raises ValueError before anything is sent; gets the request and the reply timeout
+    check: Callable[[Any, float], None] | None = None
 
 
 CONTROL_CALLS: dict[type, ControlCall] = {
@@ -152,7 +159,7 @@ class ControlClient:
         spec = CONTROL_CALLS[type(req)]
         self._check_alive()
         if spec.check is not None:
-            spec.check(req)
+            spec.check(req, self.timeout)
         lock = self._locks.setdefault(spec.reply, asyncio.Lock())
         async with lock:
             replies = _Replies(asyncio.get_running_loop().create_future(), fan_out or self.dp_size)

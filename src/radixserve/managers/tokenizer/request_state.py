@@ -53,6 +53,7 @@ class ReqState:
     metrics: RequestMetrics
     log_metrics: bool = True
     session_id: str | None = None
+    owner: str | None = None  # who sent it (managers/caller.py): only they may abort it
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0

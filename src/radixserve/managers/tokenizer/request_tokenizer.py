@@ -71,6 +71,12 @@ class RequestTokenizer:
         else:
             input_ids = self.encode_text(obj.text)
         sampling_params = SamplingParams.from_dict(obj.sampling_params)
+        if (obj.sampling_params or {}).get("max_new_tokens") is None:
+            # The native default (128) is clamped to --max-completion-tokens, not refused by it.
+            sampling_params.max_new_tokens = min(
+                sampling_params.max_new_tokens, self.max_completion_tokens
+            )
+            sampling_params.validate()
         # A session request's whole prompt is known in the scheduler, which checks it again.
         check_generate(
             input_ids, sampling_params,

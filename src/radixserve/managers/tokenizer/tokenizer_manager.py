@@ -39,6 +39,7 @@ import zmq.asyncio
 
 from radixserve.finish_reason import FinishAbort, FinishReason
 from radixserve.managers import io_struct, ipc
+from radixserve.managers.caller import current_caller, may_act_for
 from radixserve.managers.tokenizer.control_client import ControlClient
 from radixserve.managers.tokenizer.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer.logprob_meta import LogprobMeta
@@ -228,6 +229,7 @@ class TokenizerManager:
                 metrics=RequestMetrics(rid=req.rid, arrival_time=now),
                 log_metrics=log_metrics,
                 session_id=_session_id(req),
+                owner=current_caller.get(),
             )
             for i, req in enumerate(reqs)
         ]
@@ -415,8 +417,16 @@ class TokenizerManager:
     # ------------------------------------------------------------------ control requests
     # Those that need this manager's state; the others go through ``self.control`` directly.
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        """Ask the scheduler to abort ``rid`` (or everything); the request finishes as abort."""
+        """Ask the scheduler to abort ``rid`` (or everything); the request finishes as abort.
+
+        A rid is aborted only for the caller that sent it (``managers/caller.py``): for anyone
+        else it is unknown, and aborting an unknown rid does nothing. ``abort_all`` is the
+        HTTP edge's to allow (an admin route when an admin key is configured)."""
         self._check_alive()
+        if rid and not abort_all:
+            state = self._states.get(rid)
+            if state is not None and not may_act_for(current_caller.get(), state.owner):
+                return
         self._send_msg(io_struct.AbortReq(rid=rid, abort_all=abort_all))
 
     async def open_session(self, req: io_struct.OpenSessionReqInput) -> str:

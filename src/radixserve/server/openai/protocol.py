@@ -76,7 +76,7 @@ class SamplingRequest(StrictRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)  # OpenAI's range
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -101,6 +101,15 @@ class SamplingRequest(StrictRequest):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_in_range(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        bad = next((k for k, v in (bias or {}).items() if not -100 <= v <= 100), None)
+        if bad is not None:  # OpenAI's range; NaN and infinities fail it too
+            raise ValueError(f"logit_bias values must be between -100 and 100, got "
+                             f"{bias[bad]} for token {bad[:20]}")
+        return bias
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
@@ -328,6 +337,12 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     # vLLM's: the reply's content starts with the last message's when that is the assistant's.
     echo: bool = False
+
+    @model_validator(mode="after")
+    def _one_token_limit(self) -> ChatCompletionRequest:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("give max_completion_tokens or the deprecated max_tokens, not both")
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

@@ -9,6 +9,10 @@ those tokens and the radix cache serves their KV.
 The store holds at most ``--responses-store-size`` responses, each for at most
 ``--responses-store-ttl`` seconds: the oldest goes when a new one would exceed the count, an
 expired one when it is next looked at or a response is stored. Nothing survives a restart.
+
+A response belongs to the caller that stored it (``managers/caller.py``: the API key or the
+admin key it was sent with): another key can neither read, continue nor delete it, and is told
+what it would be told of an id never stored.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.managers.caller import may_act_for
 from radixserve.server.openai.protocol import ChatMessage
 
 
@@ -30,6 +35,7 @@ class StoredResponse:
     token_ids: array  # the conversation's tokens as the model saw and wrote them
     text: str  # the text those tokens decode to (the rendered prompt + the output text)
     stored_at: float
+    owner: str | None = None  # the caller that stored it (managers/caller.py)
 
 
 class ResponseStore:
@@ -44,20 +50,27 @@ class ResponseStore:
         return len(self._items)
 
     def put(self, response_id: str, body: dict[str, Any], messages: list[ChatMessage],
-            token_ids: list[int], text: str) -> None:
+            token_ids: list[int], text: str, owner: str | None = None) -> None:
         self._expire()
         self._items[response_id] = StoredResponse(body, messages, array("i", token_ids), text,
-                                                  self._clock())
+                                                  self._clock(), owner)
         while len(self._items) > self.max_size:
             self._items.popitem(last=False)
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, response_id: str, caller: str | None = None) -> StoredResponse | None:
+        """The stored response, None when there is none or ``caller`` may not see it: to any
+        other caller a response is as absent as a deleted one."""
         self._expire()
-        return self._items.get(response_id)
+        stored = self._items.get(response_id)
+        if stored is None or not may_act_for(caller, stored.owner):
+            return None
+        return stored
 
-    def delete(self, response_id: str) -> bool:
-        self._expire()
-        return self._items.pop(response_id, None) is not None
+    def delete(self, response_id: str, caller: str | None = None) -> bool:
+        if self.get(response_id, caller) is None:
+            return False
+        del self._items[response_id]
+        return True
 
     def _expire(self) -> None:
         """Drop the responses older than the ttl (the dict is in storing order)."""

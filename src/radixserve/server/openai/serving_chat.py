@@ -32,6 +32,7 @@ from radixserve.server.admission import admit
 from radixserve.server.context import ServerContext, get_ctx
 from radixserve.server.errors import APIError
 from radixserve.server.generations import merged_choices
+from radixserve.server.off_loop import run_sized
 from radixserve.server.openai.chat_parsing import ChoiceParser, ParsedMessage, ToolPlan, plan_tools
 from radixserve.server.openai.protocol import (
     ChatChoiceLogprobs,
@@ -70,9 +71,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     admit(request, 1, body.n)
     plan = plan_tools(body, ctx.server_args.tool_call_parser, ctx.tokenizer)
     reasoning_parser = reasoning_parser_name(ctx, body)
-    prompt_text = render_chat(ctx, body, plan.template_tools)
+    prompt_text, prompt_ids = await run_sized(request, _render_and_encode, ctx, body,
+                                              plan.template_tools)
     echo = _echo_text(body)
-    prompt_ids = ctx.tokenizer.encode(prompt_text, add_special_tokens=False)
     top_logprobs_num = (body.top_logprobs or 0) if body.logprobs else None
     inputs = body.generate_inputs([prompt_ids], ctx.context_len, top_logprobs_num, plan.sampling,
                                   max_completion_tokens=ctx.server_args.max_completion_tokens)
@@ -127,6 +128,13 @@ def _echo_text(body: ChatCompletionRequest) -> str:
     assistant wrote it (vLLM's rule, the reply being the assistant's)."""
     last = body.messages[-1]
     return last.text() if body.echo and last.role == "assistant" else ""
+
+
+def _render_and_encode(ctx: ServerContext, body: ChatCompletionRequest,
+                       tools: list[dict[str, Any]] | None) -> tuple[str, list[int]]:
+    """The prompt's text and ids (off the event loop for a large body: ``off_loop.py``)."""
+    text = render_chat(ctx, body, tools)
+    return text, ctx.tokenizer.encode(text, add_special_tokens=False)
 
 
 def render_chat(

@@ -25,6 +25,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from radixserve.managers.caller import current_caller
 from radixserve.sampling.sampling_params import GRAMMAR_FIELDS
 from radixserve.server.admission import admit
 from radixserve.server.context import ServerContext, get_ctx
@@ -120,7 +121,7 @@ async def retrieve_response(response_id: str, request: Request) -> dict[str, Any
 async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
     store = response_store(request)
     _stored(store, response_id)
-    store.delete(response_id)
+    store.delete(response_id, current_caller.get())
     return {"id": response_id, "object": "response", "deleted": True}
 
 
@@ -128,7 +129,7 @@ def _stored(store: ResponseStore, response_id: str) -> StoredResponse:
     if not RESPONSE_ID.match(response_id):
         raise APIError(400, f"{response_id!r} {BAD_RESPONSE_ID}",
                        param="response_id")
-    stored = store.get(response_id)
+    stored = store.get(response_id, current_caller.get())
     if stored is None:
         raise APIError(404, f"No response with id {response_id!r} is stored (it was not "
                        "stored, was deleted, or expired).", param="response_id")
@@ -138,7 +139,7 @@ def _stored(store: ResponseStore, response_id: str) -> StoredResponse:
 def _previous(store: ResponseStore, response_id: str | None) -> StoredResponse | None:
     if response_id is None:
         return None
-    stored = store.get(response_id)
+    stored = store.get(response_id, current_caller.get())
     if stored is None:
         raise APIError(400, f"Previous response with id {response_id!r} not found (it was not "
                        "stored, was deleted, or expired).", param="previous_response_id")
@@ -218,7 +219,7 @@ def _finish(ctx: ServerContext, store: ResponseStore, turn: Turn, out: dict[str,
         output_ids = _written_ids(ctx, out)
         text = turn.prompt_text + (out["text"] if output_ids is not None else "")
         store.put(turn.response_id, response, [*turn.history, _reply(parsed, out["text"])],
-                  [*turn.prompt_ids, *(output_ids or [])], text)
+                  [*turn.prompt_ids, *(output_ids or [])], text, current_caller.get())
     return response
 
 

@@ -1,0 +1,28 @@
+"""Who sent the request being served: the key the HTTP edge authenticated, as a context value.
+
+``RequestGuard`` (server/request_guard.py) sets ``current_caller`` for the task that serves a
+request; what the request creates is then owned by that caller: the ``ReqState`` of each of its
+generations (a plain key may abort only those, ``TokenizerManager.abort_request``) and a stored
+``/v1/responses`` object (read, continued and deleted only with the key that stored it).
+
+``None`` means unscoped: no key is configured (every caller is the same) or the caller is not
+HTTP (the ``Engine``). The server has one ``--api-key`` and one ``--admin-api-key``, so there are
+at most three callers (the third: no key, where a route needs none); the ``user`` field of a
+request identifies nobody (it is not authenticated).
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+
+ADMIN = "admin"  # authenticated with --admin-api-key
+API_KEY = "api-key"  # authenticated with --api-key
+ANONYMOUS = "anonymous"  # no key, on a route no key guards (keys are configured)
+
+current_caller: ContextVar[str | None] = ContextVar("radixserve_caller", default=None)
+
+
+def may_act_for(caller: str | None, owner: str | None) -> bool:
+    """Whether ``caller`` may act on something ``owner`` created: the same caller, or an
+    unscoped one (``None``: no keys, or the Engine)."""
+    return caller is None or caller == owner

@@ -1,0 +1,41 @@
+"""Work that grows with a request's input runs off the event loop once the input is large.
+
+The HTTP server serves every request from one asyncio loop: tokenizing a 7 MB prompt or
+rendering the chat template of 200,000 messages there would hold every other request (their
+streams, their admission, ``/health``) for seconds. ``run_sized`` runs such work on a small
+thread pool when the request's body is larger than ``OFF_LOOP_BYTES``, and inline (no thread
+hop) below it. The fast tokenizer releases the GIL while it encodes; a Jinja template does not,
+but the interpreter still switches to the loop's thread every few milliseconds.
+
+Bounded by the body limit (8 MiB, ``request_guard.MAX_BODY_BYTES``) and ``--max-batch-size``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import TypeVar
+
+from starlette.requests import Request
+
+T = TypeVar("T")
+
+OFF_LOOP_BYTES = 64 * 1024
+_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="radixserve-input")
+
+
+def body_size(request: Request) -> int:
+    """The request body's size, from its ``Content-Length`` (the guard has checked it)."""
+    try:
+        return int(request.headers.get("content-length", "0"))
+    except ValueError:
+        return 0
+
+
+async def run_sized(request: Request, fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)``: on the pool when ``request``'s body is large, else right here."""
+    if body_size(request) < OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(_POOL, partial(fn, *args))
