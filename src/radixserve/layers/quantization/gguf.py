@@ -2,7 +2,7 @@
 
 A GGUF weight ``[rows, cols]`` is stored row by row; a quantised row is a run of blocks of
 ``block_size`` values (Q8_0 and the legacy Q4_0/Q4_1/Q5_0/Q5_1: 32 values with one or two fp16
-scales; the K-quants Q4_K/Q5_K/Q6_K: super-blocks of 256 values with 6-bit sub-block scales),
+scales; the K-quants Q2_K to Q6_K: super-blocks of 256 values with a scale per sub-block),
 so rows are independent. ``GgufTensor`` is the ``LazyWeight`` the model loader hands to a
 parameter's ``weight_loader``: narrowing along rows (what a tensor-parallel rank, or a fused
 layer's shard, does) picks rows of the packed data before anything is dequantised, so a rank
@@ -27,7 +27,8 @@ import torch
 
 # Types the loader dequantises (names of ``gguf.GGMLQuantizationType``).
 SUPPORTED_GGUF_TYPES = (
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 )
 
 
@@ -95,8 +96,10 @@ class GgufTensor:
         rows: Sequence[int] | slice = slice(r0, r1)
         if self._row_order is not None:
             rows = self._row_order[r0:r1]
-        values = dequantize_rows(self._data[rows], self._qtype)
-        return torch.from_numpy(np.ascontiguousarray(values[:, c0:c1]))
+        values = dequantize_rows(self._data[rows], self._qtype)[:, c0:c1]
+        # F32 rows are a view of the read-only memory map: copy them out of it
+        copy = None if values.flags.writeable else True
+        return torch.from_numpy(np.array(values, order="C", copy=copy))
 
     def __repr__(self) -> str:
         return f"GgufTensor({self.name}, {self._qtype.name}, {self.shape})"
