@@ -4,7 +4,8 @@
 a GGUF file the way llama.cpp's ``convert_hf_to_gguf.py`` lays one out: llama.cpp tensor names,
 the hyper-parameters as ``{arch}.*`` metadata, and, for Llama, the query and key rows of each
 head reordered (its two rotary halves interleaved). Weights are stored in F32 or, quantised with
-``gguf.quants.quantize``, in Q8_0 (norms stay F32, as the converter keeps them).
+``gguf.quants.quantize``, in Q8_0 (norms stay F32, as the converter keeps them). The tokenizer
+and chat template go in as llama.cpp's ``tokenizer.*`` metadata.
 """
 
 from __future__ import annotations
@@ -49,6 +50,27 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
+def _add_tokenizer(writer, hf_dir: Path) -> None:
+    """The checkpoint's byte-level BPE tokenizer as llama.cpp's ``gpt2`` tokenizer metadata."""
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    vocab.update(special)
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])  # CONTROL / NORMAL
+    writer.add_token_merges(merges)
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    template = config.get("chat_template")
+    if template is None and (hf_dir / "chat_template.jinja").is_file():
+        template = (hf_dir / "chat_template.jinja").read_text()
+    if template:
+        writer.add_chat_template(template)
+
+
 def convert_checkpoint(hf_dir: Path, out: Path, qtype: str = "F32") -> Path:
     """Write ``hf_dir``'s weights and config as the GGUF file ``out``; return ``out``."""
     import gguf
@@ -72,6 +94,7 @@ def convert_checkpoint(hf_dir: Path, out: Path, qtype: str = "F32") -> Path:
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
     writer.add_file_type(0 if qtype == "F32" else 7)  # ALL_F32 / MOSTLY_Q8_0
+    _add_tokenizer(writer, hf_dir)
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"])
     for name, w in tensors.items():
