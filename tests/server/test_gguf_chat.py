@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.server.conftest import start_server
+from tests.server.conftest import ServerProcess
 from tests.smollm2 import smollm2_path
 
 NAME = "SmolLM2-135M-Instruct"
@@ -14,7 +14,10 @@ NAME = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def smollm2_server():
-    srv = start_server(smollm2_path(), "--served-model-name", NAME)
+    srv = ServerProcess(smollm2_path(), ["--served-model-name", NAME])
+    # Three processes each build the tokenizer from the file's metadata and the scheduler
+    # dequantises the weights: on a loaded machine that takes longer than a tiny checkpoint.
+    srv.wait_ready(timeout=600)
     yield srv
     srv.check_clean_stop()
 
