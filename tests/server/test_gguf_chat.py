@@ -9,12 +9,10 @@ import pytest
 from tests.server.conftest import ServerProcess
 from tests.smollm2 import smollm2_path
 
-NAME = "SmolLM2-135M-Instruct"
-
 
 @pytest.fixture(scope="module")
 def smollm2_server():
-    srv = ServerProcess(smollm2_path(), ["--served-model-name", NAME])
+    srv = ServerProcess(smollm2_path(), [])
     # Three processes each build the tokenizer from the file's metadata and the scheduler
     # dequantises the weights: on a loaded machine that takes longer than a tiny checkpoint.
     srv.wait_ready(timeout=600)
@@ -26,7 +24,7 @@ def test_chat_answers_the_capital_of_france(smollm2_server):
     client = openai.OpenAI(base_url=f"{smollm2_server.base_url}/v1", api_key="none",
                            max_retries=0)
     reply = client.chat.completions.create(
-        model=NAME, temperature=0, max_tokens=40,
+        model=smollm2_server.model, temperature=0, max_tokens=40,
         messages=[{"role": "user", "content": "What is the capital of France?"}],
     )
     choice = reply.choices[0]
@@ -38,7 +36,7 @@ def test_chat_answers_the_capital_of_france(smollm2_server):
     assert reply.usage.prompt_tokens == 37
 
 
-def test_models_route_lists_the_served_name(smollm2_server):
+def test_models_route_lists_the_gguf_file(smollm2_server):
     client = openai.OpenAI(base_url=f"{smollm2_server.base_url}/v1", api_key="none",
                            max_retries=0)
-    assert [m.id for m in client.models.list().data] == [NAME]
+    assert [m.id for m in client.models.list().data] == [smollm2_server.model]
