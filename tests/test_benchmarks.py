@@ -156,6 +156,22 @@ def test_bench_offline_throughput_times_each_scenario_and_the_step_overhead(llam
     assert {n: r["identical_outputs"] for n, r in decode.items()} == {1: 1, 3: 3}
 
 
+def test_bench_offline_throughput_runs_a_gguf_file_in_both_engines(llama_path, tmp_path):
+    """A GGUF --model: radixserve and transformers' own GGUF loader run the same file, and in
+    float32 greedy they agree token for token."""
+    from tests.gguf_checkpoints import convert_checkpoint
+
+    gguf = convert_checkpoint(llama_path, tmp_path / "tiny.gguf")
+    lines = run_benchmark(
+        "bench_offline_throughput.py", "--model", str(gguf), "--batch-sizes", "1,3",
+        "--min-input-len", "4", "--max-input-len", "7", "--output-len", "6",
+        "--prefill-len", "0", "--dtype", "float32",
+    )
+    assert lines[0]["model"] == "tiny.gguf" and lines[0]["path"] == str(gguf)
+    decode = {r["batch_size"]: r for r in lines if r.get("comparison") == "decode"}
+    assert {n: r["identical_outputs"] for n, r in decode.items()} == {1: 1, 3: 3}
+
+
 def test_bench_offline_throughput_refuses_a_plot_it_cannot_draw_before_it_runs(llama_path):
     """Without matplotlib (hidden from the benchmark here) ``--plot`` is an error at once, as is
     ``--plot`` with ``--shape-sweep``, whose runs it would not draw."""

@@ -34,6 +34,8 @@ LAYERS: dict[str, int] = {
     "radixserve.layers": 3,
     "radixserve.model_registry": 4,
     "radixserve.model_config": 4,
+    "radixserve.gguf_file": 4,  # a GGUF file's metadata as a config (model_config reads it)
+    "radixserve.tokenizer_loader": 4,
     "radixserve.model_executor": 5,
     "radixserve.constrained": 5,
     "radixserve.sessions": 5,

@@ -40,8 +40,8 @@ CHOICES: dict[str, Sequence[str]] = {
 }
 
 HELP: dict[str, str] = {
-    "model_path": "Hugging Face checkpoint directory (default: models/radixserve-demo if it "
-    "exists).",
+    "model_path": "Hugging Face checkpoint directory, or a GGUF file (docs/models.md) "
+    "(default: models/radixserve-demo if it exists).",
     "tokenizer_path": "Tokenizer directory (default: the model path).",
     "served_model_name": "Model name in the OpenAI API (default: the model path).",
     "host": "Address to listen on.",

@@ -3,7 +3,8 @@
 ``ModelConfig.from_path`` parses ``config.json`` (both the transformers 4 layout, with top-level
 ``rope_theta`` and ``rope_scaling``, and the transformers 5 one, with a ``rope_parameters`` dict)
 and ``generation_config.json``, checks that safetensors weights are present, and resolves the
-dtype the model will run in. It loads no weights and builds no model, so the tokenizer process can
+dtype the model will run in. A GGUF file's metadata stands in for the JSON files (translated by
+``gguf_file.py``). It loads no weights and builds no model, so the tokenizer process can
 use it too.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from radixserve.gguf_file import find_gguf, gguf_hf_config
 from radixserve.layers.quantization import QuantizationConfig, resolve_quantization
 from radixserve.model_registry import (
     SUPPORTED_ARCHITECTURES,
@@ -190,13 +192,21 @@ class ModelConfig:
     ) -> ModelConfig:
         """Parse a local checkpoint directory; every problem is a ``ValueError`` naming it.
         ``quantization``: ``--quantization`` (the checkpoint's own scheme wins)."""
-        model_dir = Path(model_path)
-        config_file = model_dir / "config.json"
-        if not config_file.is_file():
-            raise ValueError(f"{config_file} not found: model_path must be a local checkpoint")
-        hf = _read_json(config_file)
-        gen_file = model_dir / "generation_config.json"
-        gen = _read_json(gen_file) if gen_file.is_file() else {}
+        gguf = find_gguf(model_path)
+        if gguf is not None:  # a GGUF file: its metadata stands in for the JSON files
+            model_dir = config_file = gguf
+            hf, gen = gguf_hf_config(gguf)
+        else:
+            model_dir = Path(model_path)
+            config_file = model_dir / "config.json"
+            if not config_file.is_file():
+                raise ValueError(
+                    f"{config_file} not found: model_path must be a local checkpoint (a "
+                    "directory with config.json, or a GGUF file)"
+                )
+            hf = _read_json(config_file)
+            gen_file = model_dir / "generation_config.json"
+            gen = _read_json(gen_file) if gen_file.is_file() else {}
 
         archs = hf.get("architectures") or []
         arch = supported_architecture(archs)
@@ -205,7 +215,8 @@ class ModelConfig:
                 f"unsupported architecture {archs or 'missing'} in {config_file}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        _check_weights_present(model_dir)
+        if gguf is None:
+            _check_weights_present(model_dir)
 
         def need(key: str) -> Any:
             if hf.get(key) is None:

@@ -198,6 +198,17 @@ def test_model_fingerprint_tells_checkpoints_apart(tmp_path):
     assert model_fingerprint(a) == model_fingerprint(a) != model_fingerprint(b)
 
 
+def test_model_fingerprint_tells_gguf_files_apart(tmp_path):
+    from tests.gguf_checkpoints import convert_checkpoint
+
+    a = convert_checkpoint(build_checkpoint(tmp_path / "a", "llama", seed=0), tmp_path / "a.gguf")
+    b = convert_checkpoint(build_checkpoint(tmp_path / "b", "llama", seed=1), tmp_path / "b.gguf")
+    assert model_fingerprint(a) == model_fingerprint(a) != model_fingerprint(b)
+    (tmp_path / "only").mkdir()
+    a.rename(tmp_path / "only" / "a.gguf")  # the directory holding it: the same digest
+    assert model_fingerprint(tmp_path / "only") == model_fingerprint(tmp_path / "only" / "a.gguf")
+
+
 # ---------------------------------------------------------------------- with the cache
 class Clock:
     def __init__(self) -> None:

@@ -152,11 +152,11 @@ class DetokenizerManager:
     """Receives ``BatchTokenIDOutput``, keeps one ``IncrementalDetokenizer`` per running rid."""
 
     def __init__(self, server_args: ServerArgs, port_args: ipc.PortArgs) -> None:
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+        from transformers import PreTrainedTokenizerFast
 
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            server_args.tokenizer, local_files_only=True
-        )
+        from radixserve.tokenizer_loader import load_tokenizer
+
+        self.tokenizer = load_tokenizer(server_args.tokenizer)
         self._ctx = zmq.Context()
         self._recv = ipc.pull_socket(self._ctx, port_args.detokenizer_input)
         self._send = ipc.push_socket(self._ctx, port_args.tokenizer_input)

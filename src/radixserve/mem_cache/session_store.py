@@ -112,7 +112,8 @@ def model_fingerprint(model_path: str | Path) -> str:
 
     Hashing every byte of a large checkpoint at start-up would cost seconds per GB, so it reads
     config.json, each safetensors header (names, dtypes, shapes, offsets) and evenly spaced
-    samples of the tensor data: retrained or fine-tuned weights differ everywhere.
+    samples of the tensor data (of a GGUF file: samples of the whole file): retrained or
+    fine-tuned weights differ everywhere.
     """
     path = Path(model_path)
     digest = hashlib.sha256()
@@ -129,6 +130,17 @@ def model_fingerprint(model_path: str | Path) -> str:
             span = max(size - data_start - _SAMPLE_BYTES, 0)
             for i in range(_FINGERPRINT_SAMPLES):
                 f.seek(data_start + span * i // max(_FINGERPRINT_SAMPLES - 1, 1))
+                digest.update(f.read(_SAMPLE_BYTES))
+    # A GGUF checkpoint (the file, or the one in the directory): samples across the whole file,
+    # the first of which covers its header.
+    ggufs = [path] if path.is_file() else sorted(path.glob("*.gguf"))
+    for weights in ggufs:
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with open(weights, "rb") as f:
+            span = max(size - _SAMPLE_BYTES, 0)
+            for i in range(_FINGERPRINT_SAMPLES):
+                f.seek(span * i // max(_FINGERPRINT_SAMPLES - 1, 1))
                 digest.update(f.read(_SAMPLE_BYTES))
     return digest.hexdigest()
 

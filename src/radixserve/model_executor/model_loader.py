@@ -1,4 +1,5 @@
-"""Build a model from the registry and fill it from safetensors files.
+"""Build a model from the registry and fill it from safetensors files (or a GGUF file, whose
+tensors ``model_loader_gguf`` names and reads).
 
 Each checkpoint tensor goes to the ``weight_loader`` of the parameter it belongs to; tensors of a
 fused layer (``q_proj`` → ``qkv_proj`` shard ``"q"``, ``gate_proj`` → ``gate_up_proj`` shard 0)
@@ -20,6 +21,7 @@ import contextlib
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -29,11 +31,13 @@ from torch import nn
 from tqdm import tqdm
 
 from radixserve.distributed import ParallelState
+from radixserve.gguf_file import find_gguf
 from radixserve.layers.attention import AttentionBackend
 from radixserve.layers.custom_op import build_context
-from radixserve.layers.linear_method import default_weight_loader
+from radixserve.layers.linear_method import WeightSource, default_weight_loader
 from radixserve.layers.packed_weight import prepack_model
 from radixserve.model_config import ModelConfig
+from radixserve.model_executor.model_loader_gguf import gguf_weight_bytes, gguf_weights
 from radixserve.model_executor.models.llama import LlamaForCausalLM
 from radixserve.model_registry import get_model_class
 
@@ -106,6 +110,9 @@ def _checkpoint_tensors(files: list[Path]) -> list[tuple[Path, str]]:
 def checkpoint_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes the model's weights take once loaded in ``dtype`` (from the headers, no data read),
     so memory can be planned before loading."""
+    gguf = find_gguf(config.model_path)
+    if gguf is not None:
+        return gguf_weight_bytes(gguf, config.tie_word_embeddings, dtype)
     numel = 0
     for path in checkpoint_files(config.model_path):
         with safe_open(path, framework="pt") as f:
@@ -142,7 +149,34 @@ def load_model(
 
 
 def load_weights(model: LlamaForCausalLM, model_path: str | Path) -> None:
-    """Fill every parameter of ``model`` from the checkpoint at ``model_path``.
+    """Fill every parameter of ``model`` from the checkpoint at ``model_path`` (safetensors, or
+    a GGUF file: ``model_loader_gguf``)."""
+    gguf = find_gguf(model_path)
+    if gguf is not None:
+        fill_parameters(model, model_path, gguf_weights(gguf))
+        return
+    handles: dict[Path, safe_open] = {}
+    with contextlib.ExitStack() as stack:
+
+        def opener(path: Path, name: str) -> Callable[[], SafetensorsSlice]:
+            def open_slice() -> SafetensorsSlice:
+                if path not in handles:
+                    handles[path] = stack.enter_context(safe_open(path, framework="pt"))
+                return SafetensorsSlice(handles[path], name)
+
+            return open_slice
+
+        tensors = _checkpoint_tensors(checkpoint_files(model_path))
+        fill_parameters(model, model_path, [(name, opener(path, name)) for path, name in tensors])
+
+
+def fill_parameters(
+    model: LlamaForCausalLM,
+    model_path: str | Path,
+    tensors: list[tuple[str, Callable[[], WeightSource]]],
+) -> None:
+    """Fill every parameter of ``model`` from ``tensors``: (checkpoint name, a function giving
+    the tensor as a ``WeightSource``), names as in a Hugging Face checkpoint.
 
     ``lm_head`` is tied to the input embedding when the model is tied or the checkpoint has no
     ``lm_head.weight``; unknown tensors are skipped with a warning, tensors of other pipeline
@@ -153,40 +187,35 @@ def load_weights(model: LlamaForCausalLM, model_path: str | Path) -> None:
     for fused, shard_id in model.packed_modules_mapping.values():
         fused_shards.setdefault(fused, set()).add(shard_id)
     loaded: dict[str, set[str | int | None]] = {}
-    tensors = _checkpoint_tensors(checkpoint_files(model_path))
-    if _LM_HEAD in params and all(name != _LM_HEAD for _, name in tensors):
+    if _LM_HEAD in params and all(name != _LM_HEAD for name, _ in tensors):
         logger.info("checkpoint has no %s: tying it to the input embedding", _LM_HEAD)
         model.tie_word_embeddings()
         if not _lm_head_from_embedding(model):
             params.pop(_LM_HEAD)
     holds_weight = getattr(model, "holds_weight", None)  # pipeline stages: a part of the model
     if holds_weight is not None:
-        tensors = [(path, name) for path, name in tensors if holds_weight(name)]
+        tensors = [(name, source) for name, source in tensors if holds_weight(name)]
 
     unexpected: list[str] = []
-    handles: dict[Path, safe_open] = {}
-    with contextlib.ExitStack() as stack:
-        for path, name in tqdm(tensors, desc="Loading weights", unit="tensor", leave=False):
-            if path not in handles:
-                handles[path] = stack.enter_context(safe_open(path, framework="pt"))
-            target, shard_id = route_checkpoint_name(name, model.packed_modules_mapping)
-            targets = [target]
-            if name == _EMBED and _lm_head_from_embedding(model):
-                targets = [t for t in (target, _LM_HEAD) if t in params]
-            elif target not in params:
-                if name != _LM_HEAD:  # a tied checkpoint may still store lm_head
-                    unexpected.append(name)
-                continue
-            tensor = SafetensorsSlice(handles[path], name)
-            for target in targets:
-                param = params[target]
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                with torch.no_grad():
-                    if shard_id is None:
-                        loader(param, tensor)
-                    else:
-                        loader(param, tensor, shard_id)
-                loaded.setdefault(target, set()).add(shard_id)
+    for name, source in tqdm(tensors, desc="Loading weights", unit="tensor", leave=False):
+        target, shard_id = route_checkpoint_name(name, model.packed_modules_mapping)
+        targets = [target]
+        if name == _EMBED and _lm_head_from_embedding(model):
+            targets = [t for t in (target, _LM_HEAD) if t in params]
+        elif target not in params:
+            if name != _LM_HEAD:  # a tied checkpoint may still store lm_head
+                unexpected.append(name)
+            continue
+        tensor = source()
+        for target in targets:
+            param = params[target]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            with torch.no_grad():
+                if shard_id is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard_id)
+            loaded.setdefault(target, set()).add(shard_id)
 
     if unexpected:
         logger.warning("ignored %d checkpoint tensors: %s", len(unexpected), unexpected[:10])

@@ -50,7 +50,7 @@ def build_scheduler(
     """The scheduler of one rank. ``parallel``: its place (default: the only rank); ``device``:
     default ``server_args.device``; ``dp_rank``: its data-parallel replica; ``send_load``: where
     changes of its load go (the data-parallel controller)."""
-    from transformers import AutoTokenizer
+    from radixserve.tokenizer_loader import load_tokenizer
 
     parallel = parallel or ParallelState.single()
     device = device or resolve_device(server_args.device)
@@ -85,7 +85,7 @@ def build_scheduler(
         session_store=store, session_offload_after=server_args.session_offload_after,
     )
     # For stop strings and grammars; the detokenizer makes the text.
-    tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer, local_files_only=True)
+    tokenizer = load_tokenizer(server_args.tokenizer)
     grammars = GrammarCache(
         partial(
             create_grammar_backend,

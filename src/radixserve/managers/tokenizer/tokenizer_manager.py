@@ -82,13 +82,11 @@ class TokenizerManager:
         *,
         on_request_finished: Callable[[RequestMetrics], None] | None = None,
     ) -> None:
-        from transformers import AutoTokenizer
+        from radixserve.tokenizer_loader import load_tokenizer
 
         self.server_args = server_args
         self.model_config = model_config
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            server_args.tokenizer, local_files_only=True
-        )
+        self.tokenizer = load_tokenizer(server_args.tokenizer)
         self.request_tokenizer = RequestTokenizer(
             self.tokenizer, model_config.vocab_size, model_config.context_len,
             max_completion_tokens=server_args.max_completion_tokens,

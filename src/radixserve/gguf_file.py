@@ -1,0 +1,144 @@
+"""GGUF checkpoints (llama.cpp's single-file format): where the file is, and the config it holds.
+
+A GGUF file carries its architecture, hyper-parameters and tokenizer as metadata and its weights
+as (often block-quantised) tensors. ``find_gguf`` says whether ``--model-path`` names one (the
+file itself, or a directory holding exactly one ``.gguf`` and no ``config.json``);
+``gguf_hf_config`` translates the metadata into the ``config.json`` / ``generation_config.json``
+dicts ``ModelConfig`` reads, so the rest of the engine sees a GGUF model as any other checkpoint.
+The tensors are read by ``model_executor/model_loader_gguf.py``; their quantisation types by
+``layers/quantization/gguf.py``. Everything here uses the ``gguf`` package (ggml's own reader).
+
+Like ``model_config``, this imports nothing above it and builds no model.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+# GGUF ``general.architecture`` → the architecture name our registry builds. Mistral's GGUF
+# files say "llama" (llama.cpp runs them as Llama).
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# ``general.file_type`` (llama.cpp's LLAMA_FTYPE) of files whose weights are stored unquantised:
+# their float dtype is the checkpoint dtype; quantised files dequantise exactly only to float32.
+_FLOAT_FILE_TYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
+_SPLIT_NAME = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+
+
+def find_gguf(model_path: str | Path) -> Path | None:
+    """The GGUF file ``model_path`` names, or None when it is not a GGUF checkpoint.
+
+    A directory is a GGUF checkpoint when it has no ``config.json`` and holds ``.gguf`` files;
+    it must hold exactly one. Split GGUF files (``-00001-of-00003.gguf``) are refused.
+    """
+    path = Path(model_path)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            return None
+        found = path
+    elif path.is_dir() and not (path / "config.json").is_file():
+        files = sorted(path.glob("*.gguf"))
+        if not files:
+            return None
+        if len(files) > 1:
+            names = ", ".join(f.name for f in files)
+            raise ValueError(
+                f"{path} holds several GGUF files ({names}): pass --model-path FILE.gguf"
+            )
+        found = files[0]
+    else:
+        return None
+    if _SPLIT_NAME.search(found.name):
+        raise ValueError(
+            f"{found.name} is one part of a split GGUF file, which is not supported; merge the "
+            "parts with llama.cpp's `llama-gguf-split --merge` first"
+        )
+    return found
+
+
+def open_gguf(path: str | Path) -> Any:
+    """A ``gguf.GGUFReader`` of ``path`` (memory-mapped: tensors are read when touched)."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_hf_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(config.json, generation_config.json)`` equivalents of a GGUF file's metadata.
+
+    An architecture we do not build, or a tensor in a quantisation type we cannot dequantise,
+    is a ``ValueError`` naming it (checked here, before any process starts).
+    """
+    from radixserve.layers.quantization.gguf import check_tensor_types
+
+    reader = open_gguf(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} in {path} is not supported; supported: "
+            f"{', '.join(GGUF_ARCHITECTURES)}"
+        )
+    check_tensor_types(reader.tensors, path)
+    tensor_names = {t.name for t in reader.tensors}
+
+    def need(key: str) -> Any:
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"{path} lacks the metadata key {arch}.{key}")
+        return value
+
+    num_heads = int(need("attention.head_count"))
+    hidden = int(need("embedding_length"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens else None)
+    if vocab is None:
+        raise ValueError(f"{path} gives no vocabulary size ({arch}.vocab_size or tokens)")
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError(
+            f"{path} stores per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 scaling), "
+            "which the GGUF loader does not support"
+        )
+    rope_scaling = None
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+    elif scaling_type != "none":
+        raise ValueError(f"GGUF RoPE scaling {scaling_type!r} in {path} is not supported")
+    file_type = _field(reader, "general.file_type")
+    hf: dict[str, Any] = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "gguf_architecture": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        "vocab_size": int(vocab),
+        "max_position_embeddings": int(need("context_length")),
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rope_scaling": rope_scaling,
+        # No output.weight: the LM head is the token embedding.
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "torch_dtype": _FLOAT_FILE_TYPES.get(file_type, "float32"),
+    }
+    gen: dict[str, Any] = {}
+    for key in ("bos_token_id", "eos_token_id"):
+        value = _field(reader, f"tokenizer.ggml.{key}")
+        if value is not None:
+            hf[key] = gen[key] = int(value)
+    return hf, gen

@@ -1,0 +1,102 @@
+"""The tensors of a GGUF file, under the names of a Hugging Face checkpoint.
+
+llama.cpp names a decoder's tensors ``blk.N.attn_q.weight``, ``token_embd.weight``, ...;
+``gguf_weights`` gives each one under the name our models' loaders expect
+(``model.layers.N.self_attn.q_proj.weight``, ...) as a lazy ``GgufTensor``
+(``layers/quantization/gguf.py``), so ``model_loader.fill_parameters`` fills the model from a
+GGUF file exactly as from safetensors: fused layers, tensor-parallel narrowing, tied LM head,
+the check that nothing is missing.
+
+One layout difference: llama.cpp's converter stores a Llama model's query and key projections
+with each head's rows reordered (the two rotary halves interleaved, for its RoPE kernel), which
+``_llama_qk_row_order`` undoes. Qwen2/Qwen3 files are stored in Hugging Face's order.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from radixserve.gguf_file import open_gguf
+from radixserve.layers.quantization.gguf import GgufTensor
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_TENSOR = re.compile(r"^(\w+)\.(weight|bias)$")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face checkpoint name of a GGUF tensor, or None for one we do not map."""
+    if m := _LAYER_TENSOR.match(gguf_name):
+        layer, kind, suffix = m.groups()
+        if kind in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+    elif (m := _GLOBAL_TENSOR.match(gguf_name)) and m.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    return None
+
+
+def _llama_qk_row_order(rows: int, num_heads: int) -> np.ndarray:
+    """Stored row of each Hugging Face row of a Llama q/k projection ``[heads * head_dim, ..]``.
+
+    The converter maps Hugging Face row ``h * d + s * d/2 + i`` (head ``h``, half ``s``, index
+    ``i``) to stored row ``h * d + 2 * i + s``.
+    """
+    head_dim = rows // num_heads
+    half = head_dim // 2
+    hf_rows = np.arange(rows)
+    head, within = np.divmod(hf_rows, head_dim)
+    s, i = np.divmod(within, half)
+    return head * head_dim + 2 * i + s
+
+
+def gguf_weights(path: str | Path) -> list[tuple[str, Callable[[], GgufTensor]]]:
+    """(Hugging Face name, a function giving the lazy tensor) for every tensor of the file;
+    tensors we do not map keep their GGUF name (the loader reports them as unexpected)."""
+    reader = open_gguf(path)
+    arch = reader.fields["general.architecture"].contents()
+    heads = {
+        "attn_q": reader.fields[f"{arch}.attention.head_count"].contents(),
+    }
+    kv = reader.fields.get(f"{arch}.attention.head_count_kv")
+    heads["attn_k"] = heads["attn_q"] if kv is None else kv.contents()
+    out: list[tuple[str, Callable[[], GgufTensor]]] = []
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name) or tensor.name
+        order = None
+        kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
+        if arch == "llama" and kind in heads and len(tensor.shape) == 2:
+            order = _llama_qk_row_order(int(tensor.shape[1]), int(heads[kind]))
+        out.append((name, lambda t=tensor, o=order: GgufTensor(t, o)))
+    return out
+
+
+def gguf_weight_bytes(path: str | Path, tied: bool, dtype: torch.dtype) -> int:
+    """Bytes the file's weights take once dequantised to ``dtype`` (from the header only)."""
+    numel = 0
+    for tensor in open_gguf(path).tensors:
+        if tied and tensor.name == "output.weight":
+            continue
+        numel += int(np.prod(tensor.shape.tolist()))
+    return numel * dtype.itemsize

@@ -1,0 +1,182 @@
+"""GGUF checkpoints: each quantisation type read back against ``gguf``'s reference, the
+tensors of a converted checkpoint landing in the same parameters as its safetensors original,
+and the errors for what we do not load."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve.gguf_file import find_gguf, gguf_hf_config, open_gguf
+from radixserve.layers.quantization.gguf import SUPPORTED_GGUF_TYPES, GgufTensor
+from radixserve.model_config import ModelConfig
+from radixserve.model_executor.model_loader_gguf import _llama_qk_row_order
+from tests.gguf_checkpoints import convert_checkpoint, llama_cpp_permute
+from tests.model_executor.harness import make_runner
+
+gguf = pytest.importorskip("gguf")
+
+# Byte offsets of the fp16 scale fields in one block of each quantised type (ggml-common.h):
+# random bytes there could be NaN or inf, so the test writes finite scales at them.
+_FP16_FIELDS = {
+    "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}
+ROWS, COLS = 12, 512
+
+
+def _random_rows(qtype: str, rng: np.random.Generator) -> np.ndarray:
+    """``ROWS`` rows of ``COLS`` values in ``qtype``'s stored form: random blocks (random
+    quants, finite random scales), or random floats for the float types."""
+    if qtype in ("F32", "F16"):
+        return rng.standard_normal((ROWS, COLS)).astype(np.float32 if qtype == "F32" else
+                                                         np.float16)
+    if qtype == "BF16":
+        bits = rng.standard_normal((ROWS, COLS)).astype(np.float32).view(np.uint32) >> 16
+        return bits.astype(np.uint16).view(np.uint8).reshape(ROWS, 2 * COLS)
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    blocks = rng.integers(0, 256, (ROWS, COLS // block_values, block_bytes), dtype=np.uint8)
+    for offset in _FP16_FIELDS[qtype]:
+        scales = rng.uniform(-0.1, 0.1, (ROWS, COLS // block_values)).astype(np.float16)
+        blocks[..., offset : offset + 2] = scales.view(np.uint8).reshape(*scales.shape, 2)
+    return blocks.reshape(ROWS, -1)
+
+
+@pytest.fixture(scope="module")
+def typed_file(tmp_path_factory):
+    """One GGUF file holding a random tensor of every supported type, and those tensors."""
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("gguf") / "types.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    stored = {}
+    for qtype in SUPPORTED_GGUF_TYPES:
+        stored[qtype] = _random_rows(qtype, rng)
+        raw_dtype = None if qtype in ("F32", "F16") else gguf.GGMLQuantizationType[qtype]
+        writer.add_tensor(f"t.{qtype}", stored[qtype], raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensors = {t.name: t for t in open_gguf(path).tensors}
+    return tensors, stored
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_GGUF_TYPES)
+def test_each_type_dequantises_as_ggufs_reference(typed_file, qtype):
+    tensors, stored = typed_file
+    reader_tensor = tensors[f"t.{qtype}"]
+    assert reader_tensor.tensor_type.name == qtype
+    expected = gguf.quants.dequantize(stored[qtype], gguf.GGMLQuantizationType[qtype])
+    expected = torch.from_numpy(np.asarray(expected, dtype=np.float32))
+    assert expected.shape == (ROWS, COLS) and torch.isfinite(expected).all()
+    assert expected.abs().sum() > 0
+    tensor = GgufTensor(reader_tensor)
+    assert tensor.shape == (ROWS, COLS)
+    assert torch.equal(tensor.load(), expected)
+    # A rank's rows, and a part of each row, as the tensor-parallel loaders narrow them.
+    part = tensor.narrow(0, 4, 6).narrow(1, 256, 128)
+    assert part.shape == (6, 128)
+    assert torch.equal(part.load(), expected[4:10, 256:384])
+    # Rows taken through a permutation, then narrowed.
+    order = np.random.default_rng(1).permutation(ROWS)
+    permuted = GgufTensor(reader_tensor, order).narrow(0, 2, 5)
+    assert torch.equal(permuted.load(), expected[torch.from_numpy(order[2:7])])
+
+
+def test_narrowing_out_of_range_names_the_tensor(typed_file):
+    tensors, _ = typed_file
+    with pytest.raises(ValueError, match="t.Q4_K"):
+        GgufTensor(tensors["t.Q4_K"]).narrow(0, 8, 5)
+
+
+def test_llama_row_order_undoes_llama_cpps_permutation():
+    heads, head_dim, cols = 3, 8, 5
+    w = np.arange(heads * head_dim * cols, dtype=np.float32).reshape(heads * head_dim, cols)
+    stored = llama_cpp_permute(w, heads)
+    assert not np.array_equal(stored, w)
+    assert np.array_equal(stored[_llama_qk_row_order(heads * head_dim, heads)], w)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_converted_checkpoint_loads_the_same_parameters(arch, checkpoint_factory, tmp_path):
+    hf_dir = checkpoint_factory(arch)
+    path = convert_checkpoint(hf_dir, tmp_path / f"{arch}.gguf")
+    original = ModelConfig.from_path(hf_dir, dtype="float32")
+    config = ModelConfig.from_path(tmp_path, dtype="float32")  # the folder holding it
+    assert config.model_path == str(path)
+    for name in ("architecture", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+                 "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
+                 "tie_word_embeddings", "eos_token_ids", "bos_token_id"):
+        assert getattr(config, name) == pytest.approx(getattr(original, name)), name
+    expected = make_runner(hf_dir).model.state_dict()
+    loaded = make_runner(path).model.state_dict()
+    assert expected.keys() == loaded.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(tensor, loaded[name]), name
+
+
+def test_q8_0_checkpoint_holds_the_dequantised_weights(checkpoint_factory, tmp_path):
+    hf_dir = checkpoint_factory("llama")
+    path = convert_checkpoint(hf_dir, tmp_path / "q8.gguf", qtype="Q8_0")
+    layer = make_runner(path).model.model.layers[1]
+    stored = {t.name: t for t in open_gguf(path).tensors}
+    for gguf_name, weight in (("blk.1.ffn_down.weight", layer.mlp.down_proj.weight),
+                              ("blk.1.attn_output.weight", layer.self_attn.o_proj.weight)):
+        t = stored[gguf_name]
+        assert t.tensor_type.name == "Q8_0"
+        expected = gguf.quants.dequantize(t.data, t.tensor_type)
+        assert torch.equal(weight, torch.from_numpy(np.asarray(expected)))
+
+
+def test_int8_quantisation_of_a_gguf_checkpoint(checkpoint_factory, tmp_path):
+    path = convert_checkpoint(checkpoint_factory("qwen3"), tmp_path / "q.gguf", qtype="Q8_0")
+    runner = make_runner(path, quantization="int8")
+    proj = runner.model.model.layers[0].mlp.down_proj
+    assert proj.weight.dtype == torch.int8 and proj.weight_scale.dtype == torch.float32
+
+
+def _write(path, arch: str, tensors: dict[str, tuple[np.ndarray, str | None]]) -> None:
+    writer = gguf.GGUFWriter(str(path), arch)
+    for name, (data, raw) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=None if raw is None else
+                          gguf.GGMLQuantizationType[raw])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    _write(tmp_path / "m.gguf", "falcon", {"token_embd.weight": (np.zeros((4, 32),
+                                                                          np.float32), None)})
+    with pytest.raises(ValueError, match="'falcon'.*supported: llama, qwen2, qwen3"):
+        ModelConfig.from_path(tmp_path / "m.gguf")
+
+
+def test_unsupported_quant_type_is_named(tmp_path):
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ2_XXS]
+    data = np.zeros((2, block_bytes), np.uint8)
+    _write(tmp_path / "m.gguf", "llama", {"blk.0.attn_q.weight": (data, "IQ2_XXS")})
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight.*IQ2_XXS"):
+        gguf_hf_config(tmp_path / "m.gguf")
+
+
+def test_folder_with_several_gguf_files_or_a_split_file_is_refused(tmp_path):
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(ValueError, match="several GGUF files.*a.gguf, b.gguf"):
+        find_gguf(tmp_path)
+    split = tmp_path / "m-00001-of-00002.gguf"
+    split.write_bytes(b"")
+    with pytest.raises(ValueError, match="split GGUF"):
+        find_gguf(split)
+    (tmp_path / "config.json").write_text("{}")
+    assert find_gguf(tmp_path) is None  # a Hugging Face checkpoint directory
+
+
+def test_a_file_that_is_not_gguf_is_a_clear_error(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        ModelConfig.from_path(tmp_path / "m.gguf")
