@@ -69,8 +69,9 @@ HELP: dict[str, str] = {
     "quantised with compressed-tensors W8A16 load as such without it.",
     "is_embedding": "Serve a decoder checkpoint as an embedding model (last-token pooling, "
     "normalised): /encode and /v1/embeddings instead of generation.",
-    "attention_backend": "Attention kernels: torch_native (plain torch, the reference) or cpu "
-    "(radixserve's CPU kernels; the default on CPU where they take the model's shape).",
+    "attention_backend": "Attention kernels: torch_native (plain torch, the reference), cpu "
+    "(radixserve's CPU kernels; the default on CPU where they take the model's shape) or triton "
+    "(Triton paged attention; the default on CUDA; on CPU only under TRITON_INTERPRET=1).",
     "mem_fraction_static": "Fraction of free memory for the KV cache (default 0.3 on CPU, "
     "0.85 on CUDA).",
     "max_total_tokens": "KV cache size in tokens (overrides --mem-fraction-static).",
