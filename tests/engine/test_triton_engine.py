@@ -27,7 +27,7 @@ def interpreter_env():
 
 def test_triton_engine_greedy_equals_transformers(llama_path, interpreter_env):
     prompts = [[5, 9, 31, 200, 17, 8, 44, 3, 70, 12, 99, 6, 41], [5, 9, 31, 200, 17, 8, 44, 7]]
-    params = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+    params = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
     kwargs = {**ENGINE_KWARGS, "max_total_tokens": 512, "max_running_requests": 4}
     with Engine(model_path=str(llama_path), attention_backend="triton", page_size=4,
                 chunked_prefill_size=8, **kwargs) as engine:
@@ -38,6 +38,6 @@ def test_triton_engine_greedy_equals_transformers(llama_path, interpreter_env):
     hf = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32).eval()
     for prompt, out in zip(prompts, [first, second], strict=True):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False,
                               pad_token_id=2)[0, len(prompt):].tolist()
         assert out["output_ids"] == ref

@@ -9,7 +9,8 @@ graph (``model_executor/cuda_graph_runner.py``). Extend builds three small per-r
 
 On CPU the backend runs only under Triton's interpreter (``TRITON_INTERPRET=1``, set before
 triton is first imported): slow, and meant for tests that check the kernels and the whole engine
-against ``torch_native`` and ``transformers`` on machines without a GPU.
+against ``torch_native`` and ``transformers`` on machines without a GPU. The interpreter runs
+the grid's programs one after another, so there decode splits each request's KV in 2, not 8.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class TritonAttnBackend(AttentionBackend):
         from radixserve.layers.attention import triton_kernels
 
         self.kernels = triton_kernels
+        on_gpu = token_to_kv_pool.device.type == "cuda"
+        self.num_kv_splits = triton_kernels.NUM_KV_SPLITS if on_gpu else 2
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
         self._batch: ForwardBatch | None = None
@@ -109,6 +112,7 @@ class TritonAttnBackend(AttentionBackend):
             self.kernels.decode_attention(
                 q3, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
                 out, req_to_token, rows, forward_batch.seq_lens, layer.scaling,
+                self.num_kv_splits,
             )
         else:
             md = self._extend
