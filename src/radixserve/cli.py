@@ -94,6 +94,10 @@ HELP: dict[str, str] = {
     "429 until a session closes or times out.",
     "session_idle_timeout": "Seconds after which a session opened without a timeout of its own "
     "is closed when idle (no request running); 0: such sessions stay open until closed.",
+    "disable_cuda_graph": "Run decode steps eagerly on CUDA instead of replaying them from CUDA "
+    "graphs.",
+    "cuda_graph_max_bs": "Largest decode batch captured in a CUDA graph (default: "
+    "--max-running-requests); larger batches run eagerly.",
     "enable_overlap_schedule": "Run the model on a thread of its own and plan each decode step "
     "while the previous one computes (same greedy outputs).",
     "constrained_json_disable_any_whitespace": "JSON-schema output uses the compact separators "

@@ -57,6 +57,9 @@ class ServerArgs:
     session_store_max_gb: float = 10.0
     session_offload_after: float | None = None
     enable_overlap_schedule: bool = False
+    # CUDA graphs of the decode step (CUDA only; see model_executor/cuda_graph_runner.py)
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None  # None: max_running_requests
     max_sessions: int = 1024
     session_idle_timeout: float = 3600.0  # seconds; 0: sessions opened without one never expire
     # constrained decoding (JSON schemas)
@@ -109,6 +112,10 @@ class ServerArgs:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(
+                f"cuda_graph_max_bs must be at least 1, got {self.cuda_graph_max_bs}"
+            )
         if self.chunked_prefill_size <= 0:
             raise ValueError(
                 f"chunked_prefill_size must be positive, got {self.chunked_prefill_size}"
