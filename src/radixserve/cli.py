@@ -99,7 +99,9 @@ HELP: dict[str, str] = {
     "cuda_graph_max_bs": "Largest decode batch captured in a CUDA graph (default: "
     "--max-running-requests); larger batches run eagerly.",
     "enable_overlap_schedule": "Run the model on a thread of its own and plan each decode step "
-    "while the previous one computes (same greedy outputs).",
+    "while the previous one computes (same greedy outputs; the default on CUDA).",
+    "disable_overlap_schedule": "Keep a CUDA device on the plain schedule (the overlap schedule "
+    "is the default on CUDA).",
     "constrained_json_disable_any_whitespace": "JSON-schema output uses the compact separators "
     "', ' and ': ' instead of any whitespace between tokens.",
     "constrained_json_max_whitespace_cnt": "Longest run of whitespace JSON-schema output may "

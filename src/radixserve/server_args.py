@@ -56,7 +56,8 @@ class ServerArgs:
     session_store: str | None = None
     session_store_max_gb: float = 10.0
     session_offload_after: float | None = None
-    enable_overlap_schedule: bool = False
+    enable_overlap_schedule: bool = False  # on CPU; on CUDA the overlap schedule is the default
+    disable_overlap_schedule: bool = False  # SGLang's flag: keep CUDA on the plain schedule
     # CUDA graphs of the decode step (CUDA only; see model_executor/cuda_graph_runner.py)
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # None: max_running_requests
@@ -85,6 +86,15 @@ class ServerArgs:
     watchdog_timeout: float = 300.0
     health_timeout: float = 20.0
     request_read_timeout: float = 60.0
+
+    def overlap_schedule_on(self, device_type: str) -> bool:
+        """Whether a scheduler on ``device_type`` runs the overlap schedule: SGLang's default on
+        CUDA (the scheduler's CPU work hides behind the GPU's forward; not with pipeline stages),
+        unless ``--disable-overlap-schedule``; on CPU (where the forward and the scheduler share
+        the cores) only with ``--enable-overlap-schedule``."""
+        if self.enable_overlap_schedule:
+            return True
+        return device_type == "cuda" and not self.disable_overlap_schedule and self.pp_size == 1
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -192,6 +202,10 @@ class ServerArgs:
             raise ValueError(
                 "the overlap schedule does not combine with pipeline parallelism (pp_size > 1): "
                 "the pipeline keeps its stages busy with micro-batches instead"
+            )
+        if self.enable_overlap_schedule and self.disable_overlap_schedule:
+            raise ValueError(
+                "give --enable-overlap-schedule or --disable-overlap-schedule, not both"
             )
         if self.is_embedding and self.pp_size > 1:
             raise ValueError("an embedding model (--is-embedding) runs without pipeline stages")

@@ -129,7 +129,7 @@ def build_scheduler(
         send_to_tokenizer=send_to_tokenizer,
     )
     overlap = None
-    if server_args.enable_overlap_schedule and is_generation:
+    if server_args.overlap_schedule_on(device.type) and is_generation:
         overlap = OverlapWorker(tp_worker)
     parts = SchedulerParts(
         model_config=model_config,
