@@ -1,13 +1,31 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Which torch `make install` puts in the venv (docs/gpu.md):
+#   cpu     the pinned CPU build (default);
+#   cuda    a CUDA build from PyTorch's index (TORCH_INDEX; needs the internet);
+#   system  none: the venv sees the machine's own torch (a GPU machine's preinstalled CUDA torch).
+TORCH ?= cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cu128
+ifeq ($(TORCH),system)
+VENV_FLAGS := --system-site-packages
+TORCH_INSTALL := true
+else ifeq ($(TORCH),cuda)
+VENV_FLAGS :=
+TORCH_INSTALL := $(PY) -m pip install torch --index-url $(TORCH_INDEX)
+else
+VENV_FLAGS :=
+# torch is pinned explicitly: an open range would pull a multi-GB CUDA build.
+TORCH_INSTALL := $(PY) -m pip install torch==2.13.0
+endif
+# Where `make gpu-check` writes its JSON, logs and table.
+GPU_CHECK_OUT ?= gpu-check-out
 
-.PHONY: install test test-quick system-deps serve lint clean fuzz soak
+.PHONY: install test test-quick system-deps serve lint clean fuzz soak gpu-check
 
 $(STAMP): pyproject.toml
-	python3 -m venv $(VENV)
-	# torch is pinned explicitly: an open range would pull a multi-GB CUDA build.
-	$(PY) -m pip install torch==2.13.0
+	python3 -m venv $(VENV_FLAGS) $(VENV)
+	$(TORCH_INSTALL)
 	$(PY) -m pip install -e ".[test]"
 	touch $(STAMP)
 
@@ -35,6 +53,11 @@ fuzz: $(STAMP)
 
 soak: $(STAMP)
 	$(PY) -m tests.reliability.soak --duration $(or $(DURATION),900)
+
+# The GPU check of a lent GPU machine (no internet needed): tests/cuda, then the decode and
+# prefill benchmarks of `small` and an 8B Llama-3-shaped checkpoint; a table last (docs/gpu.md).
+gpu-check: $(STAMP)
+	PY=$(PY) benchmarks/gpu_check.sh $(GPU_CHECK_OUT)
 
 serve: $(STAMP)
 	$(VENV)/bin/radixserve serve $(ARGS)
