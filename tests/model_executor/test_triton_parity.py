@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# Only where no GPU runs the compiled kernels: the variable stays set for the whole test session
+# (and the servers it starts), which on a GPU machine would interpret tests/cuda's kernels too.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import random  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from tests.model_executor.harness import ManualSlots, hf_logits, make_runner  # noqa: E402
 
