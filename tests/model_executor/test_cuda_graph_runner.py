@@ -96,3 +96,34 @@ def test_extend_and_oversized_batches_run_eagerly(llama_path):
     assert fb.forward_mode is ForwardMode.EXTEND and not graphs.can_run(fb)
     runner.forward(fb)
     assert not graphs.can_run(slots.decode(seqs, [11, 12, 13]))  # 3 > the largest size, 2
+
+
+def test_runner_replays_decode_and_recaptures_after_memory_and_weight_changes(llama_path):
+    """The ModelRunner's wiring, with the CPU's eager stand-in for graphs: decode batches that
+    fit go through the graph runner, the rest eagerly; releasing memory drops the graphs and
+    resuming or new weights capture them again (the real graphs hold the old addresses)."""
+    runner = make_runner(llama_path, max_total_tokens=1024)
+    runner.cuda_graph_batch_sizes = [1, 2, 4]
+    runner._capture_cuda_graphs()
+    graphs = runner.graph_runner
+    assert graphs is not None and not graphs.use_cuda_graph
+    replays = []
+    replay = graphs.replay
+    graphs.replay = lambda fb: replays.append(fb.batch_size) or replay(fb)
+    slots = ManualSlots(runner)
+    seqs = [slots.new_seq() for _ in range(3)]
+    logits = runner.forward(slots.extend(seqs, [[5, 6, 7], [8], [9, 10]]))
+    fb = slots.decode(seqs, logits.argmax(-1).tolist())
+    graphed = runner.forward(fb)
+    assert replays == [3]
+    runner.graph_runner = None
+    torch.testing.assert_close(graphed, runner.forward(fb), atol=1e-5, rtol=0)
+    runner.graph_runner = graphs
+
+    runner.release_memory({"kv_cache"})
+    assert runner.graph_runner is None
+    runner.resume_memory({"kv_cache"})
+    assert runner.graph_runner is not None and runner.graph_runner is not graphs
+    before = runner.graph_runner
+    runner.update_weights_from_disk(str(llama_path), None)
+    assert runner.graph_runner is not None and runner.graph_runner is not before

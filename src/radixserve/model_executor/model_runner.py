@@ -167,17 +167,19 @@ class ModelRunner:
         if self.cuda_graph_batch_sizes is None:
             return
         self.graph_runner = None
-        before = torch.cuda.memory_reserved(self.device)
+        on_cuda = self.device.type == "cuda"  # elsewhere only tests set the batch sizes
+        before = torch.cuda.memory_reserved(self.device) if on_cuda else 0
         runner = CudaGraphRunner(
-            self._decode_forward, self.device, self.cuda_graph_batch_sizes, use_cuda_graph=True
+            self._decode_forward, self.device, self.cuda_graph_batch_sizes, use_cuda_graph=on_cuda
         )
         runner.capture()
         self.graph_runner = runner
-        logger.info(
-            "CUDA graphs captured for decode batch sizes %s (%.3g GiB)",
-            self.cuda_graph_batch_sizes,
-            (torch.cuda.memory_reserved(self.device) - before) / _GIB,
-        )
+        if on_cuda:
+            logger.info(
+                "CUDA graphs captured for decode batch sizes %s (%.3g GiB)",
+                self.cuda_graph_batch_sizes,
+                (torch.cuda.memory_reserved(self.device) - before) / _GIB,
+            )
 
     def _decode_forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """One eager step: what a CUDA graph records."""
