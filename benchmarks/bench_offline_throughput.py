@@ -85,6 +85,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--overlap-schedule", action="store_true",
                    help="run radixserve with --enable-overlap-schedule")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda or auto (CUDA when available) for radixserve and transformers")
+    p.add_argument("--max-total-tokens", type=int,
+                   help="radixserve's KV pool in tokens (default: planned from free memory; on "
+                        "a GPU give it, so that transformers still fits beside it)")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="run radixserve's decode steps eagerly on CUDA")
     p.add_argument("--threads", type=int,
                    help="torch threads of both backends (default: one per CPU)")
     p.add_argument("--repeats", type=int, default=1,
@@ -205,8 +212,10 @@ def radixserve_backend(args: argparse.Namespace, model_path: str,
     """``generate(prompts, n) -> (outputs, wall_s)`` on a running Engine (cache flushed first)."""
     params = {"temperature": 0.0, "ignore_eos": True}
     with start_engine(args.threads, model_path=model_path, dtype=args.dtype,
+                      device=args.device, max_total_tokens=args.max_total_tokens,
                       max_running_requests=max(args.batch_sizes, default=1),
                       enable_overlap_schedule=args.overlap_schedule,
+                      disable_cuda_graph=args.disable_cuda_graph,
                       **engine_kwargs) as engine:
 
         def generate(prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
@@ -225,21 +234,25 @@ def transformers_backend(args: argparse.Namespace, model_path: str,
     """The same for transformers ``generate`` on left-padded static batches."""
     from transformers import AutoModelForCausalLM
 
-    from radixserve.model_config import ModelConfig
+    from radixserve.model_config import ModelConfig, resolve_device
 
-    config = ModelConfig.from_path(model_path, dtype=args.dtype)
+    device = resolve_device(args.device)
+    config = ModelConfig.from_path(model_path, dtype=args.dtype, device=device)
     if config.model_path.endswith(".gguf"):  # transformers' own GGUF loader (dequantises)
         gguf = Path(config.model_path)
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=config.torch_dtype
-        ).eval()
+        ).to(device).eval()
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=config.torch_dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=config.torch_dtype
+        ).to(device).eval()
 
     def generate(prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
         width = max(len(p) for p in prompts)  # left padding keeps every prompt's end aligned
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                            device=device)
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
@@ -400,7 +413,7 @@ def run_model(args: argparse.Namespace, name: str, dtype: str,
 
     args = argparse.Namespace(**{**vars(args), "dtype": dtype})
     label, model_path = resolve_model(name)
-    config = ModelConfig.from_path(model_path, dtype=args.dtype)
+    config = ModelConfig.from_path(model_path, dtype=args.dtype, device=args.device)
     tokenizer = load_tokenizer(model_path)
     special = set(tokenizer.all_special_ids) | set(config.eos_token_ids)
     # Prompt ids stay inside the tokenizer (the small model's vocab is larger than its tokenizer).
@@ -408,6 +421,7 @@ def run_model(args: argparse.Namespace, name: str, dtype: str,
     work = Workload(args, allowed)
     threads = args.threads or len(os.sched_getaffinity(0))
     print(json.dumps({"model": label, "path": model_path, "dtype": str(config.torch_dtype),
+                      "device": args.device,
                       "threads": threads, "output_len": args.output_len,
                       "input_len": [args.min_input_len, args.max_input_len]}), flush=True)
 

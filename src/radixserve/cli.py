@@ -69,8 +69,9 @@ HELP: dict[str, str] = {
     "quantised with compressed-tensors W8A16 load as such without it.",
     "is_embedding": "Serve a decoder checkpoint as an embedding model (last-token pooling, "
     "normalised): /encode and /v1/embeddings instead of generation.",
-    "attention_backend": "Attention kernels: torch_native (plain torch, the reference) or cpu "
-    "(radixserve's CPU kernels; the default on CPU where they take the model's shape).",
+    "attention_backend": "Attention kernels: torch_native (plain torch, the reference), cpu "
+    "(radixserve's CPU kernels; the default on CPU where they take the model's shape) or triton "
+    "(Triton paged attention; the default on CUDA; on CPU only under TRITON_INTERPRET=1).",
     "mem_fraction_static": "Fraction of free memory for the KV cache (default 0.3 on CPU, "
     "0.85 on CUDA).",
     "max_total_tokens": "KV cache size in tokens (overrides --mem-fraction-static).",
@@ -93,8 +94,14 @@ HELP: dict[str, str] = {
     "429 until a session closes or times out.",
     "session_idle_timeout": "Seconds after which a session opened without a timeout of its own "
     "is closed when idle (no request running); 0: such sessions stay open until closed.",
+    "disable_cuda_graph": "Run decode steps eagerly on CUDA instead of replaying them from CUDA "
+    "graphs.",
+    "cuda_graph_max_bs": "Largest decode batch captured in a CUDA graph (default: "
+    "--max-running-requests); larger batches run eagerly.",
     "enable_overlap_schedule": "Run the model on a thread of its own and plan each decode step "
-    "while the previous one computes (same greedy outputs).",
+    "while the previous one computes (same greedy outputs; the default on CUDA).",
+    "disable_overlap_schedule": "Keep a CUDA device on the plain schedule (the overlap schedule "
+    "is the default on CUDA).",
     "constrained_json_disable_any_whitespace": "JSON-schema output uses the compact separators "
     "', ' and ': ' instead of any whitespace between tokens.",
     "constrained_json_max_whitespace_cnt": "Longest run of whitespace JSON-schema output may "

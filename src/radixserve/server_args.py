@@ -56,7 +56,11 @@ class ServerArgs:
     session_store: str | None = None
     session_store_max_gb: float = 10.0
     session_offload_after: float | None = None
-    enable_overlap_schedule: bool = False
+    enable_overlap_schedule: bool = False  # on CPU; on CUDA the overlap schedule is the default
+    disable_overlap_schedule: bool = False  # SGLang's flag: keep CUDA on the plain schedule
+    # CUDA graphs of the decode step (CUDA only; see model_executor/cuda_graph_runner.py)
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None  # None: max_running_requests
     max_sessions: int = 1024
     session_idle_timeout: float = 3600.0  # seconds; 0: sessions opened without one never expire
     # constrained decoding (JSON schemas)
@@ -82,6 +86,15 @@ class ServerArgs:
     watchdog_timeout: float = 300.0
     health_timeout: float = 20.0
     request_read_timeout: float = 60.0
+
+    def overlap_schedule_on(self, device_type: str) -> bool:
+        """Whether a scheduler on ``device_type`` runs the overlap schedule: SGLang's default on
+        CUDA (the scheduler's CPU work hides behind the GPU's forward; not with pipeline stages),
+        unless ``--disable-overlap-schedule``; on CPU (where the forward and the scheduler share
+        the cores) only with ``--enable-overlap-schedule``."""
+        if self.enable_overlap_schedule:
+            return True
+        return device_type == "cuda" and not self.disable_overlap_schedule and self.pp_size == 1
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -109,6 +122,10 @@ class ServerArgs:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(
+                f"cuda_graph_max_bs must be at least 1, got {self.cuda_graph_max_bs}"
+            )
         if self.chunked_prefill_size <= 0:
             raise ValueError(
                 f"chunked_prefill_size must be positive, got {self.chunked_prefill_size}"
@@ -185,6 +202,10 @@ class ServerArgs:
             raise ValueError(
                 "the overlap schedule does not combine with pipeline parallelism (pp_size > 1): "
                 "the pipeline keeps its stages busy with micro-batches instead"
+            )
+        if self.enable_overlap_schedule and self.disable_overlap_schedule:
+            raise ValueError(
+                "give --enable-overlap-schedule or --disable-overlap-schedule, not both"
             )
         if self.is_embedding and self.pp_size > 1:
             raise ValueError("an embedding model (--is-embedding) runs without pipeline stages")

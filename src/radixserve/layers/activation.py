@@ -12,7 +12,7 @@ from radixserve.layers.custom_op import CustomOp
 class SiluAndMul(CustomOp):
     """``silu(gate) * up`` for the fused ``[..., 2 * d]`` output of ``gate_up_proj``. The CPU
     kernel is one pass (torch: two, and an intermediate as large as the output) and rounds as
-    torch does."""
+    torch does; so does the CUDA one (``layers/triton_ops.py``)."""
 
     cpu_dtypes = cpu_kernels.KERNEL_DTYPES
 
@@ -22,3 +22,8 @@ class SiluAndMul(CustomOp):
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.silu_and_mul(x)
+
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        from radixserve.layers import triton_ops
+
+        return triton_ops.silu_and_mul(x)

@@ -1,6 +1,7 @@
 """RMSNorm computed in float32 and cast back, as transformers' Llama/Qwen implementations do.
 
-On CPU the fused kernels (``layers/cpu_kernels.py``) round where this torch math does.
+On CPU the fused kernels (``layers/cpu_kernels.py``) round where this torch math does; on CUDA
+one Triton kernel (``layers/triton_ops.py``) does the add and the norm.
 """
 
 from __future__ import annotations
@@ -46,6 +47,15 @@ class RMSNorm(CustomOp):
             x, residual = x.contiguous(), residual.contiguous()
         cpu_kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return x, residual
+
+    def forward_cuda(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> NormOutput:
+        from radixserve.layers import triton_ops
+
+        if residual is None:
+            return triton_ops.rms_norm(x, self.weight, self.eps)
+        if not residual.is_contiguous():
+            residual = residual.contiguous()
+        return triton_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

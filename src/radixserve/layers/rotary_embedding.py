@@ -93,7 +93,7 @@ class ApplyRotaryEmbedding(CustomOp):
     """Rotate ``x``: ``[n, heads, head_dim]`` (neox halves; heads contiguous, rows may be strided
     views of the qkv output) by ``(cos, sin)`` from ``RotaryEmbedding.forward``; returns a new
     contiguous tensor. The CPU kernel is one pass where torch runs four, and computes and rounds
-    exactly as these four ops."""
+    exactly as these four ops; the CUDA one (``layers/triton_ops.py``) rounds where they do."""
 
     cpu_dtypes = cpu_kernels.KERNEL_DTYPES
 
@@ -103,3 +103,8 @@ class ApplyRotaryEmbedding(CustomOp):
 
     def forward_cpu(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.rotary(x, cos, sin)
+
+    def forward_cuda(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        from radixserve.layers import triton_ops
+
+        return triton_ops.rotary(x, cos, sin)

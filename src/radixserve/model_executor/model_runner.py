@@ -10,6 +10,12 @@ With tensor or pipeline parallelism a runner holds one rank's part: its KV pool 
 rank's KV heads of this stage's layers, and every rank of the replica agrees on the number of KV
 slots (the smallest any rank can afford), because their schedulers take identical decisions.
 A stage that is not the last returns its ``StageActivations`` from ``forward``.
+
+On CUDA, once the pools and the model exist, decode steps are captured in CUDA graphs
+(``cuda_graph_runner.py``) unless ``--disable-cuda-graph``: with the ``triton`` attention backend
+(the only one whose decode reads no host value) on a single rank. The graphs record the weights'
+and the KV pool's addresses, so releasing either drops them and bringing them back (or loading
+new weights) captures them again.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_config import ModelConfig, resolve_device
+from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
 from radixserve.model_executor.model_loader import (
     checkpoint_weight_bytes,
     load_model,
@@ -73,6 +80,8 @@ class RunnerSettings:
     processes_per_node: int = 1  # processes sharing this machine's memory (CPU)
     attention_backend: str | None = None  # None: the device's default
     enable_deterministic_inference: bool = False  # only batch-invariant kernels
+    disable_cuda_graph: bool = False  # decode eagerly on CUDA
+    cuda_graph_max_bs: int | None = None  # None: max_running_requests
 
     @classmethod
     def from_args(cls, args: ServerArgs) -> RunnerSettings:
@@ -129,6 +138,53 @@ class ModelRunner:
             logger.info("attention backend: %s", self.attention_backend)
         self.model: Any = self._load_model(model_config)
         self.released: set[str] = set()  # memory given back by release_memory (MEMORY_TAGS)
+        self.cuda_graph_batch_sizes = self._cuda_graph_batch_sizes(settings)
+        self.graph_runner: CudaGraphRunner | None = None
+        self._capture_cuda_graphs()
+
+    def _cuda_graph_batch_sizes(self, settings: RunnerSettings) -> list[int] | None:
+        """The decode batch sizes to capture, or None where this runner uses no CUDA graphs
+        (chosen once, here: CUDA, not disabled, the triton backend, one rank, a decoder)."""
+        if self.device.type != "cuda" or settings.disable_cuda_graph:
+            return None
+        reason = None
+        if self.model_config.is_encoder:
+            reason = "an encoder has no decode steps"
+        elif self.attention_backend != "triton":
+            reason = f"the {self.attention_backend} attention backend reads host values in decode"
+        elif self.parallel.distributed:
+            reason = "tensor and pipeline parallel ranks decode eagerly in this build"
+        if reason is not None:
+            logger.info("CUDA graphs off: %s", reason)
+            return None
+        return capture_batch_sizes(
+            min(settings.cuda_graph_max_bs or self.max_running_requests,
+                self.max_running_requests)
+        )
+
+    @torch.inference_mode()
+    def _capture_cuda_graphs(self) -> None:
+        if self.cuda_graph_batch_sizes is None:
+            return
+        self.graph_runner = None
+        on_cuda = self.device.type == "cuda"  # elsewhere only tests set the batch sizes
+        before = torch.cuda.memory_reserved(self.device) if on_cuda else 0
+        runner = CudaGraphRunner(
+            self._decode_forward, self.device, self.cuda_graph_batch_sizes, use_cuda_graph=on_cuda
+        )
+        runner.capture()
+        self.graph_runner = runner
+        if on_cuda:
+            logger.info(
+                "CUDA graphs captured for decode batch sizes %s (%.3g GiB)",
+                self.cuda_graph_batch_sizes,
+                (torch.cuda.memory_reserved(self.device) - before) / _GIB,
+            )
+
+    def _decode_forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """One eager step: what a CUDA graph records."""
+        self.attn_backend.init_forward_metadata(forward_batch)
+        return self.model(forward_batch, None)
 
     def _load_model(self, config: ModelConfig) -> Any:
         return load_model(
@@ -205,6 +261,9 @@ class ModelRunner:
         of the new tokens is stored at ``forward_batch.out_cache_loc``."""
         if forward_batch.batch_size == 0:
             return torch.empty((0, self.vocab_size), dtype=self.dtype, device=self.device)
+        graphs = self.graph_runner
+        if graphs is not None and previous_stage is None and graphs.can_run(forward_batch):
+            return graphs.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch, previous_stage)
 
@@ -231,6 +290,7 @@ class ModelRunner:
         config = dataclasses.replace(self.model_config, model_path=new.model_path)
         model = self._load_model(config)
         self.model, self.model_config = model, config
+        self._capture_cuda_graphs()  # the graphs read the old weights' addresses
         logger.info("weights updated from %s", model_path)
 
     def get_weights_by_name(self, name: str, truncate_size: int) -> list[Any]:
@@ -263,6 +323,7 @@ class ModelRunner:
             self.token_to_kv_pool.release()
         if "weights" in tags:
             self.model = None
+        self.graph_runner = None  # its graphs read the released buffers
         self.released |= tags
         gc.collect()
         if self.device.type == "cuda":
@@ -277,6 +338,8 @@ class ModelRunner:
         if "kv_cache" in tags and self.token_to_kv_pool is not None:
             self.token_to_kv_pool.allocate()
         self.released -= tags
+        if not self.released:
+            self._capture_cuda_graphs()
 
     @torch.inference_mode()
     def embed(self, forward_batch: ForwardBatch) -> torch.Tensor:

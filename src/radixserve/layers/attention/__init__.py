@@ -6,11 +6,14 @@ Callers build backends with ``create_attention_backend``; backend modules are im
                   against
     cpu           radixserve's CPU kernels (``cpu_backend.py``); the default on CPU where they
                   take the model's KV pool
+    triton        paged attention in Triton kernels (``triton_backend.py``); the default on CUDA
+                  when triton is installed; on CPU only under ``TRITON_INTERPRET=1`` (tests)
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import torch
 
@@ -31,14 +34,18 @@ __all__ = [
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch_native": ("torch_native_backend", "TorchNativeAttnBackend"),
     "cpu": ("cpu_backend", "CpuAttnBackend"),
+    "triton": ("triton_backend", "TritonAttnBackend"),
 }
 ATTENTION_BACKENDS: tuple[str, ...] = tuple(_BACKENDS)
 
 
 def default_attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """``cpu`` on a CPU whose kernels take this KV pool, else ``torch_native``."""
+    """``cpu`` on a CPU whose kernels take this KV pool, ``triton`` on CUDA when triton is
+    installed, else ``torch_native``."""
     if device.type == "cpu" and cpu_kernels.attention_kernels_support(dtype, head_dim) is None:
         return "cpu"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
     return "torch_native"
 
 

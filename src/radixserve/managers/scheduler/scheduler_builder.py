@@ -159,8 +159,9 @@ def choose_loop(
     is_generation: bool,
 ) -> Callable[[LoopScheduler], SchedulerLoop]:
     """The one place a scheduler's loop is chosen: ``PipelineLoop`` with ``--pp-size`` > 1,
-    ``OverlapLoop`` with ``--enable-overlap-schedule`` (generation models only: an embedding
-    has no decode steps to overlap), else ``NormalLoop``. Returns how to make it for the
+    ``OverlapLoop`` where ``ServerArgs.overlap_schedule_on`` says so (on CUDA by default,
+    on CPU with ``--enable-overlap-schedule``; generation models only: an embedding has no
+    decode steps to overlap), else ``NormalLoop``. Returns how to make it for the
     scheduler it drives."""
     timeout = server_args.watchdog_timeout
     info = parallel.info
@@ -168,7 +169,7 @@ def choose_loop(
         assert parallel.p2p is not None, "pipeline stages talk point to point"
         p2p, device = parallel.p2p, tp_worker.model_runner.device
         return lambda scheduler: PipelineLoop(scheduler, timeout, info, p2p, device)
-    if server_args.enable_overlap_schedule and is_generation:
+    if server_args.overlap_schedule_on(tp_worker.model_runner.device.type) and is_generation:
         worker = OverlapWorker(tp_worker)
         return lambda scheduler: OverlapLoop(scheduler, timeout, worker)
     return lambda scheduler: NormalLoop(scheduler, timeout)

@@ -1,0 +1,303 @@
+"""Triton kernels of the ``triton`` attention backend: paged attention over the KV pool, reading
+each request's KV slots through its ``req_to_token`` row (so any page size works: a page is only
+a run of consecutive slots the allocator handed out together).
+
+Decode (one new token per request) is split-KV in two stages, SGLang's design:
+
+    stage 1  grid (batch, kv_heads, NUM_KV_SPLITS): each program takes the query heads that share
+             one KV head (GQA: one load of a key block serves the whole group, through one
+             ``tl.dot``) and a contiguous split of the request's positions; it writes the split's
+             normalised partial output and log-sum-exp in float32.
+    stage 2  grid (batch, heads): merges the splits of each head by their log-sum-exp.
+
+The split length is computed inside the kernel from ``seq_lens`` (``cdiv(seq_len,
+NUM_KV_SPLITS)``), so the launch depends on no host value but the batch size: a decode step can be
+captured in a CUDA graph and replayed with other lengths.
+
+Extend (new tokens after a cached prefix) has a grid (batch, heads, query blocks); a query at
+extend offset ``j`` sits at position ``prefix + j`` and attends causally over every position up
+to it, prefix and new tokens alike, all read from the pool (the backend writes the new K/V there
+first). Blocks past a request's own new tokens return at once.
+
+Scores, softmax and sums are float32; fp32 models take ``tl.dot`` in IEEE precision (no TF32),
+so their greedy output matches ``transformers``. Every kernel masks head dimensions up to the
+next power of two, so head_dim 64-256 (and sizes like 80 or 96) all run.
+
+Triton's interpreter (``TRITON_INTERPRET=1``) runs these on CPU for the tests; it computes fp32
+and fp16 exactly but not bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+NUM_KV_SPLITS = 8  # SGLang's default max_kv_splits
+
+
+@triton.jit
+def _decode_stage1(
+    Q, K_buf, V_buf, req_to_token, req_pool_indices, seq_lens, Mid_O, Mid_LSE,
+    sm_scale,
+    stride_qb, stride_qh,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_r2t,
+    stride_mob, stride_moh, stride_mos,
+    stride_mlb, stride_mlh,
+    KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + b)
+    row = tl.load(req_pool_indices + b)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_H)
+    offs_h = kv_head * KV_GROUP + offs_g
+    h_mask = offs_g < KV_GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(
+        Q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for block in range(start, end, BLOCK_N):
+        pos = block + offs_n
+        n_mask = pos < end
+        slots = tl.load(req_to_token + row * stride_r2t + pos, mask=n_mask, other=0)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            K_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(n_mask[None, :], qk * sm_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    if end > start:
+        tl.store(
+            Mid_O + b * stride_mob + offs_h[:, None] * stride_moh + split * stride_mos
+            + offs_d[None, :],
+            acc / l_i[:, None],
+            mask=h_mask[:, None] & d_mask[None, :],
+        )
+        tl.store(Mid_LSE + b * stride_mlb + offs_h * stride_mlh + split, m_i + tl.log(l_i),
+                 mask=h_mask)
+
+
+@triton.jit
+def _decode_stage2(
+    Mid_O, Mid_LSE, Out, seq_lens,
+    stride_mob, stride_moh, stride_mos,
+    stride_mlb, stride_mlh,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens + b)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    m = float("-inf")
+    total = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for split in range(0, NUM_SPLITS):
+        if split * split_len < seq_len:
+            o = tl.load(
+                Mid_O + b * stride_mob + h * stride_moh + split * stride_mos + offs_d,
+                mask=d_mask,
+                other=0.0,
+            )
+            lse = tl.load(Mid_LSE + b * stride_mlb + h * stride_mlh + split)
+            m_new = tl.maximum(m, lse)
+            alpha = tl.exp(m - m_new)
+            weight = tl.exp(lse - m_new)
+            acc = acc * alpha + weight * o
+            total = total * alpha + weight
+            m = m_new
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, (acc / total).to(Out.dtype.element_ty),
+             mask=d_mask)
+
+
+@triton.jit
+def _extend_kernel(
+    Q, Out, K_buf, V_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts,
+    sm_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_r2t,
+    KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    m_block = tl.program_id(2)
+    extend_len = tl.load(extend_lens + b)
+    if m_block * BLOCK_M < extend_len:
+        prefix = tl.load(prefix_lens + b)
+        q_start = tl.load(q_starts + b)
+        row = tl.load(req_pool_indices + b)
+        kv_head = h // KV_GROUP
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < extend_len
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        offs_n = tl.arange(0, BLOCK_N)
+        q = tl.load(
+            Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+            mask=m_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        q_pos = prefix + offs_m
+        # Every query row sees position 0, so each row's running max is finite after the first
+        # block (padding rows too; their output is not stored).
+        kv_end = tl.minimum(prefix + (m_block + 1) * BLOCK_M, prefix + extend_len)
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for block in range(0, kv_end, BLOCK_N):
+            pos = block + offs_n
+            n_mask = pos < kv_end
+            slots = tl.load(req_to_token + row * stride_r2t + pos, mask=n_mask, other=0)
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(
+                K_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            if IEEE:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            qk = tl.where(visible, qk * sm_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        tl.store(
+            Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+            (acc / l_i[:, None]).to(Out.dtype.element_ty),
+            mask=m_mask[:, None] & d_mask[None, :],
+        )
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    num_kv_splits: int = NUM_KV_SPLITS,
+) -> None:
+    """Attention of one query token per request (``q`` ``[bs, heads, head_dim]``) over each
+    request's ``seq_lens[i]`` positions of ``req_to_token[req_pool_indices[i]]`` in the pool's
+    ``k_buffer``/``v_buffer`` (``[slots, kv_heads, head_dim]``); written into ``out``
+    (``[bs, heads, head_dim]``)."""
+    bs, heads, head_dim = q.shape
+    kv_heads = k_buffer.shape[1]
+    group = heads // kv_heads
+    block_d = _block_d(head_dim)
+    mid_o = torch.empty((bs, heads, num_kv_splits, head_dim), dtype=torch.float32,
+                        device=q.device)
+    mid_lse = torch.empty((bs, heads, num_kv_splits), dtype=torch.float32, device=q.device)
+    _decode_stage1[(bs, kv_heads, num_kv_splits)](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        sm_scale,
+        q.stride(0), q.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        KV_GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=64 if block_d <= 128 else 32,
+        NUM_SPLITS=num_kv_splits, IEEE=q.dtype == torch.float32,
+    )
+    _decode_stage2[(bs, heads)](
+        mid_o, mid_lse, out, seq_lens,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits,
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    q_starts: torch.Tensor,
+    max_extend: int,
+    sm_scale: float,
+) -> None:
+    """Causal attention of each request's new tokens (``q`` ``[num_tokens, heads, head_dim]``,
+    request ``i``'s ``extend_lens[i]`` rows from ``q_starts[i]``) over its prefix and new tokens,
+    all already in the pool; written into ``out`` (same shape as ``q``)."""
+    _, heads, head_dim = q.shape
+    kv_heads = k_buffer.shape[1]
+    block_d = _block_d(head_dim)
+    small = block_d > 128 or q.dtype == torch.float32  # shared memory on the GPU
+    block_m = 32 if small else 64
+    bs = req_pool_indices.shape[0]
+    _extend_kernel[(bs, heads, triton.cdiv(max_extend, block_m))](
+        q, out, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens,
+        q_starts,
+        sm_scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token.stride(0),
+        KV_GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=32 if small else 64, IEEE=q.dtype == torch.float32,
+    )
