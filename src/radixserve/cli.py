@@ -21,6 +21,7 @@ from radixserve.layers.quantization import QUANTIZATION_METHODS
 from radixserve.server.openai.reasoning import REASONING_PARSERS
 from radixserve.server.openai.tool_parsers import TOOL_CALL_PARSERS
 from radixserve.server_args import (
+    CPU_KERNEL_AUTOTUNE_MODES,
     DEVICES,
     DTYPES,
     LOAD_BALANCE_METHODS,
@@ -38,6 +39,7 @@ CHOICES: dict[str, Sequence[str]] = {
     "attention_backend": ATTENTION_BACKENDS,
     "quantization": QUANTIZATION_METHODS,
     "schedule_policy": SCHEDULE_POLICIES,
+    "cpu_kernel_autotune": CPU_KERNEL_AUTOTUNE_MODES,
     "load_balance_method": LOAD_BALANCE_METHODS,
     "log_level": LOG_LEVELS,
     "tool_call_parser": tuple(TOOL_CALL_PARSERS),
@@ -76,6 +78,10 @@ HELP: dict[str, str] = {
     "normalised): /encode and /v1/embeddings instead of generation.",
     "attention_backend": "Attention kernels: torch_native (plain torch, the reference) or cpu "
     "(radixserve's CPU kernels; the default on CPU where they take the model's shape).",
+    "cpu_kernel_autotune": "on: time radixserve's CPU kernels and oneDNN for each linear "
+    "shape and batch size once per machine (cached in ~/.cache/radixserve/autotune, a few "
+    "seconds at the first start) and run the fastest; off: a static table "
+    "(docs/cpu_kernel_dispatch.md).",
     "mem_fraction_static": "Fraction of free memory for the KV cache (default 0.3 on CPU, "
     "0.85 on CUDA).",
     "max_total_tokens": "KV cache size in tokens (overrides --mem-fraction-static).",

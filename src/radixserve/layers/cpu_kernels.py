@@ -87,6 +87,12 @@ def _cpu_flags() -> set[str]:
     return flags - NEWER_ISA.keys() if envs.RADIXSERVE_CPU_KERNELS_AVX512_BASE.get() else flags
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's instruction sets as the kernels are built for them (part of the kernel
+    dispatch cache's key, ``layers/kernel_dispatch.py``)."""
+    return _cpu_flags()
+
+
 def _build_dir(flags: set[str]) -> Path:
     key = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):

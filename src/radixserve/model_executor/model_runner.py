@@ -74,6 +74,7 @@ class RunnerSettings:
     processes_per_node: int = 1  # processes sharing this machine's memory (CPU)
     attention_backend: str | None = None  # None: the device's default
     enable_deterministic_inference: bool = False  # only batch-invariant kernels
+    cpu_kernel_autotune: str = "off"  # "on": time the CPU linear kernels (the server's default)
 
     @classmethod
     def from_args(cls, args: ServerArgs) -> RunnerSettings:
@@ -94,6 +95,7 @@ class ModelRunner:
         self.dtype = model_config.torch_dtype
         # --enable-deterministic-inference: only batch-invariant kernels (checked when packing)
         self.batch_invariant = settings.enable_deterministic_inference
+        self.cpu_kernel_autotune = settings.cpu_kernel_autotune
         if self.batch_invariant and self.device.type != "cpu":
             raise ValueError("--enable-deterministic-inference runs on CPU only in this build")
         self.page_size = settings.page_size
@@ -133,7 +135,8 @@ class ModelRunner:
 
     def _load_model(self, config: ModelConfig) -> Any:
         return load_model(
-            config, self.attn_backend, self.device, self.parallel, self.batch_invariant
+            config, self.attn_backend, self.device, self.parallel, self.batch_invariant,
+            self.cpu_kernel_autotune,
         )
 
     def _create_kv_pool(self) -> MHATokenToKVPool:
