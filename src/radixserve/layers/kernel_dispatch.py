@@ -175,6 +175,15 @@ def tables_by_shape(weights: Iterable[Dispatched]) -> dict[str, tuple[str, ...]]
     return {shape_key(w): w.table for w in weights if len(w.candidates) > 1}
 
 
+def cached_or_static(weight: Dispatched, cache: DispatchCache) -> tuple[tuple[str, ...], str]:
+    """The table ``tune`` gives ``weight`` from ``cache`` without measuring, and whether it
+    was ``measured`` or is the ``static`` one (for benchmarks that report the dispatch)."""
+    seconds = cache.get(shape_key(weight)) if len(weight.candidates) > 1 else None
+    if seconds is None:
+        return weight.static(), "static"
+    return choose(seconds, weight.static()), "measured"
+
+
 def _kernel_sources_hash() -> str:
     csrc = Path(__file__).parent / "csrc"
     digest = hashlib.sha256()
