@@ -83,6 +83,9 @@ def bucket_index(rows: int) -> int:
     return len(ROW_BUCKETS) - 1
 
 
+BUCKET_OF_ROWS = tuple(bucket_index(rows) for rows in range(MAX_BUCKET_ROWS + 1))
+
+
 def takes(name: str, bucket: int) -> bool:
     """Whether candidate ``name`` runs batches of bucket ``bucket``."""
     limit = CANDIDATES[name].max_rows

@@ -86,7 +86,7 @@ class MultiKernelWeight(PackedWeight):
     """A weight several kernels can multiply: ``candidates`` (names from
     ``layers/kernel_dispatch.py``), and ``table``, the one each row bucket runs: the static
     table until ``prepack_model`` autotunes it. ``linear`` looks the kernel up by the batch's
-    rows in a list, no branching per call."""
+    rows in two tuples, no branching per call."""
 
     candidates: tuple[str, ...] = ()
     table: tuple[str, ...] = ()
@@ -122,16 +122,14 @@ class MultiKernelWeight(PackedWeight):
     def set_table(self, table: Sequence[str]) -> None:
         kernels = self.kernels()
         self.table = tuple(table)
-        self._by_rows = [
-            kernels[self.table[kernel_dispatch.bucket_index(rows)]]
-            for rows in range(kernel_dispatch.MAX_BUCKET_ROWS + 1)
-        ]
+        self._by_bucket = tuple(kernels[name] for name in self.table)
         self.batch_invariant = all(
             kernel_dispatch.CANDIDATES[name].batch_invariant for name in set(self.table)
         )
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self._by_rows[min(x.shape[0], kernel_dispatch.MAX_BUCKET_ROWS)](x, bias)
+        rows = min(x.shape[0], kernel_dispatch.MAX_BUCKET_ROWS)
+        return self._by_bucket[kernel_dispatch.BUCKET_OF_ROWS[rows]](x, bias)
 
 
 class CpuPackedWeight(MultiKernelWeight):
