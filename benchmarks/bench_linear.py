@@ -9,6 +9,12 @@ first call; with ``--cold`` each call takes the next of enough copies of it to f
 last-level cache, so every call streams its weight from memory, as in a model's step, where the
 other layers' weights have evicted it.
 
+The radixserve side is what the engine runs: each weight's kernel dispatch
+(``layers/kernel_dispatch.py``, autotuned and cached as with ``--cpu-kernel-autotune on``, or
+the static table with ``--static``). Every candidate kernel is timed as well, and a
+projection's ``verdict`` is ``ok`` when the chosen kernel is within ``VERDICT_MARGIN`` of the
+fastest candidate, ``WRONG`` when it is not; ``--check`` exits 1 on any ``WRONG``.
+
 Prints one JSON line per projection, then one per model, dtype and batch size with the layer's
 time on each side and the ratio.
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -25,10 +32,12 @@ import torch
 import torch.nn.functional as F
 from bench_offline_throughput import resolve_model
 
-from radixserve.layers import cpu_kernels
+from radixserve.layers import cpu_kernels, kernel_dispatch
+from radixserve.layers.packed_weight import CpuPackedWeight
 from radixserve.model_config import ModelConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+VERDICT_MARGIN = 0.25  # the chosen kernel may be this much slower than the best: timing noise
 
 
 def layer_projections(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -78,6 +87,28 @@ def copies(weight: torch.Tensor, cold: bool) -> list[torch.Tensor]:
     return [weight] + [weight.clone() for _ in range(count - 1)]
 
 
+def dispatched(weights: dict[str, torch.Tensor], static: bool) -> dict[str, CpuPackedWeight]:
+    """Each weight packed, with the engine's dispatch: the cached autotune, or the static
+    table."""
+    packed = {proj: CpuPackedWeight(w) for proj, w in weights.items()}
+    if not static:
+        cache = kernel_dispatch.DispatchCache(
+            kernel_dispatch.default_cache_root(),
+            kernel_dispatch.machine_identity(cpu_kernels.cpu_flags()),
+        )
+        kernel_dispatch.tune(packed.values(), cache)
+    return packed
+
+
+def sig(value: float) -> float:
+    """``value`` to three significant digits (a loaded machine's small rates stay above 0)."""
+    return float(f"{value:.3g}")
+
+
+def call(x: torch.Tensor, kernel) -> torch.Tensor:
+    return kernel(x, None)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="tiny,small,sweep-hd128-gqa8-h2048",
@@ -88,12 +119,19 @@ def main() -> None:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--cold", action="store_true",
                    help="stream every call's weight from memory (see the module docstring)")
+    p.add_argument("--static", action="store_true",
+                   help="the static dispatch table (--cpu-kernel-autotune off)")
+    p.add_argument("--calls", type=int,
+                   help="calls per timing (default: enough for 0.2 GFLOP, at least 3)")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 when a projection's verdict is WRONG")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if not cpu_kernels.load_cpu_kernels():
         raise SystemExit("radixserve's CPU kernels do not load on this machine")
     gen = torch.Generator().manual_seed(0)
+    wrong = []
     for name in args.models.split(","):
         label, path = resolve_model(name)
         shapes = layer_projections(ModelConfig.from_path(path))
@@ -101,30 +139,55 @@ def main() -> None:
             dtype = DTYPES[dtype_name]
             weights = {proj: (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
                        for proj, (n, k) in shapes.items()}
-            packed = {proj: copies(cpu_kernels.pack_linear_weight(w), args.cold)
-                      for proj, w in weights.items()}
-            weights = {proj: copies(w, args.cold) for proj, w in weights.items()}
+            packed = dispatched(weights, args.static)
+            # every candidate's kernel on each copy of the weight (one copy unless --cold)
+            plain = {proj: copies(w, args.cold) for proj, w in weights.items()}
+            kernels = {}
+            for proj, pw in packed.items():
+                packs = [pw, *(CpuPackedWeight(w) for w in plain[proj][1:])]
+                per_copy = [p.kernels() for p in packs]
+                kernels[proj] = {cand: [k[cand] for k in per_copy] for cand in pw.candidates}
             for m in (int(b) for b in args.batch_sizes.split(",")):
+                bucket = kernel_dispatch.bucket_index(m)
                 ours_total = torch_total = 0.0
                 for proj, (n, k) in shapes.items():
                     x = torch.randn(m, k, generator=gen).to(dtype)
-                    calls = max(3, int(2e8 / (2 * m * n * k)))
-                    ours = best_seconds(calls, args.repeats, cpu_kernels.linear, x, packed[proj],
-                                        None, n)
-                    theirs = best_seconds(calls, args.repeats, F.linear, x, weights[proj])
+                    calls = args.calls or max(3, int(2e8 / (2 * m * n * k)))
+                    seconds = {
+                        cand: best_seconds(calls, args.repeats, call, x, kernels[proj][cand])
+                        for cand in packed[proj].candidates
+                        if kernel_dispatch.takes(cand, bucket)
+                    }
+                    chosen = packed[proj].table[bucket]
+                    ours = seconds[chosen]
+                    theirs = best_seconds(calls, args.repeats, F.linear, x, plain[proj])
                     ours_total, torch_total = ours_total + ours, torch_total + theirs
+                    best = min(seconds, key=seconds.__getitem__)
+                    verdict = (
+                        "ok" if ours <= seconds[best] * (1 + VERDICT_MARGIN) else "WRONG"
+                    )
+                    if verdict == "WRONG":
+                        wrong.append((label, dtype_name, m, proj, chosen, best))
                     flop = 2 * m * n * k
                     print(json.dumps({
                         "model": label, "dtype": dtype_name, "batch_size": m, "projection": proj,
                         "n": n, "k": k, "cold": args.cold,
-                        "radixserve_gflops": round(flop / ours / 1e9, 1),
-                        "torch_gflops": round(flop / theirs / 1e9, 1),
-                        "speedup": round(theirs / ours, 2)}), flush=True)
+                        "radixserve_gflops": sig(flop / ours / 1e9),
+                        "torch_gflops": sig(flop / theirs / 1e9),
+                        "speedup": round(theirs / ours, 2),
+                        "chosen": chosen, "best": best, "verdict": verdict,
+                        "candidates_gflops": {c: sig(flop / t / 1e9)
+                                              for c, t in seconds.items()}}), flush=True)
                 print(json.dumps({
                     "comparison": "layer_linears", "model": label, "dtype": dtype_name,
                     "batch_size": m, "cold": args.cold, "radixserve_ms": round(ours_total * 1e3, 3),
                     "torch_ms": round(torch_total * 1e3, 3),
                     "speedup": round(torch_total / ours_total, 2)}), flush=True)
+    for label, dtype_name, m, proj, chosen, best in wrong:
+        print(f"WRONG DISPATCH: {label} {dtype_name} {proj} at {m} rows runs {chosen}, "
+              f"{best} is more than {VERDICT_MARGIN:.0%} faster", file=sys.stderr)
+    if wrong and args.check:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

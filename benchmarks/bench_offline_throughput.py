@@ -203,6 +203,42 @@ def prefill_record(backend: str, prompt: list[int], wall_s: float) -> dict[str, 
             "prefill_tokens_per_s": round(len(prompt) / wall_s, 1)}
 
 
+def print_kernel_dispatch(args: argparse.Namespace, model_path: str,
+                          engine_kwargs: dict[str, Any]) -> None:
+    """One JSON line per linear layer type: the kernel its batches run per row bucket, as the
+    Engine just chose it (read back from the dispatch cache its autotune wrote, with the
+    scheduler's thread count; the static table where it measured nothing)."""
+    from bench_linear import layer_projections
+
+    from radixserve.layers import cpu_kernels
+    from radixserve.layers import kernel_dispatch as kd
+    from radixserve.layers.packed_weight import CpuPackedWeight
+    from radixserve.layers.quantization.int8 import CpuInt8Weight
+    from radixserve.model_config import ModelConfig
+
+    if not cpu_kernels.load_cpu_kernels():
+        return
+    config = ModelConfig.from_path(model_path, dtype=args.dtype)
+    dtype = config.torch_dtype
+    shapes = {**layer_projections(config), "lm_head": (config.vocab_size, config.hidden_size)}
+    int8 = engine_kwargs.get("quantization") == "int8"
+    deterministic = engine_kwargs.get("enable_deterministic_inference", False)
+    with torch_threads(args.threads or len(os.sched_getaffinity(0))):
+        cache = kd.DispatchCache(kd.default_cache_root(),
+                                 kd.machine_identity(cpu_kernels.cpu_flags()))
+        for layer, (n, k) in shapes.items():
+            if int8:
+                weight = CpuInt8Weight(torch.zeros(n, k, dtype=torch.int8), torch.ones(n, 1))
+            else:
+                weight = CpuPackedWeight(torch.zeros(n, k, dtype=dtype))
+            weight.activation_dtype = dtype
+            weight.restrict(deterministic)
+            table, source = kd.cached_or_static(weight, cache)
+            print(json.dumps({"kernel_dispatch": layer, "n": n, "k": k, "kind": weight.kind(),
+                              "source": source, "kernels": kd.describe(table),
+                              "deterministic": deterministic}), flush=True)
+
+
 Generate = Callable[[list[list[int]], int], tuple[list[list[int]], float]]
 
 
@@ -217,6 +253,7 @@ def radixserve_backend(args: argparse.Namespace, model_path: str,
                       enable_overlap_schedule=args.overlap_schedule,
                       disable_cuda_graph=args.disable_cuda_graph,
                       **engine_kwargs) as engine:
+        print_kernel_dispatch(args, model_path, engine_kwargs)
 
         def generate(prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
             engine.flush_cache()  # nothing may start cached

@@ -18,6 +18,7 @@ from typing import Any
 from radixserve import envs
 from radixserve.registry_choices import REGISTRY_CHOICES, check_registry_choices
 from radixserve.server_args import (
+    CPU_KERNEL_AUTOTUNE_MODES,
     DEVICES,
     DTYPES,
     LOAD_BALANCE_METHODS,
@@ -34,6 +35,7 @@ CHOICES: dict[str, Sequence[str]] = {
     "dtype": DTYPES,
     "device": DEVICES,
     "schedule_policy": SCHEDULE_POLICIES,
+    "cpu_kernel_autotune": CPU_KERNEL_AUTOTUNE_MODES,
     "load_balance_method": LOAD_BALANCE_METHODS,
     "log_level": LOG_LEVELS,
     **REGISTRY_CHOICES,
@@ -72,6 +74,10 @@ HELP: dict[str, str] = {
     "attention_backend": "Attention kernels: torch_native (plain torch, the reference), cpu "
     "(radixserve's CPU kernels; the default on CPU where they take the model's shape) or triton "
     "(Triton paged attention; the default on CUDA; on CPU only under TRITON_INTERPRET=1).",
+    "cpu_kernel_autotune": "on: time radixserve's CPU kernels and oneDNN for each linear "
+    "shape and batch size once per machine (cached in ~/.cache/radixserve/autotune, a few "
+    "seconds at the first start) and run the fastest; off: a static table "
+    "(docs/cpu_kernel_dispatch.md).",
     "mem_fraction_static": "Fraction of free memory for the KV cache (default 0.3 on CPU, "
     "0.85 on CUDA).",
     "max_total_tokens": "KV cache size in tokens (overrides --mem-fraction-static).",

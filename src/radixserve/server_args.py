@@ -13,6 +13,9 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+# on: time the CPU kernels per linear shape and batch bucket once per machine (cached);
+# off: the static table (layers/kernel_dispatch.py)
+CPU_KERNEL_AUTOTUNE_MODES = ("on", "off")
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class ServerArgs:
     is_embedding: bool = False
     attention_backend: str | None = None  # None: cpu on CPUs whose kernels take the model
     quantization: str | None = None  # "int8": quantise a float checkpoint's weights at load
+    cpu_kernel_autotune: str = "on"  # CPU_KERNEL_AUTOTUNE_MODES
     # memory
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
@@ -103,6 +107,11 @@ class ServerArgs:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.cpu_kernel_autotune not in CPU_KERNEL_AUTOTUNE_MODES:
+            raise ValueError(
+                f"cpu_kernel_autotune must be one of {CPU_KERNEL_AUTOTUNE_MODES}, "
+                f"got {self.cpu_kernel_autotune!r}"
+            )
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"

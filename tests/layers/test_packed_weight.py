@@ -82,7 +82,8 @@ def test_cpu_packed_weight_is_one_blocked_copy_for_every_batch_size(dtype):
     assert packed.blocked.shape[0] * 16 == 1008 and packed.extra_bytes() == 1008 * 64 * (
         dtype.itemsize)
     x = torch.randn(70, 64).to(dtype)
-    assert packed.amx_rows == 0  # the AMX kernel takes whole blocks of 16 only
+    assert "amx" not in packed.candidates  # the AMX kernel takes whole blocks of 16 only
+    packed.set_table(("blocked",) * len(packed.table))
     for rows in (1, 7, 70):
         assert torch.equal(layer.project(x[:rows]), linear(x[:rows], packed.blocked, None, 1001))
 
@@ -117,8 +118,12 @@ def test_prepack_model_packs_every_linear_and_the_tied_lm_head_keeps_the_embeddi
 
 def test_bf16_layers_on_amx_cpus_take_the_amx_kernel_up_to_32_rows():
     layer = build_loaded("qkv", torch.bfloat16)
-    prepack_model(layer, MEMORY)
-    assert getattr(layer.packed, "amx_rows", 0) == (32 if HAS_AMX else 0)
+    prepack_model(layer, MEMORY)  # the static table: AMX up to 32 rows, then oneDNN's AMX GEMM
+    table = getattr(layer.packed, "table", ())
+    if HAS_AMX:
+        assert table == ("amx",) * 6 + ("onednn",) * 4
+    else:
+        assert "amx" not in table
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

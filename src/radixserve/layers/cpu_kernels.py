@@ -5,7 +5,9 @@
   with FMA (bf16 with AVX512-BF16's ``vdpbf16ps`` where the CPU has it). Decode steps stream the
   weight at memory speed (oneDNN's GEMV reaches about half of it), prefills run near the GEMM
   peak, and a row's output does not depend on the batch it is in. On CPUs with AMX, bf16
-  batches of up to 32 rows take an AMX kernel on the same copy (``csrc/linear_amx.cpp``);
+  batches of up to 32 rows can take an AMX kernel on the same copy (``csrc/linear_amx.cpp``);
+  which kernel (or oneDNN's ``F.linear``) runs each batch size is ``layers/kernel_dispatch.py``'s
+  measured choice;
 - fused RMSNorm, residual add + RMSNorm, SiluAndMul and the rotary embedding in bf16 and
   float32, and the greedy argmax of the logits (``csrc/elementwise.cpp``): one kernel each where
   torch runs up to nine, whose start-up costs dominate a decode step's small tensors. They round
@@ -85,6 +87,12 @@ def _cpu_flags() -> set[str]:
         return set()
     flags = set(line.partition(":")[2].split())
     return flags - NEWER_ISA.keys() if envs.RADIXSERVE_CPU_KERNELS_AVX512_BASE.get() else flags
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's instruction sets as the kernels are built for them (part of the kernel
+    dispatch cache's key, ``layers/kernel_dispatch.py``)."""
+    return _cpu_flags()
 
 
 def _build_dir(flags: set[str]) -> Path:

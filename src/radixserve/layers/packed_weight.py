@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import abc
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.layers import cpu_kernels
+from radixserve.layers import cpu_kernels, kernel_dispatch
 from radixserve.layers.custom_op import OpImpl, select_impl
 
 logger = logging.getLogger(__name__)
@@ -81,11 +82,63 @@ class NotPacked(PackedWeight):
         raise RuntimeError("weights not packed: call prepack_model() after loading the model")
 
 
-class CpuPackedWeight(PackedWeight):
-    """bf16 or float32 on CPU: radixserve's blocked copy at every batch size. Decode batches
-    stream it at memory speed where oneDNN reaches about half of it, prefills run near the GEMM
-    peak, and a row's result does not depend on its batch. On AMX CPUs, bf16 batches of up to
-    32 rows take the AMX kernel on the same copy, unless ``batch_invariant``."""
+class MultiKernelWeight(PackedWeight):
+    """A weight several kernels can multiply: ``candidates`` (names from
+    ``layers/kernel_dispatch.py``), and ``table``, the one each row bucket runs: the static
+    table until ``prepack_model`` autotunes it. ``linear`` looks the kernel up by the batch's
+    rows in two tuples, no branching per call."""
+
+    candidates: tuple[str, ...] = ()
+    table: tuple[str, ...] = ()
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(weight)
+        # the dtype of the inputs it is timed with (prepack_model sets the model's)
+        self.activation_dtype = weight.dtype if weight.is_floating_point() else torch.bfloat16
+
+    @abc.abstractmethod
+    def kind(self) -> str:
+        """The weight format and activation dtype, part of the dispatch cache's key."""
+
+    @abc.abstractmethod
+    def kernels(self) -> dict[str, Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]]:
+        """Each candidate's ``linear``, by name."""
+
+    @abc.abstractmethod
+    def timing_proxy(self, max_out: int) -> MultiKernelWeight:
+        """This weight, or one of the same kind on its first ``max_out`` output rows, to time."""
+
+    def static(self) -> tuple[str, ...]:
+        return kernel_dispatch.static_table(
+            self.candidates, cpu_kernels.amx_available(), self.kind() == "bf16"
+        )
+
+    def restrict(self, batch_invariant: bool) -> None:
+        """Keep only batch-invariant candidates (deterministic inference), back to the static
+        table."""
+        self.candidates = kernel_dispatch.allowed_candidates(self.candidates, batch_invariant)
+        self.set_table(self.static())
+
+    def set_table(self, table: Sequence[str]) -> None:
+        kernels = self.kernels()
+        self.table = tuple(table)
+        self._by_bucket = tuple(kernels[name] for name in self.table)
+        self.batch_invariant = all(
+            kernel_dispatch.CANDIDATES[name].batch_invariant for name in set(self.table)
+        )
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = min(x.shape[0], kernel_dispatch.MAX_BUCKET_ROWS)
+        return self._by_bucket[kernel_dispatch.BUCKET_OF_ROWS[rows]](x, bias)
+
+
+class CpuPackedWeight(MultiKernelWeight):
+    """bf16 or float32 on CPU: radixserve's blocked copy (``blocked``: decode batches stream it
+    at memory speed where oneDNN reaches about half of it, and a row's result does not depend
+    on its batch), on AMX CPUs the AMX kernel on the same copy for bf16 batches of up to 32
+    rows (``amx``), and oneDNN's ``F.linear`` on the plain weight (``onednn``: on AMX CPUs many
+    times faster than ``blocked`` from 64 rows up). Which runs per batch size is
+    ``kernel_dispatch``'s choice; ``batch_invariant`` keeps only ``blocked``."""
 
     def __init__(self, weight: torch.Tensor, batch_invariant: bool = False) -> None:
         super().__init__(weight)
@@ -93,23 +146,44 @@ class CpuPackedWeight(PackedWeight):
         self.blocked = cpu_kernels.pack_linear_weight(weight)
         self.pad_k = self.blocked.shape[1] * self.blocked.shape[3] - k  # 1 for an odd bf16 K
         amx = (
-            not batch_invariant
-            and weight.dtype == torch.bfloat16
+            weight.dtype == torch.bfloat16
             and self.n % cpu_kernels.BLOCK_ROWS == 0
             and k % cpu_kernels.AMX_K_MULTIPLE == 0
             and cpu_kernels.amx_available()
         )
-        self.amx_rows = cpu_kernels.AMX_MAX_ROWS if amx else 0
-        self.batch_invariant = not amx  # the AMX tiles sum in an order of their own
+        names = (kernel_dispatch.BLOCKED, kernel_dispatch.AMX, kernel_dispatch.ONEDNN)
+        self.candidates = tuple(n for n in names if amx or n != kernel_dispatch.AMX)
+        self.restrict(batch_invariant)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] <= self.amx_rows:
-            return cpu_kernels.small_gemm_amx(x, self.blocked, bias)
+    def kind(self) -> str:
+        return "bf16" if self.weight.dtype == torch.bfloat16 else "fp32"
+
+    def kernels(self) -> dict[str, Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]]:
+        return {
+            kernel_dispatch.BLOCKED: self.linear_blocked,
+            kernel_dispatch.AMX: self.linear_amx,
+            kernel_dispatch.ONEDNN: self.linear_onednn,
+        }
+
+    def linear_blocked(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.pad_k:
             x = F.pad(x, (0, self.pad_k))
         elif x.stride(-1) != 1:
             x = x.contiguous()
         return cpu_kernels.linear(x, self.blocked, bias, self.n)
+
+    def linear_amx(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return cpu_kernels.small_gemm_amx(x, self.blocked, bias)
+
+    def linear_onednn(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias)
+
+    def timing_proxy(self, max_out: int) -> CpuPackedWeight:
+        if self.n <= max_out:
+            return self
+        proxy = CpuPackedWeight(self.weight[:max_out])
+        proxy.candidates = self.candidates
+        return proxy
 
     def extra_bytes(self) -> int:
         return self.blocked.numel() * self.blocked.element_size()
@@ -172,16 +246,37 @@ def planned_copy_bytes(
 
 
 def prepack_model(
-    model: nn.Module, total_memory_bytes: int, batch_invariant: bool = False
+    model: nn.Module,
+    total_memory_bytes: int,
+    batch_invariant: bool = False,
+    cpu_kernel_autotune: str = "off",
 ) -> None:
     """Pack every ``Prepackable`` module of a loaded ``model`` (once; again after a reload).
-    ``batch_invariant``: only kernels whose row results ignore the batch, or ValueError."""
+    ``batch_invariant``: only kernels whose row results ignore the batch, or ValueError.
+    ``cpu_kernel_autotune``: ``on`` times the kernels of each weight shape on this machine
+    (cached, ``layers/kernel_dispatch.py``), ``off`` keeps the static table."""
     modules = {name: m for name, m in model.named_modules() if isinstance(m, Prepackable)}
     weight_bytes = sum(
         p.numel() * p.element_size() for m in modules.values() for p in m.parameters()
     )
     options = PackOptions(room_for_packed_copy(weight_bytes, total_memory_bytes), batch_invariant)
     packed = {name: m.prepack(options) for name, m in modules.items()}
+    multi = [p for p in packed.values() if isinstance(p, MultiKernelWeight)]
+    activation_dtype = next(
+        (p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16
+    )
+    for p in multi:  # int8 weights learn the activations' dtype here
+        p.activation_dtype = activation_dtype
+        p.restrict(batch_invariant)
+    if cpu_kernel_autotune == "on" and multi:
+        cache = kernel_dispatch.DispatchCache(
+            kernel_dispatch.default_cache_root(),
+            kernel_dispatch.machine_identity(cpu_kernels.cpu_flags()),
+        )
+        kernel_dispatch.tune(multi, cache)
+    elif multi:
+        for key, table in kernel_dispatch.tables_by_shape(multi).items():
+            logger.info("kernel dispatch %s (static): %s", key, kernel_dispatch.describe(table))
     variant = [name for name, p in packed.items() if not p.batch_invariant]
     if batch_invariant and variant:
         raise ValueError(

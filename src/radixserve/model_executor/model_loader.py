@@ -130,6 +130,7 @@ def load_model(
     device: torch.device,
     parallel: ParallelState | None = None,
     batch_invariant: bool = False,
+    cpu_kernel_autotune: str = "off",
 ) -> LlamaForCausalLM:
     """Build ``config.architecture`` on ``device`` in ``config.torch_dtype`` (this rank's part
     of it), load its weights and pack them for the device's kernels."""
@@ -144,7 +145,7 @@ def load_model(
         else:
             model = model_cls(config, attn_backend)
     load_weights(model, config.model_path)
-    prepack_model(model, psutil.virtual_memory().total, batch_invariant)
+    prepack_model(model, psutil.virtual_memory().total, batch_invariant, cpu_kernel_autotune)
     return model.eval()
 
 

@@ -82,6 +82,7 @@ class RunnerSettings:
     enable_deterministic_inference: bool = False  # only batch-invariant kernels
     disable_cuda_graph: bool = False  # decode eagerly on CUDA
     cuda_graph_max_bs: int | None = None  # None: max_running_requests
+    cpu_kernel_autotune: str = "off"  # "on": time the CPU linear kernels (the server's default)
 
     @classmethod
     def from_args(cls, args: ServerArgs) -> RunnerSettings:
@@ -102,6 +103,7 @@ class ModelRunner:
         self.dtype = model_config.torch_dtype
         # --enable-deterministic-inference: only batch-invariant kernels (checked when packing)
         self.batch_invariant = settings.enable_deterministic_inference
+        self.cpu_kernel_autotune = settings.cpu_kernel_autotune
         if self.batch_invariant and self.device.type != "cpu":
             raise ValueError("--enable-deterministic-inference runs on CPU only in this build")
         self.page_size = settings.page_size
@@ -188,7 +190,8 @@ class ModelRunner:
 
     def _load_model(self, config: ModelConfig) -> Any:
         return load_model(
-            config, self.attn_backend, self.device, self.parallel, self.batch_invariant
+            config, self.attn_backend, self.device, self.parallel, self.batch_invariant,
+            self.cpu_kernel_autotune,
         )
 
     def _create_kv_pool(self) -> MHATokenToKVPool:

@@ -10,15 +10,16 @@ multiplies with the dequantised weight in float32 (the reference); on CPU, radix
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from radixserve.layers import cpu_kernels
+from radixserve.layers import cpu_kernels, kernel_dispatch
 from radixserve.layers.custom_op import OpImpl
 from radixserve.layers.linear_method import LinearMethod, UnquantizedLinearMethod, sharded_parameter
-from radixserve.layers.packed_weight import PackedWeight, PackOptions
+from radixserve.layers.packed_weight import MultiKernelWeight, PackedWeight, PackOptions
 from radixserve.layers.quantization.base import QuantizationConfig
 
 if TYPE_CHECKING:
@@ -61,22 +62,51 @@ class Int8Weight(PackedWeight):
         return out.to(x.dtype)
 
 
-class CpuInt8Weight(Int8Weight):
+class CpuInt8Weight(MultiKernelWeight, Int8Weight):
     """The CPU kernel's copy: int8 ``[N/16][K/2][16][2]`` and scales ``[N/16][groups][16]``;
     activations are quantised per row to int16 inside the kernel (finer than bf16 for a row's
-    large values), so results differ from the reference by about that rounding."""
-
-    batch_invariant = True
+    large values), so results differ from the reference by about that rounding
+    (``int8_vnni``). Or oneDNN on the weight converted to the activations' dtype
+    (``int8_dequant_onednn``: exact for int8, the per-channel scale applied to the output),
+    where its GEMM outruns the VNNI kernel at large batches; ``kernel_dispatch`` chooses."""
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
-        super().__init__(weight, scales)
+        Int8Weight.__init__(self, weight, scales)
+        self.activation_dtype = torch.bfloat16
         self.n = weight.shape[0]
         self.blocked, self.blocked_scales = cpu_kernels.pack_int8_weight(weight, scales)
+        self.candidates = (kernel_dispatch.INT8_VNNI, kernel_dispatch.INT8_DEQUANT)
+        self.restrict(batch_invariant=False)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def kind(self) -> str:
+        return f"int8-{str(self.activation_dtype).removeprefix('torch.')}"
+
+    def kernels(self) -> dict[str, Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]]:
+        return {
+            kernel_dispatch.INT8_VNNI: self.linear_vnni,
+            kernel_dispatch.INT8_DEQUANT: self.linear_dequant,
+        }
+
+    def linear_vnni(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
         return cpu_kernels.linear_int8(x, self.blocked, self.blocked_scales, bias, self.n)
+
+    def linear_dequant(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.scales.shape[1] == 1:  # per channel: x @ (q * s).T == (x @ q.T) * s
+            out = F.linear(x, self.weight.to(x.dtype)) * self.scales[:, 0]
+        else:
+            out = F.linear(x, dequantize_int8(self.weight, self.scales).to(x.dtype))
+        if bias is not None:
+            out = out + bias
+        return out.to(x.dtype)
+
+    def timing_proxy(self, max_out: int) -> CpuInt8Weight:
+        if self.n <= max_out:
+            return self
+        proxy = CpuInt8Weight(self.weight[:max_out], self.scales[:max_out])
+        proxy.activation_dtype, proxy.candidates = self.activation_dtype, self.candidates
+        return proxy
 
     def extra_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.blocked, self.blocked_scales))

@@ -1,0 +1,355 @@
+"""Which kernel multiplies a linear weight, per weight shape and batch-row bucket, chosen by
+measurement on the machine that runs it (``--cpu-kernel-autotune on``) or by a static table
+(``off``).
+
+Why measure: the fastest kernel depends on the CPU and the shape. At one row radixserve's
+blocked kernel streams the weight 2-4x faster than oneDNN's (``F.linear``); on a CPU with AMX,
+oneDNN's AMX GEMM is up to 9x faster than the blocked kernel from 64 rows up, while on an
+AVX-512 CPU without usable AMX the blocked kernel was the faster one there too. A table written
+on one CPU is wrong on the other.
+
+- Candidates (``CANDIDATES``): ``blocked`` (``csrc/linear.cpp``), ``amx`` (``csrc/linear_amx.cpp``,
+  bf16, up to 32 rows), ``onednn`` (torch's ``F.linear`` on the plain weight); for int8
+  weights ``int8_vnni`` (``csrc/linear_int8.cpp``) and ``int8_dequant_onednn`` (the weight
+  dequantised to the activations' dtype, then ``F.linear``). A ``PackedWeight`` lists those
+  that take its shape and dtype; deterministic inference keeps only batch-invariant ones.
+- Row buckets (``ROW_BUCKETS``): a batch of ``m`` rows runs the choice of the smallest bucket
+  holding ``m``; 512 stands for 512 rows and more.
+- ``choose``: per bucket, the fastest candidate, but the static table's choice is kept unless
+  another is ``SWITCH_MARGIN`` faster, so timing noise does not flip a close call.
+- The cache (``DispatchCache``): one JSON file per machine key (CPU model, CPU flags, torch
+  version, torch threads, the kernels' source hash) under
+  ``~/.cache/radixserve/autotune/``, one entry per weight kind, shape and candidate set holding
+  the measured seconds. A new CPU, torch or kernel build is a new key: it measures again.
+- Start-up cost: ``tune`` measures each distinct shape once (the layers share a few), on a
+  slice of at most ``TIMING_MAX_OUT`` output rows (the LM head's vocabulary rows all cost the
+  same), interleaving the candidates, and stops measuring after ``budget_s`` (the rest keep the
+  static table); the log says how long it took and what it chose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+MAX_BUCKET_ROWS = ROW_BUCKETS[-1]
+SWITCH_MARGIN = 0.05  # a candidate replaces the static choice only when this much faster
+TIMING_MAX_OUT = 4096  # output rows of the slice a large weight is timed on
+DEFAULT_BUDGET_S = 5.0
+AUTOTUNE_MODES = ("on", "off")
+
+BLOCKED, AMX, ONEDNN = "blocked", "amx", "onednn"
+INT8_VNNI, INT8_DEQUANT = "int8_vnni", "int8_dequant_onednn"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    batch_invariant: bool  # a row's result is the same bits whatever else is in its batch
+    max_rows: int | None = None  # the most rows it takes (None: any)
+
+
+CANDIDATES = {
+    c.name: c
+    for c in (
+        Candidate(BLOCKED, batch_invariant=True),
+        Candidate(AMX, batch_invariant=False, max_rows=32),  # the tiles sum in their own order
+        Candidate(ONEDNN, batch_invariant=False),  # oneDNN picks its kernel by shape
+        Candidate(INT8_VNNI, batch_invariant=True),
+        Candidate(INT8_DEQUANT, batch_invariant=False),
+    )
+}
+
+
+def bucket_index(rows: int) -> int:
+    """The bucket of a batch of ``rows`` rows: the smallest holding it, the last for more."""
+    for i, size in enumerate(ROW_BUCKETS):
+        if rows <= size:
+            return i
+    return len(ROW_BUCKETS) - 1
+
+
+BUCKET_OF_ROWS = tuple(bucket_index(rows) for rows in range(MAX_BUCKET_ROWS + 1))
+
+
+def takes(name: str, bucket: int) -> bool:
+    """Whether candidate ``name`` runs batches of bucket ``bucket``."""
+    limit = CANDIDATES[name].max_rows
+    return limit is None or ROW_BUCKETS[bucket] <= limit
+
+
+def allowed_candidates(names: Iterable[str], batch_invariant: bool) -> tuple[str, ...]:
+    """``names`` less those deterministic inference (``batch_invariant``) rules out."""
+    return tuple(n for n in names if not batch_invariant or CANDIDATES[n].batch_invariant)
+
+
+def static_table(allowed: Sequence[str], amx_cpu: bool, bf16: bool) -> tuple[str, ...]:
+    """The choice per bucket without measuring, from the runs in ``benchmarks/RESULTS.md``: int8
+    weights take the VNNI kernel; on a CPU with AMX, bf16 batches up to 32 rows take the AMX
+    kernel (where the shape allows it) and larger ones oneDNN's AMX GEMM; everything else the
+    blocked kernel (the faster one on AVX-512 CPUs without AMX, and for float32)."""
+    table = []
+    for b in range(len(ROW_BUCKETS)):
+        if INT8_VNNI in allowed:
+            table.append(INT8_VNNI)
+        elif AMX in allowed and takes(AMX, b):
+            table.append(AMX)
+        elif amx_cpu and bf16 and ONEDNN in allowed and ROW_BUCKETS[b] > CANDIDATES[AMX].max_rows:
+            table.append(ONEDNN)
+        elif BLOCKED in allowed:
+            table.append(BLOCKED)
+        else:
+            table.append(next(n for n in allowed if takes(n, b)))
+    return tuple(table)
+
+
+def choose(
+    seconds: Mapping[str, Sequence[float | None]], static: Sequence[str]
+) -> tuple[str, ...]:
+    """Per bucket, the candidate of least ``seconds`` (None: not measured there); the
+    ``static`` choice stays unless the fastest beats it by ``SWITCH_MARGIN``."""
+    table = []
+    for b, default in enumerate(static):
+        timed = {n: s[b] for n, s in seconds.items() if s[b] is not None}
+        if not timed:
+            table.append(default)
+            continue
+        best = min(timed, key=lambda n: (timed[n], n != default))
+        kept = timed.get(default)
+        table.append(
+            default if kept is not None and kept <= timed[best] * (1 + SWITCH_MARGIN) else best
+        )
+    return tuple(table)
+
+
+def describe(table: Sequence[str]) -> str:
+    """``table`` in runs of buckets, e.g. ``1-32 amx, 64-512+ onednn``."""
+    runs: list[tuple[int, int, str]] = []
+    for b, name in enumerate(table):
+        if runs and runs[-1][2] == name:
+            runs[-1] = (runs[-1][0], b, name)
+        else:
+            runs.append((b, b, name))
+
+    def label(b: int) -> str:
+        return f"{ROW_BUCKETS[b]}+" if b == len(ROW_BUCKETS) - 1 else str(ROW_BUCKETS[b])
+
+    return ", ".join(
+        f"{label(a)} {n}" if a == z else f"{label(a)}-{label(z)} {n}" for a, z, n in runs
+    )
+
+
+class Dispatched(Protocol):
+    """What ``tune`` needs of a ``PackedWeight`` with several kernels."""
+
+    weight: torch.Tensor
+    candidates: tuple[str, ...]  # the kernels that take this weight
+    table: tuple[str, ...]
+    activation_dtype: torch.dtype
+
+    def kind(self) -> str: ...
+    def static(self) -> tuple[str, ...]: ...
+    def kernels(self) -> dict[str, Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]]: ...
+    def timing_proxy(self, max_out: int) -> Dispatched: ...
+    def set_table(self, table: Sequence[str]) -> None: ...
+
+
+def shape_key(weight: Dispatched) -> str:
+    n, k = weight.weight.shape
+    return f"{weight.kind()}:{n}x{k}:{'+'.join(weight.candidates)}"
+
+
+def tables_by_shape(weights: Iterable[Dispatched]) -> dict[str, tuple[str, ...]]:
+    """The table of each distinct shape among ``weights`` that has a choice to make."""
+    return {shape_key(w): w.table for w in weights if len(w.candidates) > 1}
+
+
+def cached_or_static(weight: Dispatched, cache: DispatchCache) -> tuple[tuple[str, ...], str]:
+    """The table ``tune`` gives ``weight`` from ``cache`` without measuring, and whether it
+    was ``measured`` or is the ``static`` one (for benchmarks that report the dispatch)."""
+    seconds = cache.get(shape_key(weight)) if len(weight.candidates) > 1 else None
+    if seconds is None:
+        return weight.static(), "static"
+    return choose(seconds, weight.static()), "measured"
+
+
+def _kernel_sources_hash() -> str:
+    csrc = Path(__file__).parent / "csrc"
+    digest = hashlib.sha256()
+    for source in sorted(csrc.glob("*.cpp")) + sorted(csrc.glob("*.h")):
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("model name")), "")
+    except OSError:
+        return "unknown"
+    return line.partition(":")[2].strip() or "unknown"
+
+
+def machine_identity(cpu_flags: Iterable[str]) -> dict[str, str]:
+    """What a measurement holds for: any change is a different cache file."""
+    return {
+        "cpu_model": _cpu_model(),
+        "cpu_flags": hashlib.sha256(" ".join(sorted(cpu_flags)).encode()).hexdigest()[:16],
+        "torch": torch.__version__,
+        "threads": str(torch.get_num_threads()),
+        "kernels": _kernel_sources_hash(),
+    }
+
+
+def default_cache_root() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return root / "radixserve" / "autotune"
+
+
+@dataclass
+class DispatchCache:
+    """Measured seconds per shape key, in one JSON file per machine identity."""
+
+    root: Path
+    identity: Mapping[str, str]
+    _entries: dict[str, dict[str, list[float | None]]] | None = field(default=None, repr=False)
+
+    @property
+    def path(self) -> Path:
+        key = hashlib.sha256(json.dumps(dict(self.identity), sort_keys=True).encode())
+        return self.root / f"{key.hexdigest()[:16]}.json"
+
+    def _read(self) -> dict[str, dict[str, list[float | None]]]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        if data.get("machine") != dict(self.identity):  # another machine's file: ignore it
+            return {}
+        return data.get("entries", {})
+
+    def get(self, key: str) -> dict[str, list[float | None]] | None:
+        if self._entries is None:
+            self._entries = self._read()
+        return self._entries.get(key)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Held while measuring and writing: ranks on one machine measure one at a time (not
+        against each other) and merge their entries into one file."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_suffix(".lock"), "w") as holder:
+            fcntl.flock(holder, fcntl.LOCK_EX)
+            try:
+                self._entries = self._read()  # what others wrote while we waited
+                yield
+            finally:
+                fcntl.flock(holder, fcntl.LOCK_UN)
+
+    def put(self, entries: Mapping[str, dict[str, list[float | None]]]) -> None:
+        merged = {**self._read(), **entries}
+        self._entries = merged
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"machine": dict(self.identity), "entries": merged}))
+        os.replace(tmp, self.path)
+
+
+def measure(weight: Dispatched, budget_end: float = float("inf")) -> dict[str, list[float | None]]:
+    """Seconds per call of each candidate at each bucket's rows (None where it does not take
+    them, or past ``budget_end``), the candidates taking turns call by call; best of at least
+    three calls and 2 ms per candidate and bucket."""
+    proxy = weight.timing_proxy(TIMING_MAX_OUT)
+    kernels = proxy.kernels()
+    k = weight.weight.shape[1]
+    dtype = weight.activation_dtype
+    seconds: dict[str, list[float | None]] = {n: [None] * len(ROW_BUCKETS) for n in kernels}
+    gen = torch.Generator().manual_seed(0)
+    for b, rows in enumerate(ROW_BUCKETS):
+        if time.perf_counter() > budget_end:
+            break
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        names = [n for n in weight.candidates if takes(n, b)]
+        best = dict.fromkeys(names, float("inf"))
+        spent = dict.fromkeys(names, 0.0)
+        for name in names:
+            kernels[name](x, None)  # warm-up: first-call allocations, oneDNN's primitive cache
+        calls = 0
+        while calls < 3 or min(spent.values()) < 2e-3:
+            for name in names:
+                start = time.perf_counter()
+                kernels[name](x, None)
+                took = time.perf_counter() - start
+                best[name], spent[name] = min(best[name], took), spent[name] + took
+            calls += 1
+            if calls >= 50:
+                break
+        for name in names:
+            seconds[name][b] = best[name]
+    return seconds
+
+
+def tune(
+    weights: Iterable[Dispatched],
+    cache: DispatchCache | None,
+    budget_s: float = DEFAULT_BUDGET_S,
+    measure_fn: Callable[[Dispatched, float], dict[str, list[float | None]]] | None = None,
+) -> dict[str, tuple[str, ...]]:
+    """Measure (or read from ``cache``) each distinct shape of ``weights`` once and give every
+    weight its table; returns the tables by shape key and logs the cost and the choices.
+    ``measure_fn``: the measurement, ``measure`` by default (tests inject timings)."""
+    measure_fn = measure_fn or measure
+    by_key: dict[str, list[Dispatched]] = {}
+    for w in weights:
+        if len(w.candidates) > 1:
+            by_key.setdefault(shape_key(w), []).append(w)
+    if not by_key:
+        return {}
+    start = time.perf_counter()
+    measured: dict[str, dict[str, list[float | None]]] = {}
+    from_cache = partial = 0
+    context = cache.locked() if cache is not None else contextlib.nullcontext()
+    with context:
+        tables = {}
+        for key, group in by_key.items():
+            seconds = cache.get(key) if cache is not None else None
+            if seconds is None:
+                if time.perf_counter() - start > budget_s:
+                    tables[key] = group[0].static()
+                    partial += 1
+                    continue
+                seconds = measure_fn(group[0], start + budget_s)
+                if any(s[-1] is not None for s in seconds.values()):
+                    measured[key] = seconds  # only complete measurements are kept
+                else:
+                    partial += 1
+            else:
+                from_cache += 1
+            tables[key] = choose(seconds, group[0].static())
+        if cache is not None and measured:
+            cache.put(measured)
+    for key, group in by_key.items():
+        for w in group:
+            w.set_table(tables[key])
+    elapsed = time.perf_counter() - start
+    logger.info(
+        "kernel autotune: %d linear shapes, %d measured, %d from cache, %d cut by the %.1f s "
+        "budget (static table where unmeasured), in %.2f s", len(by_key), len(measured),
+        from_cache, partial, budget_s, elapsed,
+    )
+    for key, table in tables.items():
+        logger.info("kernel dispatch %s: %s", key, describe(table))
+    return tables
