@@ -79,11 +79,13 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
-def copies(weight: torch.Tensor, cold: bool) -> list[torch.Tensor]:
-    """``weight`` alone, or (``cold``) as many copies as fill twice the last-level cache."""
+def copies(weight: torch.Tensor, cold: bool, cache_bytes: int | None = None) -> list[torch.Tensor]:
+    """``weight`` alone, or (``cold``) as many copies as fill twice ``cache_bytes`` (default:
+    the last-level cache)."""
     if not cold:
         return [weight]
-    count = -(-2 * last_level_cache_bytes() // (weight.numel() * weight.element_size()))
+    cache_bytes = cache_bytes or last_level_cache_bytes()
+    count = -(-2 * cache_bytes // (weight.numel() * weight.element_size()))
     return [weight] + [weight.clone() for _ in range(count - 1)]
 
 
@@ -119,6 +121,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--cold", action="store_true",
                    help="stream every call's weight from memory (see the module docstring)")
+    p.add_argument("--cold-cache-mib", type=int,
+                   help="with --cold: the cache size to overflow (default: the CPU's last level)")
     p.add_argument("--static", action="store_true",
                    help="the static dispatch table (--cpu-kernel-autotune off)")
     p.add_argument("--calls", type=int,
@@ -141,7 +145,8 @@ def main() -> None:
                        for proj, (n, k) in shapes.items()}
             packed = dispatched(weights, args.static)
             # every candidate's kernel on each copy of the weight (one copy unless --cold)
-            plain = {proj: copies(w, args.cold) for proj, w in weights.items()}
+            cache_bytes = args.cold_cache_mib << 20 if args.cold_cache_mib else None
+            plain = {proj: copies(w, args.cold, cache_bytes) for proj, w in weights.items()}
             kernels = {}
             for proj, pw in packed.items():
                 packs = [pw, *(CpuPackedWeight(w) for w in plain[proj][1:])]

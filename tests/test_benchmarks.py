@@ -121,7 +121,8 @@ def test_bench_linear_times_every_projection_of_a_layer_on_both_sides(llama_path
     q_size = config.num_attention_heads * config.head_dim
     qkv = q_size + 2 * config.num_key_value_heads * config.head_dim
     lines = run_benchmark("bench_linear.py", "--models", str(llama_path), "--batch-sizes", "1,3",
-                          "--repeats", "1", "--calls", "3", *(["--cold"] if cold else []))
+                          "--repeats", "1", "--calls", "3",
+                          *(["--cold", "--cold-cache-mib", "4"] if cold else []))
     projections = [r for r in lines if "projection" in r]
     assert sorted((r["dtype"], r["batch_size"], r["projection"], r["n"], r["k"])
                   for r in projections) == sorted(
