@@ -261,6 +261,9 @@ class SpeculativeLoop(NormalLoop):
         super().__init__(scheduler, watchdog_timeout)
         self.decoder = decoder
 
+    def summary(self) -> dict[str, Any]:
+        return self.decoder.stats.summary()
+
     def run_step(self) -> bool:
         scheduler = self.scheduler
         if scheduler.skip_step_paused():
