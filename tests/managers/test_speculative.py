@@ -12,9 +12,15 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+import torch
 
 from radixserve.managers.io_struct import AbortReq
-from radixserve.speculative import NgramProposer, greedy_accept
+from radixserve.speculative import (
+    NgramProposer,
+    greedy_accept,
+    rejection_accept,
+    sampling_probs,
+)
 from tests.checkpoints import VOCAB_SIZE
 from tests.managers.conftest import (
     assert_matches_reference,
@@ -136,16 +142,81 @@ def test_abort_storm_of_speculating_requests_leaks_nothing(llama_path):
     # the shared fixture checks the memory invariant (no KV slot or row leaked)
 
 
-def test_sampled_and_logprob_requests_decode_without_speculation(llama_path):
-    """A batch with a sampled request or one asking for logprobs runs plain decode steps."""
+def test_seeded_and_logprob_requests_decode_without_speculation(llama_path):
+    """A batch with a seeded sampled request or one asking for logprobs runs plain decode steps."""
     prompts = repetitive_prompts()[4:6]
     driver = new_driver(llama_path, **SPEC)
-    driver.submit("s", prompts[0], temperature=0.8, max_new_tokens=8)
+    driver.submit("s", prompts[0], temperature=0.8, sampling_seed=3, max_new_tokens=8)
     driver.submit("l", prompts[1], return_logprob=True, max_new_tokens=8)
     driver.run()
     results = driver.results()
     assert len(results["s"].tokens) == 8 and len(results["l"].logprobs) == 8
     assert driver.scheduler.loop.decoder.stats.num_verify_steps == 0
+
+
+def test_sampled_requests_speculate_by_rejection_sampling(llama_path):
+    """Unseeded sampled requests (low temperature: drafts from their repetitive output are
+    often kept) share verify steps with a greedy one, whose tokens stay the plain ones."""
+    prompts = repetitive_prompts()
+    plain = new_driver(llama_path).generate({"g": prompts[6]}, max_new_tokens=MAX_NEW)["g"]
+    driver = new_driver(llama_path, page_size=4, **SPEC)
+    driver.submit("g", prompts[6], max_new_tokens=MAX_NEW)
+    for i in (2, 4, 6):
+        driver.submit(f"t{i}", prompts[i], temperature=0.3, top_p=0.9, min_p=0.05,
+                      max_new_tokens=MAX_NEW)
+    driver.run()
+    results = driver.results()
+    assert results["g"].tokens == plain.tokens
+    assert all(len(results[f"t{i}"].tokens) == MAX_NEW for i in (2, 4, 6))
+    assert driver.scheduler.loop.decoder.stats.num_accepted_drafts > 0
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was emitted"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+# chi-square critical value for 5 degrees of freedom at p = 0.001
+CHI2_5_DOF_999 = 20.52
+
+
+def test_rejection_sampling_emits_the_target_distribution():
+    """Over 20,000 verify steps with fixed drafts, the first emitted token follows ``p_0`` and
+    the one after an accepted first draft follows ``p_1``; the plausible wrong rule (draw from
+    ``p_j`` itself after a rejection) fails the same test."""
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.05, 0.1, 0.4, 0.15, 0.2, 0.1],
+                          [0.3, 0.05, 0.05, 0.2, 0.3, 0.1],
+                          [0.1, 0.1, 0.2, 0.2, 0.2, 0.2]])
+    drafts = [2, 4]
+    first, second = torch.zeros(6), torch.zeros(6)
+    wrong_first = torch.zeros(6)
+    for _ in range(20000):
+        out = rejection_accept(drafts, probs, gen)
+        first[out[0]] += 1
+        if out[0] == drafts[0]:
+            second[out[1]] += 1
+        # the wrong rule: keep the draft with probability p(d), else draw from p again
+        keep = torch.rand(1, generator=gen).item() < probs[0, 2].item()
+        token = 2 if keep else int(torch.multinomial(probs[0], 1, generator=gen))
+        wrong_first[token] += 1
+    assert _chi_square(first, probs[0]) < CHI2_5_DOF_999
+    assert _chi_square(second, probs[1]) < CHI2_5_DOF_999
+    assert _chi_square(wrong_first, probs[0]) > 10 * CHI2_5_DOF_999
+
+
+def test_sampling_probs_apply_the_samplers_filters():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert sampling_probs(logits, 1.0, -1, 1.0, 0.0)[0].tolist() == pytest.approx(
+        [0.5, 0.3, 0.15, 0.05])
+    top_k = sampling_probs(logits, 1.0, 2, 1.0, 0.0)[0]
+    assert (top_k > 0).tolist() == [True, True, False, False]
+    top_p = sampling_probs(logits, 1.0, -1, 0.7, 0.0)[0]
+    assert (top_p > 0).tolist() == [True, True, False, False]
+    min_p = sampling_probs(logits, 1.0, -1, 1.0, 0.2)[0]
+    assert (min_p > 0).tolist() == [True, True, True, False]
 
 
 def test_ngram_proposer_finds_the_longest_most_recent_match():

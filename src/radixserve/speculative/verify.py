@@ -11,6 +11,14 @@ accepted one (the "bonus"): ``targets[: a + 1]``. Every token so gained is the t
 given the tokens before it, so the output is the target's greedy output, token for token, only
 computed up to ``k + 1`` tokens per forward.
 
+**Rejection sampling** (exact for sampled requests): the NGRAM draft is deterministic, a point
+mass on ``d``. Draft ``d`` at position ``j`` is kept with probability ``p_j(d)``, where ``p_j``
+is the target's distribution there after temperature, top-k, top-p and min-p (what the sampler
+would draw from); at the first rejection the token is drawn from ``p_j`` with ``d`` removed and
+renormalised, and nothing after it is kept; when every draft is kept, one more token is drawn
+from ``p_k``. Each emitted token then has exactly the target's distribution:
+``P(d) = p(d)`` and ``P(x) = (1 - p(d)) * p(x) / (1 - p(d)) = p(x)`` for ``x != d``.
+
 **KV of rejected drafts.** The verify forward wrote KV for all ``k`` drafts. After it a request
 keeps KV for positions ``< kv_len`` (its newest token's KV comes with the next step, as after a
 decode step); ``free_rejected_kv`` returns the pages of its row that lie wholly at or beyond
@@ -32,6 +40,54 @@ def greedy_accept(drafts: list[int], targets: list[int]) -> list[int]:
     while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
         accepted += 1
     return targets[: accepted + 1]
+
+
+def sampling_probs(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float
+) -> torch.Tensor:
+    """The distribution the sampler draws from for one request, at each row of ``logits``
+    (``[rows, vocab]``): softmax at ``temperature``, then top-k/top-p, then min-p (the
+    sampler's own filters, ``layers/sampler.py``), unnormalised after filtering."""
+    from radixserve.layers.sampler import _filter_min_p, _filter_top_k_top_p
+
+    rows, vocab = logits.shape
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_k not in (-1, vocab) or top_p < 1.0:
+        k = vocab if top_k == -1 else min(top_k, vocab)
+        probs = _filter_top_k_top_p(
+            probs,
+            torch.full((rows,), k, dtype=torch.int64, device=probs.device),
+            torch.full((rows,), top_p, dtype=torch.float32, device=probs.device),
+        )
+    if min_p > 0.0:
+        probs = _filter_min_p(probs, torch.full((rows,), min_p, device=probs.device))
+    return probs
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def rejection_accept(
+    drafts: list[int], probs: torch.Tensor, generator: torch.Generator | None = None
+) -> list[int]:
+    """The tokens a sampled request gains (module doc): ``probs`` ``[len(drafts) + 1, vocab]``
+    are the target's (possibly unnormalised) distributions after ``[newest token, drafts]``."""
+    assert probs.shape[0] == len(drafts) + 1, (len(drafts), probs.shape)
+    probs = probs.float().cpu()
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    uniforms = torch.rand(len(drafts), generator=generator).tolist()
+    out: list[int] = []
+    for j, draft in enumerate(drafts):
+        if uniforms[j] < float(probs[j, draft]):
+            out.append(draft)
+            continue
+        residual = probs[j].clone()
+        residual[draft] = 0.0
+        out.append(_draw(residual, generator))
+        return out
+    out.append(_draw(probs[len(drafts)], generator))
+    return out
 
 
 def free_rejected_kv(

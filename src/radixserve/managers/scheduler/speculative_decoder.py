@@ -20,10 +20,12 @@ each request one KV slot for its newest token), and when it is a decode step tha
    sessions see nothing unusual.
 
 A batch speculates only when it is at most ``--speculative-max-batch-size`` requests (above it a
-verify step costs more than it gains) and every request in it is greedy without logprobs, logit
-bias, penalties, a pending ``min_new_tokens`` or a grammar: for those the verify step's argmax is
-exactly the token the sampler would choose. Any other batch, and a batch for which no request
-found a draft, runs the plain decode step.
+verify step costs more than it gains) and no request in it asks for logprobs, a logit bias,
+penalties, a pending ``min_new_tokens``, a grammar or (sampled) a ``sampling_seed``: then a
+greedy request keeps the drafts equal to the target's argmax, a sampled one is verified by
+rejection sampling (``speculative/verify.py``), and each gets exactly what the sampler would
+give it. Any other batch, and a batch for which no request found a draft, runs the plain
+decode step.
 """
 
 from __future__ import annotations
@@ -45,7 +47,13 @@ from radixserve.managers.scheduler.schedule_batch import (
 )
 from radixserve.managers.scheduler.scheduler_loop import LoopScheduler, NormalLoop
 from radixserve.managers.scheduler.tp_worker import TpModelWorker
-from radixserve.speculative import NgramProposer, free_rejected_kv, greedy_accept
+from radixserve.speculative import (
+    NgramProposer,
+    free_rejected_kv,
+    greedy_accept,
+    rejection_accept,
+    sampling_probs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,16 +85,18 @@ class VerifyResult:
     """What one verify step computed for each request of its batch."""
 
     drafts: list[list[int]]
-    targets: list[list[int]]  # the target's argmax after each of [newest token, drafts...]
+    gained: list[list[int]]  # the tokens each request keeps (greedy or rejection sampling)
     allocated_end: list[int]  # positions of the request's row with a KV slot after the step
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
 
 
 def may_speculate(req: Req) -> bool:
-    """Whether the argmax of the verify step is exactly what the sampler would give ``req``."""
+    """Whether the verify step gives ``req`` exactly the sampler's distribution: greedy (the
+    argmax), or sampled from temperature/top-k/top-p/min-p alone without a per-request seed
+    (rejection sampling; a seeded request's reproducible stream is the sampler's own)."""
     params = req.sampling_params
     return (
-        params.is_greedy
+        (params.is_greedy or params.sampling_seed is None)
         and not req.return_logprob
         and req.grammar is None
         and not params.logit_bias
@@ -192,22 +202,34 @@ class SpeculativeDecoder:
             input_logprob_starts=[0] * len(counts),
             input_logprob_counts=counts,
         )
-        targets = self._argmax(forward_batch, counts)
+        gained = self._accept(batch, forward_batch, drafts)
         self.stats.num_verify_steps += 1
-        return VerifyResult(drafts, targets, ends, self.stats)
+        return VerifyResult(drafts, gained, ends, self.stats)
 
-    def _argmax(self, forward_batch: ForwardBatch, counts: list[int]) -> list[list[int]]:
+    def _accept(
+        self, batch: ScheduleBatch, forward_batch: ForwardBatch, drafts: list[list[int]]
+    ) -> list[list[int]]:
+        """The target's verdict on each request's drafts: the tokens it keeps."""
         runner = self.tp_worker.model_runner
         with torch.inference_mode():
             logits = runner.forward(forward_batch)
             assert isinstance(logits, torch.Tensor), "speculation runs without pipeline stages"
             tokens = runner._sampler.greedy_argmax(logits).tolist()
-        bs = len(counts)
-        targets, offset = [], bs
-        for i, n in enumerate(counts):
-            targets.append([*tokens[offset : offset + n], tokens[i]])
+        bs = len(drafts)
+        gained, offset = [], bs
+        for i, (req, draft) in enumerate(zip(batch.reqs, drafts, strict=True)):
+            n = len(draft)
+            params = req.sampling_params
+            if params.is_greedy:
+                gained.append(greedy_accept(draft, [*tokens[offset : offset + n], tokens[i]]))
+            else:
+                rows = [*range(offset, offset + n), i]
+                probs = sampling_probs(
+                    logits[rows], params.temperature, params.top_k, params.top_p, params.min_p
+                )
+                gained.append(rejection_accept(draft, probs))
             offset += n
-        return targets
+        return gained
 
 
 class SpeculativeOutputProcessor(OutputProcessor):
@@ -224,7 +246,7 @@ class SpeculativeOutputProcessor(OutputProcessor):
         reports: list[Req] = []
         for i, req in enumerate(batch.reqs):
             start = req.kv_len  # len(all_ids): the newest token's KV was written this step
-            gained = greedy_accept(result.drafts[i], result.targets[i])
+            gained = result.gained[i]
             kept = 0
             try:
                 for token in gained:
