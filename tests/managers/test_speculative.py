@@ -14,7 +14,14 @@ from typing import Any
 import pytest
 import torch
 
-from radixserve.managers.io_struct import AbortReq
+from radixserve.managers.io_struct import (
+    AbortReq,
+    CloseSessionReqInput,
+    OpenSessionReqInput,
+    SessionParams,
+    TokenizedGenerateReqInput,
+)
+from radixserve.sampling.sampling_params import SamplingParams
 from radixserve.speculative import (
     NgramProposer,
     greedy_accept,
@@ -231,3 +238,32 @@ def test_ngram_proposer_finds_the_longest_most_recent_match():
     assert greedy_accept([5, 6, 7], [5, 6, 8, 9]) == [5, 6, 8]
     assert greedy_accept([5], [4, 9]) == [4]
     assert greedy_accept([], [3]) == [3]
+
+
+def test_streaming_session_turns_continue_their_history_as_without_speculation(llama_path):
+    """Turns of a streaming session (their KV stays in the session's slot between turns, with
+    the rejected drafts' KV freed) and a plain request: the same tokens as the plain loop, and
+    drafts were kept inside the turns."""
+    prompts = repetitive_prompts()
+    turns = [prompts[6][:30], prompts[6][30:45], prompts[4][:20]]
+    runs = []
+    for spec in (False, True):
+        driver = new_driver(llama_path, enable_streaming_session=True, page_size=4,
+                            **(SPEC if spec else {}))
+        driver.send(OpenSessionReqInput(capacity_of_str_len=1000, session_id="chat",
+                                        streaming=True))
+        tokens = {}
+        for i, ids in enumerate(turns):
+            driver.submit(f"plain{i}", prompts[2], max_new_tokens=12)
+            driver.send(TokenizedGenerateReqInput(
+                rid=f"turn{i}", input_ids=ids,
+                sampling_params=SamplingParams(temperature=0.0, max_new_tokens=16),
+                session_params=SessionParams(id="chat"), stream=True,
+            ))
+            driver.run()
+            tokens.update({rid: r.tokens for rid, r in driver.results().items()})
+        runs.append((tokens, driver.scheduler))
+    (plain, _), (spec_tokens, scheduler) = runs
+    assert spec_tokens == plain
+    assert scheduler.loop.decoder.stats.num_accepted_drafts > 0
+    driver.send(CloseSessionReqInput(session_id="chat"))
