@@ -150,15 +150,39 @@ def test_abort_storm_of_speculating_requests_leaks_nothing(llama_path):
 
 
 def test_seeded_and_logprob_requests_decode_without_speculation(llama_path):
-    """A batch with a seeded sampled request or one asking for logprobs runs plain decode steps."""
+    """A batch with a seeded sampled request, or one asking for top logprobs, runs plain decode
+    steps."""
     prompts = repetitive_prompts()[4:6]
-    driver = new_driver(llama_path, **SPEC)
-    driver.submit("s", prompts[0], temperature=0.8, sampling_seed=3, max_new_tokens=8)
-    driver.submit("l", prompts[1], return_logprob=True, max_new_tokens=8)
-    driver.run()
-    results = driver.results()
-    assert len(results["s"].tokens) == 8 and len(results["l"].logprobs) == 8
-    assert driver.scheduler.loop.decoder.stats.num_verify_steps == 0
+    for params in ({"temperature": 0.8, "sampling_seed": 3},
+                   {"return_logprob": True, "top_logprobs_num": 2}):
+        driver = new_driver(llama_path, **SPEC)
+        driver.submit("a", prompts[0], max_new_tokens=8, **params)
+        driver.submit("b", prompts[1], max_new_tokens=8)
+        driver.run()
+        results = driver.results()
+        assert len(results["a"].tokens) == 8
+        assert driver.scheduler.loop.decoder.stats.num_verify_steps == 0
+
+
+def test_logprobs_of_kept_tokens_equal_plain_decoding_and_transformers(llama_path):
+    prompts = repetitive_prompts()[4:7]
+    results = []
+    for spec in (False, True):
+        driver = new_driver(llama_path, **(SPEC if spec else {}))
+        for i, ids in enumerate(prompts):
+            driver.submit(f"p{i}", ids, max_new_tokens=MAX_NEW, return_logprob=True)
+        driver.run()
+        results.append(driver.results())
+    plain, spec_results = results
+    assert driver.scheduler.loop.decoder.stats.num_accepted_drafts > 0
+    refs = hf_reference(llama_path, prompts, max_new_tokens=MAX_NEW)
+    for i, ref in enumerate(refs):
+        got, want = spec_results[f"p{i}"], plain[f"p{i}"]
+        assert got.tokens == want.tokens
+        assert len(got.logprobs) == len(got.tokens)
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+        assert_matches_reference(got, replace(ref, tokens=ref.tokens[: len(got.tokens)]),
+                                 check_logprobs=True)
 
 
 def test_sampled_requests_speculate_by_rejection_sampling(llama_path):

@@ -86,6 +86,8 @@ class VerifyResult:
 
     drafts: list[list[int]]
     gained: list[list[int]]  # the tokens each request keeps (greedy or rejection sampling)
+    # Per request asking for logprobs: the raw-logit logprob of each kept token (else None).
+    logprobs: list[list[float] | None]
     allocated_end: list[int]  # positions of the request's row with a KV slot after the step
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
 
@@ -93,11 +95,13 @@ class VerifyResult:
 def may_speculate(req: Req) -> bool:
     """Whether the verify step gives ``req`` exactly the sampler's distribution: greedy (the
     argmax), or sampled from temperature/top-k/top-p/min-p alone without a per-request seed
-    (rejection sampling; a seeded request's reproducible stream is the sampler's own)."""
+    (rejection sampling; a seeded request's reproducible stream is the sampler's own). Logprobs
+    of the kept tokens are given; top logprobs and ``token_ids_logprob`` are not (yet)."""
     params = req.sampling_params
     return (
         (params.is_greedy or params.sampling_seed is None)
-        and not req.return_logprob
+        and not req.top_logprobs_num
+        and not req.token_ids_logprob
         and req.grammar is None
         and not params.logit_bias
         and params.frequency_penalty == 0.0
@@ -202,34 +206,44 @@ class SpeculativeDecoder:
             input_logprob_starts=[0] * len(counts),
             input_logprob_counts=counts,
         )
-        gained = self._accept(batch, forward_batch, drafts)
+        gained, logprobs = self._accept(batch, forward_batch, drafts)
         self.stats.num_verify_steps += 1
-        return VerifyResult(drafts, gained, ends, self.stats)
+        return VerifyResult(drafts, gained, logprobs, ends, self.stats)
 
     def _accept(
         self, batch: ScheduleBatch, forward_batch: ForwardBatch, drafts: list[list[int]]
-    ) -> list[list[int]]:
-        """The target's verdict on each request's drafts: the tokens it keeps."""
+    ) -> tuple[list[list[int]], list[list[float] | None]]:
+        """The target's verdict on each request's drafts: the tokens it keeps, and their
+        logprobs (from the raw logits, as the sampler gives them) when it asks for them."""
         runner = self.tp_worker.model_runner
         with torch.inference_mode():
             logits = runner.forward(forward_batch)
             assert isinstance(logits, torch.Tensor), "speculation runs without pipeline stages"
             tokens = runner._sampler.greedy_argmax(logits).tolist()
         bs = len(drafts)
-        gained, offset = [], bs
+        gained: list[list[int]] = []
+        logprobs: list[list[float] | None] = []
+        offset = bs
         for i, (req, draft) in enumerate(zip(batch.reqs, drafts, strict=True)):
             n = len(draft)
             params = req.sampling_params
+            rows = [*range(offset, offset + n), i]  # row j predicts the token after draft j
             if params.is_greedy:
-                gained.append(greedy_accept(draft, [*tokens[offset : offset + n], tokens[i]]))
+                kept = greedy_accept(draft, [tokens[r] for r in rows])
             else:
-                rows = [*range(offset, offset + n), i]
                 probs = sampling_probs(
                     logits[rows], params.temperature, params.top_k, params.top_p, params.min_p
                 )
-                gained.append(rejection_accept(draft, probs))
+                kept = rejection_accept(draft, probs)
+            gained.append(kept)
+            if req.return_logprob:
+                chosen = torch.log_softmax(logits[rows[: len(kept)]].float(), dim=-1)
+                index = torch.tensor(kept, device=chosen.device)
+                logprobs.append(chosen[torch.arange(len(kept)), index].tolist())
+            else:
+                logprobs.append(None)
             offset += n
-        return gained
+        return gained, logprobs
 
 
 class SpeculativeOutputProcessor(OutputProcessor):
@@ -247,10 +261,14 @@ class SpeculativeOutputProcessor(OutputProcessor):
         for i, req in enumerate(batch.reqs):
             start = req.kv_len  # len(all_ids): the newest token's KV was written this step
             gained = result.gained[i]
+            values = result.logprobs[i]
+            slot = [0.0] * len(batch.reqs)  # _apply_token reads request i's logprob at [i]
             kept = 0
             try:
-                for token in gained:
-                    self._apply_token(req, i, token, None, None)
+                for j, token in enumerate(gained):
+                    if values is not None:
+                        slot[i] = values[j]
+                    self._apply_token(req, i, token, slot, None)
                     kept += 1
                     if req.finished():
                         break
