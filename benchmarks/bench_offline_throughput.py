@@ -236,7 +236,15 @@ def radixserve_backend(args: argparse.Namespace, model_path: str,
             start = time.perf_counter()
             outs = engine.generate(input_ids=prompts,
                                    sampling_params={**params, "max_new_tokens": n})
-            return [o["output_ids"] for o in outs], time.perf_counter() - start
+            wall = time.perf_counter() - start
+            if "speculative_algorithm" in engine_kwargs and n > 1:
+                # tokens per verify forward: what speculation gained, whatever the load
+                state = engine.get_server_info()["internal_states"][0]
+                print(json.dumps({"speculative": engine_kwargs["speculative_algorithm"],
+                                  "batch_size": len(prompts), "cumulative": {
+                                      k: v for k, v in state.items() if "spec" in k}}),
+                      flush=True)
+            return [o["output_ids"] for o in outs], wall
 
         yield generate
 
