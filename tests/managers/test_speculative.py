@@ -51,7 +51,7 @@ def repetitive_prompts() -> list[list[int]]:
 
 def run_both(path, prompts: list[list[int]], per_request: dict[str, dict[str, Any]] | None = None,
              **overrides: Any):
-    """Results of the plain and the speculative scheduler, and the speculative decoder."""
+    """Results of the plain and the speculative scheduler, and the speculative scheduler."""
     results = []
     for spec in (False, True):
         driver = new_driver(path, **(SPEC if spec else {}), **overrides)
@@ -60,7 +60,7 @@ def run_both(path, prompts: list[list[int]], per_request: dict[str, dict[str, An
             driver.submit(f"p{i}", ids, **params)
         driver.run()
         results.append(driver.results())
-    return results[0], results[1], driver.scheduler.loop.decoder
+    return results[0], results[1], driver.scheduler
 
 
 def assert_same(plain, spec) -> None:
@@ -85,7 +85,10 @@ CONFIGS = {
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_greedy_outputs_equal_plain_decoding_and_transformers(llama_path, config):
     prompts = repetitive_prompts()
-    plain, spec, decoder = run_both(llama_path, prompts, **CONFIGS[config])
+    plain, spec, scheduler = run_both(llama_path, prompts, **CONFIGS[config])
+    decoder = scheduler.loop.decoder
+    if config == "retract":
+        assert scheduler.num_retracted_reqs > 0
     assert decoder.stats.num_verify_steps > 0
     assert decoder.stats.num_accepted_drafts > 0
     assert_same(plain, spec)
@@ -111,8 +114,10 @@ def test_stops_and_length_inside_a_draft_end_the_request_there(llama_path):
         "p1": {"max_new_tokens": 11},
         "p2": {"stop": [stop_text]},
     }
-    plain, spec, decoder = run_both(llama_path, [prompts[5], prompts[6], prompts[5]], per_request)
-    assert decoder.stats.num_accepted_drafts > 0
+    plain, spec, scheduler = run_both(
+        llama_path, [prompts[5], prompts[6], prompts[5]], per_request
+    )
+    assert scheduler.loop.decoder.stats.num_accepted_drafts > 0
     assert_same(plain, spec)
     assert spec["p0"].finished_reason == {"type": "stop", "matched": tokens[4]}
     assert spec["p0"].tokens == tokens[:5]
@@ -291,3 +296,21 @@ def test_streaming_session_turns_continue_their_history_as_without_speculation(l
     assert spec_tokens == plain
     assert scheduler.loop.decoder.stats.num_accepted_drafts > 0
     driver.send(CloseSessionReqInput(session_id="chat"))
+
+
+@pytest.mark.parametrize("flags, named", [
+    ({"speculative_algorithm": "EAGLE"}, "speculative_algorithm"),
+    ({"speculative_algorithm": "NGRAM", "enable_overlap_schedule": True},
+     "enable_overlap_schedule"),
+    ({"speculative_algorithm": "NGRAM", "tp_size": 2}, "tp_size"),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 0},
+     "speculative_num_draft_tokens"),
+    ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 4,
+      "speculative_ngram_max_match_window_size": 2}, "speculative_ngram_max_match_window_size"),
+    ({"speculative_draft_model_path": "/x"}, "speculative_draft_model_path"),
+])
+def test_bad_speculative_flags_are_refused_naming_the_flag(flags, named):
+    from radixserve.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match=named):
+        ServerArgs(model_path="m", **flags)
