@@ -314,3 +314,57 @@ def test_bad_speculative_flags_are_refused_naming_the_flag(flags, named):
 
     with pytest.raises(ValueError, match=named):
         ServerArgs(model_path="m", **flags)
+
+
+def _top(model, ids: list[int], k: int) -> list[int]:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    return logits.topk(k).indices.tolist()
+
+
+def test_sampled_tokens_through_verify_steps_follow_the_target_distribution(llama_path):
+    """End to end through the model: with ``top_k`` 2 a request's second token is one of two,
+    with probabilities transformers gives. The prompt is built so that after either first token
+    NGRAM drafts the likelier second token (kept or rejected by the rule); over 1,500 requests
+    the second token's frequencies, per first token, pass a chi-square test (1 degree of
+    freedom, p = 0.001)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32).eval()
+    temperature = 2.0
+    prompt = None
+    for seed in range(40):  # a prompt R + [u, s_u, v, s_v] whose own top-2 after it is (u, v)
+        base = make_prompts(VOCAB_SIZE, (12,), seed=100 + seed)[0]
+        u, v = _top(model, base, 2)
+        for _ in range(4):
+            cand = base + [u, _top(model, base + [u], 1)[0], v, _top(model, base + [v], 1)[0]]
+            if sorted(_top(model, cand, 2)) == sorted([u, v]):
+                prompt = cand
+                break
+            u, v = _top(model, cand, 2)
+        if prompt is not None and len({prompt[-4], prompt[-2]}) == 2:
+            break
+        prompt = None
+    assert prompt is not None, "no prompt with stable drafts on this checkpoint"
+    driver = new_driver(llama_path, speculative_algorithm="NGRAM",
+                        speculative_num_draft_tokens=1, speculative_max_batch_size=64,
+                        max_running_requests=64)
+    torch.manual_seed(0)
+    n = 1500
+    for i in range(n):
+        driver.submit(f"r{i}", prompt, temperature=temperature, top_k=2, max_new_tokens=3,
+                      ignore_eos=True)
+    driver.run()
+    results = driver.results()
+    stats = driver.scheduler.loop.decoder.stats
+    assert stats.num_verify_reqs >= n // 2
+    assert 0 < stats.num_accepted_drafts < stats.num_draft_tokens  # both branches taken
+    for first in (prompt[-4], prompt[-2]):
+        seconds = [r.tokens[1] for r in results.values() if r.tokens[0] == first]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + [first]])).logits[0, -1]
+        top2 = logits.topk(2)
+        probs = torch.softmax(top2.values / temperature, dim=-1)
+        counts = torch.tensor([seconds.count(t) for t in top2.indices.tolist()], dtype=torch.float)
+        assert counts.sum() == len(seconds) > 200
+        assert _chi_square(counts, probs) < 10.83
