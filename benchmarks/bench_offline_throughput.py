@@ -56,12 +56,18 @@ RADIXSERVE_VARIANTS: dict[str, dict[str, Any]] = {
     "radixserve": {},
     "radixserve-int8": {"quantization": "int8"},
     "radixserve-deterministic": {"enable_deterministic_inference": True},
+    # speculative decoding by prompt lookup (--speculative-* below; docs/speculative.md)
+    "radixserve-ngram": {"speculative_algorithm": "NGRAM"},
 }
+# Flags passed to the speculative variants' Engine (SGLang's names).
+SPECULATIVE_FLAGS = ("speculative_num_draft_tokens", "speculative_max_batch_size",
+                     "speculative_ngram_min_match_window_size",
+                     "speculative_ngram_max_match_window_size")
 BACKENDS = (*RADIXSERVE_VARIANTS, "transformers", "llamacpp-q8_0", "llamacpp-bf16",
             "llamacpp-file")
 LLAMACPP_ALIAS = {"llamacpp": "llamacpp-q8_0"}
 BACKEND_COLORS = {"radixserve": "tab:blue", "radixserve-int8": "tab:cyan",
-                  "radixserve-deterministic": "tab:purple",
+                  "radixserve-deterministic": "tab:purple", "radixserve-ngram": "tab:red",
                   "transformers": "tab:orange", "llamacpp-q8_0": "tab:green",
                   "llamacpp-bf16": "tab:olive", "llamacpp-file": "tab:brown"}
 
@@ -97,6 +103,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1,
                    help="best of this many runs per scenario (the backends take turns)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload", choices=("random", "edit"), default="random",
+                   help="decode prompts: random tokens, or 'edit': a file of lines repeated "
+                        "with small changes (what an 'edit this code' answer copies)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=8)
+    p.add_argument("--speculative-max-batch-size", type=int, default=8)
+    p.add_argument("--speculative-ngram-min-match-window-size", type=int, default=1)
+    p.add_argument("--speculative-ngram-max-match-window-size", type=int, default=12)
     p.add_argument("--plot", type=Path, help="write a PNG of the results (needs matplotlib)")
     p.add_argument("--shape-sweep", action="store_true",
                    help="decode on --model and every make_bench_models.SWEEP shape, in bf16 and "
@@ -175,13 +188,34 @@ class Workload:
 
     def __init__(self, args: argparse.Namespace, allowed: list[int]) -> None:
         rng = random.Random(args.seed)
+        draw = edit_prompt if args.workload == "edit" else _random_prompt
         self.decode = {
-            b: [rng.choices(allowed, k=rng.randint(args.min_input_len, args.max_input_len))
+            b: [draw(rng, allowed, rng.randint(args.min_input_len, args.max_input_len))
                 for _ in range(b)]
             for b in args.batch_sizes
         }
         self.prefill = [rng.choices(allowed, k=args.prefill_len)] if args.prefill_len else []
         self.output_len = args.output_len
+
+
+def _random_prompt(rng: random.Random, allowed: list[int], n: int) -> list[int]:
+    return rng.choices(allowed, k=n)
+
+
+def edit_prompt(rng: random.Random, allowed: list[int], n: int) -> list[int]:
+    """``n`` tokens of a "file": 12-token lines, each a copy of an earlier line with one
+    token changed half of the time (code repeats itself; an edit answer repeats the file)."""
+    lines: list[list[int]] = []
+    out: list[int] = []
+    while len(out) < n:
+        if lines and rng.random() < 0.5:
+            line = list(rng.choice(lines))
+            line[rng.randrange(len(line))] = rng.choice(allowed)
+        else:
+            line = rng.choices(allowed, k=12)
+        lines.append(line)
+        out += line
+    return out[:n]
 
 
 def decode_record(backend: str, prompts: list[list[int]], outputs: list[list[int]],
@@ -247,6 +281,8 @@ def radixserve_backend(args: argparse.Namespace, model_path: str,
                        **engine_kwargs: Any) -> Iterator[Generate]:
     """``generate(prompts, n) -> (outputs, wall_s)`` on a running Engine (cache flushed first)."""
     params = {"temperature": 0.0, "ignore_eos": True}
+    if "speculative_algorithm" in engine_kwargs:
+        engine_kwargs.update({flag: getattr(args, flag) for flag in SPECULATIVE_FLAGS})
     with start_engine(args.threads, model_path=model_path, dtype=args.dtype,
                       device=args.device, max_total_tokens=args.max_total_tokens,
                       max_running_requests=max(args.batch_sizes, default=1),
@@ -260,7 +296,15 @@ def radixserve_backend(args: argparse.Namespace, model_path: str,
             start = time.perf_counter()
             outs = engine.generate(input_ids=prompts,
                                    sampling_params={**params, "max_new_tokens": n})
-            return [o["output_ids"] for o in outs], time.perf_counter() - start
+            wall = time.perf_counter() - start
+            if "speculative_algorithm" in engine_kwargs and n > 1:
+                # tokens per verify forward: what speculation gained, whatever the load
+                state = engine.get_server_info()["internal_states"][0]
+                print(json.dumps({"speculative": engine_kwargs["speculative_algorithm"],
+                                  "batch_size": len(prompts), "cumulative": {
+                                      k: v for k, v in state.items() if "spec" in k}}),
+                      flush=True)
+            return [o["output_ids"] for o in outs], wall
 
         yield generate
 

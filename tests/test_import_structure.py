@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     "radixserve.model_executor": 5,
     "radixserve.constrained": 5,
     "radixserve.sessions": 5,
+    "radixserve.speculative": 5,
     "radixserve.managers": 6,
     "radixserve.server": 7,
     "radixserve.registry_choices": 7,

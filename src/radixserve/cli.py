@@ -23,6 +23,7 @@ from radixserve.server_args import (
     DTYPES,
     LOAD_BALANCE_METHODS,
     SCHEDULE_POLICIES,
+    SPECULATIVE_ALGORITHMS,
     ServerArgs,
 )
 from radixserve.version import __version__
@@ -38,6 +39,7 @@ CHOICES: dict[str, Sequence[str]] = {
     "cpu_kernel_autotune": CPU_KERNEL_AUTOTUNE_MODES,
     "load_balance_method": LOAD_BALANCE_METHODS,
     "log_level": LOG_LEVELS,
+    "speculative_algorithm": SPECULATIVE_ALGORITHMS,
     **REGISTRY_CHOICES,
 }
 
@@ -115,6 +117,15 @@ HELP: dict[str, str] = {
     "enable_deterministic_inference": "Batch-invariant kernels only: a request's greedy (or "
     "seeded) output does not depend on the other requests, the prefill chunk size or the radix "
     "cache (CPU kernels and the cpu attention backend).",
+    "speculative_algorithm": "Speculative decoding: NGRAM drafts tokens by prompt lookup over "
+    "each request's own prompt and output; the target verifies them (greedy output unchanged; "
+    "docs/speculative.md).",
+    "speculative_num_draft_tokens": "Draft tokens proposed per request per verify step.",
+    "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of a request that must "
+    "recur in its tokens for a proposal.",
+    "speculative_ngram_max_match_window_size": "NGRAM: longest suffix matched.",
+    "speculative_draft_model_path": "STANDALONE's draft model (not in this build).",
+    "speculative_max_batch_size": "Decode batches larger than this run without speculation.",
     "stream_interval": "Stream a request's tokens every this many steps (the first and the last "
     "token at once); larger values cost less per token.",
     "enable_metrics": "Serve Prometheus metrics on GET /metrics.",

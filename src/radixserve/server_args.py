@@ -16,6 +16,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # on: time the CPU kernels per linear shape and batch bucket once per machine (cached);
 # off: the static table (layers/kernel_dispatch.py)
 CPU_KERNEL_AUTOTUNE_MODES = ("on", "off")
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,13 @@ class ServerArgs:
     constrained_json_disable_any_whitespace: bool = False
     constrained_json_max_whitespace_cnt: int | None = None
     enable_deterministic_inference: bool = False
+    # speculative decoding (docs/speculative.md)
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 8
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_draft_model_path: str | None = None
+    speculative_max_batch_size: int = 8
     # serving
     stream_interval: int = 1
     enable_metrics: bool = False
@@ -174,6 +182,7 @@ class ServerArgs:
         for name in ("watchdog_timeout", "health_timeout", "request_read_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        self._check_speculative()
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
 
@@ -220,6 +229,36 @@ class ServerArgs:
             raise ValueError("an embedding model (--is-embedding) runs without pipeline stages")
         if self.dist_timeout <= 0:
             raise ValueError(f"dist_timeout must be positive, got {self.dist_timeout}")
+
+    def _check_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            if self.speculative_draft_model_path is not None:
+                raise ValueError("speculative_draft_model_path needs speculative_algorithm")
+            return
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS} in this build, "
+                f"got {algo!r}"
+            )
+        if self.speculative_draft_model_path is not None:
+            raise ValueError("speculative_draft_model_path is for STANDALONE, not NGRAM")
+        for name in ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
+                     "speculative_max_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        low = self.speculative_ngram_min_match_window_size
+        if self.speculative_ngram_max_match_window_size < low:
+            raise ValueError(
+                "speculative_ngram_max_match_window_size must be >= "
+                "speculative_ngram_min_match_window_size"
+            )
+        # The verify step runs on the normal loop of a single rank (docs/speculative.md).
+        for name, bad in (("enable_overlap_schedule", self.enable_overlap_schedule),
+                          ("tp_size > 1", self.tp_size > 1), ("pp_size > 1", self.pp_size > 1),
+                          ("is_embedding", self.is_embedding)):
+            if bad:
+                raise ValueError(f"speculative_algorithm does not combine with {name}")
 
     @property
     def ranks_per_replica(self) -> int:

@@ -102,6 +102,13 @@ class ServerMetrics:
         self.cache_hit_rate = gauge(
             "cache_hit_rate", "Cached prompt tokens / prompt tokens, over all finished requests."
         )
+        self.spec_accept_length = gauge(
+            "spec_accept_length",
+            "Speculative decoding: tokens gained per request per verify step (1: no draft kept).",
+        )
+        self.spec_accept_rate = gauge(
+            "spec_accept_rate", "Speculative decoding: accepted / proposed draft tokens."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
@@ -155,6 +162,11 @@ class ServerMetrics:
             )
             self.num_used_tokens.set(total - free)
             self.token_usage.set((total - free) / total)
+        speculative = [s for s in states if "avg_spec_accept_length" in s]
+        if speculative:
+            n = len(speculative)
+            self.spec_accept_length.set(sum(s["avg_spec_accept_length"] for s in speculative) / n)
+            self.spec_accept_rate.set(sum(s["spec_accept_rate"] for s in speculative) / n)
         if self._prompt_total:
             self.cache_hit_rate.set(self._cached_total / self._prompt_total)
 

@@ -439,6 +439,7 @@ class Scheduler:
                 "num_live_reqs": num_live_reqs(),
                 "max_running_requests": self.max_running_requests,
                 **self.stats.summary(),
+                **self.loop.summary(),
                 "new_token_ratio": self.new_token_ratio.value,
                 "last_leak_check": self.last_leak_check,
                 "dp_rank": self.dp_rank,

@@ -31,11 +31,17 @@ from radixserve.managers.scheduler.scheduler import Scheduler
 from radixserve.managers.scheduler.scheduler_loop import LoopScheduler, NormalLoop, SchedulerLoop
 from radixserve.managers.scheduler.scheduler_parts import SchedulerParts, SchedulerSettings
 from radixserve.managers.scheduler.session_controller import SessionController
+from radixserve.managers.scheduler.speculative_decoder import (
+    SpeculativeDecoder,
+    SpeculativeLoop,
+    SpeculativeOutputProcessor,
+)
 from radixserve.managers.scheduler.tp_worker import TpModelWorker
 from radixserve.mem_cache import create_prefix_cache, create_session_store
 from radixserve.model_config import ModelConfig, resolve_device
 from radixserve.model_executor.model_runner import RunnerSettings
 from radixserve.server_args import ServerArgs
+from radixserve.speculative import NgramProposer
 
 
 def build_scheduler(
@@ -101,7 +107,8 @@ def build_scheduler(
         max_sessions=server_args.max_sessions,
         default_timeout=server_args.session_idle_timeout or None,
     )
-    output_processor = OutputProcessor(
+    speculative = server_args.speculative_algorithm is not None and is_generation
+    output_processor = (SpeculativeOutputProcessor if speculative else OutputProcessor)(
         tree_cache,
         model_config.eos_token_ids,
         tokenizer,
@@ -169,6 +176,18 @@ def choose_loop(
         assert parallel.p2p is not None, "pipeline stages talk point to point"
         p2p, device = parallel.p2p, tp_worker.model_runner.device
         return lambda scheduler: PipelineLoop(scheduler, timeout, info, p2p, device)
+    if server_args.speculative_algorithm is not None and is_generation:
+        decoder = SpeculativeDecoder(
+            tp_worker,
+            NgramProposer(
+                server_args.speculative_ngram_min_match_window_size,
+                server_args.speculative_ngram_max_match_window_size,
+            ),
+            server_args.speculative_num_draft_tokens,
+            server_args.speculative_max_batch_size,
+            tp_worker.model_runner.model_config.context_len,
+        )
+        return lambda scheduler: SpeculativeLoop(scheduler, timeout, decoder)
     if server_args.overlap_schedule_on(tp_worker.model_runner.device.type) and is_generation:
         worker = OverlapWorker(tp_worker)
         return lambda scheduler: OverlapLoop(scheduler, timeout, worker)

@@ -106,6 +106,11 @@ class SchedulerLoop(ABC):
         """A round launched nothing (``run_step`` of the normal and overlap loops has already
         done the idle work)."""
 
+    def summary(self) -> dict[str, Any]:
+        """What this loop adds to the scheduler's internal state (the speculative loop: its
+        acceptance figures)."""
+        return {}
+
     @property
     def has_in_flight(self) -> bool:
         """Whether a step launched by this loop has not been processed yet."""
