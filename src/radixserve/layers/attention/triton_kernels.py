@@ -37,6 +37,50 @@ NUM_KV_SPLITS = 8  # SGLang's default max_kv_splits
 
 
 @triton.jit
+def _attend_kv_block(
+    q, acc, m_i, l_i, q_pos, pos, end, offs_d, d_mask,
+    K_buf, V_buf, req_to_token, row, kv_head, sm_scale,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One online-softmax step, shared by decode and extend: attend the query rows ``q`` to the
+    KV positions ``pos`` (those at ``end`` or past it masked; with ``CAUSAL``, also those past
+    each row's ``q_pos``), reading the slots through the request's ``req_to_token`` row, and
+    return the updated ``(acc, m_i, l_i)``."""
+    n_mask = pos < end
+    slots = tl.load(req_to_token + row * stride_r2t + pos, mask=n_mask, other=0)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(
+        K_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    if CAUSAL:
+        qk = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], qk * sm_scale,
+                      float("-inf"))
+    else:
+        qk = tl.where(n_mask[None, :], qk * sm_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return acc * alpha[:, None] + pv, m_new, l_i
+
+
+@triton.jit
 def _decode_stage1(
     Q, K_buf, V_buf, req_to_token, req_pool_indices, seq_lens, Mid_O, Mid_LSE,
     sm_scale,
@@ -72,35 +116,12 @@ def _decode_stage1(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for block in range(start, end, BLOCK_N):
-        pos = block + offs_n
-        n_mask = pos < end
-        slots = tl.load(req_to_token + row * stride_r2t + pos, mask=n_mask, other=0)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            K_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
+        acc, m_i, l_i = _attend_kv_block(
+            q, acc, m_i, l_i, end, block + offs_n, end, offs_d, d_mask,
+            K_buf, V_buf, req_to_token, row, kv_head, sm_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
+            CAUSAL=False, IEEE=IEEE,
         )
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(n_mask[None, :], qk * sm_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
     if end > start:
         tl.store(
             Mid_O + b * stride_mob + offs_h[:, None] * stride_moh + split * stride_mos
@@ -184,36 +205,12 @@ def _extend_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for block in range(0, kv_end, BLOCK_N):
-            pos = block + offs_n
-            n_mask = pos < kv_end
-            slots = tl.load(req_to_token + row * stride_r2t + pos, mask=n_mask, other=0)
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(
-                K_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
+            acc, m_i, l_i = _attend_kv_block(
+                q, acc, m_i, l_i, q_pos, block + offs_n, kv_end, offs_d, d_mask,
+                K_buf, V_buf, req_to_token, row, kv_head, sm_scale,
+                stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
+                CAUSAL=True, IEEE=IEEE,
             )
-            if IEEE:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
-            qk = tl.where(visible, qk * sm_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
         tl.store(
             Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
             (acc / l_i[:, None]).to(Out.dtype.element_ty),
