@@ -96,20 +96,19 @@ class TritonAttnBackend(PagedAttentionBackend):
         if q3.stride(-1) != 1:
             q3 = q3.contiguous()
         out = torch.empty((num_tokens, heads, head_dim), dtype=q.dtype, device=q.device)
-        req_to_token = self.req_to_token_pool.req_to_token
-        rows = forward_batch.req_pool_indices
+        kv = self.kernels.PagedKV(
+            pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+            self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+        )
         if forward_batch.forward_mode.is_decode:
             self.kernels.decode_attention(
-                q3, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-                out, req_to_token, rows, forward_batch.seq_lens, layer.scaling,
-                self.num_kv_splits,
+                q3, kv, out, forward_batch.seq_lens, layer.scaling, self.num_kv_splits
             )
         else:
             md = self._extend
             assert md is not None
             self.kernels.extend_attention(
-                q3, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-                out, req_to_token, rows, md.prefix_lens, md.extend_lens, md.q_starts,
-                md.max_extend, layer.scaling,
+                q3, kv, out, md.prefix_lens, md.extend_lens, md.q_starts, md.max_extend,
+                layer.scaling,
             )
         return out.view(num_tokens, heads * head_dim)

@@ -29,6 +29,8 @@ and fp16 exactly but not bf16.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -218,25 +220,33 @@ def _extend_kernel(
         )
 
 
+class PagedKV(NamedTuple):
+    """Where both kernels read a batch's KV: the pool's ``k_buffer``/``v_buffer``
+    (``[slots, kv_heads, head_dim]``) through the ``req_to_token`` rows of the batch's requests
+    (``req_pool_indices``)."""
+
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+
+
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
 def decode_attention(
     q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
+    kv: PagedKV,
     out: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
     num_kv_splits: int = NUM_KV_SPLITS,
 ) -> None:
     """Attention of one query token per request (``q`` ``[bs, heads, head_dim]``) over each
-    request's ``seq_lens[i]`` positions of ``req_to_token[req_pool_indices[i]]`` in the pool's
-    ``k_buffer``/``v_buffer`` (``[slots, kv_heads, head_dim]``); written into ``out``
+    request's ``seq_lens[i]`` positions of ``kv``; written into ``out``
     (``[bs, heads, head_dim]``)."""
+    k_buffer, v_buffer, req_to_token, req_pool_indices = kv
     bs, heads, head_dim = q.shape
     kv_heads = k_buffer.shape[1]
     group = heads // kv_heads
@@ -268,11 +278,8 @@ def decode_attention(
 
 def extend_attention(
     q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
+    kv: PagedKV,
     out: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     q_starts: torch.Tensor,
@@ -281,7 +288,8 @@ def extend_attention(
 ) -> None:
     """Causal attention of each request's new tokens (``q`` ``[num_tokens, heads, head_dim]``,
     request ``i``'s ``extend_lens[i]`` rows from ``q_starts[i]``) over its prefix and new tokens,
-    all already in the pool; written into ``out`` (same shape as ``q``)."""
+    all already in ``kv``; written into ``out`` (same shape as ``q``)."""
+    k_buffer, v_buffer, req_to_token, req_pool_indices = kv
     _, heads, head_dim = q.shape
     kv_heads = k_buffer.shape[1]
     block_d = _block_d(head_dim)
