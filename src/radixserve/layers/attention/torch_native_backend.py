@@ -38,8 +38,6 @@ import torch.nn.functional as F
 
 from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.attention.base_backend import QKV, Attention, PagedAttentionBackend
-from radixserve.mem_cache.kv_pool import MHATokenToKVPool
-from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 
 
 @dataclass
@@ -57,15 +55,9 @@ class TorchNativeAttnBackend(PagedAttentionBackend):
     BATCH_VARIANT_REASON = (
         "torch_native's SDPA sums in an order that depends on the batch's padded shape"
     )
-
-    def __init__(
-        self,
-        req_to_token_pool: ReqToTokenPool,
-        token_to_kv_pool: MHATokenToKVPool,
-        batch_invariant: bool = False,
-    ):
-        super().__init__(req_to_token_pool, token_to_kv_pool, batch_invariant)
-        self._metadata: _Metadata | None = None
+    # The current batch's metadata (None until the batch's first layer builds it); the
+    # constructor is PagedAttentionBackend's.
+    _metadata: _Metadata | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         # Built by the first layer that needs it.
