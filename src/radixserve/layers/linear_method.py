@@ -11,6 +11,7 @@ itself registers on it.
 from __future__ import annotations
 
 import abc
+import copy
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -32,6 +33,38 @@ class LazyWeight(Protocol):
 
 
 WeightSource = torch.Tensor | LazyWeight
+
+
+class RangedLazyWeight(abc.ABC):
+    """A ``LazyWeight`` that keeps its narrowing as one ``(start, stop)`` range per dimension.
+
+    The checkpoint readers (safetensors slices, GGUF tensors) differ only in how ``load`` reads
+    the ranges, so the range bookkeeping and its bounds check live here once. ``name`` (None:
+    unnamed) is added to the out-of-range error.
+    """
+
+    name: str | None = None
+    _ranges: list[tuple[int, int]]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(stop - start for start, stop in self._ranges)
+
+    def narrow(self, dim: int, start: int, length: int) -> RangedLazyWeight:
+        lo, hi = self._ranges[dim]
+        if start < 0 or length < 0 or lo + start + length > hi:
+            of_name = f" of {self.name}" if self.name is not None else ""
+            raise ValueError(
+                f"slice [{start}, {start + length}) out of range for dimension {dim} of size "
+                f"{hi - lo}{of_name}"
+            )
+        out = copy.copy(self)
+        out._ranges = list(self._ranges)
+        out._ranges[dim] = (lo + start, lo + start + length)
+        return out
+
+    @abc.abstractmethod
+    def load(self) -> torch.Tensor: ...
 
 
 def materialize(source: WeightSource) -> torch.Tensor:

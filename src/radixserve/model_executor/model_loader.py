@@ -34,7 +34,11 @@ from radixserve.distributed import ParallelState
 from radixserve.gguf_file import find_gguf
 from radixserve.layers.attention import AttentionBackend
 from radixserve.layers.custom_op import build_context
-from radixserve.layers.linear_method import WeightSource, default_weight_loader
+from radixserve.layers.linear_method import (
+    RangedLazyWeight,
+    WeightSource,
+    default_weight_loader,
+)
 from radixserve.layers.packed_weight import prepack_model
 from radixserve.model_config import ModelConfig
 from radixserve.model_executor.model_loader_gguf import gguf_weight_bytes, gguf_weights
@@ -65,29 +69,12 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
     return files
 
 
-class SafetensorsSlice:
+class SafetensorsSlice(RangedLazyWeight):
     """A tensor of an open safetensors file, narrowed lazily: ``load`` reads only the slice."""
 
     def __init__(self, handle: safe_open, name: str) -> None:
         self._slice = handle.get_slice(name)
         self._ranges = [(0, n) for n in self._slice.get_shape()]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(stop - start for start, stop in self._ranges)
-
-    def narrow(self, dim: int, start: int, length: int) -> SafetensorsSlice:
-        lo, hi = self._ranges[dim]
-        if start < 0 or length < 0 or lo + start + length > hi:
-            raise ValueError(
-                f"slice [{start}, {start + length}) out of range for dimension {dim} of size "
-                f"{hi - lo}"
-            )
-        out = object.__new__(SafetensorsSlice)
-        out._slice = self._slice
-        out._ranges = list(self._ranges)
-        out._ranges[dim] = (lo + start, lo + start + length)
-        return out
 
     def load(self) -> torch.Tensor:
         return self._slice[tuple(slice(start, stop) for start, stop in self._ranges)]

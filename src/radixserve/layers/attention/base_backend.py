@@ -16,6 +16,8 @@ from typing import NamedTuple
 import torch
 
 from radixserve.forward_batch import ForwardBatch
+from radixserve.mem_cache.kv_pool import MHATokenToKVPool
+from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 
 
 class QKV(NamedTuple):
@@ -37,6 +39,44 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, qkv: QKV, layer: Attention, forward_batch: ForwardBatch) -> torch.Tensor:
         """Attention of ``layer`` for the new tokens; returns ``[num_tokens, heads * head_dim]``."""
+
+
+class PagedAttentionBackend(AttentionBackend):
+    """What the backends that attend over the pools themselves share: the pools, the batch
+    ``init_forward_metadata`` was last given, and writing the new tokens' K/V into the pool.
+
+    A subclass that cannot compute batch-invariant attention names why in
+    ``BATCH_VARIANT_REASON``; asking it for ``--enable-deterministic-inference`` is refused.
+    """
+
+    BATCH_VARIANT_REASON: str | None = None
+
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        token_to_kv_pool: MHATokenToKVPool,
+        batch_invariant: bool = False,
+    ):
+        if batch_invariant and self.BATCH_VARIANT_REASON is not None:
+            raise ValueError(
+                "--enable-deterministic-inference needs the cpu attention backend: "
+                + self.BATCH_VARIANT_REASON
+            )
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool = token_to_kv_pool
+        self._batch: ForwardBatch | None = None
+
+    def _store_new_kv(self, qkv: QKV, layer: Attention, forward_batch: ForwardBatch) -> int:
+        """Write the new tokens' K/V into the pool at ``out_cache_loc``; returns their count."""
+        assert self._batch is forward_batch, "init_forward_metadata must run before attention"
+        num_tokens = qkv.q.shape[0]
+        self.token_to_kv_pool.set_kv_buffer(
+            layer.layer_id,
+            forward_batch.out_cache_loc,
+            qkv.k.reshape(num_tokens, layer.num_kv_heads, layer.head_dim),
+            qkv.v.reshape(num_tokens, layer.num_kv_heads, layer.head_dim),
+        )
+        return num_tokens
 
 
 @dataclass(frozen=True, eq=False)

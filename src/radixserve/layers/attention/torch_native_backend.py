@@ -37,9 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.forward_batch import ForwardBatch
-from radixserve.layers.attention.base_backend import QKV, Attention, AttentionBackend
-from radixserve.mem_cache.kv_pool import MHATokenToKVPool
-from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
+from radixserve.layers.attention.base_backend import QKV, Attention, PagedAttentionBackend
 
 
 @dataclass
@@ -53,22 +51,13 @@ class _Metadata:
     mask: torch.Tensor | None  # None: plain causal attention over the new tokens only
 
 
-class TorchNativeAttnBackend(AttentionBackend):
-    def __init__(
-        self,
-        req_to_token_pool: ReqToTokenPool,
-        token_to_kv_pool: MHATokenToKVPool,
-        batch_invariant: bool = False,
-    ):
-        if batch_invariant:
-            raise ValueError(
-                "--enable-deterministic-inference needs the cpu attention backend: "
-                "torch_native's SDPA sums in an order that depends on the batch's padded shape"
-            )
-        self.req_to_token_pool = req_to_token_pool
-        self.token_to_kv_pool = token_to_kv_pool
-        self._batch: ForwardBatch | None = None
-        self._metadata: _Metadata | None = None
+class TorchNativeAttnBackend(PagedAttentionBackend):
+    BATCH_VARIANT_REASON = (
+        "torch_native's SDPA sums in an order that depends on the batch's padded shape"
+    )
+    # The current batch's metadata (None until the batch's first layer builds it); the
+    # constructor is PagedAttentionBackend's.
+    _metadata: _Metadata | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         # Built by the first layer that needs it.
@@ -114,20 +103,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         return _Metadata(fb.batch_size, slot_index, max_kv, max_q, q_index, q_valid, mask[:, None])
 
     def forward(self, qkv: QKV, layer: Attention, forward_batch: ForwardBatch) -> torch.Tensor:
-        assert self._batch is forward_batch, "init_forward_metadata must run before attention"
+        num_tokens = self._store_new_kv(qkv, layer, forward_batch)
         q, k, v = qkv
-        num_tokens = q.shape[0]
         heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         pool = self.token_to_kv_pool
         if self._metadata is None:
             self._metadata = self._build_metadata(forward_batch)
         md = self._metadata
-        pool.set_kv_buffer(
-            layer.layer_id,
-            forward_batch.out_cache_loc,
-            k.view(num_tokens, kv_heads, head_dim),
-            v.view(num_tokens, kv_heads, head_dim),
-        )
         bs = md.batch_size
         if md.mask is None:
             # [bs * len, heads, head_dim] → [bs, heads, len, head_dim] for SDPA

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.forward_batch import ForwardBatch
-from radixserve.layers.attention.base_backend import QKV, Attention, AttentionBackend
+from radixserve.layers.attention.base_backend import QKV, Attention, PagedAttentionBackend
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 
@@ -47,18 +47,18 @@ class _ExtendMetadata:
     max_extend: int
 
 
-class TritonAttnBackend(AttentionBackend):
+class TritonAttnBackend(PagedAttentionBackend):
+    BATCH_VARIANT_REASON = (
+        "the triton backend splits each decode over a batch-independent but length-dependent grid"
+    )
+
     def __init__(
         self,
         req_to_token_pool: ReqToTokenPool,
         token_to_kv_pool: MHATokenToKVPool,
         batch_invariant: bool = False,
     ):
-        if batch_invariant:
-            raise ValueError(
-                "--enable-deterministic-inference needs the cpu attention backend: the triton "
-                "backend splits each decode over a batch-independent but length-dependent grid"
-            )
+        super().__init__(req_to_token_pool, token_to_kv_pool, batch_invariant)
         reason = triton_unavailable(token_to_kv_pool.device)
         if reason is not None:
             raise ValueError(reason)
@@ -67,9 +67,6 @@ class TritonAttnBackend(AttentionBackend):
         self.kernels = triton_kernels
         on_gpu = token_to_kv_pool.device.type == "cuda"
         self.num_kv_splits = triton_kernels.NUM_KV_SPLITS if on_gpu else 2
-        self.req_to_token_pool = req_to_token_pool
-        self.token_to_kv_pool = token_to_kv_pool
-        self._batch: ForwardBatch | None = None
         self._extend: _ExtendMetadata | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -91,35 +88,27 @@ class TritonAttnBackend(AttentionBackend):
             )
 
     def forward(self, qkv: QKV, layer: Attention, forward_batch: ForwardBatch) -> torch.Tensor:
-        assert self._batch is forward_batch, "init_forward_metadata must run before attention"
-        q, k, v = qkv
-        num_tokens = q.shape[0]
-        heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        num_tokens = self._store_new_kv(qkv, layer, forward_batch)
+        q = qkv.q
+        heads, head_dim = layer.num_heads, layer.head_dim
         pool = self.token_to_kv_pool
-        pool.set_kv_buffer(
-            layer.layer_id,
-            forward_batch.out_cache_loc,
-            k.reshape(num_tokens, kv_heads, head_dim),
-            v.reshape(num_tokens, kv_heads, head_dim),
-        )
         q3 = q.reshape(num_tokens, heads, head_dim)
         if q3.stride(-1) != 1:
             q3 = q3.contiguous()
         out = torch.empty((num_tokens, heads, head_dim), dtype=q.dtype, device=q.device)
-        req_to_token = self.req_to_token_pool.req_to_token
-        rows = forward_batch.req_pool_indices
+        kv = self.kernels.PagedKV(
+            pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+            self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+        )
         if forward_batch.forward_mode.is_decode:
             self.kernels.decode_attention(
-                q3, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-                out, req_to_token, rows, forward_batch.seq_lens, layer.scaling,
-                self.num_kv_splits,
+                q3, kv, out, forward_batch.seq_lens, layer.scaling, self.num_kv_splits
             )
         else:
             md = self._extend
             assert md is not None
             self.kernels.extend_attention(
-                q3, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-                out, req_to_token, rows, md.prefix_lens, md.extend_lens, md.q_starts,
-                md.max_extend, layer.scaling,
+                q3, kv, out, md.prefix_lens, md.extend_lens, md.q_starts, md.max_extend,
+                layer.scaling,
             )
         return out.view(num_tokens, heads * head_dim)

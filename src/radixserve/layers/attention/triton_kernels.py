@@ -29,11 +29,57 @@ and fp16 exactly but not bf16.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 NUM_KV_SPLITS = 8  # SGLang's default max_kv_splits
+
+
+@triton.jit
+def _attend_kv_block(
+    q, acc, m_i, l_i, q_pos, pos, end, offs_d, d_mask,
+    K_buf, V_buf, req_to_token, row, kv_head, sm_scale,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One online-softmax step, shared by decode and extend: attend the query rows ``q`` to the
+    KV positions ``pos`` (those at ``end`` or past it masked; with ``CAUSAL``, also those past
+    each row's ``q_pos``), reading the slots through the request's ``req_to_token`` row, and
+    return the updated ``(acc, m_i, l_i)``."""
+    n_mask = pos < end
+    slots = tl.load(req_to_token + row * stride_r2t + pos, mask=n_mask, other=0)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(
+        K_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    if CAUSAL:
+        qk = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], qk * sm_scale,
+                      float("-inf"))
+    else:
+        qk = tl.where(n_mask[None, :], qk * sm_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return acc * alpha[:, None] + pv, m_new, l_i
 
 
 @triton.jit
@@ -72,35 +118,12 @@ def _decode_stage1(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for block in range(start, end, BLOCK_N):
-        pos = block + offs_n
-        n_mask = pos < end
-        slots = tl.load(req_to_token + row * stride_r2t + pos, mask=n_mask, other=0)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            K_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
+        acc, m_i, l_i = _attend_kv_block(
+            q, acc, m_i, l_i, end, block + offs_n, end, offs_d, d_mask,
+            K_buf, V_buf, req_to_token, row, kv_head, sm_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
+            CAUSAL=False, IEEE=IEEE,
         )
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(n_mask[None, :], qk * sm_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
     if end > start:
         tl.store(
             Mid_O + b * stride_mob + offs_h[:, None] * stride_moh + split * stride_mos
@@ -184,41 +207,28 @@ def _extend_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for block in range(0, kv_end, BLOCK_N):
-            pos = block + offs_n
-            n_mask = pos < kv_end
-            slots = tl.load(req_to_token + row * stride_r2t + pos, mask=n_mask, other=0)
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(
-                K_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
+            acc, m_i, l_i = _attend_kv_block(
+                q, acc, m_i, l_i, q_pos, block + offs_n, kv_end, offs_d, d_mask,
+                K_buf, V_buf, req_to_token, row, kv_head, sm_scale,
+                stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
+                CAUSAL=True, IEEE=IEEE,
             )
-            if IEEE:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
-            qk = tl.where(visible, qk * sm_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
         tl.store(
             Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
             (acc / l_i[:, None]).to(Out.dtype.element_ty),
             mask=m_mask[:, None] & d_mask[None, :],
         )
+
+
+class PagedKV(NamedTuple):
+    """Where both kernels read a batch's KV: the pool's ``k_buffer``/``v_buffer``
+    (``[slots, kv_heads, head_dim]``) through the ``req_to_token`` rows of the batch's requests
+    (``req_pool_indices``)."""
+
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
 
 
 def _block_d(head_dim: int) -> int:
@@ -227,19 +237,16 @@ def _block_d(head_dim: int) -> int:
 
 def decode_attention(
     q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
+    kv: PagedKV,
     out: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
     num_kv_splits: int = NUM_KV_SPLITS,
 ) -> None:
     """Attention of one query token per request (``q`` ``[bs, heads, head_dim]``) over each
-    request's ``seq_lens[i]`` positions of ``req_to_token[req_pool_indices[i]]`` in the pool's
-    ``k_buffer``/``v_buffer`` (``[slots, kv_heads, head_dim]``); written into ``out``
+    request's ``seq_lens[i]`` positions of ``kv``; written into ``out``
     (``[bs, heads, head_dim]``)."""
+    k_buffer, v_buffer, req_to_token, req_pool_indices = kv
     bs, heads, head_dim = q.shape
     kv_heads = k_buffer.shape[1]
     group = heads // kv_heads
@@ -271,11 +278,8 @@ def decode_attention(
 
 def extend_attention(
     q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
+    kv: PagedKV,
     out: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     q_starts: torch.Tensor,
@@ -284,7 +288,8 @@ def extend_attention(
 ) -> None:
     """Causal attention of each request's new tokens (``q`` ``[num_tokens, heads, head_dim]``,
     request ``i``'s ``extend_lens[i]`` rows from ``q_starts[i]``) over its prefix and new tokens,
-    all already in the pool; written into ``out`` (same shape as ``q``)."""
+    all already in ``kv``; written into ``out`` (same shape as ``q``)."""
+    k_buffer, v_buffer, req_to_token, req_pool_indices = kv
     _, heads, head_dim = q.shape
     kv_heads = k_buffer.shape[1]
     block_d = _block_d(head_dim)

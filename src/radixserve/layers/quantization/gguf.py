@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixserve.layers.linear_method import RangedLazyWeight
+
 # Types the loader dequantises (names of ``gguf.GGMLQuantizationType``).
 SUPPORTED_GGUF_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -50,7 +52,7 @@ def dequantize_rows(data: np.ndarray, qtype: Any) -> np.ndarray:
     return np.asarray(quants.dequantize(data, qtype), dtype=np.float32)
 
 
-class GgufTensor:
+class GgufTensor(RangedLazyWeight):
     """A tensor of an open GGUF file in torch's order (``[rows, cols]``), read lazily.
 
     ``row_order[i]`` is the stored row that logical row ``i`` comes from (None: the identity).
@@ -66,23 +68,6 @@ class GgufTensor:
         shape = tuple(int(n) for n in reversed(reader_tensor.shape.tolist()))
         self._ranges = [(0, n) for n in shape]
         self._row_order = row_order
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(stop - start for start, stop in self._ranges)
-
-    def narrow(self, dim: int, start: int, length: int) -> GgufTensor:
-        lo, hi = self._ranges[dim]
-        if start < 0 or length < 0 or lo + start + length > hi:
-            raise ValueError(
-                f"slice [{start}, {start + length}) out of range for dimension {dim} of size "
-                f"{hi - lo} of {self.name}"
-            )
-        out = object.__new__(GgufTensor)
-        out.__dict__.update(self.__dict__)
-        out._ranges = list(self._ranges)
-        out._ranges[dim] = (lo + start, lo + start + length)
-        return out
 
     def load(self) -> torch.Tensor:
         """float32 values of the narrowed tensor."""

@@ -19,6 +19,7 @@ import hashlib
 import json
 import struct
 import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -217,31 +218,16 @@ def _embed_limit(ctx: ServerContext, body: EmbedRequest) -> int:
     return num_ctx or ctx.context_len
 
 
-def _fixed_model(route: str) -> None:
-    raise APIError(501, f"{route} is not supported: radixserve serves the one model it was "
-                   "started with (--model-path)")
+def _fixed_model_route(route: str) -> Callable[[], Awaitable[None]]:
+    """The handler of a model-management route: the one model is fixed, so each answers 501."""
+
+    async def fixed_model() -> None:
+        raise APIError(501, f"{route} is not supported: radixserve serves the one model it was "
+                       "started with (--model-path)")
+
+    return fixed_model
 
 
-@router.post("/api/pull")
-async def pull() -> None:
-    _fixed_model("/api/pull")
-
-
-@router.post("/api/push")
-async def push() -> None:
-    _fixed_model("/api/push")
-
-
-@router.post("/api/create")
-async def create() -> None:
-    _fixed_model("/api/create")
-
-
-@router.post("/api/copy")
-async def copy() -> None:
-    _fixed_model("/api/copy")
-
-
-@router.delete("/api/delete")
-async def delete() -> None:
-    _fixed_model("/api/delete")
+for _method, _route in (("POST", "/api/pull"), ("POST", "/api/push"), ("POST", "/api/create"),
+                        ("POST", "/api/copy"), ("DELETE", "/api/delete")):
+    router.add_api_route(_route, _fixed_model_route(_route), methods=[_method])

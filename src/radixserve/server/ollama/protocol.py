@@ -22,6 +22,7 @@ from pydantic import Field
 
 from radixserve.server.errors import APIError
 from radixserve.server.openai.structured_outputs import ANY_JSON_OBJECT, json_schema_params
+from radixserve.server.sampling_fields import SamplingFields
 from radixserve.server.strict_request import StrictRequest, Unsupported
 
 _LOAD_TIME = "a load-time setting of Ollama's runner; radixserve's are its server flags"
@@ -44,22 +45,18 @@ UNSUPPORTED_OPTIONS: Unsupported = {
 }
 
 
-class Options(StrictRequest):
-    """Ollama's ``options`` (runtime options; the load-time ones are refused)."""
+class Options(SamplingFields):
+    """Ollama's ``options`` (runtime options; the load-time ones are refused); ``top_k``,
+    ``top_p``, ``min_p``, ``stop`` and the presence and frequency penalties come from
+    ``SamplingFields``."""
 
     UNSUPPORTED = UNSUPPORTED_OPTIONS
 
     num_ctx: int | None = Field(default=None, ge=1)
     num_predict: int | None = Field(default=None, ge=-2)
     temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
     repeat_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
 
 
 class OllamaRequest(StrictRequest):

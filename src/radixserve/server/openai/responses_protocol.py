@@ -35,6 +35,7 @@ from radixserve.server.openai.protocol import (
     Tool,
 )
 from radixserve.server.openai.structured_outputs import JsonSchemaFormat, ResponseFormat
+from radixserve.server.sampling_fields import SamplingFields
 from radixserve.server.strict_request import StrictRequest
 
 # What a response id looks like (ours are resp_ and 32 hex digits; OpenAI's are longer): an
@@ -200,7 +201,7 @@ class TextConfig(StrictRequest):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(StrictRequest):
+class ResponsesRequest(SamplingFields):
     UNSUPPORTED = _UNSUPPORTED_RESPONSES
 
     model: str | None = None
@@ -209,7 +210,6 @@ class ResponsesRequest(StrictRequest):
     max_output_tokens: int | None = Field(default=None, ge=1)
     max_tool_calls: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)  # OpenAI's range
-    top_p: float | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -219,13 +219,9 @@ class ResponsesRequest(StrictRequest):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
-    # SGLang's sampling extensions of the Responses API.
-    top_k: int | None = None
-    min_p: float | None = None
+    # SGLang's sampling extensions of the Responses API (top_k, min_p, the presence and
+    # frequency penalties and stop come with top_p from SamplingFields).
     repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    stop: str | list[str] | None = None
     # Accepted without effect on the output (see the module docstring).
     user: str | None = None
     safety_identifier: str | None = None
