@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "radixserve.model_registry": 4,
     "radixserve.model_config": 4,
     "radixserve.model_executor": 5,
+    "radixserve.lora": 5,
     "radixserve.constrained": 5,
     "radixserve.sessions": 5,
     "radixserve.managers": 6,
