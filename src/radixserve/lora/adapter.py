@@ -83,6 +83,11 @@ class LoRAAdapter:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The adapter folder's ``adapter_config.json`` (``LoRAAdapterError`` when absent)."""
+    return _read_config(Path(path))
+
+
 def _read_config(folder: Path) -> dict[str, Any]:
     if not folder.is_dir():
         raise LoRAAdapterError(f"LoRA adapter folder {folder} does not exist")

@@ -69,8 +69,7 @@ UNSUPPORTED_GENERATE: Unsupported = {
     )},
     "sampling_logprobs_mode": ((None,), _OUTPUT),
     "routed_experts_start_len": ((None, 0), _OUTPUT),
-    "lora_path": ((None,), "LoRA adapters are not supported"),
-    "lora_id": ((None,), "LoRA adapters are not supported"),
+    "lora_id": ((None,), "an internal field of SGLang (name adapters with lora_path)"),
     "custom_logit_processor": ((None,), "custom logit processors are not supported"),
     "watermark": ((None,), "watermarking is not supported"),
     "routing_key": ((None,), "routing-key scheduling is not supported"),
@@ -110,6 +109,8 @@ class GenerateRequest(StrictRequest):
     token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool | None = None
     session_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
+    # The LoRA adapter by name, one for all prompts or one per prompt (docs/lora.md).
+    lora_path: str | list[str | None] | None = None
     log_metrics: bool | None = None
     # The data-parallel replica to run on (SGLang's two names for it).
     routed_dp_rank: int | None = None

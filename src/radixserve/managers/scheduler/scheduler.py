@@ -65,6 +65,7 @@ from radixserve.managers.io_struct import (
 )
 from radixserve.managers.request_checks import check_embedding, check_generate
 from radixserve.managers.scheduler.grammar_queue import GrammarQueue
+from radixserve.managers.scheduler.lora_requests import LoRAControl, bind_lora
 from radixserve.managers.scheduler.memory_check import MemoryChecker, busy_check_enabled
 from radixserve.managers.scheduler.overlap_schedule import OverlapSchedule
 from radixserve.managers.scheduler.request_receiver import RequestReceiver
@@ -203,6 +204,7 @@ class Scheduler:
                 (PauseGenerationReqInput, self.handle_pause_generation),
                 (ContinueGenerationReqInput, self.handle_continue_generation),
                 *self.control.handlers(),
+                *LoRAControl(self.tp_worker.model_runner.lora).handlers(),
             ]
         )
 
@@ -517,6 +519,7 @@ class Scheduler:
         else:
             req, error = Req.from_message(msg, list(msg.input_ids)), None
         error = error or self._validate(req.origin_input_ids, msg)
+        error = error or bind_lora(req, msg.lora_path, self.tp_worker.model_runner.lora)
         if error is not None:
             self._reject(req, error)
             return
