@@ -69,6 +69,7 @@ _CONTROL_REPLIES = (
     io_struct.ContinueGenerationReqOutput,
     io_struct.UpdateWeightFromDiskReqOutput,
     io_struct.GetWeightsByNameReqOutput,
+    io_struct.LoRAUpdateOutput,
     io_struct.ReleaseMemoryOccupationReqOutput,
     io_struct.ResumeMemoryOccupationReqOutput,
     io_struct.ProfileReqOutput,
