@@ -215,7 +215,9 @@ class ServerArgs:
             raise ValueError(f"max_loras_per_batch must be >= 1, got {self.max_loras_per_batch}")
         if self.max_lora_rank is not None and self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
-        names = list(self.lora_path_map)
+        names = [entry.partition("=")[0] if "=" in entry else entry
+                 for entry in self.lora_paths or ()]
+        self.lora_path_map  # noqa: B018 - raises for a malformed entry
         if len(set(names)) != len(names):
             raise ValueError(f"lora_paths names an adapter twice: {names}")
         if len(names) > self.max_loras_per_batch:
