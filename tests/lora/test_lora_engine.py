@@ -33,11 +33,14 @@ def adapters(llama_path, tmp_path_factory):
     }
 
 
-@pytest.fixture(scope="module")
-def engine(llama_path, adapters, strict_env):
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "overlap"])
+def engine(request, llama_path, adapters, strict_env):
+    """Every test runs on the plain schedule and on the overlap schedule (the step runs in the
+    worker thread while the next is planned)."""
     paths = [f"{name}={adapters[name]}" for name in ("attn", "mlp", "mixed")]
     with Engine(model_path=str(llama_path), dtype="float32", lora_paths=paths,
-                max_loras_per_batch=4, max_lora_rank=8, **ENGINE_KWARGS) as eng:
+                max_loras_per_batch=4, max_lora_rank=8,
+                enable_overlap_schedule=request.param, **ENGINE_KWARGS) as eng:
         yield eng
 
 
