@@ -40,3 +40,17 @@ def test_groups_are_slices_for_runs_and_indices_otherwise():
     assert groups[0] == slice(0, 2)
     assert groups[1].tolist() == [2, 4]
     assert not LoRABatchInfo.from_token_slots(torch.tensor([-1, -1])).any_adapter
+
+
+def test_half_precision_rows_with_float32_weights_return_the_rows_dtype():
+    """On CPU the pool is float32 under a bf16 model: the delta comes back in bf16."""
+    torch.manual_seed(1)
+    x, a, b = torch.randn(5, 16), torch.randn(2, 4, 16), torch.randn(2, 8, 4)
+    info = LoRABatchInfo.from_token_slots(torch.tensor([0, 1, -1, 1, 0]))
+    with build_context("cpu", torch.bfloat16):
+        op = LoRADelta()
+    expected = _expected(x.bfloat16().float(), a, b, info.token_slots)
+    for impl in (op.forward_native, op.forward_cpu):
+        out = impl(x.bfloat16(), a, b, info)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)

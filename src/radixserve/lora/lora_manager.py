@@ -96,9 +96,11 @@ class LoRAManager:
         the model (the KV plan counts it); ``attach`` hooks it into a loaded model."""
         self.settings = settings
         self.shapes = ModuleShapes.from_config(model_config)
+        # float32 on CPU: torch's small half-precision matmuls are several times slower there
+        pool_dtype = torch.float32 if device.type == "cpu" else dtype
         self.pool = LoRAMemoryPool(
             self.shapes, layers, settings.max_loras_per_batch, settings.max_lora_rank,
-            settings.lora_target_modules, device, dtype,
+            settings.lora_target_modules, device, pool_dtype,
         )
         self.loaded: dict[str, LoadedAdapter] = {}
         self._namespaces = itertools.count(1)
@@ -131,7 +133,7 @@ class LoRAManager:
             info = self.info
             if info is None or not info.any_adapter:
                 return None  # keep the base layer's output
-            return out + self.op(args[0], a, b, info)
+            return out.add_(self.op(args[0], a, b, info))
 
         return add_delta
 

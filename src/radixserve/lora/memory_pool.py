@@ -6,11 +6,11 @@ For each decoder layer and each fused module with an adapted shard (``qkv_proj``
     a  [slots, shards * R, in]     shard i's A in rows [i*R, i*R + r)
     b  [slots, out, shards * R]    shard i's B (scaled) in its output rows, columns [i*R, i*R + r)
 
-in the model's dtype on its device, ``R = --max-lora-rank``, ``slots = --max-loras-per-batch``.
-B is block-diagonal, so ``b @ (a @ x)`` gives each shard's delta in its own output rows and one
-``LoRADelta`` serves a fused layer; unused ranks and shards stay zero and add nothing. The pool
-is allocated once at start-up, so adapter memory is fixed and counted (``nbytes``) whatever is
-loaded; loading writes a slot, unloading zeroes it.
+in float32 on CPU (the model's dtype elsewhere), ``R = --max-lora-rank``,
+``slots = --max-loras-per-batch``. B is block-diagonal, so ``b @ (a @ x)`` gives each shard's
+delta in its own output rows and one ``LoRADelta`` serves a fused layer; unused ranks and
+shards stay zero and add nothing. The pool is allocated once at start-up, so adapter memory is
+fixed and counted (``nbytes``) whatever is loaded; loading writes a slot, unloading zeroes it.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ it (``lora/memory_pool.py`` lays them out).
 ``forward_cpu`` groups the rows by adapter (``LoRABatchInfo.groups``, computed once per step for
 all layers) and runs two dense matmuls per adapter present, so the cost is that of the adapted
 rows and independent of how many slots exist. They agree up to float rounding order.
+
+The weights may be held in another dtype than ``x`` (float32 on CPU, where torch's small bf16
+matmuls are several times slower than float32 ones): ``x`` is cast to the weights' dtype and
+the delta back to ``x``'s.
 """
 
 from __future__ import annotations
@@ -65,13 +69,14 @@ class LoRADelta(CustomOp):
         slots = info.token_slots
         has = slots >= 0
         safe = slots.clamp(min=0)
-        xa = torch.einsum("ti,tri->tr", x, a[safe])
+        xa = torch.einsum("ti,tri->tr", x.to(a.dtype), a[safe])
         delta = torch.einsum("tr,tor->to", xa, b[safe])
-        return delta * has.unsqueeze(1).to(delta.dtype)
+        return (delta * has.unsqueeze(1).to(delta.dtype)).to(x.dtype)
 
     def forward_cpu(
         self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo
     ) -> torch.Tensor:
+        x = x.to(a.dtype)
         out = x.new_zeros(x.shape[0], b.shape[1])
         for slot, rows in info.groups:
             if isinstance(rows, slice):
