@@ -76,11 +76,11 @@ class LoRADelta(CustomOp):
     def forward_cpu(
         self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo
     ) -> torch.Tensor:
-        x = x.to(a.dtype)
+        dtype, x = x.dtype, x.to(a.dtype)
         out = x.new_zeros(x.shape[0], b.shape[1])
         for slot, rows in info.groups:
             if isinstance(rows, slice):
                 out[rows] = (x[rows] @ a[slot].T) @ b[slot].T
             else:
                 out.index_copy_(0, rows, (x.index_select(0, rows) @ a[slot].T) @ b[slot].T)
-        return out
+        return out.to(dtype)
