@@ -8,9 +8,11 @@ its shards' A along the rank axis and places each shard's B block-diagonally, so
 it (``lora/memory_pool.py`` lays them out).
 
 ``forward_native`` is the reference (a per-row gather of the weights, one einsum);
-``forward_cpu`` groups the rows by adapter (``LoRABatchInfo.groups``, computed once per step for
-all layers) and runs two dense matmuls per adapter present, so the cost is that of the adapted
-rows and independent of how many slots exist. They agree up to float rounding order.
+``forward_cpu`` groups the rows by adapter (``LoRABatchInfo``, computed once per step for all
+layers): rows of one adapter take two dense matmuls; rows of several take two matmuls against
+the A and B of the adapters present side by side, each row masked to its own adapter's block
+(a few large ops instead of a pair per adapter: on CPU a small step's cost is mostly per op).
+The cost follows the adapters present, not the slots. They agree up to float rounding order.
 
 The weights may be held in another dtype than ``x`` (float32 on CPU, where torch's small bf16
 matmuls are several times slower than float32 ones): ``x`` is cast to the weights' dtype and
@@ -19,7 +21,7 @@ the delta back to ``x``'s.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +38,18 @@ class LoRABatchInfo:
 
     token_slots: torch.Tensor
     groups: list[tuple[int, slice | torch.Tensor]]
+    # Rows of several adapters: the slots present, and per weight width W the [rows, P*W]
+    # 0/1 mask that keeps each row's own adapter's block (built on first use, per step).
+    present: torch.Tensor | None = None
+    _masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (width, dtype)
+        if key not in self._masks:
+            assert self.present is not None
+            own = self.token_slots.unsqueeze(1) == self.present.unsqueeze(0)  # [rows, P]
+            self._masks[key] = own.to(dtype).repeat_interleave(width, dim=1)
+        return self._masks[key]
 
     @classmethod
     def from_token_slots(cls, token_slots: torch.Tensor) -> LoRABatchInfo:
@@ -51,7 +65,11 @@ class LoRABatchInfo:
             else:
                 groups.append((slot, torch.tensor(idx, dtype=torch.int64,
                                                   device=token_slots.device)))
-        return cls(token_slots, groups)
+        present = None
+        if len(groups) > 1:
+            present = torch.tensor([slot for slot, _ in groups], dtype=torch.int64,
+                                   device=token_slots.device)
+        return cls(token_slots, groups, present)
 
     @property
     def any_adapter(self) -> bool:
@@ -77,6 +95,8 @@ class LoRADelta(CustomOp):
         self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo
     ) -> torch.Tensor:
         dtype, x = x.dtype, x.to(a.dtype)
+        if info.present is not None:
+            return self._several_adapters(x, a, b, info).to(dtype)
         out = x.new_zeros(x.shape[0], b.shape[1])
         for slot, rows in info.groups:
             if isinstance(rows, slice):
@@ -84,3 +104,17 @@ class LoRADelta(CustomOp):
             else:
                 out.index_copy_(0, rows, (x.index_select(0, rows) @ a[slot].T) @ b[slot].T)
         return out.to(dtype)
+
+    @staticmethod
+    def _several_adapters(
+        x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo
+    ) -> torch.Tensor:
+        """Rows of several adapters in two matmuls: every row against the A of all adapters
+        present, masked to its own adapter's block, then against their B side by side (fewer,
+        larger ops than one pair per adapter: on CPU a step's cost is mostly per op)."""
+        assert info.present is not None
+        slots, width = len(info.present), a.shape[1]
+        a_p = a.index_select(0, info.present).reshape(slots * width, a.shape[2])
+        xa = (x @ a_p.T).mul_(info.mask(width, a.dtype))
+        b_p = b.index_select(0, info.present).permute(1, 0, 2).reshape(b.shape[1], -1)
+        return xa @ b_p.T
