@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     "radixserve.gguf_file": 4,  # a GGUF file's metadata as a config (model_config reads it)
     "radixserve.tokenizer_loader": 4,
     "radixserve.model_executor": 5,
+    "radixserve.lora": 5,
     "radixserve.constrained": 5,
     "radixserve.sessions": 5,
     "radixserve.speculative": 5,

@@ -126,6 +126,15 @@ HELP: dict[str, str] = {
     "speculative_ngram_max_match_window_size": "NGRAM: longest suffix matched.",
     "speculative_draft_model_path": "STANDALONE's draft model (not in this build).",
     "speculative_max_batch_size": "Decode batches larger than this run without speculation.",
+    "enable_lora": "Serve LoRA adapters on top of the base model (docs/lora.md).",
+    "lora_paths": "LoRA adapters to load at start, as NAME=PATH (PEFT adapter folders) or "
+    "PATH (named by its path); requests pick one with lora_path or model=BASE:NAME.",
+    "max_loras_per_batch": "Adapter slots: at most this many adapters are loaded at once, and "
+    "a batch may mix all of them.",
+    "max_lora_rank": "Largest adapter rank the slots hold (default: the largest of "
+    "--lora-paths, 16 without).",
+    "lora_target_modules": "Modules adapters may adapt: q_proj k_proj v_proj o_proj gate_proj "
+    "up_proj down_proj, or all (default: those of --lora-paths, all without).",
     "stream_interval": "Stream a request's tokens every this many steps (the first and the last "
     "token at once); larger values cost less per token.",
     "enable_metrics": "Serve Prometheus metrics on GET /metrics.",
@@ -172,6 +181,8 @@ def _flag(name: str) -> str:
 def _value_type(annotation: str) -> type:
     """The argparse type of a ``ServerArgs`` annotation such as ``'int | None'``."""
     base = annotation.replace(" | None", "").strip()
+    if base.startswith("list[") and base.endswith("]"):  # a list flag: nargs="+" of the type
+        base = base[len("list["):-1]
     types = {"str": str, "int": int, "float": float}
     if base not in types:
         raise TypeError(f"no command-line type for ServerArgs annotation {annotation!r}")
@@ -187,6 +198,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
             kwargs["action"] = "store_true" if not default else argparse.BooleanOptionalAction
             kwargs["default"] = default
         else:
+            if str(f.type).startswith("list["):
+                kwargs["nargs"] = "+"
             kwargs["type"] = _value_type(str(f.type))
             kwargs["default"] = default
             if f.name in CHOICES:

@@ -35,6 +35,7 @@ from radixserve.managers.launcher import (
     terminate_processes,
     watch_processes,
 )
+from radixserve.managers.tokenizer import lora_client
 from radixserve.managers.tokenizer.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer.tokenizer_manager import TokenizerManager
 from radixserve.registry_choices import check_registry_choices
@@ -60,6 +61,7 @@ class GenerateOptions(TypedDict, total=False):
     token_ids_logprob: list[int] | list[list[int]] | None
     return_text_in_logprobs: bool
     data_parallel_rank: int | None  # the replica that runs it (``--dp-size``)
+    lora_path: str | list[str | None] | None  # the LoRA adapter by name (docs/lora.md)
 
 
 def _generate_req(
@@ -301,6 +303,17 @@ class Engine:
         }
 
     # ------------------------------------------------------------------ operations
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Load a PEFT adapter folder while serving; ``ValueError`` with the reason when
+        refused. Returns SGLang's reply: ``success`` and the ``loaded_adapters``."""
+        loaded = self._run(lora_client.load_lora_adapter(self._live_manager, lora_name, lora_path))
+        return {"success": True, "loaded_adapters": loaded}
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Unload an adapter; ``ValueError`` while a running or waiting request uses it."""
+        loaded = self._run(lora_client.unload_lora_adapter(self._live_manager, lora_name))
+        return {"success": True, "loaded_adapters": loaded}
+
     def update_weights_from_disk(
         self, model_path: str, load_format: str | None = None, abort_all_requests: bool = False
     ) -> dict[str, Any]:

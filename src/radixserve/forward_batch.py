@@ -65,6 +65,8 @@ class ForwardBatch:
     input_logprob_starts: list[int] | None = None
     input_logprob_counts: list[int] | None = None
     input_logprob_targets: list[int] | None = None
+    # Each request's LoRA adapter slot (-1: the base model); None when no request has one.
+    lora_slots: list[int] | None = None
 
     @property
     def batch_size(self) -> int:

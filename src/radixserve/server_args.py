@@ -79,6 +79,12 @@ class ServerArgs:
     speculative_ngram_max_match_window_size: int = 12
     speculative_draft_model_path: str | None = None
     speculative_max_batch_size: int = 8
+    # LoRA adapters (lora/, docs/lora.md)
+    enable_lora: bool = False
+    lora_paths: list[str] | None = None  # "name=path" or "path" (named by its path)
+    max_loras_per_batch: int = 8
+    max_lora_rank: int | None = None  # None: the largest rank of --lora-paths (16 without)
+    lora_target_modules: list[str] | None = None  # None: those of --lora-paths (all without)
     # serving
     stream_interval: int = 1
     enable_metrics: bool = False
@@ -183,6 +189,7 @@ class ServerArgs:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         self._check_speculative()
+        self._check_lora()
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
 
@@ -259,6 +266,53 @@ class ServerArgs:
                           ("is_embedding", self.is_embedding)):
             if bad:
                 raise ValueError(f"speculative_algorithm does not combine with {name}")
+    def _check_lora(self) -> None:
+        if self.lora_paths and not self.enable_lora:  # as SGLang: adapters imply the flag
+            object.__setattr__(self, "enable_lora", True)
+        lora_set = [name for name in ("lora_paths", "max_lora_rank", "lora_target_modules")
+                    if getattr(self, name) is not None]
+        if not self.enable_lora:
+            if lora_set:
+                raise ValueError(f"{', '.join(lora_set)} need --enable-lora")
+            return
+        if self.is_embedding:
+            raise ValueError("--enable-lora serves generation models, not --is-embedding")
+        if self.tp_size > 1:
+            raise ValueError("--enable-lora does not combine with tensor parallelism yet")
+        if self.max_loras_per_batch < 1:
+            raise ValueError(f"max_loras_per_batch must be >= 1, got {self.max_loras_per_batch}")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        names = [entry.partition("=")[0] if "=" in entry else entry
+                 for entry in self.lora_paths or ()]
+        self.lora_path_map  # noqa: B018 - raises for a malformed entry
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_paths names an adapter twice: {names}")
+        if len(names) > self.max_loras_per_batch:
+            raise ValueError(
+                f"lora_paths has {len(names)} adapters; at most max_loras_per_batch "
+                f"({self.max_loras_per_batch}) are loaded at once"
+            )
+        modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        for module in self.lora_target_modules or ():
+            if module not in (*modules, "all"):
+                raise ValueError(
+                    f"lora_target_modules: {module!r} is not one of {', '.join(modules)}, all"
+                )
+
+    @property
+    def lora_path_map(self) -> dict[str, str]:
+        """``--lora-paths`` as ``{name: path}`` (a bare path is named by itself, as SGLang
+        does)."""
+        out: dict[str, str] = {}
+        for entry in self.lora_paths or ():
+            name, sep, path = entry.partition("=")
+            if not sep:
+                name, path = entry, entry
+            if not name or not path:
+                raise ValueError(f"lora_paths entry {entry!r} is not NAME=PATH or PATH")
+            out[name] = path
+        return out
 
     @property
     def ranks_per_replica(self) -> int:

@@ -23,6 +23,7 @@ class Req:
     finished_reason: FinishReason | None = None
     kv_len: int = 0
     all_ids: list[int] = field(default_factory=list)
+    lora_namespace: int = 0  # the base model's part of the tree
 
 
 class Driver:

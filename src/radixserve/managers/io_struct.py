@@ -49,6 +49,7 @@ class TokenizedGenerateReqInput(_Msg):
     token_ids_logprob: list[int] | None = None
     stream: bool = False
     session_params: SessionParams | None = None
+    lora_path: str | None = None  # the LoRA adapter's name; None: the base model
     # The replica the data-parallel controller sends it to (None: its policy decides).
     data_parallel_rank: int | None = None
 
@@ -122,6 +123,17 @@ class ContinueGenerationReqInput(_Msg):
 class UpdateWeightFromDiskReqInput(_Msg):
     model_path: str
     load_format: str | None = None
+
+
+class LoadLoRAAdapterReqInput(_Msg):
+    """Load the PEFT adapter folder ``lora_path`` under ``lora_name`` (SGLang's names)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterReqInput(_Msg):
+    lora_name: str
 
 
 class GetWeightsByNameReqInput(_Msg):
@@ -293,6 +305,14 @@ class UpdateWeightFromDiskReqOutput(_Msg):
     message: str
 
 
+class LoRAUpdateOutput(_Msg):
+    """The reply to a LoRA load or unload: the adapters loaded afterwards, name → path."""
+
+    success: bool
+    error_message: str = ""
+    loaded_adapters: dict[str, str] = {}
+
+
 class GetWeightsByNameReqOutput(_Msg):
     parameter: list[Any] | None  # the first truncate_size rows (or values), as float lists
     message: str = ""
@@ -400,6 +420,8 @@ Message = Union[  # noqa: UP007 - msgspec needs a real Union object here
     ContinueGenerationReqInput,
     UpdateWeightFromDiskReqInput,
     GetWeightsByNameReqInput,
+    LoadLoRAAdapterReqInput,
+    UnloadLoRAAdapterReqInput,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
     ProfileReq,
@@ -419,6 +441,7 @@ Message = Union[  # noqa: UP007 - msgspec needs a real Union object here
     ContinueGenerationReqOutput,
     UpdateWeightFromDiskReqOutput,
     GetWeightsByNameReqOutput,
+    LoRAUpdateOutput,
     ReleaseMemoryOccupationReqOutput,
     ResumeMemoryOccupationReqOutput,
     ProfileReqOutput,

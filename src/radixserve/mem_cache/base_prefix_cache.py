@@ -60,6 +60,7 @@ class CacheableReq(Protocol):
     streaming_session_id: str | None  # set on a streaming session's turn (SessionAwareCache)
     finished_reason: FinishReason | None  # None while the request runs
     all_ids: list[int]  # prompt + output so far
+    lora_namespace: int  # 0: the base model; else its LoRA adapter load's (radix_cache.py)
 
 
 @dataclass(eq=False)

@@ -7,6 +7,11 @@ made of whole pages the tree owns outright, which is what the page-granular allo
 A node is *protected* while a running request locks it or a descendant (``inc_lock_ref`` pins the
 whole path to the root) and *evictable* otherwise. Both counters change incrementally, in O(depth)
 per lock, and unlocked leaves are kept in a set, so neither accounting nor eviction walks the tree.
+
+KV depends on the LoRA adapter a request runs under, so the tree keeps adapters apart: a
+request's tokens are keyed ``token + namespace * NAMESPACE_STRIDE`` (``req.lora_namespace``: 0
+for the base model, a number per adapter load, ``lora/lora_manager.py``). Keys of different
+namespaces never compare equal, so no match crosses adapters, and page alignment is unchanged.
 """
 
 from __future__ import annotations
@@ -20,6 +25,17 @@ from typing import Any
 import torch
 
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache, CacheableReq, MatchResult
+
+# Larger than any vocabulary: namespaced token ids of two namespaces never meet.
+NAMESPACE_STRIDE = 1 << 32
+
+
+def namespaced(key: list[int], namespace: int) -> list[int]:
+    """``key`` in ``namespace``'s part of the tree (itself for the base model's 0)."""
+    if not namespace:
+        return key
+    offset = namespace * NAMESPACE_STRIDE
+    return [t + offset for t in key]
 
 
 class _TreeNode:
@@ -85,6 +101,9 @@ class RadixCache(BasePrefixCache):
             node, pos = child, pos + n
         indices = torch.cat(values) if values else self._empty()
         return MatchResult(device_indices=indices, last_node=node)
+
+    def match_req(self, req: CacheableReq, key: list[int]) -> MatchResult:
+        return self.match_prefix(namespaced(key, req.lora_namespace))
 
     def evictable_size(self) -> int:
         return self._evictable_size
@@ -200,7 +219,8 @@ class RadixCache(BasePrefixCache):
         kv = self.req_to_token_pool.req_to_token[row, : len(token_ids)]
         aligned = len(token_ids) // self.page_size * self.page_size
         cached = len(req.prefix_indices) // self.page_size * self.page_size
-        new_prefix = self.insert(token_ids[:aligned], kv[:aligned])
+        new_prefix = self.insert(namespaced(token_ids[:aligned], req.lora_namespace),
+                                 kv[:aligned])
         assert new_prefix >= cached, "the request's locked prefix vanished from the tree"
         return row, kv, aligned, cached, new_prefix
 
@@ -226,7 +246,7 @@ class RadixCache(BasePrefixCache):
         #   | [new_prefix, aligned)| request's                        | inserted: now the tree's |
         #   | [aligned, len)       | request's partial last page      | kept by the request      |
         self.allocator.free(kv[cached:new_prefix])
-        match = self.match_prefix(token_ids[:aligned])
+        match = self.match_prefix(namespaced(token_ids[:aligned], req.lora_namespace))
         assert len(match.device_indices) == aligned, "a just-inserted prefix did not match"
         tail = kv[aligned:].clone()
         self.req_to_token_pool.req_to_token[row, cached:aligned] = match.device_indices[cached:]

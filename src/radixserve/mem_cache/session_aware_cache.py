@@ -189,7 +189,7 @@ class SessionAwareCache(BasePrefixCache):
         return self.inner.match_prefix(key)
 
     def match_req(self, req: CacheableReq, key: list[int]) -> MatchResult:
-        return self.try_match_prefix(req, key) or self.inner.match_prefix(key)
+        return self.try_match_prefix(req, key) or self.inner.match_req(req, key)
 
     def inc_lock_ref(self, node: Any) -> None:
         if not self.try_inc_lock_ref(node):

@@ -35,6 +35,7 @@ from radixserve.layers.attention import create_attention_backend, default_attent
 from radixserve.layers.custom_op import build_context
 from radixserve.layers.linear import kv_heads_per_rank
 from radixserve.layers.packed_weight import planned_copy_bytes
+from radixserve.lora.lora_manager import create_lora_manager, load_initial_adapters
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -83,6 +84,12 @@ class RunnerSettings:
     disable_cuda_graph: bool = False  # decode eagerly on CUDA
     cuda_graph_max_bs: int | None = None  # None: max_running_requests
     cpu_kernel_autotune: str = "off"  # "on": time the CPU linear kernels (the server's default)
+    # LoRA (lora/lora_manager.py): adapters loaded at start and the pool's shape
+    enable_lora: bool = False
+    lora_paths: list[str] | None = None
+    max_loras_per_batch: int = 8
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] | None = None
 
     @classmethod
     def from_args(cls, args: ServerArgs) -> RunnerSettings:
@@ -113,6 +120,7 @@ class ModelRunner:
         self.num_kv_heads = kv_heads_per_rank(model_config.num_key_value_heads, info.tp_size)
         self.num_layers = len(info.stage_layers(model_config.num_hidden_layers))
 
+        self.lora = create_lora_manager(settings, model_config, self.device, self.parallel)
         self.max_total_num_tokens = self._plan_kv_tokens(settings)
         self.max_running_requests = settings.max_running_requests or min(
             _DEFAULT_MAX_RUNNING_REQUESTS, self.max_total_num_tokens
@@ -140,6 +148,8 @@ class ModelRunner:
             logger.info("attention backend: %s", self.attention_backend)
         self.model: Any = self._load_model(model_config)
         self.released: set[str] = set()  # memory given back by release_memory (MEMORY_TAGS)
+        if self.lora is not None:
+            load_initial_adapters(self.lora, settings.lora_paths)
         self.cuda_graph_batch_sizes = self._cuda_graph_batch_sizes(settings)
         self.graph_runner: CudaGraphRunner | None = None
         self._capture_cuda_graphs()
@@ -152,6 +162,8 @@ class ModelRunner:
         reason = None
         if self.model_config.is_encoder:
             reason = "an encoder has no decode steps"
+        elif self.lora is not None:
+            reason = "LoRA adapters' row indices are not graph inputs in this build"
         elif self.attention_backend != "triton":
             reason = f"the {self.attention_backend} attention backend reads host values in decode"
         elif self.parallel.distributed:
@@ -189,10 +201,13 @@ class ModelRunner:
         return self.model(forward_batch, None)
 
     def _load_model(self, config: ModelConfig) -> Any:
-        return load_model(
+        model = load_model(
             config, self.attn_backend, self.device, self.parallel, self.batch_invariant,
             self.cpu_kernel_autotune,
         )
+        if self.lora is not None:
+            self.lora.attach(model)
+        return model
 
     def _create_kv_pool(self) -> MHATokenToKVPool:
         cfg = self.model_config
@@ -232,6 +247,7 @@ class ModelRunner:
             weight_bytes += planned_copy_bytes(
                 weight_bytes, self.device, self.dtype, psutil.virtual_memory().total
             )
+            weight_bytes += self.lora.pool.nbytes() if self.lora is not None else 0
             budget = (available_memory_bytes(self.device) - weight_bytes) * fraction / sharing
             per_token = MHATokenToKVPool.bytes_per_token(
                 self.num_kv_heads, cfg.head_dim, self.num_layers, self.dtype
@@ -268,6 +284,8 @@ class ModelRunner:
         if graphs is not None and previous_stage is None and graphs.can_run(forward_batch):
             return graphs.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
+        if self.lora is not None:
+            self.lora.prepare(forward_batch)
         return self.model(forward_batch, previous_stage)
 
     # ------------------------------------------------------------------ weights and memory

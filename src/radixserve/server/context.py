@@ -64,6 +64,22 @@ class ServerContext:
             )
 
 
+    def lora_of_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a ``model`` field names (SGLang's and vLLM's forms: ``BASE:ADAPTER``
+        or the adapter's own name), None for the base model; 404 for anything else."""
+        adapters = self.tokenizer_manager.request_tokenizer.lora_adapters
+        if name is not None and name not in (self.model_name, self.server_args.model_path):
+            base, sep, adapter = name.rpartition(":")
+            if sep and base in (self.model_name, self.server_args.model_path) and (
+                adapter in adapters
+            ):
+                return adapter
+            if name in adapters:
+                return name
+        self.check_model(name)
+        return None
+
+
 def get_ctx(request: Request) -> ServerContext:
     """The ``ServerContext`` of the app serving ``request``."""
     return request.app.state.ctx

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from radixserve.managers import io_struct
 from radixserve.managers.io_struct import PauseMode, ProfileReq
+from radixserve.managers.tokenizer import lora_client
 from radixserve.managers.tokenizer.tokenizer_manager import TokenizerManager
 from radixserve.server.context import get_ctx
 
@@ -35,6 +36,16 @@ class UpdateWeightsFromDiskRequest(_StrictModel):
     model_path: str
     load_format: str | None = None
     abort_all_requests: bool = False
+
+
+class LoadLoRAAdapterRequest(_StrictModel):
+    lora_name: str
+    lora_path: str
+    pinned: bool = False  # SGLang's: keep it in its slot; every loaded adapter is, here
+
+
+class UnloadLoRAAdapterRequest(_StrictModel):
+    lora_name: str
 
 
 class GetWeightsByNameRequest(_StrictModel):
@@ -96,6 +107,26 @@ async def update_weights_from_disk(
         body.model_path, body.load_format, body.abort_all_requests
     )
     return {"success": True, "message": message}
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> dict[str, Any]:
+    """Load a PEFT adapter folder while serving; 400 with the reason when refused."""
+    loaded = await lora_client.load_lora_adapter(
+        get_ctx(request).tokenizer_manager, body.lora_name, body.lora_path
+    )
+    return {"success": True, "loaded_adapters": loaded}
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(
+    body: UnloadLoRAAdapterRequest, request: Request
+) -> dict[str, Any]:
+    """Unload an adapter; 400 while a running or waiting request uses it (retry after)."""
+    loaded = await lora_client.unload_lora_adapter(
+        get_ctx(request).tokenizer_manager, body.lora_name
+    )
+    return {"success": True, "loaded_adapters": loaded}
 
 
 # SGLang takes both methods; each gets an OpenAPI operation id of its own.

@@ -26,7 +26,7 @@ from radixserve.managers.caller import ADMIN, current_caller
 from radixserve.managers.io_struct import FlushCacheReq, OpenSessionReqInput
 from radixserve.managers.tokenizer.generate_request import GenerateReqInput
 from radixserve.server.admission import admit, check_batch_size, num_prompts, requested_n
-from radixserve.server.context import ServerState, get_ctx
+from radixserve.server.context import ServerContext, ServerState, get_ctx
 from radixserve.server.errors import APIError, stream_error
 from radixserve.server.generations import cancel_on_disconnect, first_item, prime
 from radixserve.server.metrics import CONTENT_TYPE
@@ -71,8 +71,7 @@ UNSUPPORTED_GENERATE: Unsupported = {
     )},
     "sampling_logprobs_mode": ((None,), _OUTPUT),
     "routed_experts_start_len": ((None, 0), _OUTPUT),
-    "lora_path": ((None,), "LoRA adapters are not supported"),
-    "lora_id": ((None,), "LoRA adapters are not supported"),
+    "lora_id": ((None,), "an internal field of SGLang (name adapters with lora_path)"),
     "custom_logit_processor": ((None,), "custom logit processors are not supported"),
     "watermark": ((None,), "watermarking is not supported"),
     "routing_key": ((None,), "routing-key scheduling is not supported"),
@@ -112,6 +111,8 @@ class GenerateRequest(StrictRequest):
     token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool | None = None
     session_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
+    # The LoRA adapter by name, one for all prompts or one per prompt (docs/lora.md).
+    lora_path: str | list[str | None] | None = None
     log_metrics: bool | None = None
     # The data-parallel replica to run on (SGLang's two names for it).
     routed_dp_rank: int | None = None
@@ -159,6 +160,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     ctx.check_model(body.model)
     prompt, field = (body.text, "text") if body.text is not None else (body.input_ids, "input_ids")
     admit(request, num_prompts(prompt), requested_n(body.sampling_params), prompt_param=field)
+    _check_lora_path(ctx, body.lora_path)
     fields = body.model_dump(exclude_none=True, exclude={"model", "routed_dp_rank"})
     fields["data_parallel_rank"] = _dp_rank(body, ctx.server_args.dp_size)
     obj = GenerateReqInput(**fields)
@@ -167,6 +169,20 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     if not obj.stream:
         return JSONResponse(await cancel_on_disconnect(request, first_item(agen)))
     return sse_response(_stream_events(await prime(request, agen)))
+
+
+def _check_lora_path(ctx: ServerContext, lora_path: str | list[str | None] | None) -> None:
+    """400 naming ``lora_path`` for an adapter that is not loaded (or LoRA not enabled)."""
+    names = lora_path if isinstance(lora_path, list) else [lora_path]
+    if all(name is None for name in names):
+        return
+    if not ctx.server_args.enable_lora:
+        raise APIError(400, "lora_path needs a server started with --enable-lora",
+                       param="lora_path")
+    loaded = ctx.tokenizer_manager.request_tokenizer.lora_adapters
+    for name in names:
+        if name is not None and name not in loaded:
+            raise APIError(400, f"no LoRA adapter named {name!r} is loaded", param="lora_path")
 
 
 def _dp_rank(body: GenerateRequest, dp_size: int) -> int | None:

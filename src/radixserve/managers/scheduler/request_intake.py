@@ -23,6 +23,7 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from radixserve.managers.scheduler.grammar_queue import GrammarQueue
+from radixserve.managers.scheduler.lora_requests import bind_lora
 from radixserve.managers.scheduler.request_validation import embedding_error, generate_error
 from radixserve.managers.scheduler.schedule_batch import Req
 from radixserve.managers.scheduler.scheduler_control import SchedulerControl
@@ -59,6 +60,7 @@ class RequestIntake:
         self.is_generation, self.limits = parts.is_generation, parts.limits
         self.sessions, self.output_processor = parts.sessions, parts.output_processor
         self.grammar_queue, self.control = grammar_queue, control
+        self.lora = parts.tp_worker.model_runner.lora  # None without --enable-lora
         # Generate and embedding requests received (the load reports count them).
         self.num_received_reqs = 0
         # Session turns that arrived while their session's turn in flight was being aborted:
@@ -103,6 +105,7 @@ class RequestIntake:
         else:
             req, error = Req.from_message(msg, list(msg.input_ids)), None
         error = error or generate_error(req.origin_input_ids, msg, self.limits)
+        error = error or bind_lora(req, msg.lora_path, self.lora)
         if error is not None:
             self._reject(req, error)
             return

@@ -106,6 +106,11 @@ class Req:
         self.session_params = session_params
         # Set for a turn of a streaming session: its KV lives in that session's slot.
         self.streaming_session_id: str | None = None
+        # The LoRA adapter (lora_requests.bind_lora): its name, pool slot (-1: the base model)
+        # and its load's cache namespace (0: the base model's), which keys the radix tree.
+        self.lora_path: str | None = None
+        self.lora_slot = -1
+        self.lora_namespace = 0
 
         # Memory state (see the module docstring's table).
         self.req_pool_idx: int | None = None
@@ -285,6 +290,11 @@ def release_kv(req: Req, tree_cache: BasePrefixCache) -> None:
     """
     tree_cache.cache_finished_req(req, req.all_ids[: req.kv_len])
     assert req.req_pool_idx is None, "cache_finished_req frees the request row"
+
+
+def live_reqs() -> list[Req]:
+    """The ``Req`` objects alive in this process (running, waiting, or held by a session)."""
+    return list(_LIVE_REQS)
 
 
 def num_live_reqs() -> int:
@@ -517,6 +527,10 @@ class ScheduleBatch:
             token_ids_logprobs=(
                 [r.token_ids_logprob for r in self.reqs]
                 if any(r.token_ids_logprob for r in self.reqs) else None
+            ),
+            lora_slots=(
+                [r.lora_slot for r in self.reqs] if any(r.lora_slot >= 0 for r in self.reqs)
+                else None
             ),
         )
         if is_extend and any(r.wants_input_logprobs for r in self.reqs):

@@ -46,6 +46,7 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from radixserve.managers.scheduler.grammar_queue import GrammarQueue
+from radixserve.managers.scheduler.lora_requests import LoRAControl
 from radixserve.managers.scheduler.memory_check import MemoryChecker, busy_check_enabled
 from radixserve.managers.scheduler.micro_batches import MicroBatches
 from radixserve.managers.scheduler.request_intake import RequestIntake
@@ -152,6 +153,7 @@ class Scheduler:
                 (OpenSessionReqInput, self.sessions.open),
                 (CloseSessionReqInput, lambda msg: self.sessions.close(msg.session_id)),
                 *self.control.handlers(),
+                *LoRAControl(self.tp_worker.model_runner.lora).handlers(),
             ]
         )
 

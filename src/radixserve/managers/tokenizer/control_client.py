@@ -37,6 +37,10 @@ def _unsuccessful(reply: Any) -> str | None:
     return None if reply.success else reply.message
 
 
+def _lora_refusal(reply: io_struct.LoRAUpdateOutput) -> str | None:
+    return None if reply.success else reply.error_message
+
+
 def _check_sleep(req: io_struct.SlowDownReqInput, timeout: float) -> None:
     """``slow_down``'s sleep is bounded by ``--watchdog-timeout`` (``timeout``): a longer one
     would only end the server (the watchdog) and outlast the reset's wait."""
@@ -91,6 +95,13 @@ CONTROL_CALLS: dict[type, ControlCall] = {
     io_struct.FreezeGCReq: ControlCall(io_struct.FreezeGCReqOutput),
     io_struct.GetLoadReqInput: ControlCall(io_struct.GetLoadReqOutput),
     io_struct.GetInspectorStateReq: ControlCall(io_struct.GetInspectorStateReqOutput),
+    # The caller reads a refused reply too: it carries the adapters loaded afterwards.
+    io_struct.LoadLoRAAdapterReqInput: ControlCall(
+        io_struct.LoRAUpdateOutput, _lora_refusal, raises=False
+    ),
+    io_struct.UnloadLoRAAdapterReqInput: ControlCall(
+        io_struct.LoRAUpdateOutput, _lora_refusal, raises=False
+    ),
 }
 _REPLY_TYPES = {call.reply for call in CONTROL_CALLS.values()}
 

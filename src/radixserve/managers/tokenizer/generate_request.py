@@ -10,9 +10,9 @@ and fills in defaults so that the ``TokenizerManager`` only ever sees lists of e
                                                     → text ["a", "b", "a", "b"] (SGLang's order),
                                                       one generation each, a batch reply
 
-Per-prompt fields (``rid``, ``sampling_params``, ``session_params`` and the logprob options) take
-one value for every prompt or a list with one per prompt. Values inside the sampling dicts are
-validated later by ``SamplingParams.from_dict``.
+Per-prompt fields (``rid``, ``sampling_params``, ``session_params``, ``lora_path`` and the
+logprob options) take one value for every prompt or a list with one per prompt. Values inside
+the sampling dicts are validated later by ``SamplingParams.from_dict``.
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ class GenerateReqInput:
     # Logprob entries carry the token's text: [logprob, id, text].
     return_text_in_logprobs: bool = False
     session_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
+    # The LoRA adapter by name (None: the base model); one for all prompts, or one per prompt.
+    lora_path: str | list[str | None] | None = None
     # False leaves the request out of metrics and request logs (health checks).
     log_metrics: bool = True
     # The data-parallel replica that runs every generation of the call (None: the policy's
@@ -155,6 +157,8 @@ class GenerateReqInput:
             raise ValueError("sampling_params of a single request must be a dict")
         if self.session_params is not None and not isinstance(self.session_params, dict):
             raise ValueError("session_params of a single request must be a dict")
+        if self.lora_path is not None and not isinstance(self.lora_path, str):
+            raise ValueError("lora_path of a single request must be an adapter's name")
         self.return_logprob = self._check_bool(self.return_logprob, "return_logprob")
         self.logprob_start_len = self._check_start(self.logprob_start_len)
         self.top_logprobs_num = self._check_count(self.top_logprobs_num)
@@ -170,6 +174,10 @@ class GenerateReqInput:
             self.session_params = self._per_prompt(self.session_params, "session_params", n)
             if not all(p is None or isinstance(p, dict) for p in self.session_params):
                 raise ValueError("every entry of session_params must be a dict")
+        if self.lora_path is not None:
+            self.lora_path = self._per_prompt(self.lora_path, "lora_path", n)
+            if not all(p is None or isinstance(p, str) for p in self.lora_path):
+                raise ValueError("every entry of lora_path must be an adapter's name or null")
         self.return_logprob = [
             self._check_bool(v, "return_logprob")
             for v in self._per_prompt(self.return_logprob, "return_logprob", n)
@@ -275,6 +283,7 @@ class GenerateReqInput:
             token_ids_logprob=self.token_ids_logprob[i],
             return_text_in_logprobs=self.return_text_in_logprobs,
             session_params=self.session_params[i] if self.session_params else None,
+            lora_path=self.lora_path[i] if self.lora_path else None,
             log_metrics=self.log_metrics,
             data_parallel_rank=self.data_parallel_rank,
         )

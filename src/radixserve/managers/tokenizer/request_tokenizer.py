@@ -7,7 +7,7 @@ sent, so each ``ValueError`` here fails the whole call with nothing running.
 
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import msgspec
@@ -38,6 +38,9 @@ class RequestTokenizer:
     max_completion_tokens: int
     max_top_logprobs_num: int
     dp_size: int
+    enable_lora: bool = False
+    # The LoRA adapters the scheduler holds, name → path (lora_client.py keeps it current).
+    lora_adapters: dict[str, str] = field(default_factory=dict)
 
     def embedding(self, obj: GenerateReqInput) -> TokenizedEmbeddingReqInput:
         """The scheduler message of one input to embed."""
@@ -92,6 +95,7 @@ class RequestTokenizer:
                 f"data_parallel_rank {rank} does not exist: --dp-size is "
                 f"{self.dp_size} (ranks 0 to {self.dp_size - 1})"
             )
+        self._check_lora(obj.lora_path)
         session_params = None
         if obj.session_params:
             try:
@@ -106,8 +110,20 @@ class RequestTokenizer:
             input_text=obj.text,
             session_params=session_params,
             data_parallel_rank=rank,
+            lora_path=obj.lora_path,
             **per_prompt_options(obj),
         )
+
+    def _check_lora(self, lora_path: str | None) -> None:
+        """An adapter the request names must be loaded (the scheduler checks again: it may be
+        unloaded meanwhile)."""
+        if lora_path is None:
+            return
+        if not self.enable_lora:
+            raise ValueError("lora_path needs a server started with --enable-lora")
+        if lora_path not in self.lora_adapters:
+            loaded = ", ".join(sorted(self.lora_adapters)) or "none"
+            raise ValueError(f"no LoRA adapter named {lora_path!r} is loaded (loaded: {loaded})")
 
     def _check_amplification(self, obj: GenerateReqInput, params: SamplingParams) -> None:
         """Bounds on what one generation may cost: ``--max-completion-tokens`` and

@@ -92,6 +92,8 @@ class TokenizerManager:
             max_completion_tokens=server_args.max_completion_tokens,
             max_top_logprobs_num=server_args.max_top_logprobs_num,
             dp_size=server_args.dp_size,
+            enable_lora=server_args.enable_lora,
+            lora_adapters=server_args.lora_path_map,
         )
         # Called (on the loop) once per finished request; e.g. the HTTP layer's Prometheus hook.
         self.on_request_finished = on_request_finished

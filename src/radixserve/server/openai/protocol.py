@@ -556,6 +556,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "radixserve"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model (SGLang's field)
     max_model_len: int
 
 

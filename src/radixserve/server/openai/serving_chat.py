@@ -67,7 +67,7 @@ _TEMPLATE_ARGUMENTS = frozenset({
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = get_ctx(request)
-    ctx.check_model(body.model)
+    lora = ctx.lora_of_model(body.model)
     admit(request, 1, body.n)
     plan = plan_tools(body, ctx.server_args.tool_call_parser, ctx.tokenizer)
     reasoning_parser = reasoning_parser_name(ctx, body)
@@ -77,6 +77,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     top_logprobs_num = (body.top_logprobs or 0) if body.logprobs else None
     inputs = body.generate_inputs([prompt_ids], ctx.context_len, top_logprobs_num, plan.sampling,
                                   max_completion_tokens=ctx.server_args.max_completion_tokens)
+    for obj in inputs:
+        obj.lora_path = lora
     constrained = any(k in GRAMMAR_FIELDS for k in inputs[0].sampling_params)
     parsers = [choice_parser(plan, reasoning_parser, prompt_text, constrained) for _ in inputs]
     reply = _ChatReply(ctx, body, ResponseIds.new("chatcmpl", ctx.model_name), parsers, echo)

@@ -37,13 +37,15 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     ctx = get_ctx(request)
-    ctx.check_model(body.model)
+    lora = ctx.lora_of_model(body.model)
     admit(request, num_prompts(body.prompt), body.n)
     prompts = await run_sized(request, _prompt_ids, ctx, body.prompt)  # off_loop.py
     prompt_logprobs = body.echo and body.logprobs is not None
     inputs = body.generate_inputs(prompts, ctx.context_len, body.logprobs,
                                   prompt_logprobs=prompt_logprobs,
                                   max_completion_tokens=ctx.server_args.max_completion_tokens)
+    for obj in inputs:
+        obj.lora_path = lora
     reply = _CompletionReply(ctx, body, ResponseIds.new("cmpl", ctx.model_name), len(inputs))
     return await reply.send(request, merged_choices(ctx.tokenizer_manager, inputs))
 

@@ -1,0 +1,120 @@
+"""The batched LoRA op: each row of a batch gets the delta of its own adapter, or none.
+
+For a linear layer with stacked adapter weights ``a [slots, R, in]`` and ``b [slots, out, R]``
+(one slot per loaded adapter, ranks zero-padded to ``R = --max-lora-rank``, scaling folded into
+``b``), row ``t`` with adapter slot ``s = token_slots[t]`` gets ``b[s] @ (a[s] @ x[t])``; a row
+with slot -1 (the base model) gets zeros. A fused layer (``qkv_proj``, ``gate_up_proj``) stacks
+its shards' A along the rank axis and places each shard's B block-diagonally, so one op serves
+it (``lora/memory_pool.py`` lays them out).
+
+``forward_native`` is the reference (a per-row gather of the weights, one einsum);
+``forward_cpu`` groups the rows by adapter (``LoRABatchInfo``, computed once per step for all
+layers): rows of one adapter take two dense matmuls; rows of several take two matmuls against
+the A and B of the adapters present side by side, each row masked to its own adapter's block
+(a few large ops instead of a pair per adapter: on CPU a small step's cost is mostly per op).
+The cost follows the adapters present, not the slots. They agree up to float rounding order.
+
+The weights may be held in another dtype than ``x`` (float32 on CPU, where torch's small bf16
+matmuls are several times slower than float32 ones): ``x`` is cast to the weights' dtype and
+the delta back to ``x``'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from radixserve.layers.custom_op import CustomOp
+
+
+@dataclass
+class LoRABatchInfo:
+    """Which adapter each row of this step's batch uses, built once per step.
+
+    ``token_slots``: ``[num_tokens]`` int64, the adapter slot of each row, -1 for the base model.
+    ``groups``: per adapter slot present, the rows using it: a ``slice`` when they are
+    contiguous (one request, or neighbours), else an index tensor."""
+
+    token_slots: torch.Tensor
+    groups: list[tuple[int, slice | torch.Tensor]]
+    # Rows of several adapters: the slots present, and per weight width W the [rows, P*W]
+    # 0/1 mask that keeps each row's own adapter's block (built on first use, per step).
+    present: torch.Tensor | None = None
+    _masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (width, dtype)
+        if key not in self._masks:
+            assert self.present is not None
+            own = self.token_slots.unsqueeze(1) == self.present.unsqueeze(0)  # [rows, P]
+            self._masks[key] = own.to(dtype).repeat_interleave(width, dim=1)
+        return self._masks[key]
+
+    @classmethod
+    def from_token_slots(cls, token_slots: torch.Tensor) -> LoRABatchInfo:
+        slots_cpu = token_slots.tolist()
+        rows: dict[int, list[int]] = {}
+        for i, slot in enumerate(slots_cpu):
+            if slot >= 0:
+                rows.setdefault(slot, []).append(i)
+        groups: list[tuple[int, slice | torch.Tensor]] = []
+        for slot, idx in rows.items():
+            if idx[-1] - idx[0] + 1 == len(idx):
+                groups.append((slot, slice(idx[0], idx[-1] + 1)))
+            else:
+                groups.append((slot, torch.tensor(idx, dtype=torch.int64,
+                                                  device=token_slots.device)))
+        present = None
+        if len(groups) > 1:
+            present = torch.tensor([slot for slot, _ in groups], dtype=torch.int64,
+                                   device=token_slots.device)
+        return cls(token_slots, groups, present)
+
+    @property
+    def any_adapter(self) -> bool:
+        return bool(self.groups)
+
+
+class LoRADelta(CustomOp):
+    """``delta[t] = b[s_t] @ a[s_t] @ x[t]`` for rows with an adapter, 0 for the others."""
+
+    cpu_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+
+    def forward_native(
+        self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo
+    ) -> torch.Tensor:
+        slots = info.token_slots
+        has = slots >= 0
+        safe = slots.clamp(min=0)
+        xa = torch.einsum("ti,tri->tr", x.to(a.dtype), a[safe])
+        delta = torch.einsum("tr,tor->to", xa, b[safe])
+        return (delta * has.unsqueeze(1).to(delta.dtype)).to(x.dtype)
+
+    def forward_cpu(
+        self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo
+    ) -> torch.Tensor:
+        dtype, x = x.dtype, x.to(a.dtype)
+        if info.present is not None:
+            return self._several_adapters(x, a, b, info).to(dtype)
+        out = x.new_zeros(x.shape[0], b.shape[1])
+        for slot, rows in info.groups:
+            if isinstance(rows, slice):
+                out[rows] = (x[rows] @ a[slot].T) @ b[slot].T
+            else:
+                out.index_copy_(0, rows, (x.index_select(0, rows) @ a[slot].T) @ b[slot].T)
+        return out.to(dtype)
+
+    @staticmethod
+    def _several_adapters(
+        x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo
+    ) -> torch.Tensor:
+        """Rows of several adapters in two matmuls: every row against the A of all adapters
+        present, masked to its own adapter's block, then against their B side by side (fewer,
+        larger ops than one pair per adapter: on CPU a step's cost is mostly per op)."""
+        assert info.present is not None
+        slots, width = len(info.present), a.shape[1]
+        a_p = a.index_select(0, info.present).reshape(slots * width, a.shape[2])
+        xa = (x @ a_p.T).mul_(info.mask(width, a.dtype))
+        b_p = b.index_select(0, info.present).permute(1, 0, 2).reshape(b.shape[1], -1)
+        return xa @ b_p.T

@@ -1,0 +1,223 @@
+"""The scheduler process's adapters: which are loaded, in which slot, and applying them.
+
+``LoRAManager`` is built by the model runner after the model's weights are packed. It
+
+- owns the ``LoRAMemoryPool`` (``--max-loras-per-batch`` slots at ``--max-lora-rank``): in this
+  build every loaded adapter holds a slot, so at most ``--max-loras-per-batch`` adapters are
+  loaded at once and any batch can mix all of them;
+- registers a forward hook on each adapted linear layer (``qkv_proj``, ``o_proj``,
+  ``gate_up_proj``, ``down_proj`` of every decoder layer of this rank) that adds the
+  ``LoRADelta`` of this step's batch. A hook, not a wrapper module, so parameter names stay the
+  checkpoint's (weight updates by name and the loader keep working);
+- turns a ``ForwardBatch``'s per-request slots into per-row slots once per step (``prepare``).
+
+Each load gets a new ``namespace`` (a positive int, never reused): the prefix cache keys a
+request's tokens by it, so KV computed under one adapter (or an earlier load of the same name)
+is never served to another.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from radixserve.forward_batch import ForwardBatch
+from radixserve.layers.custom_op import build_context
+from radixserve.layers.lora import LoRABatchInfo, LoRADelta
+from radixserve.lora.adapter import (
+    LORA_TARGET_MODULES,
+    LoRAAdapter,
+    LoRAAdapterError,
+    ModuleShapes,
+    load_adapter,
+    read_config,
+)
+from radixserve.lora.memory_pool import LoRAMemoryPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    """The server arguments LoRA reads (SGLang's names)."""
+
+    max_loras_per_batch: int = 8
+    max_lora_rank: int = 16
+    lora_target_modules: tuple[str, ...] = tuple(LORA_TARGET_MODULES)
+
+
+def resolve_settings(
+    max_loras_per_batch: int,
+    max_lora_rank: int | None,
+    lora_target_modules: list[str] | None,
+    initial: dict[str, str],
+) -> LoRASettings:
+    """The pool's shape: ``--max-lora-rank`` (default: the largest rank of the start-up
+    adapters, 16 without) and ``--lora-target-modules`` (default: those the start-up adapters
+    target, all without; ``all``: all)."""
+    configs = [read_config(path) for path in initial.values()]
+    rank = max_lora_rank or max((int(c.get("r") or 0) for c in configs), default=0) or 16
+    if lora_target_modules is None and configs:
+        wanted = set()
+        for config in configs:
+            targets = config.get("target_modules")
+            wanted |= set(LORA_TARGET_MODULES if targets == "all-linear" else targets or ())
+        targets_out = tuple(m for m in LORA_TARGET_MODULES if m in wanted)
+    elif lora_target_modules is None or "all" in lora_target_modules:
+        targets_out = tuple(LORA_TARGET_MODULES)
+    else:
+        targets_out = tuple(m for m in LORA_TARGET_MODULES if m in lora_target_modules)
+    return LoRASettings(max_loras_per_batch, rank, targets_out)
+
+
+@dataclass(frozen=True)
+class LoadedAdapter:
+    adapter: LoRAAdapter
+    slot: int
+    namespace: int
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        model_config: Any,
+        layers: range,
+        settings: LoRASettings,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        """``layers``: the decoder layers this rank holds. The pool is allocated here, before
+        the model (the KV plan counts it); ``attach`` hooks it into a loaded model."""
+        self.settings = settings
+        self.shapes = ModuleShapes.from_config(model_config)
+        # float32 on CPU: torch's small half-precision matmuls are several times slower there
+        pool_dtype = torch.float32 if device.type == "cpu" else dtype
+        self.pool = LoRAMemoryPool(
+            self.shapes, layers, settings.max_loras_per_batch, settings.max_lora_rank,
+            settings.lora_target_modules, device, pool_dtype,
+        )
+        self.loaded: dict[str, LoadedAdapter] = {}
+        self._namespaces = itertools.count(1)
+        self.info: LoRABatchInfo | None = None
+        self.device = device
+        with build_context(device, dtype):  # the op picks its implementation for this pair
+            self.op = LoRADelta()
+        logger.info(
+            "LoRA pool: %d slots, rank %d, %s: %.4g MiB",
+            settings.max_loras_per_batch, settings.max_lora_rank,
+            ",".join(settings.lora_target_modules), self.pool.nbytes() / 2**20,
+        )
+
+    def attach(self, model: nn.Module) -> None:
+        """Hook every adapted linear layer of ``model`` (at start, and again for the model that
+        a weight update or a memory resume loads)."""
+        for (layer, fused), buf in self.pool.buffers.items():
+            prefix = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
+            name = f"model.layers.{layer}.{prefix}.{fused}"
+            try:
+                module = model.get_submodule(name)
+            except AttributeError as e:
+                raise ValueError(
+                    f"{type(model).__name__} has no {name}: this model does not support LoRA"
+                ) from e
+            module.register_forward_hook(self._hook(buf.a, buf.b))
+
+    def _hook(self, a: torch.Tensor, b: torch.Tensor) -> Callable[..., Any]:
+        def add_delta(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> Any:
+            info = self.info
+            if info is None or not info.any_adapter:
+                return None  # keep the base layer's output
+            return out.add_(self.op(args[0], a, b, info))
+
+        return add_delta
+
+    # ------------------------------------------------------------------ adapters
+    def load(self, name: str, path: str) -> LoadedAdapter:
+        """Read, check and place the adapter at ``path`` under ``name``; a refusal raises
+        ``LoRAAdapterError`` (``ValueError``) and changes nothing."""
+        if name in self.loaded:
+            raise LoRAAdapterError(f"a LoRA adapter named {name!r} is already loaded")
+        if not name or ":" in name:
+            raise LoRAAdapterError(f"LoRA adapter name {name!r} must be non-empty, without ':'")
+        used = {entry.slot for entry in self.loaded.values()}
+        free = [s for s in range(self.pool.slots) if s not in used]
+        if not free:
+            raise LoRAAdapterError(
+                f"all {self.pool.slots} LoRA slots (--max-loras-per-batch) hold adapters "
+                f"({', '.join(sorted(self.loaded))}); unload one first"
+            )
+        adapter = load_adapter(
+            name, path, self.shapes, self.settings.max_lora_rank,
+            self.settings.lora_target_modules,
+        )
+        self.pool.write(free[0], adapter)
+        entry = LoadedAdapter(adapter, free[0], next(self._namespaces))
+        self.loaded[name] = entry
+        return entry
+
+    def unload(self, name: str) -> None:
+        entry = self.loaded.pop(name, None)
+        if entry is None:
+            raise LoRAAdapterError(f"no LoRA adapter named {name!r} is loaded")
+        self.pool.clear(entry.slot)
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [
+            {"name": name, "path": e.adapter.path, "rank": e.adapter.rank, "slot": e.slot}
+            for name, e in sorted(self.loaded.items())
+        ]
+
+    # ------------------------------------------------------------------ per step
+    def prepare(self, forward_batch: ForwardBatch) -> None:
+        """Set the rows' adapter slots for the step about to run."""
+        slots = forward_batch.lora_slots
+        if slots is None or all(s < 0 for s in slots):
+            self.info = None
+            return
+        per_req = torch.tensor(slots, dtype=torch.int64)
+        if forward_batch.forward_mode.is_extend:
+            assert forward_batch.extend_seq_lens_cpu is not None
+            counts = torch.tensor(forward_batch.extend_seq_lens_cpu, dtype=torch.int64)
+            per_row = per_req.repeat_interleave(counts)
+        else:
+            per_row = per_req
+        self.info = LoRABatchInfo.from_token_slots(per_row.to(self.device))
+
+
+def create_lora_manager(
+    settings: Any, model_config: Any, device: torch.device, parallel: Any
+) -> LoRAManager | None:
+    """The runner's manager when ``settings.enable_lora`` (a ``RunnerSettings``), else None."""
+    if not settings.enable_lora:
+        return None
+    if parallel.info.tp_size > 1:
+        raise ValueError("LoRA does not combine with tensor parallelism yet")
+    initial = _path_map(settings.lora_paths)
+    lora_settings = resolve_settings(
+        settings.max_loras_per_batch, settings.max_lora_rank, settings.lora_target_modules,
+        initial,
+    )
+    layers = parallel.info.stage_layers(model_config.num_hidden_layers)
+    return LoRAManager(model_config, layers, lora_settings, device, model_config.torch_dtype)
+
+
+def load_initial_adapters(manager: LoRAManager, lora_paths: list[str] | None) -> None:
+    """Load ``--lora-paths`` at start; a bad folder fails the start with its reason."""
+    for name, path in _path_map(lora_paths).items():
+        entry = manager.load(name, path)
+        logger.info("LoRA adapter %s (rank %d) from %s in slot %d", name,
+                    entry.adapter.rank, path, entry.slot)
+
+
+def _path_map(lora_paths: list[str] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for entry in lora_paths or ():
+        name, sep, path = entry.partition("=")
+        out[name if sep else entry] = path if sep else entry
+    return out
