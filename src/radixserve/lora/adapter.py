@@ -24,14 +24,13 @@ from typing import Any
 
 import torch
 
-# Hugging Face module name → (our fused module, shard of it); the Llama family's names.
+from radixserve.model_executor.models.llama import LlamaForCausalLM
+
+# Hugging Face module name → (our fused module, shard of it): the Llama family's fused modules
+# (the model's own mapping, which its weight loader uses too) and the two unfused ones.
 LORA_TARGET_MODULES: dict[str, tuple[str, str | int]] = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
+    **LlamaForCausalLM.packed_modules_mapping,
     "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
 }
 CONFIG_FILE = "adapter_config.json"

@@ -132,8 +132,12 @@ class NormalLoop(SchedulerLoop):
         batch = scheduler.get_next_batch_to_run()
         if batch is None:
             return scheduler.on_idle()
-        result = scheduler.run_batch(batch)
+        result = self.forward(batch)
         assert result is not None, "without pipelining every rank has the step's outcome"
         scheduler.process_batch_result(batch, result)
         scheduler.check_busy_invariant()
         return True
+
+    def forward(self, batch: ScheduleBatch) -> Any:
+        """The model step of ``batch`` (a loop that runs some steps otherwise overrides it)."""
+        return self.scheduler.run_batch(batch)

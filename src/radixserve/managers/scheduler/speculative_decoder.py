@@ -111,23 +111,16 @@ def may_speculate(req: Req) -> bool:
     )
 
 
+@dataclass(eq=False)
 class SpeculativeDecoder:
     """Drafts a prepared decode batch and runs the target's verify forward over it."""
 
-    def __init__(
-        self,
-        tp_worker: TpModelWorker,
-        proposer: NgramProposer,
-        num_draft_tokens: int,
-        max_batch_size: int,
-        context_len: int,
-    ) -> None:
-        self.tp_worker = tp_worker
-        self.proposer = proposer
-        self.num_draft_tokens = num_draft_tokens
-        self.max_batch_size = max_batch_size
-        self.context_len = context_len
-        self.stats = SpeculativeStats()
+    tp_worker: TpModelWorker
+    proposer: NgramProposer
+    num_draft_tokens: int  # --speculative-num-draft-tokens
+    max_batch_size: int  # --speculative-max-batch-size: larger batches decode plainly
+    context_len: int
+    stats: SpeculativeStats = field(default_factory=SpeculativeStats)
 
     def eligible(self, batch: ScheduleBatch) -> bool:
         return (
@@ -304,23 +297,13 @@ class SpeculativeLoop(NormalLoop):
     def summary(self) -> dict[str, Any]:
         return self.decoder.stats.summary()
 
-    def run_step(self) -> bool:
-        scheduler = self.scheduler
-        if scheduler.skip_step_paused():
-            return False
-        scheduler.begin_step()
-        batch = scheduler.get_next_batch_to_run()
-        if batch is None:
-            return scheduler.on_idle()
-        result: Any = None
+    def forward(self, batch: ScheduleBatch) -> Any:
+        """A verify step where the batch is eligible and drafts were proposed, else the plain
+        model step."""
         if self.decoder.eligible(batch):
-            scheduler.note_launch()
+            self.scheduler.note_launch()
             result = self.decoder.verify(batch)
             if result is not None:
-                scheduler.model_step_done()
-        if result is None:
-            result = scheduler.run_batch(batch)
-        assert result is not None, "without pipelining every rank has the step's outcome"
-        scheduler.process_batch_result(batch, result)
-        scheduler.check_busy_invariant()
-        return True
+                self.scheduler.model_step_done()
+                return result
+        return self.scheduler.run_batch(batch)
