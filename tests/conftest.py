@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.checkpoints import ARCHITECTURES, build_checkpoint
+# Without a GPU the Triton kernels' tests run in Triton's interpreter. Triton reads
+# TRITON_INTERPRET when it is first imported (its own library's @triton.jit functions, tl.cdiv
+# say, are built then), and other test modules import it at collection (through transformers'
+# or xgrammar's imports): set here, before any of them, or an interpreted kernel meets a
+# compiled library function ("Cannot call @triton.jit'd outside of the scope of a kernel").
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.checkpoints import ARCHITECTURES, build_checkpoint  # noqa: E402
 
 torch.set_num_threads(2)
 
