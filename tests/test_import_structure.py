@@ -83,13 +83,14 @@ def _resolve(name: str) -> str | None:
     return name or None
 
 
-def _imports(module: str) -> set[str]:
+def _import_statements(module: str):
+    """Each import of ``module`` as ``(node, base)``: ``base`` is the absolute module a
+    ``from ... import`` names (relative imports resolved), None for a plain ``import``."""
     path, is_package = MODULES[module]
     here = module if is_package else module.rpartition(".")[0]
-    found: set[str | None] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found.update(_resolve(a.name) for a in node.names if a.name.startswith(PACKAGE))
+            yield node, None
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -97,8 +98,15 @@ def _imports(module: str) -> set[str]:
                 for _ in range(node.level - 1):
                     anchor = anchor.rpartition(".")[0]
                 base = f"{anchor}.{base}" if base else anchor
-            if base != PACKAGE and not base.startswith(PACKAGE + "."):
-                continue
+            yield node, base
+
+
+def _imports(module: str) -> set[str]:
+    found: set[str | None] = set()
+    for node, base in _import_statements(module):
+        if base is None:
+            found.update(_resolve(a.name) for a in node.names if a.name.startswith(PACKAGE))
+        elif base == PACKAGE or base.startswith(PACKAGE + "."):
             for alias in node.names:  # ``from pkg import submodule`` imports the submodule
                 full = f"{base}.{alias.name}"
                 found.add(full if full in MODULES else _resolve(base))
@@ -113,22 +121,9 @@ GRAPH = {module: _imports(module) for module in MODULES}
 def _missing(module: str) -> list[str]:
     """The modules of ours that ``module`` imports by a name that is not a module of ours (a
     file moved away, its importer not updated: it would fail only when that import runs)."""
-    path, is_package = MODULES[module]
-    here = module if is_package else module.rpartition(".")[0]
     missing = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = here
-                for _ in range(node.level - 1):
-                    anchor = anchor.rpartition(".")[0]
-                base = f"{anchor}.{base}" if base else anchor
-            names = [base]
-        else:
-            continue
+    for node, base in _import_statements(module):
+        names = [a.name for a in node.names] if base is None else [base]
         missing += [n for n in names if n.split(".")[0] == PACKAGE and n not in MODULES]
     return missing
 
