@@ -4,9 +4,6 @@ token for token, with chunked prefill and a radix-cache hit."""
 
 from __future__ import annotations
 
-import os
-
-import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -14,18 +11,8 @@ from radixserve import Engine
 from tests.engine.conftest import ENGINE_KWARGS
 
 
-@pytest.fixture(scope="module")
-def interpreter_env():
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    if old is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = old
-
-
-def test_triton_engine_greedy_equals_transformers(llama_path, interpreter_env):
+def test_triton_engine_greedy_equals_transformers(llama_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the spawned scheduler inherits it
     prompts = [[5, 9, 31, 200, 17, 8, 44, 3, 70, 12, 99, 6, 41], [5, 9, 31, 200, 17, 8, 44, 7]]
     params = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
     kwargs = {**ENGINE_KWARGS, "max_total_tokens": 512, "max_running_requests": 4}
