@@ -20,13 +20,7 @@ import torch
 import zmq
 
 from radixserve.distributed import ParallelState, RankInfo, init_parallel_state
-from radixserve.managers import ipc
-from radixserve.managers.child_process import (
-    install_exit_handlers,
-    on_sigterm,
-    report_failure,
-    report_ready,
-)
+from radixserve.managers import child_process, ipc
 from radixserve.managers.scheduler.request_receiver import RequestReceiver
 from radixserve.managers.scheduler.scheduler_builder import build_scheduler
 from radixserve.model_config import resolve_device
@@ -88,7 +82,7 @@ def run_scheduler_process(
         level=server_args.log_level.upper(),
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
     )
-    install_exit_handlers()
+    child_process.install_exit_handlers()
     torch.set_num_threads(scheduler_threads(server_args.processes_per_node))
     random.seed(server_args.random_seed)
     torch.manual_seed(server_args.random_seed)
@@ -123,13 +117,13 @@ def run_scheduler_process(
             )
         except Exception as e:
             logger.exception("scheduler failed to start")
-            report_failure(ready_conn, e)
+            child_process.report_failure(ready_conn, e)
             raise SystemExit(1) from e
         if server_args.session_store is not None:
             # Sessions are written to the store before the process ends (one rank only:
             # ServerArgs refuses a store with parallel ranks).
-            on_sigterm(scheduler.request_stop)
-        report_ready(ready_conn, scheduler.ready_info())
+            child_process.on_sigterm(scheduler.request_stop)
+        child_process.report_ready(ready_conn, scheduler.ready_info())
         logger.info("scheduler ready: %s", scheduler.ready_info())
         receiver = RequestReceiver(parallel, recv, scheduler.sessions.expired_ids)
         scheduler.receiver = receiver
