@@ -54,6 +54,18 @@ class SampleOutput:
     token_ids_logprobs: list[list[float] | None] | None = None
     input_logprobs: list[InputLogprobs] | None = None  # per request (EXTEND with input logprobs)
 
+    def to_host(self) -> tuple[list[int], list[float] | None]:
+        """The next token ids, and the chosen tokens' logprobs when they were asked for, as
+        Python lists, in one device-to-host copy: on a GPU each copy waits for the step, so a
+        second one for the logprobs would be a second synchronisation. float64 holds every token
+        id exactly and every float32 logprob as it is."""
+        if self.logprobs is None:
+            return self.next_token_ids.tolist(), None
+        ids, logprobs = torch.stack(
+            (self.next_token_ids.to(torch.float64), self.logprobs.to(torch.float64))
+        ).tolist()
+        return [int(token) for token in ids], logprobs
+
 
 class GreedyArgmax(CustomOp):
     """``logits.argmax(dim=-1)``: the first maximum of each row, NaN counting as the maximum.
@@ -78,6 +90,45 @@ class GreedyArgmax(CustomOp):
 
     def forward_cpu(self, logits: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.argmax(logits)
+
+    def forward_cuda(self, logits: torch.Tensor) -> torch.Tensor:
+        from radixserve.layers import triton_sampling
+
+        return triton_sampling.argmax(logits)
+
+
+class TemperatureSample(CustomOp):
+    """One token per row from ``softmax(logits / temperature)``, tokens below ``min_p`` times the
+    row's most likely one removed, drawn at the given uniforms: the sampler's path for batches
+    that filter by neither top_k nor top_p (those sort, and keep the native path everywhere).
+
+    Native: softmax, the min_p filter, and the float64 inverse-CDF search (``_invert_cdf``).
+    CUDA: one Triton kernel (``layers/triton_sampling.py``) in place of about ten launches; it
+    sums in float32, so a uniform within rounding of a boundary may take the neighbouring token.
+    """
+
+    def forward_native(
+        self,
+        logits: torch.Tensor,
+        temperatures: torch.Tensor,
+        min_ps: torch.Tensor | None,
+        uniforms: torch.Tensor,
+    ) -> torch.Tensor:
+        probs = torch.softmax(logits / temperatures, dim=-1)
+        if min_ps is not None:
+            probs = _filter_min_p(probs, min_ps)
+        return _invert_cdf(probs, uniforms)
+
+    def forward_cuda(
+        self,
+        logits: torch.Tensor,
+        temperatures: torch.Tensor,
+        min_ps: torch.Tensor | None,
+        uniforms: torch.Tensor,
+    ) -> torch.Tensor:
+        from radixserve.layers import triton_sampling
+
+        return triton_sampling.temperature_sample(logits, temperatures, min_ps, uniforms)
 
 
 class TokenBitmask(CustomOp):
@@ -106,6 +157,7 @@ class Sampler:
     def __init__(self) -> None:
         self.greedy_argmax = GreedyArgmax()
         self.token_bitmask = TokenBitmask()
+        self.temperature_sample = TemperatureSample()
 
     def __call__(
         self,
@@ -135,7 +187,7 @@ class Sampler:
         else:
             greedy = self.greedy_argmax(processed)
             next_token_ids = torch.where(
-                sampling_info.top_ks == 1, greedy, _sample(processed, sampling_info)
+                sampling_info.top_ks == 1, greedy, self._sample(processed, sampling_info)
             )
 
         if not return_logprob:
@@ -148,16 +200,16 @@ class Sampler:
             by_id = _token_ids_logprobs(logprobs, token_ids_logprobs, [1] * len(token_ids_logprobs))
         return SampleOutput(next_token_ids, chosen, top, by_id)
 
-
-def _sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    probs = torch.softmax(logits / info.temperatures, dim=-1)
-    if info.need_top_p_top_k:
+    def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        uniforms = _uniforms(info, logits.device)
+        if not info.need_top_p_top_k:
+            min_ps = info.min_ps if info.need_min_p else None
+            return self.temperature_sample(logits, info.temperatures, min_ps, uniforms)
+        probs = torch.softmax(logits / info.temperatures, dim=-1)
         probs = _filter_top_k_top_p(probs, info.top_ks, info.top_ps)
-    if info.need_min_p:
-        probs = _filter_min_p(probs, info.min_ps)
-
-    uniforms = _uniforms(info, probs.device)
-    return _invert_cdf(probs, uniforms)
+        if info.need_min_p:
+            probs = _filter_min_p(probs, info.min_ps)
+        return _invert_cdf(probs, uniforms)
 
 
 def _uniforms(info: SamplingBatchInfo, device: torch.device) -> torch.Tensor:

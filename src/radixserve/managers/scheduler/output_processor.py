@@ -119,10 +119,7 @@ class OutputProcessor:
 
     def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
         """``result`` is the runner's ``SampleOutput`` for ``batch``."""
-        next_ids: list[int] = result.next_token_ids.tolist()
-        logprobs: list[float] | None = (
-            result.logprobs.tolist() if result.logprobs is not None else None
-        )
+        next_ids, logprobs = result.to_host()
         is_extend = batch.forward_mode.is_extend
         reports: list[Req] = []
         for i, req in enumerate(batch.reqs):

@@ -102,10 +102,11 @@ class PipelineLoop(SchedulerLoop):
 
 def _encode(result: SampleOutput) -> bytes:
     inputs = result.input_logprobs
+    next_token_ids, logprobs = result.to_host()
     return io_struct.encode(
         StageResult(
-            next_token_ids=result.next_token_ids.tolist(),
-            logprobs=result.logprobs.tolist() if result.logprobs is not None else None,
+            next_token_ids=next_token_ids,
+            logprobs=logprobs,
             top_logprobs=result.top_logprobs,
             token_ids_logprobs=result.token_ids_logprobs,
             input_logprobs=(

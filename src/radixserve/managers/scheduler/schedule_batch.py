@@ -359,10 +359,15 @@ class ScheduleBatch:
         return out
 
     def _last_locs(self, rows: list[int], lens: list[int]) -> list[int]:
-        """KV slot of each request's last token already in its row (-1 when none)."""
+        """KV slot of each request's last token already in its row (-1 when none).
+
+        Only a paged allocator reads them (to continue a partly filled page); with page size 1
+        nothing does, and reading the device's table would cost a GPU step a synchronisation."""
+        out = [-1] * len(lens)
+        if self.resources.allocator.page_size == 1:
+            return out
         table = self.resources.req_to_token_pool.req_to_token
         idx = [i for i, n in enumerate(lens) if n > 0]
-        out = [-1] * len(lens)
         if idx:
             locs = table[[rows[i] for i in idx], [lens[i] - 1 for i in idx]].tolist()
             for i, loc in zip(idx, locs, strict=True):
