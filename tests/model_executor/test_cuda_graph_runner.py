@@ -16,6 +16,7 @@ from radixserve.model_executor.cuda_graph_runner import (
     PAD_SEQ_LEN,
     CudaGraphRunner,
     capture_batch_sizes,
+    graph_memory_bytes,
 )
 from radixserve.server_args import ServerArgs
 from tests.model_executor.harness import ManualSlots, hf_logits, make_runner
@@ -127,3 +128,39 @@ def test_runner_replays_decode_and_recaptures_after_memory_and_weight_changes(ll
     before = runner.graph_runner
     runner.update_weights_from_disk(str(llama_path), None)
     assert runner.graph_runner is not None and runner.graph_runner is not before
+
+
+def test_graph_memory_comes_out_of_the_kv_budget(llama_path, monkeypatch):
+    """Where graphs are planned, the KV pool is sized after taking their expected memory out of
+    the budget: the pool shrinks by that many bytes' worth of tokens (the free memory is fixed
+    here so that both runners plan against the same figure)."""
+    from radixserve.model_executor import model_runner as runner_module
+
+    monkeypatch.setattr(runner_module, "available_memory_bytes", lambda device: 1 << 30)
+    plain = make_runner(llama_path, max_total_tokens=None, mem_fraction_static=0.5)
+    assert plain.graph_reserved_bytes == 0
+    monkeypatch.setattr(
+        runner_module.ModelRunner, "_cuda_graph_batch_sizes", lambda self, settings, bs: [1, 2, 4]
+    )
+    graphed = make_runner(llama_path, max_total_tokens=None, mem_fraction_static=0.5)
+    cfg = graphed.model_config
+    reserved = graph_memory_bytes(
+        [1, 2, 4], cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
+        cfg.num_attention_heads, graphed.num_kv_heads, cfg.head_dim, graphed.dtype,
+    )
+    assert graphed.graph_reserved_bytes == reserved
+    per_token = graphed.token_to_kv_pool.bytes_per_token(
+        graphed.num_kv_heads, cfg.head_dim, graphed.num_layers, graphed.dtype
+    )
+    fewer = plain.max_total_num_tokens - graphed.max_total_num_tokens
+    assert abs(fewer - reserved / per_token) <= graphed.page_size + 1
+
+
+def test_graph_memory_estimate_grows_with_the_largest_batch_and_the_vocabulary():
+    shape = {"hidden_size": 896, "intermediate_size": 4864, "num_heads": 14,
+             "num_kv_heads": 2, "head_dim": 64, "dtype": torch.bfloat16}
+    small = graph_memory_bytes([1, 2, 4], vocab_size=151936, **shape)
+    assert graph_memory_bytes([1, 2, 4, 64], vocab_size=151936, **shape) > 10 * small // 2
+    assert graph_memory_bytes([1, 2, 4], vocab_size=32000, **shape) < small
+    # the logits of the largest batch alone (bf16) are in it
+    assert small > 4 * 151936 * 2

@@ -53,6 +53,41 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
     return sizes
 
 
+# The triton backend's decode splits each request's KV into this many parts, each keeping a
+# float32 partial output and log-sum-exp per query head (layers/attention/triton_kernels.py).
+_DECODE_KV_SPLITS = 8
+# What the graphs' memory pool may hold beyond one step's live tensors (the caching allocator's
+# blocks are rounded up and not all reused across the captured sizes), and each graph's own
+# bookkeeping. Estimates: the runner logs the measured figure next to this one.
+_POOL_SLACK = 2
+_PER_GRAPH_BYTES = 1 << 20
+
+
+def graph_memory_bytes(
+    batch_sizes: list[int],
+    hidden_size: int,
+    intermediate_size: int,
+    vocab_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> int:
+    """The device memory the decode graphs of ``batch_sizes`` are expected to keep, counted in
+    the KV budget before the pool is sized (the issue's "the memory it takes is counted in the
+    pool's budget"): captures share one memory pool, largest first, so it holds about one layer's
+    temporaries of the largest batch (the residual and normed activations, q/k/v, the MLP's
+    gate-up and product, attention's split-KV partials) plus its logits."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_row = itemsize * (
+        4 * hidden_size
+        + (num_heads + 2 * num_kv_heads) * head_dim
+        + 3 * intermediate_size
+        + vocab_size
+    ) + 4 * num_heads * (head_dim + 1) * _DECODE_KV_SPLITS
+    return max(batch_sizes) * per_row * _POOL_SLACK + len(batch_sizes) * _PER_GRAPH_BYTES
+
+
 @dataclass
 class _Graph:
     """One captured batch size: the batch over the static buffers it was captured with, the

@@ -40,7 +40,11 @@ from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_config import ModelConfig, resolve_device
-from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
+from radixserve.model_executor.cuda_graph_runner import (
+    CudaGraphRunner,
+    capture_batch_sizes,
+    graph_memory_bytes,
+)
 from radixserve.model_executor.model_loader import (
     checkpoint_weight_bytes,
     load_model,
@@ -121,6 +125,19 @@ class ModelRunner:
         self.num_layers = len(info.stage_layers(model_config.num_hidden_layers))
 
         self.lora = create_lora_manager(settings, model_config, self.device, self.parallel)
+        if not model_config.is_encoder:
+            self.attention_backend = settings.attention_backend or default_attention_backend(
+                self.device, self.dtype, model_config.head_dim
+            )
+        # The graphs are sized before the KV pool: their memory comes out of its budget.
+        planned_graphs = self._cuda_graph_batch_sizes(
+            settings, settings.max_running_requests or _DEFAULT_MAX_RUNNING_REQUESTS
+        )
+        self.graph_reserved_bytes = 0 if planned_graphs is None else graph_memory_bytes(
+            planned_graphs, model_config.hidden_size, model_config.intermediate_size,
+            model_config.vocab_size, model_config.num_attention_heads,
+            self.num_kv_heads, model_config.head_dim, self.dtype,
+        )
         self.max_total_num_tokens = self._plan_kv_tokens(settings)
         self.max_running_requests = settings.max_running_requests or min(
             _DEFAULT_MAX_RUNNING_REQUESTS, self.max_total_num_tokens
@@ -136,9 +153,6 @@ class ModelRunner:
         self.attn_backend = None
         if not model_config.is_encoder:
             self.token_to_kv_pool = self._create_kv_pool()
-            self.attention_backend = settings.attention_backend or default_attention_backend(
-                self.device, self.dtype, model_config.head_dim
-            )
             self.attn_backend = create_attention_backend(
                 self.attention_backend,
                 self.req_to_token_pool,
@@ -150,11 +164,15 @@ class ModelRunner:
         self.released: set[str] = set()  # memory given back by release_memory (MEMORY_TAGS)
         if self.lora is not None:
             load_initial_adapters(self.lora, settings.lora_paths)
-        self.cuda_graph_batch_sizes = self._cuda_graph_batch_sizes(settings)
+        self.cuda_graph_batch_sizes = self._cuda_graph_batch_sizes(
+            settings, self.max_running_requests
+        )
         self.graph_runner: CudaGraphRunner | None = None
         self._capture_cuda_graphs()
 
-    def _cuda_graph_batch_sizes(self, settings: RunnerSettings) -> list[int] | None:
+    def _cuda_graph_batch_sizes(
+        self, settings: RunnerSettings, max_running_requests: int
+    ) -> list[int] | None:
         """The decode batch sizes to capture, or None where this runner uses no CUDA graphs
         (chosen once, here: CUDA, not disabled, the triton backend, one rank, a decoder)."""
         if self.device.type != "cuda" or settings.disable_cuda_graph:
@@ -172,8 +190,7 @@ class ModelRunner:
             logger.info("CUDA graphs off: %s", reason)
             return None
         return capture_batch_sizes(
-            min(settings.cuda_graph_max_bs or self.max_running_requests,
-                self.max_running_requests)
+            min(settings.cuda_graph_max_bs or max_running_requests, max_running_requests)
         )
 
     @torch.inference_mode()
@@ -189,11 +206,18 @@ class ModelRunner:
         runner.capture()
         self.graph_runner = runner
         if on_cuda:
+            taken = torch.cuda.memory_reserved(self.device) - before
             logger.info(
-                "CUDA graphs captured for decode batch sizes %s (%.3g GiB)",
-                self.cuda_graph_batch_sizes,
-                (torch.cuda.memory_reserved(self.device) - before) / _GIB,
+                "CUDA graphs captured for decode batch sizes %s: %.3g GiB (%.3g GiB reserved "
+                "for them in the KV budget)",
+                self.cuda_graph_batch_sizes, taken / _GIB, self.graph_reserved_bytes / _GIB,
             )
+            if taken > self.graph_reserved_bytes:
+                logger.warning(
+                    "the CUDA graphs took %.3g GiB more than the KV budget reserved for them; "
+                    "lower --mem-fraction-static if later steps run out of memory",
+                    (taken - self.graph_reserved_bytes) / _GIB,
+                )
 
     def _decode_forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """One eager step: what a CUDA graph records."""
@@ -230,7 +254,8 @@ class ModelRunner:
 
         ``max_total_tokens`` wins when set; otherwise ``mem_fraction_static`` (default 0.3 on
         CPU, 0.85 on CUDA) of the memory left after the weights (and the kernels' packed copies
-        of them), divided by one token's KV bytes on this rank. On a CPU the ranks and replicas
+        of them), less what the CUDA graphs are expected to keep, divided by one token's KV
+        bytes on this rank. On a CPU the ranks and replicas
         of a machine share its memory (``settings.processes_per_node``); each plans with its
         share.
         """
@@ -249,6 +274,7 @@ class ModelRunner:
             )
             weight_bytes += self.lora.pool.nbytes() if self.lora is not None else 0
             budget = (available_memory_bytes(self.device) - weight_bytes) * fraction / sharing
+            budget -= self.graph_reserved_bytes
             per_token = MHATokenToKVPool.bytes_per_token(
                 self.num_kv_heads, cfg.head_dim, self.num_layers, self.dtype
             )
