@@ -120,3 +120,15 @@ def test_sampling_kernels_match_native(dtype):
 
 def tol_kw(tol: float) -> dict[str, float]:
     return {"atol": tol, "rtol": tol}
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the pinned copy is CUDA's")
+def test_sample_output_copies_to_pinned_memory_behind_the_step():
+    from radixserve.layers.sampler import SampleOutput
+
+    ids = torch.randint(0, 151936, (64,), device=DEVICE)
+    logprobs = -torch.rand(64, device=DEVICE)
+    out = SampleOutput(ids, logprobs)
+    out.start_host_copy()
+    assert out._host is not None and out._host.is_pinned()
+    assert out.to_host() == (ids.tolist(), logprobs.tolist())

@@ -250,3 +250,18 @@ def test_all_minus_inf_logits_and_empty_batches_do_not_crash():
 
     empty = sample(torch.empty(0, vocab), make_info([], vocab), True, [])
     assert empty.next_token_ids.shape == (0,) and empty.top_logprobs == []
+
+
+def test_sample_output_reaches_the_host_in_one_piece():
+    """``to_host`` gives the ids and the chosen logprobs exactly as ``tolist`` of each would
+    (float64 carries both), with and without logprobs; on CPU there is nothing to copy ahead."""
+    from radixserve.layers.sampler import SampleOutput
+
+    ids = torch.tensor([0, 5, 151935, 2**31 + 7])
+    logprobs = torch.tensor([-0.0, -1e-8, -3.4028235e38, -12.345678], dtype=torch.float32)
+    out = SampleOutput(ids, logprobs)
+    out.start_host_copy()
+    got_ids, got_logprobs = out.to_host()
+    assert got_ids == ids.tolist() and all(type(t) is int for t in got_ids)
+    assert got_logprobs == logprobs.tolist()
+    assert SampleOutput(ids).to_host() == (ids.tolist(), None)

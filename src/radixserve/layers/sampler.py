@@ -25,7 +25,8 @@ positions (``ForwardBatch`` explains their layout).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -54,16 +55,47 @@ class SampleOutput:
     token_ids_logprobs: list[list[float] | None] | None = None
     input_logprobs: list[InputLogprobs] | None = None  # per request (EXTEND with input logprobs)
 
+    # On a GPU: the pinned host buffer ``start_host_copy`` fills, and the event that says it is.
+    _host: torch.Tensor | None = field(default=None, repr=False)
+    _copied: Any = field(default=None, repr=False)
+
+    def _packed(self) -> torch.Tensor:
+        """The ids, with the chosen logprobs as a second row when they were asked for: float64
+        holds every token id exactly and every float32 logprob as it is."""
+        if self.logprobs is None:
+            return self.next_token_ids
+        return torch.stack(
+            (self.next_token_ids.to(torch.float64), self.logprobs.to(torch.float64))
+        )
+
+    def start_host_copy(self) -> None:
+        """On a GPU, queue the step's one device-to-host copy (the next tokens and the logprobs
+        asked for) into pinned memory right behind the sampling, and record when it lands.
+
+        ``to_host`` then waits for that event alone. A plain ``.tolist()`` waits for the whole
+        stream instead: under the overlap schedule, where the next step is already queued behind
+        this one when the scheduler reads these tokens, it would wait for that step too. No-op
+        on CPU, where the tensors already are host memory."""
+        if self.next_token_ids.device.type != "cuda":
+            return
+        packed = self._packed()
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._host, self._copied = host, copied
+
     def to_host(self) -> tuple[list[int], list[float] | None]:
         """The next token ids, and the chosen tokens' logprobs when they were asked for, as
-        Python lists, in one device-to-host copy: on a GPU each copy waits for the step, so a
-        second one for the logprobs would be a second synchronisation. float64 holds every token
-        id exactly and every float32 logprob as it is."""
+        Python lists, from one device-to-host copy (``start_host_copy``'s, if it ran)."""
+        if self._host is not None:
+            self._copied.synchronize()
+            packed = self._host
+        else:
+            packed = self._packed()
         if self.logprobs is None:
-            return self.next_token_ids.tolist(), None
-        ids, logprobs = torch.stack(
-            (self.next_token_ids.to(torch.float64), self.logprobs.to(torch.float64))
-        ).tolist()
+            return packed.tolist(), None
+        ids, logprobs = packed.tolist()
         return [int(token) for token in ids], logprobs
 
 

@@ -64,6 +64,7 @@ class TpModelWorker:
         result = runner.sample(out, forward_batch)
         if self.parallel.tp.size > 1:
             result.next_token_ids = self.parallel.tp.broadcast(result.next_token_ids.contiguous())
+        result.start_host_copy()
         return result
 
     @torch.inference_mode()
