@@ -132,3 +132,21 @@ def test_sample_output_copies_to_pinned_memory_behind_the_step():
     out.start_host_copy()
     assert out._host is not None and out._host.is_pinned()
     assert out.to_host() == (ids.tolist(), logprobs.tolist())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_kernels_match_native(dtype):
+    """The batched LoRA delta's shrink/expand kernels at a real model's width (bf16 is what the
+    interpreter tests cannot check)."""
+    from radixserve.layers.lora import LoRABatchInfo, LoRADelta
+
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    slots = [0] * 40 + [-1] * 7 + [3] * 33 + [1, 2, -1, 1, 0, 3]
+    x = torch.randn(len(slots), 896, generator=gen, device=DEVICE).to(dtype)
+    a = (torch.randn(4, 16, 896, generator=gen, device=DEVICE) / 30).to(dtype)
+    b = torch.randn(4, 4864, 16, generator=gen, device=DEVICE).to(dtype)
+    info = LoRABatchInfo.from_token_slots(torch.tensor(slots), DEVICE)
+    op = _op(LoRADelta, dtype)
+    tol = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(op.forward_cuda(x, a, b, info).float(),
+                               op.forward_native(x, a, b, info).float(), atol=tol, rtol=tol)

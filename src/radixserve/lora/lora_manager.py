@@ -187,7 +187,7 @@ class LoRAManager:
             per_row = per_req.repeat_interleave(counts)
         else:
             per_row = per_req
-        self.info = LoRABatchInfo.from_token_slots(per_row.to(self.device))
+        self.info = LoRABatchInfo.from_token_slots(per_row, self.device)
 
 
 def create_lora_manager(

@@ -8,6 +8,7 @@ its shards' A along the rank axis and places each shard's B block-diagonally, so
 it (``lora/memory_pool.py`` lays them out).
 
 ``forward_native`` is the reference (a per-row gather of the weights, one einsum);
+``forward_cuda`` runs two Triton kernels over runs of rows of one adapter (``triton_lora.py``);
 ``forward_cpu`` groups the rows by adapter (``LoRABatchInfo``, computed once per step for all
 layers): rows of one adapter take two dense matmuls; rows of several take two matmuls against
 the A and B of the adapters present side by side, each row masked to its own adapter's block
@@ -41,6 +42,12 @@ class LoRABatchInfo:
     # Rows of several adapters: the slots present, and per weight width W the [rows, P*W]
     # 0/1 mask that keeps each row's own adapter's block (built on first use, per step).
     present: torch.Tensor | None = None
+    # Runs of consecutive rows of one adapter (the Triton kernels' unit of work): first row,
+    # length and slot of each, on the device, and the longest run's length.
+    seg_starts: torch.Tensor | None = None
+    seg_lens: torch.Tensor | None = None
+    seg_slots: torch.Tensor | None = None
+    max_seg_len: int = 0
     _masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -52,8 +59,13 @@ class LoRABatchInfo:
         return self._masks[key]
 
     @classmethod
-    def from_token_slots(cls, token_slots: torch.Tensor) -> LoRABatchInfo:
+    def from_token_slots(
+        cls, token_slots: torch.Tensor, device: torch.device | str | None = None
+    ) -> LoRABatchInfo:
+        """``token_slots`` on the host (read here without a device synchronisation), moved to
+        ``device`` (default: where they are) for the kernels."""
         slots_cpu = token_slots.tolist()
+        token_slots = token_slots.to(device) if device is not None else token_slots
         rows: dict[int, list[int]] = {}
         for i, slot in enumerate(slots_cpu):
             if slot >= 0:
@@ -69,7 +81,18 @@ class LoRABatchInfo:
         if len(groups) > 1:
             present = torch.tensor([slot for slot, _ in groups], dtype=torch.int64,
                                    device=token_slots.device)
-        return cls(token_slots, groups, present)
+        runs: list[list[int]] = []  # [start, length, slot]
+        for i, slot in enumerate(slots_cpu):
+            if slot < 0:
+                continue
+            if runs and runs[-1][2] == slot and runs[-1][0] + runs[-1][1] == i:
+                runs[-1][1] += 1
+            else:
+                runs.append([i, 1, slot])
+        seg = torch.tensor(runs, dtype=torch.int64).reshape(-1, 3).T.contiguous()
+        seg = seg.to(token_slots.device)
+        return cls(token_slots, groups, present, seg[0], seg[1], seg[2],
+                   max((run[1] for run in runs), default=0))
 
     @property
     def any_adapter(self) -> bool:
@@ -104,6 +127,17 @@ class LoRADelta(CustomOp):
             else:
                 out.index_copy_(0, rows, (x.index_select(0, rows) @ a[slot].T) @ b[slot].T)
         return out.to(dtype)
+
+    def forward_cuda(
+        self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo
+    ) -> torch.Tensor:
+        from radixserve.layers.lora import triton_lora
+
+        assert info.seg_starts is not None and info.seg_lens is not None
+        assert info.seg_slots is not None
+        return triton_lora.lora_delta(
+            x, a, b, info.seg_starts, info.seg_lens, info.seg_slots, info.max_seg_len
+        )
 
     @staticmethod
     def _several_adapters(
