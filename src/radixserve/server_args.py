@@ -277,8 +277,6 @@ class ServerArgs:
             return
         if self.is_embedding:
             raise ValueError("--enable-lora serves generation models, not --is-embedding")
-        if self.tp_size > 1:
-            raise ValueError("--enable-lora does not combine with tensor parallelism yet")
         if self.max_loras_per_batch < 1:
             raise ValueError(f"max_loras_per_batch must be >= 1, got {self.max_loras_per_batch}")
         if self.max_lora_rank is not None and self.max_lora_rank < 1:

@@ -54,3 +54,31 @@ def test_half_precision_rows_with_float32_weights_return_the_rows_dtype():
         out = impl(x.bfloat16(), a, b, info)
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("slots", [[0, 0, 0, -1, 1, 1], [2, 2, 2, 2], [1, -1, 0, 1]])
+def test_a_row_parallel_split_summed_between_shrink_and_expand_gives_the_whole_delta(slots):
+    """What a tensor-parallel rank of a row-parallel layer computes: its half of x and of A's
+    columns, the rank-sized intermediate summed with the other rank's (``reduce``), then the
+    whole B: the full layer's delta, on every path (one adapter, several, base rows)."""
+    torch.manual_seed(2)
+    x, a, b = torch.randn(len(slots), 16), torch.randn(3, 6, 16), torch.randn(3, 10, 6)
+    info = LoRABatchInfo.from_token_slots(torch.tensor(slots))
+    with build_context("cpu", torch.float32):
+        op = LoRADelta()
+    expected = _expected(x, a, b, torch.tensor(slots))
+    for impl in (op.forward_native, op.forward_cpu):
+        assert_two_ranks_sum_to(impl, x, a, b, info, expected)
+
+
+def assert_two_ranks_sum_to(impl, x, a, b, info, expected, **tol):
+    """Rank 1 runs on the second half of the input features and keeps its intermediate; rank 0
+    runs on the first half, its ``reduce`` adding rank 1's (what the all-reduce does)."""
+    half = x.shape[1] // 2
+    kept = []
+    impl(x[:, half:].contiguous(), a[:, :, half:].contiguous(), b, info,
+         lambda xa: kept.append(xa.clone()) or xa)
+    got = impl(x[:, :half].contiguous(), a[:, :, :half].contiguous(), b, info,
+               lambda xa: xa + kept[0])
+    assert len(kept) == 1
+    torch.testing.assert_close(got, expected, **tol)

@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 
 from radixserve.layers.custom_op import build_context  # noqa: E402
 from radixserve.layers.lora import LoRABatchInfo, LoRADelta  # noqa: E402
+from tests.layers.test_lora_op import assert_two_ranks_sum_to  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter"
@@ -54,3 +55,17 @@ def test_triton_delta_matches_native(dtype, tol, slots, rank, in_features, out_f
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     assert bool((got[torch.tensor(slots) < 0] == 0).all())
+
+
+def test_triton_delta_sums_the_intermediate_before_the_expand():
+    """The row-parallel split of test_lora_op.py on the Triton path."""
+    slots = [0, 0, -1, 1, 1, 2]
+    gen = torch.Generator().manual_seed(5)
+    x, a, b = (torch.randn(6, 32, generator=gen), torch.randn(3, 4, 32, generator=gen),
+               torch.randn(3, 24, 4, generator=gen))
+    info = LoRABatchInfo.from_token_slots(torch.tensor(slots))
+    with build_context("cpu", torch.float32):
+        op = LoRADelta()
+
+    assert_two_ranks_sum_to(op.forward_cuda, x, a, b, info, op.forward_native(x, a, b, info),
+                            atol=1e-5, rtol=1e-5)

@@ -26,7 +26,6 @@ def test_lora_flags_parse_with_sglangs_names():
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"max_lora_rank": 8}, "max_lora_rank need --enable-lora"),
-    ({"enable_lora": True, "tp_size": 2}, "tensor parallelism"),
     ({"enable_lora": True, "is_embedding": True}, "generation models"),
     ({"lora_paths": ["a=/x", "a=/y"]}, "names an adapter twice"),
     ({"lora_paths": ["a=/x", "b=/y"], "max_loras_per_batch": 1}, "at most max_loras_per_batch"),

@@ -39,6 +39,7 @@ from radixserve.lora.adapter import (
     read_config,
 )
 from radixserve.lora.memory_pool import LoRAMemoryPool
+from radixserve.lora.tp_shards import ROW_PARALLEL, RankShards
 
 logger = logging.getLogger(__name__)
 
@@ -91,16 +92,23 @@ class LoRAManager:
         settings: LoRASettings,
         device: torch.device,
         dtype: torch.dtype,
+        tp: Any = None,
     ) -> None:
-        """``layers``: the decoder layers this rank holds. The pool is allocated here, before
-        the model (the KV plan counts it); ``attach`` hooks it into a loaded model."""
+        """``layers``: the decoder layers this rank holds; ``tp``: its tensor-parallel group
+        (a ``RankGroup``; None on one rank). The pool is allocated here, before the model (the
+        KV plan counts it); ``attach`` hooks it into a loaded model."""
         self.settings = settings
         self.shapes = ModuleShapes.from_config(model_config)
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        shards = RankShards()
+        if self.tp is not None:
+            shards = RankShards(self.tp.rank_in_group, self.tp.size,
+                                model_config.num_key_value_heads, model_config.head_dim)
         # float32 on CPU: torch's small half-precision matmuls are several times slower there
         pool_dtype = torch.float32 if device.type == "cpu" else dtype
         self.pool = LoRAMemoryPool(
             self.shapes, layers, settings.max_loras_per_batch, settings.max_lora_rank,
-            settings.lora_target_modules, device, pool_dtype,
+            settings.lora_target_modules, device, pool_dtype, shards,
         )
         self.loaded: dict[str, LoadedAdapter] = {}
         self._namespaces = itertools.count(1)
@@ -126,14 +134,20 @@ class LoRAManager:
                 raise ValueError(
                     f"{type(model).__name__} has no {name}: this model does not support LoRA"
                 ) from e
-            module.register_forward_hook(self._hook(buf.a, buf.b))
+            # A row-parallel layer's rank holds a slice of A: sum the intermediate over ranks.
+            row_parallel = self.tp is not None and buf.shards[0] in ROW_PARALLEL
+            reduce = self.tp.all_reduce if row_parallel else None
+            module.register_forward_hook(self._hook(buf.a, buf.b, reduce))
 
-    def _hook(self, a: torch.Tensor, b: torch.Tensor) -> Callable[..., Any]:
+    def _hook(
+        self, a: torch.Tensor, b: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]
+        | None
+    ) -> Callable[..., Any]:
         def add_delta(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> Any:
             info = self.info
             if info is None or not info.any_adapter:
                 return None  # keep the base layer's output
-            return out.add_(self.op(args[0], a, b, info))
+            return out.add_(self.op(args[0], a, b, info, reduce))
 
         return add_delta
 
@@ -196,15 +210,14 @@ def create_lora_manager(
     """The runner's manager when ``settings.enable_lora`` (a ``RunnerSettings``), else None."""
     if not settings.enable_lora:
         return None
-    if parallel.info.tp_size > 1:
-        raise ValueError("LoRA does not combine with tensor parallelism yet")
     initial = _path_map(settings.lora_paths)
     lora_settings = resolve_settings(
         settings.max_loras_per_batch, settings.max_lora_rank, settings.lora_target_modules,
         initial,
     )
     layers = parallel.info.stage_layers(model_config.num_hidden_layers)
-    return LoRAManager(model_config, layers, lora_settings, device, model_config.torch_dtype)
+    return LoRAManager(model_config, layers, lora_settings, device, model_config.torch_dtype,
+                       parallel.tp)
 
 
 def load_initial_adapters(manager: LoRAManager, lora_paths: list[str] | None) -> None:

@@ -9,8 +9,10 @@ For each decoder layer and each fused module with an adapted shard (``qkv_proj``
 in float32 on CPU (the model's dtype elsewhere), ``R = --max-lora-rank``,
 ``slots = --max-loras-per-batch``. B is block-diagonal, so ``b @ (a @ x)`` gives each shard's
 delta in its own output rows and one ``LoRADelta`` serves a fused layer; unused ranks and
-shards stay zero and add nothing. The pool is allocated once at start-up, so adapter memory is
-fixed and counted (``nbytes``) whatever is loaded; loading writes a slot, unloading zeroes it.
+shards stay zero and add nothing. Under tensor parallelism each rank holds its part
+(``tp_shards.py``): B's rows of a column-parallel layer, A's columns of a row-parallel one.
+The pool is allocated once at start-up, so adapter memory is fixed and counted (``nbytes``)
+whatever is loaded; loading writes a slot, unloading zeroes it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.lora.adapter import LORA_TARGET_MODULES, LoRAAdapter, ModuleShapes
+from radixserve.lora.tp_shards import RankShards
 
 # Our fused module → its Hugging Face shards, in output order.
 FUSED_SHARDS: dict[str, tuple[str, ...]] = {
@@ -50,9 +53,14 @@ class LoRAMemoryPool:
         target_modules: tuple[str, ...],
         device: torch.device,
         dtype: torch.dtype,
+        shards: RankShards | None = None,
     ) -> None:
-        """``layers``: the decoder layers this rank holds (its pipeline stage's)."""
+        """``layers``: the decoder layers this rank holds (its pipeline stage's); ``shards``:
+        this rank's part of each module under tensor parallelism (``tp_shards.py``)."""
         self.slots, self.max_rank = slots, max_rank
+        self.shards = shards or RankShards()
+        full_shapes, shapes = shapes, self.shards.local(shapes)
+        self.full_shapes = full_shapes
         self.buffers: dict[tuple[int, str], LayerBuffers] = {}
         for fused, shards in FUSED_SHARDS.items():
             if not any(s in target_modules for s in shards):
@@ -86,6 +94,9 @@ class LoRAMemoryPool:
             i = buf.shards.index(module)
             first, rows = buf.out_offsets[module]
             cols = slice(i * self.max_rank, i * self.max_rank + adapter.rank)
+            fan_in, fan_out = self.full_shapes.shapes[module]
+            a = a[:, self.shards.in_cols(module, fan_in)]
+            b = b[self.shards.out_rows(module, fan_out)]
             buf.a[slot, cols] = a.to(buf.a.dtype)
             buf.b[slot, first : first + rows, cols] = b.to(buf.b.dtype)
 

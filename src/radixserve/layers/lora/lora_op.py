@@ -22,6 +22,7 @@ the delta back to ``x``'s.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -99,27 +100,48 @@ class LoRABatchInfo:
         return bool(self.groups)
 
 
+# Sums the rank-sized intermediate over the tensor-parallel group (row-parallel layers).
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
 class LoRADelta(CustomOp):
-    """``delta[t] = b[s_t] @ a[s_t] @ x[t]`` for rows with an adapter, 0 for the others."""
+    """``delta[t] = b[s_t] @ a[s_t] @ x[t]`` for rows with an adapter, 0 for the others.
+
+    ``reduce``, when given, is applied to ``a[s_t] @ x[t]`` before the expand: a row-parallel
+    layer's rank holds a slice of A's columns, so that product is a partial sum
+    (``lora/tp_shards.py``)."""
 
     cpu_dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
     def forward_native(
-        self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo
+        self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo,
+        reduce: Reduce | None = None,
     ) -> torch.Tensor:
         slots = info.token_slots
         has = slots >= 0
         safe = slots.clamp(min=0)
         xa = torch.einsum("ti,tri->tr", x.to(a.dtype), a[safe])
+        if reduce is not None:
+            xa = reduce(xa)
         delta = torch.einsum("tr,tor->to", xa, b[safe])
         return (delta * has.unsqueeze(1).to(delta.dtype)).to(x.dtype)
 
     def forward_cpu(
-        self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo
+        self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo,
+        reduce: Reduce | None = None,
     ) -> torch.Tensor:
         dtype, x = x.dtype, x.to(a.dtype)
         if info.present is not None:
-            return self._several_adapters(x, a, b, info).to(dtype)
+            return self._several_adapters(x, a, b, info, reduce).to(dtype)
+        if reduce is not None:  # shrink every group, sum over the group, then expand
+            xa = x.new_zeros(x.shape[0], a.shape[1])
+            for slot, rows in info.groups:
+                xa[rows] = x[rows] @ a[slot].T
+            xa = reduce(xa)
+            out = x.new_zeros(x.shape[0], b.shape[1])
+            for slot, rows in info.groups:
+                out[rows] = xa[rows] @ b[slot].T
+            return out.to(dtype)
         out = x.new_zeros(x.shape[0], b.shape[1])
         for slot, rows in info.groups:
             if isinstance(rows, slice):
@@ -129,19 +151,21 @@ class LoRADelta(CustomOp):
         return out.to(dtype)
 
     def forward_cuda(
-        self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo
+        self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo,
+        reduce: Reduce | None = None,
     ) -> torch.Tensor:
         from radixserve.layers.lora import triton_lora
 
         assert info.seg_starts is not None and info.seg_lens is not None
         assert info.seg_slots is not None
         return triton_lora.lora_delta(
-            x, a, b, info.seg_starts, info.seg_lens, info.seg_slots, info.max_seg_len
+            x, a, b, info.seg_starts, info.seg_lens, info.seg_slots, info.max_seg_len, reduce
         )
 
     @staticmethod
     def _several_adapters(
-        x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo
+        x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo,
+        reduce: Reduce | None,
     ) -> torch.Tensor:
         """Rows of several adapters in two matmuls: every row against the A of all adapters
         present, masked to its own adapter's block, then against their B side by side (fewer,
@@ -150,5 +174,7 @@ class LoRADelta(CustomOp):
         slots, width = len(info.present), a.shape[1]
         a_p = a.index_select(0, info.present).reshape(slots * width, a.shape[2])
         xa = (x @ a_p.T).mul_(info.mask(width, a.dtype))
+        if reduce is not None:
+            xa = reduce(xa)
         b_p = b.index_select(0, info.present).permute(1, 0, 2).reshape(b.shape[1], -1)
         return xa @ b_p.T

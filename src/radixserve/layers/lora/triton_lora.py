@@ -19,6 +19,8 @@ Imported only by ``forward_cuda`` and by tests that run the kernels in Triton's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -91,10 +93,12 @@ def lora_delta(
     seg_lens: torch.Tensor,
     seg_slots: torch.Tensor,
     max_seg_len: int,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``LoRADelta.forward_native``'s result: ``x`` ``[rows, in]``, ``a`` ``[slots, R, in]``,
     ``b`` ``[slots, out, R]``, and the segments (int64 ``[segments]`` each: first row, length,
-    adapter slot) of the rows that use an adapter."""
+    adapter slot) of the rows that use an adapter; ``reduce`` sums the rank-sized intermediate
+    over the tensor-parallel group before the expand (row-parallel layers)."""
     rows, in_features = x.shape
     _, rank, _ = a.shape
     out_features = b.shape[1]
@@ -105,7 +109,10 @@ def lora_delta(
     if x.stride(1) != 1:
         x = x.contiguous()
     a, b = a.contiguous(), b.contiguous()
-    xa = torch.empty((rows, rank), dtype=a.dtype, device=x.device)
+    # zeros: under tensor parallelism base rows take part in the sum over the group too
+    xa = (torch.zeros if reduce is not None else torch.empty)(
+        (rows, rank), dtype=a.dtype, device=x.device
+    )
     block_r = max(16, triton.next_power_of_2(rank))
     ieee = a.dtype == torch.float32
     row_blocks = triton.cdiv(max_seg_len, _BLOCK_M)
@@ -114,6 +121,8 @@ def lora_delta(
         xa.stride(0), in_features, rank,
         BLOCK_M=_BLOCK_M, BLOCK_K=_BLOCK_K, BLOCK_R=block_r, IEEE=ieee,
     )
+    if reduce is not None:
+        xa = reduce(xa)
     _expand_kernel[(segments, row_blocks, triton.cdiv(out_features, _BLOCK_O))](
         xa, b, delta, seg_starts, seg_lens, seg_slots, xa.stride(0), b.stride(0), b.stride(1),
         delta.stride(0), out_features, rank,
