@@ -104,6 +104,7 @@ class ServerArgs:
     reasoning_parser: str | None = None
     responses_store_size: int = 1000
     responses_store_ttl: float = 3600.0
+    batch_dir: str | None = None  # the Batch API's files and batches (docs/batch.md)
     log_requests: bool = False
     log_level: str = "info"
     skip_warmup: bool = False
