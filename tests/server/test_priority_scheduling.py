@@ -26,9 +26,13 @@ from tests.sync import UNTIL_ABORTED, in_background, wait_for
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def prio_server(llama_path: Path):
-    srv = start_server(llama_path, "--enable-priority-scheduling", "--max-running-requests", "1")
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "overlap"])
+def prio_server(request, llama_path: Path):
+    """Both schedules: the overlap one (CUDA's default) plans decode steps ahead, and must
+    still stop to let a more important request preempt."""
+    overlap = ["--enable-overlap-schedule"] if request.param else []
+    srv = start_server(llama_path, "--enable-priority-scheduling", "--max-running-requests", "1",
+                       *overlap)
     yield srv
     srv.check_clean_stop()
 
