@@ -158,12 +158,27 @@ def build_scheduler(
         max_prefill_tokens=server_args.max_prefill_tokens,
         chunked_prefill_size=server_args.chunked_prefill_size,
         watchdog_timeout=server_args.watchdog_timeout,
-        waiting_timeout=float(envs.RADIXSERVE_REQ_WAITING_TIMEOUT.get("0")),
+        waiting_timeout=waiting_timeout(parallel),
     )
     make_loop = choose_loop(server_args, parallel, tp_worker, is_generation)
     return Scheduler(
         parts, settings, send_to_tokenizer, parallel, make_loop, dp_rank, send_load
     )
+
+
+def waiting_timeout(parallel: ParallelState) -> float:
+    """RADIXSERVE_REQ_WAITING_TIMEOUT in seconds (<= 0: none). Each rank reads its own clock,
+    and ranks that timed out different requests would run different batches: refused (the
+    server does not start) with tensor, pipeline or data parallelism across ranks."""
+    value = envs.RADIXSERVE_REQ_WAITING_TIMEOUT.get("0")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"RADIXSERVE_REQ_WAITING_TIMEOUT must be seconds, got {value!r}") from None
+    if seconds > 0 and parallel.distributed:
+        raise ValueError("RADIXSERVE_REQ_WAITING_TIMEOUT does not combine with tensor or "
+                         "pipeline parallelism")
+    return seconds
 
 
 def priority_scheduling(server_args: ServerArgs) -> PriorityScheduling | None:
