@@ -106,24 +106,29 @@ def test_an_important_request_preempts_a_running_one_with_undisturbed_outputs(
     prio_server, prio_client
 ):
     low_prompt, high_prompt, low_tokens, high_tokens = "The low one:", "The high one:", 200, 16
-    alone_low = generate(prio_server.base_url, low_prompt, low_tokens, priority=0)
-    alone_high = generate(prio_server.base_url, high_prompt, high_tokens, priority=100)
-    before = internal_state(prio_client)["num_preempted_reqs"]
+    # Nothing cached: what the preempted request finds when it resumes is its own KV.
+    assert prio_client.post("/flush_cache").status_code == 200
+    before = internal_state(prio_client)
 
     events: queue.Queue = queue.Queue()
     low = in_background(stream_to, events, prio_server.base_url, "low", low_prompt, low_tokens, 0)
-    assert events.get(timeout=120)[0] == "low"  # running and holding KV
+    while events.get(timeout=120)[1]["meta_info"]["completion_tokens"] < 20:
+        pass  # running, with 20 outputs' KV
     with paused(prio_client):
         high = in_background(generate, prio_server.base_url, high_prompt, high_tokens, 100)
         wait_for(lambda: internal_state(prio_client), lambda s: s["num_waiting_reqs"] == 1,
                  "the important request waiting")
     high_out = high.result(timeout=120)
-    state = internal_state(prio_client)
-    assert state["num_preempted_reqs"] == before + 1
     low_last = low.result(timeout=120)
-    # Preempted at some token and resumed from the radix cache: the same greedy output.
-    assert high_out["text"] == alone_high["text"]
-    assert low_last["text"] == alone_low["text"]
+    after = internal_state(prio_client)
+    assert after["num_preempted_reqs"] == before["num_preempted_reqs"] + 1
+    # The preempted request resumed from the radix cache: the prefills computed the two prompts
+    # and a few tokens more, not the low request's prompt and 20+ outputs again.
+    prompts = low_last["meta_info"]["prompt_tokens"] + high_out["meta_info"]["prompt_tokens"]
+    assert after["num_prefill_tokens"] - before["num_prefill_tokens"] < prompts + 20
+    # The same greedy outputs as undisturbed runs.
+    assert high_out["text"] == generate(prio_server.base_url, high_prompt, high_tokens, 100)["text"]
+    assert low_last["text"] == generate(prio_server.base_url, low_prompt, low_tokens, 0)["text"]
     assert low_last["meta_info"]["completion_tokens"] == low_tokens
 
 
