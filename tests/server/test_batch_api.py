@@ -199,3 +199,30 @@ def test_a_restart_in_the_middle_of_a_batch_loses_nothing(servers, llama_path, b
         got = outputs[cid]["response"]["body"]["choices"][0]["message"]["content"]
         assert got == direct.choices[0].message.content
     assert_no_leak(httpx.Client(base_url=new.base_url, timeout=60))
+
+
+def test_batches_without_a_batch_dir_or_priority_scheduling(server):
+    """The shared server: no --batch-dir (a temporary folder), no priority scheduling (batch
+    requests carry no priority, which such a server would refuse)."""
+    oai = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/completions",
+            "body": {"model": server.model, "prompt": "Hello", "max_tokens": 4,
+                     "temperature": 0}}
+    batch = oai.batches.create(input_file_id=upload(oai, [line]), endpoint="/v1/completions",
+                               completion_window="24h")
+    done = wait_status(oai, batch.id, {"completed", "failed"})
+    assert done["request_counts"] == {"total": 1, "completed": 1, "failed": 0}, done
+    body = read_lines(oai, done["output_file_id"])["c"]["response"]["body"]
+    direct = oai.completions.create(model=server.model, prompt="Hello", max_tokens=4,
+                                    temperature=0)
+    assert body["choices"][0]["text"] == direct.choices[0].text
+    # An embeddings batch on a generation model: each request gets the route's 400.
+    line = {"custom_id": "e", "method": "POST", "url": "/v1/embeddings",
+            "body": {"model": server.model, "input": "Hello"}}
+    batch = oai.batches.create(input_file_id=upload(oai, [line]), endpoint="/v1/embeddings",
+                               completion_window="24h")
+    done = wait_status(oai, batch.id, {"completed", "failed"})
+    assert done["request_counts"] == {"total": 1, "completed": 0, "failed": 1}, done
+    assert done["output_file_id"] is None
+    error = read_lines(oai, done["error_file_id"])["e"]
+    assert error["response"]["status_code"] == 400
