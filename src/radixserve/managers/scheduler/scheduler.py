@@ -255,11 +255,12 @@ class Scheduler:
         """Whether the next step may admit a request, so that it cannot be planned before the
         tokens of the step in flight are known (overlap loop): a chunked request continues, or
         a waiting request may find a request row (one is free below ``max_running_requests``,
-        or an idle streaming session's row could be released)."""
+        or an idle streaming session's row could be released), or may preempt a running one,
+        or has waited past its timeout (``priority_scheduling.py``)."""
         if self.chunked_req is not None:
             return True
-        if self.waiting_queue and self._preemption_victim() is not None:
-            return True
+        if self.waiting_queue and (self._preemption_victim() is not None or self._late()):
+            return True  # a preemption, or a waiting timeout, to act on now
         if not self.waiting_queue or len(self.running_batch) >= self.max_running_requests:
             return False
         return (
@@ -405,9 +406,13 @@ class Scheduler:
         logger.info("request %r (priority %d) preempted", victim.rid, victim.priority)
         return True
 
+    def _late(self) -> list[Req]:
+        """Waiting requests past RADIXSERVE_REQ_WAITING_TIMEOUT."""
+        return timed_out(self.waiting_queue, self.settings.waiting_timeout, time.monotonic())
+
     def _end_waiting_timeouts(self) -> None:
         """Requests that waited past RADIXSERVE_REQ_WAITING_TIMEOUT end with a 503."""
-        late = timed_out(self.waiting_queue, self.settings.waiting_timeout, time.monotonic())
+        late = self._late()
         if late:
             ids = {id(r) for r in late}
             self.waiting_queue = [r for r in self.waiting_queue if id(r) not in ids]
