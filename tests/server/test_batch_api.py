@@ -177,11 +177,19 @@ def test_a_restart_in_the_middle_of_a_batch_loses_nothing(servers, llama_path, b
     pause_generation(client)  # nothing finishes before the restart
     batch = oai.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
                                completion_window="24h")
+    late = oai.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                              completion_window="24h")
     wait_status(oai, batch.id, {"in_progress"})
+    wait_status(oai, late.id, {"in_progress"})
     wait_for(lambda: internal_state(client), lambda s: s["num_waiting_reqs"] >= 1,
              "batch requests queued")
     client.close()
     old.check_clean_stop()  # SIGTERM: drains, exits 0
+    # While the server is down, the second batch's 24 hours pass (its object on disk says so).
+    stored = batch_dir / "batches" / f"{late.id}.json"
+    doc = json.loads(stored.read_text())
+    assert doc["status"] == "in_progress"
+    stored.write_text(json.dumps({**doc, "expires_at": doc["created_at"] - 1}))
 
     new = start_server(llama_path, *FLAGS, "--batch-dir", str(batch_dir))
     servers["srv"] = new
@@ -198,6 +206,12 @@ def test_a_restart_in_the_middle_of_a_batch_loses_nothing(servers, llama_path, b
             temperature=0)
         got = outputs[cid]["response"]["body"]["choices"][0]["message"]["content"]
         assert got == direct.choices[0].message.content
+    expired = wait_status(oai, late.id, {"expired"})
+    assert expired["expired_at"] and expired["output_file_id"] is None
+    errors = read_lines(oai, expired["error_file_id"])
+    assert set(errors) == set(prompts)
+    assert all(e["response"] is None and e["error"]["code"] == "batch_expired"
+               for e in errors.values())
     assert_no_leak(httpx.Client(base_url=new.base_url, timeout=60))
 
 
