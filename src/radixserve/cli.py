@@ -90,6 +90,18 @@ HELP: dict[str, str] = {
     "chunked_prefill_size": "Longest prefill chunk of one request.",
     "schedule_policy": "Order of waiting requests (lpm: longest cached prefix first).",
     "schedule_conservativeness": "Scale of the decode-token reservation when admitting requests.",
+    "enable_priority_scheduling": "Order the waiting queue by each request's priority and let "
+    "an important request preempt less important running ones (docs/priority.md).",
+    "schedule_low_priority_values_first": "Smaller priority values are more important (default: "
+    "larger ones).",
+    "priority_scheduling_preemption_threshold": "A waiting request preempts a running one only "
+    "when their priorities differ by more than this.",
+    "disable_priority_preemption": "Order the waiting queue by priority but never preempt "
+    "running requests.",
+    "default_priority_value": "Priority of a request that names none (default: the least "
+    "important value).",
+    "batch_dir": "Folder of the Batch API's files and batches, kept across restarts (unfinished "
+    "batches resume); default: a temporary folder removed at shutdown (docs/batch.md).",
     "enable_streaming_session": "Keep a streaming session's KV between turns.",
     "session_store": "Directory of the session store: an idle streaming session's KV is "
     "offloaded to a file there instead of dropped, restored by its next turn, and sessions "

@@ -62,6 +62,7 @@ class GenerateOptions(TypedDict, total=False):
     return_text_in_logprobs: bool
     data_parallel_rank: int | None  # the replica that runs it (``--dp-size``)
     lora_path: str | list[str | None] | None  # the LoRA adapter by name (docs/lora.md)
+    priority: int | None  # with --enable-priority-scheduling (docs/priority.md)
 
 
 def _generate_req(

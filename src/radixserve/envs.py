@@ -52,3 +52,7 @@ RADIXSERVE_TEST_INJECT_FAULTS = EnvBool("RADIXSERVE_TEST_INJECT_FAULTS")
 # "busy": check the memory invariant after every scheduler step too (raising on a violation),
 # not only when the scheduler goes idle. Costs a little per step; the session tests run with it.
 RADIXSERVE_STRICT_MEM_CHECK = EnvStr("RADIXSERVE_STRICT_MEM_CHECK")
+# Seconds a request may wait in the scheduler's queue before it first starts; past it the
+# request ends with a 503 ("request waiting timeout reached"). Unset or <= 0: no limit.
+# SGLang's SGLANG_REQ_WAITING_TIMEOUT (docs/priority.md).
+RADIXSERVE_REQ_WAITING_TIMEOUT = EnvStr("RADIXSERVE_REQ_WAITING_TIMEOUT")

@@ -57,6 +57,12 @@ class ServerArgs:
     chunked_prefill_size: int = 4096
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
+    # priority scheduling (docs/priority.md)
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
+    disable_priority_preemption: bool = False
+    default_priority_value: int | None = None
     enable_streaming_session: bool = False
     session_store: str | None = None
     session_store_max_gb: float = 10.0
@@ -98,12 +104,28 @@ class ServerArgs:
     reasoning_parser: str | None = None
     responses_store_size: int = 1000
     responses_store_ttl: float = 3600.0
+    batch_dir: str | None = None  # the Batch API's files and batches (docs/batch.md)
     log_requests: bool = False
     log_level: str = "info"
     skip_warmup: bool = False
     watchdog_timeout: float = 300.0
     health_timeout: float = 20.0
     request_read_timeout: float = 60.0
+
+    def _check_priority_scheduling(self) -> None:
+        """The priority flags only mean something with ``enable_priority_scheduling``: set
+        without it they are refused, not ignored."""
+        if not self.enable_priority_scheduling:
+            given = [name for name, unset in (
+                ("schedule_low_priority_values_first", False),
+                ("priority_scheduling_preemption_threshold", 10),
+                ("disable_priority_preemption", False), ("default_priority_value", None),
+            ) if getattr(self, name) != unset]
+            if given:
+                raise ValueError(f"{', '.join(given)} needs enable_priority_scheduling")
+        if self.priority_scheduling_preemption_threshold < 0:
+            raise ValueError("priority_scheduling_preemption_threshold must be >= 0, got "
+                             f"{self.priority_scheduling_preemption_threshold}")
 
     def overlap_schedule_on(self, device_type: str) -> bool:
         """Whether a scheduler on ``device_type`` runs the overlap schedule: SGLang's default on
@@ -132,6 +154,7 @@ class ServerArgs:
             )
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        self._check_priority_scheduling()
         self._check_parallelism()
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(

@@ -52,6 +52,9 @@ class TokenizedGenerateReqInput(_Msg):
     lora_path: str | None = None  # the LoRA adapter's name; None: the base model
     # The replica the data-parallel controller sends it to (None: its policy decides).
     data_parallel_rank: int | None = None
+    # Its priority (--enable-priority-scheduling; None: --default-priority-value, else the
+    # least important value).
+    priority: int | None = None
 
 
 # The per-prompt options that travel unchanged, under these names, from the caller's

@@ -85,3 +85,11 @@ def admit(request: Request, prompts: int, n: int = 1, prompt_param: str = "promp
     ticket: Ticket = request.scope[TICKET_KEY]
     ticket.generations += generations
     ctx.queued_generations += generations
+
+
+def check_priority(args: Any, priority: int | None) -> None:
+    """400 naming ``priority`` when the server runs without --enable-priority-scheduling:
+    the field is refused, never ignored (docs/priority.md)."""
+    if priority is not None and not args.enable_priority_scheduling:
+        raise APIError(400, "priority needs a server started with --enable-priority-scheduling",
+                       param="priority")

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from radixserve.server.context import ServerContext
+from radixserve.server.context import ServerContext, ServerState
 from radixserve.server.control_api import router as control_router
 from radixserve.server.dashboard import router as dashboard_router
 from radixserve.server.errors import install_error_handlers
 from radixserve.server.native_api import router as native_router
 from radixserve.server.ollama import router as ollama_router
+from radixserve.server.openai.batch_runner import BatchRunner
+from radixserve.server.openai.batch_store import BatchStore
 from radixserve.server.openai.responses_store import ResponseStore
+from radixserve.server.openai.serving_batch import router as batch_router
 from radixserve.server.openai.serving_chat import router as chat_router
 from radixserve.server.openai.serving_completions import router as completions_router
 from radixserve.server.openai.serving_embedding import router as embedding_router
@@ -31,6 +34,12 @@ def create_app(ctx: ServerContext, max_body_bytes: int = MAX_BODY_BYTES) -> Fast
     app.state.ctx = ctx
     app.state.response_store = ResponseStore(ctx.server_args.responses_store_size,
                                              ctx.server_args.responses_store_ttl)
+    # The Batch API (docs/batch.md): started (resuming unfinished batches) once the server is
+    # ready, stopped at shutdown, by http_server.py.
+    app.state.batch_runner = BatchRunner(
+        BatchStore(ctx.server_args.batch_dir), app, ctx.server_args,
+        accepting=lambda: ctx.state is ServerState.READY,
+    )
     install_error_handlers(app)
     app.include_router(native_router)
     app.include_router(control_router)
@@ -42,5 +51,6 @@ def create_app(ctx: ServerContext, max_body_bytes: int = MAX_BODY_BYTES) -> Fast
     app.include_router(responses_router)
     app.include_router(score_router)
     app.include_router(ollama_router)
+    app.include_router(batch_router)
     app.add_middleware(RequestGuard, ctx=ctx, max_body_bytes=max_body_bytes)
     return app

@@ -222,6 +222,7 @@ class _Lifecycle:
         self._drain_task: asyncio.Task | None = None
         self.ctx: ServerContext
         self.server: _Server
+        self.app: Any  # the FastAPI app (its batch runner starts once ready)
 
     async def run(self, port_args: Any, processes: list[Any], sock: socket.socket) -> int:
         args = self.server_args
@@ -240,8 +241,9 @@ class _Lifecycle:
             metrics=metrics,
             chat_template=self.chat_template,
         )
+        self.app = create_app(self.ctx)
         config = uvicorn.Config(
-            create_app(self.ctx),
+            self.app,
             log_config=None,
             log_level=args.log_level,
             access_log=args.log_requests,
@@ -262,6 +264,8 @@ class _Lifecycle:
             stop_watch.set()
             warmup_task.cancel()
             await asyncio.gather(warmup_task, return_exceptions=True)
+            await self.app.state.batch_runner.stop()
+            self.app.state.batch_runner.store.close()
             tokenizer_manager.shutdown()
         logger.info("server stopped")
         return self.exit_code
@@ -283,6 +287,7 @@ class _Lifecycle:
             self.ctx.state = ServerState.READY
             url = server_url(self.server_args.host, self.server_args.port)
             print(f"radixserve ready: {url} (model {self.ctx.model_name})", flush=True)
+            self.app.state.batch_runner.resume()
 
     async def _warm_up(self) -> None:
         tokenizer_manager = self.ctx.tokenizer_manager

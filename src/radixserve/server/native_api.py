@@ -25,7 +25,13 @@ from pydantic import BaseModel, ConfigDict
 from radixserve.managers.caller import ADMIN, current_caller
 from radixserve.managers.io_struct import FlushCacheReq, OpenSessionReqInput
 from radixserve.managers.tokenizer.generate_request import GenerateReqInput
-from radixserve.server.admission import admit, check_batch_size, num_prompts, requested_n
+from radixserve.server.admission import (
+    admit,
+    check_batch_size,
+    check_priority,
+    num_prompts,
+    requested_n,
+)
 from radixserve.server.context import ServerContext, ServerState, get_ctx
 from radixserve.server.errors import APIError, stream_error
 from radixserve.server.generations import cancel_on_disconnect, first_item, prime
@@ -75,7 +81,6 @@ UNSUPPORTED_GENERATE: Unsupported = {
     "custom_logit_processor": ((None,), "custom logit processors are not supported"),
     "watermark": ((None,), "watermarking is not supported"),
     "routing_key": ((None,), "routing-key scheduling is not supported"),
-    "priority": ((None,), "priority scheduling is not supported"),
     "session_id": ((None,), "session identity without session_params is not supported"),
     "background": ((None, False), "background requests are not supported"),
     "require_reasoning": ((None, False), "reasoning models are not supported"),
@@ -114,6 +119,8 @@ class GenerateRequest(StrictRequest):
     # The LoRA adapter by name, one for all prompts or one per prompt (docs/lora.md).
     lora_path: str | list[str | None] | None = None
     log_metrics: bool | None = None
+    # Scheduling priority (--enable-priority-scheduling; docs/priority.md).
+    priority: int | None = None
     # The data-parallel replica to run on (SGLang's two names for it).
     routed_dp_rank: int | None = None
     data_parallel_rank: int | None = None
@@ -161,6 +168,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     prompt, field = (body.text, "text") if body.text is not None else (body.input_ids, "input_ids")
     admit(request, num_prompts(prompt), requested_n(body.sampling_params), prompt_param=field)
     _check_lora_path(ctx, body.lora_path)
+    check_priority(ctx.server_args, body.priority)
     fields = body.model_dump(exclude_none=True, exclude={"model", "routed_dp_rank"})
     fields["data_parallel_rank"] = _dp_rank(body, ctx.server_args.dp_size)
     obj = GenerateReqInput(**fields)

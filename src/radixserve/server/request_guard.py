@@ -59,6 +59,8 @@ CONTROL_PATHS = frozenset({
 })
 # A browser opens these without headers: they also take the key as ``?key=``.
 DASHBOARD_PATHS = frozenset({"/dashboard", "/dashboard/state"})
+# Multipart uploads (docs/batch.md): their Content-Type is kept.
+UPLOAD_PATHS = frozenset({"/v1/files"})
 # Reachable without an API key and in every state (it reports the state itself).
 HEALTH_PATH = "/health"
 
@@ -282,7 +284,10 @@ def _other_encoding(body: bytes) -> bool:
 
 def _as_json(scope: Scope) -> Scope:
     """Every POST body is JSON: a missing or other Content-Type (``curl -d`` sends a form
-    type) is read as JSON rather than failing with a confusing validation error."""
+    type) is read as JSON rather than failing with a confusing validation error. The one
+    exception is a file upload (``POST /v1/files``, multipart)."""
+    if scope["path"] in UPLOAD_PATHS:
+        return scope
     headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
     return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
 

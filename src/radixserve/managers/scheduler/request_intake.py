@@ -61,6 +61,7 @@ class RequestIntake:
         self.sessions, self.output_processor = parts.sessions, parts.output_processor
         self.grammar_queue, self.control = grammar_queue, control
         self.lora = parts.tp_worker.model_runner.lora  # None without --enable-lora
+        self.priority = parts.priority  # None without --enable-priority-scheduling
         # Generate and embedding requests received (the load reports count them).
         self.num_received_reqs = 0
         # Session turns that arrived while their session's turn in flight was being aborted:
@@ -106,6 +107,10 @@ class RequestIntake:
             req, error = Req.from_message(msg, list(msg.input_ids)), None
         error = error or generate_error(req.origin_input_ids, msg, self.limits)
         error = error or bind_lora(req, msg.lora_path, self.lora)
+        if self.priority is not None:
+            self.priority.assign(req, msg.priority)
+        elif msg.priority is not None:
+            error = error or "priority needs a server started with --enable-priority-scheduling"
         if error is not None:
             self._reject(req, error)
             return

@@ -39,6 +39,7 @@ while the current one still runs: its token is then in flight, not yet in ``outp
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -146,6 +147,10 @@ class Req:
         # An abort message, set when an abort arrives while the request holds KV; the scheduler
         # finishes it before the next batch forms.
         self.to_abort: str | None = None
+        # Priority scheduling (priority_scheduling.py): the request's priority, set at intake,
+        # and when it entered the waiting queue (the waiting timeout counts from there).
+        self.priority = 0
+        self.queued_at = time.monotonic()
 
     @classmethod
     def from_message(cls, msg: TokenizedGenerateReqInput, input_ids: list[int]) -> Req:

@@ -1,8 +1,9 @@
 """Which waiting requests enter the next prefill batch.
 
 ``SchedulePolicy`` orders the waiting queue (``fcfs``, or ``lpm``: longest cached prefix first, so
-requests sharing a prefix run while it is still cached).  ``PrefillAdder`` is built once per step
-and admits requests in that order while they fit:
+requests sharing a prefix run while it is still cached); with priority scheduling the requests'
+priorities come first and that order only breaks ties (``priority_scheduling.py``).
+``PrefillAdder`` is built once per step and admits requests in that order while they fit:
 
 - the token budget of one prefill batch (``max_prefill_tokens`` and ``chunked_prefill_size``);
   the request that does not fit the rest of it is cut to a chunk (page aligned), becomes *the*
@@ -22,6 +23,7 @@ import enum
 import math
 from typing import Any
 
+from radixserve.managers.scheduler.priority_scheduling import PriorityScheduling
 from radixserve.managers.scheduler.schedule_batch import Req, pages_to_alloc
 from radixserve.mem_cache.base_prefix_cache import BasePrefixCache
 
@@ -35,15 +37,25 @@ _CLIP_MAX_NEW_TOKENS = 4096
 class SchedulePolicy:
     """Orders the waiting queue in place before each admission round."""
 
-    def __init__(self, policy: str, tree_cache: BasePrefixCache, radix_enabled: bool) -> None:
+    def __init__(
+        self, policy: str, tree_cache: BasePrefixCache, radix_enabled: bool,
+        priority: PriorityScheduling | None = None,
+    ) -> None:
+        """``priority``: the priority settings with --enable-priority-scheduling, else None."""
         if policy not in ("fcfs", "lpm"):
             raise ValueError(f"unknown schedule policy {policy!r}")
         self.policy = policy
         self.tree_cache = tree_cache
         # Without a radix tree every match is empty, so lpm would be fcfs with extra work.
         self.radix_enabled = radix_enabled
+        self.priority = priority
 
     def calc_priority(self, waiting_queue: list[Req]) -> None:
+        self._policy_order(waiting_queue)
+        if self.priority is not None:
+            self.priority.order(waiting_queue)
+
+    def _policy_order(self, waiting_queue: list[Req]) -> None:
         if self.policy == "fcfs" or not self.radix_enabled or len(waiting_queue) > _LPM_MAX_QUEUE:
             return
         matched = {

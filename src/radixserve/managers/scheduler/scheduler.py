@@ -49,6 +49,7 @@ from radixserve.managers.scheduler.grammar_queue import GrammarQueue
 from radixserve.managers.scheduler.lora_requests import LoRAControl
 from radixserve.managers.scheduler.memory_check import MemoryChecker, busy_check_enabled
 from radixserve.managers.scheduler.micro_batches import MicroBatches
+from radixserve.managers.scheduler.priority_scheduling import WAITING_TIMEOUT_MESSAGE, timed_out
 from radixserve.managers.scheduler.request_intake import RequestIntake
 from radixserve.managers.scheduler.retraction import (
     retract_all,
@@ -129,6 +130,8 @@ class Scheduler:
         )
         self.chunked_req: Req | None = None  # holds KV between its prefill chunks
         self.num_retracted_reqs = 0
+        self.priority = parts.priority  # None without --enable-priority-scheduling
+        self.num_preempted_reqs = 0  # running requests retracted for a more important one
         self.num_aborted_reqs = 0  # running or waiting requests ended by an abort
         self.last_leak_check: dict[str, Any] = {}
         self.stop_requested = False
@@ -252,9 +255,12 @@ class Scheduler:
         """Whether the next step may admit a request, so that it cannot be planned before the
         tokens of the step in flight are known (overlap loop): a chunked request continues, or
         a waiting request may find a request row (one is free below ``max_running_requests``,
-        or an idle streaming session's row could be released)."""
+        or an idle streaming session's row could be released), or may preempt a running one,
+        or has waited past its timeout (``priority_scheduling.py``)."""
         if self.chunked_req is not None:
             return True
+        if self.waiting_queue and (self._preemption_victim() is not None or self._late()):
+            return True  # a preemption, or a waiting timeout, to act on now
         if not self.waiting_queue or len(self.running_batch) >= self.max_running_requests:
             return False
         return (
@@ -322,6 +328,7 @@ class Scheduler:
         alternate: a stream of arrivals or a long chunked prompt cannot starve running requests.
         """
         self.finish_aborted()
+        self._end_waiting_timeouts()
         if not (self.micro_batches.current.last_was_prefill
                 and not self.running_batch.is_empty()):
             batch = self._get_new_batch_prefill()
@@ -358,6 +365,12 @@ class Scheduler:
             return None
         if self._chunk_in_flight():
             return None
+        batch = self._plan_prefill()
+        while batch is None and self._preempt_one():
+            batch = self._plan_prefill()
+        return batch
+
+    def _plan_prefill(self) -> ScheduleBatch | None:
         plan = self.prefill_planner.plan(
             self.waiting_queue,
             self.chunked_req,
@@ -368,6 +381,43 @@ class Scheduler:
         )
         self.waiting_queue, self.chunked_req = plan.waiting, plan.chunked_req
         return plan.batch
+
+    def _preemption_victim(self) -> Req | None:
+        """Priority scheduling: the running request the most important waiting one may
+        preempt (``priority_scheduling.py``). Not while a chunked prefill holds KV between
+        chunks, nor with pipeline stages (their micro-batches hold requests in flight)."""
+        if self.priority is None or self.chunked_req is not None or not self.waiting_queue:
+            return None
+        if self.parallel.info.pp_size > 1 or self.loop.has_in_flight:
+            return None
+        candidate = max(self.waiting_queue, key=self.priority.importance)
+        return self.priority.victim(candidate, self.running_batch.reqs)
+
+    def _preempt_one(self) -> bool:
+        """Retract one preemption victim (its KV to the radix cache, its outputs kept) to the
+        waiting queue, so that the next plan may admit the request it makes room for."""
+        victim = self._preemption_victim()
+        if victim is None:
+            return False
+        self.running_batch.reqs.remove(victim)
+        self.waiting_queue[:0] = retract_all([victim], self.tree_cache)
+        self.num_retracted_reqs += 1
+        self.num_preempted_reqs += 1
+        logger.info("request %r (priority %d) preempted", victim.rid, victim.priority)
+        return True
+
+    def _late(self) -> list[Req]:
+        """Waiting requests past RADIXSERVE_REQ_WAITING_TIMEOUT."""
+        return timed_out(self.waiting_queue, self.settings.waiting_timeout, time.monotonic())
+
+    def _end_waiting_timeouts(self) -> None:
+        """Requests that waited past RADIXSERVE_REQ_WAITING_TIMEOUT end with a 503."""
+        late = self._late()
+        if late:
+            ids = {id(r) for r in late}
+            self.waiting_queue = [r for r in self.waiting_queue if id(r) not in ids]
+            reason = FinishAbort(message=WAITING_TIMEOUT_MESSAGE, status_code=503)
+            self.output_processor.finish_now(late, reason)
 
     def _update_running_batch(self) -> None:
         """Make room for one more token per running request (retracting if needed)."""
@@ -433,6 +483,7 @@ class Scheduler:
                 "num_cached_grammars": len(self.grammars),
                 "max_total_num_tokens": self.max_total_num_tokens,
                 "num_retracted_reqs": self.num_retracted_reqs,
+                "num_preempted_reqs": self.num_preempted_reqs,
                 "num_aborted_reqs": self.num_aborted_reqs,
                 "num_overlapped_steps": self.loop.num_steps,
                 "paused": self.paused,

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from radixserve import envs
 from radixserve.constrained import GrammarCache, create_grammar_backend
 from radixserve.distributed import ParallelState
 from radixserve.managers.scheduler.output_processor import OutputProcessor
@@ -23,6 +24,7 @@ from radixserve.managers.scheduler.overlap_schedule import OverlapLoop
 from radixserve.managers.scheduler.overlap_worker import OverlapWorker
 from radixserve.managers.scheduler.pipeline_loop import PipelineLoop
 from radixserve.managers.scheduler.prefill_planner import PrefillPlanner
+from radixserve.managers.scheduler.priority_scheduling import PriorityScheduling
 from radixserve.managers.scheduler.request_validation import RequestLimits
 from radixserve.managers.scheduler.retraction import NewTokenRatio
 from radixserve.managers.scheduler.schedule_batch import BatchResources
@@ -127,9 +129,10 @@ def build_scheduler(
         eos_token_ids=model_config.eos_token_ids,
         grammars=grammars,
     )
+    priority = priority_scheduling(server_args)
     prefill_planner = PrefillPlanner(
         batch_resources,
-        SchedulePolicy(server_args.schedule_policy, tree_cache, radix_enabled),
+        SchedulePolicy(server_args.schedule_policy, tree_cache, radix_enabled, priority),
         new_token_ratio,
         allow_chunking=not model_config.is_encoder,
     )
@@ -149,15 +152,44 @@ def build_scheduler(
         prefill_planner=prefill_planner,
         limits=limits,
         output_processor=output_processor,
+        priority=priority,
     )
     settings = SchedulerSettings(
         max_prefill_tokens=server_args.max_prefill_tokens,
         chunked_prefill_size=server_args.chunked_prefill_size,
         watchdog_timeout=server_args.watchdog_timeout,
+        waiting_timeout=waiting_timeout(parallel),
     )
     make_loop = choose_loop(server_args, parallel, tp_worker, is_generation)
     return Scheduler(
         parts, settings, send_to_tokenizer, parallel, make_loop, dp_rank, send_load
+    )
+
+
+def waiting_timeout(parallel: ParallelState) -> float:
+    """RADIXSERVE_REQ_WAITING_TIMEOUT in seconds (<= 0: none). Each rank reads its own clock,
+    and ranks that timed out different requests would run different batches: refused (the
+    server does not start) with tensor, pipeline or data parallelism across ranks."""
+    value = envs.RADIXSERVE_REQ_WAITING_TIMEOUT.get("0")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"RADIXSERVE_REQ_WAITING_TIMEOUT must be seconds, got {value!r}") from None
+    if seconds > 0 and parallel.distributed:
+        raise ValueError("RADIXSERVE_REQ_WAITING_TIMEOUT does not combine with tensor or "
+                         "pipeline parallelism")
+    return seconds
+
+
+def priority_scheduling(server_args: ServerArgs) -> PriorityScheduling | None:
+    """The priority settings with --enable-priority-scheduling (docs/priority.md), else None."""
+    if not server_args.enable_priority_scheduling:
+        return None
+    return PriorityScheduling(
+        low_values_first=server_args.schedule_low_priority_values_first,
+        preemption=not server_args.disable_priority_preemption,
+        threshold=server_args.priority_scheduling_preemption_threshold,
+        default=server_args.default_priority_value,
     )
 
 

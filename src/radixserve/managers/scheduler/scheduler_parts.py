@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from radixserve.constrained import GrammarCache
 from radixserve.managers.scheduler.output_processor import OutputProcessor
 from radixserve.managers.scheduler.prefill_planner import PrefillPlanner
+from radixserve.managers.scheduler.priority_scheduling import PriorityScheduling
 from radixserve.managers.scheduler.request_validation import RequestLimits
 from radixserve.managers.scheduler.retraction import NewTokenRatio
 from radixserve.managers.scheduler.schedule_batch import BatchResources
@@ -24,6 +25,7 @@ class SchedulerSettings:
     max_prefill_tokens: int
     chunked_prefill_size: int
     watchdog_timeout: float
+    waiting_timeout: float = 0.0  # RADIXSERVE_REQ_WAITING_TIMEOUT; <= 0: none
 
 
 @dataclass
@@ -41,3 +43,4 @@ class SchedulerParts:
     prefill_planner: PrefillPlanner
     limits: RequestLimits  # what a new request is checked against
     output_processor: OutputProcessor
+    priority: PriorityScheduling | None = None  # with --enable-priority-scheduling

@@ -66,6 +66,9 @@ class GenerateReqInput:
     # The data-parallel replica that runs every generation of the call (None: the policy's
     # choice); the TokenizerManager checks it against --dp-size.
     data_parallel_rank: int | None = None
+    # The scheduling priority of every generation of the call (--enable-priority-scheduling;
+    # docs/priority.md).
+    priority: int | None = None
 
     is_single: bool = field(default=True, init=False)
     batch_size: int = field(default=1, init=False)
@@ -286,6 +289,7 @@ class GenerateReqInput:
             lora_path=self.lora_path[i] if self.lora_path else None,
             log_metrics=self.log_metrics,
             data_parallel_rank=self.data_parallel_rank,
+            priority=self.priority,
         )
         sub.normalize()
         return sub

@@ -39,6 +39,7 @@ class RequestTokenizer:
     max_top_logprobs_num: int
     dp_size: int
     enable_lora: bool = False
+    enable_priority_scheduling: bool = False
     # The LoRA adapters the scheduler holds, name → path (lora_client.py keeps it current).
     lora_adapters: dict[str, str] = field(default_factory=dict)
 
@@ -96,6 +97,7 @@ class RequestTokenizer:
                 f"{self.dp_size} (ranks 0 to {self.dp_size - 1})"
             )
         self._check_lora(obj.lora_path)
+        self._check_priority(obj.priority)
         session_params = None
         if obj.session_params:
             try:
@@ -111,8 +113,21 @@ class RequestTokenizer:
             session_params=session_params,
             data_parallel_rank=rank,
             lora_path=obj.lora_path,
+            priority=obj.priority,
             **per_prompt_options(obj),
         )
+
+    def _check_priority(self, priority: int | None) -> None:
+        """A priority needs priority scheduling (refused, not ignored, without it) and must
+        fit in the int64 that carries it to the scheduler."""
+        if priority is None:
+            return
+        if not self.enable_priority_scheduling:
+            raise ValueError("priority needs a server started with --enable-priority-scheduling")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority must fit in 64 bits, got {priority}")
 
     def _check_lora(self, lora_path: str | None) -> None:
         """An adapter the request names must be loaded (the scheduler checks again: it may be

@@ -93,6 +93,7 @@ class TokenizerManager:
             max_top_logprobs_num=server_args.max_top_logprobs_num,
             dp_size=server_args.dp_size,
             enable_lora=server_args.enable_lora,
+            enable_priority_scheduling=server_args.enable_priority_scheduling,
             lora_adapters=server_args.lora_path_map,
         )
         # Called (on the loop) once per finished request; e.g. the HTTP layer's Prometheus hook.

@@ -101,6 +101,9 @@ class SamplingRequest(StrictRequest):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    # SGLang's extra field: the scheduling priority (--enable-priority-scheduling;
+    # docs/priority.md).
+    priority: int | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -205,6 +208,7 @@ class SamplingRequest(StrictRequest):
                         return_logprob=top_logprobs_num is not None,
                         logprob_start_len=0 if prompt_logprobs else -1,
                         top_logprobs_num=top_logprobs_num or 0,
+                        priority=self.priority,
                     )
                 )
         return inputs

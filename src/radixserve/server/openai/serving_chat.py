@@ -28,7 +28,7 @@ import jinja2
 from fastapi import APIRouter, Request, Response
 
 from radixserve.sampling.sampling_params import GRAMMAR_FIELDS
-from radixserve.server.admission import admit
+from radixserve.server.admission import admit, check_priority
 from radixserve.server.context import ServerContext, get_ctx
 from radixserve.server.errors import APIError
 from radixserve.server.generations import merged_choices
@@ -69,6 +69,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     ctx = get_ctx(request)
     lora = ctx.lora_of_model(body.model)
     admit(request, 1, body.n)
+    check_priority(ctx.server_args, body.priority)
     plan = plan_tools(body, ctx.server_args.tool_call_parser, ctx.tokenizer)
     reasoning_parser = reasoning_parser_name(ctx, body)
     prompt_text, prompt_ids = await run_sized(request, _render_and_encode, ctx, body,

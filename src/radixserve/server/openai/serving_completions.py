@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from radixserve.server.admission import admit, num_prompts
+from radixserve.server.admission import admit, check_priority, num_prompts
 from radixserve.server.context import ServerContext, get_ctx
 from radixserve.server.generations import merged_choices
 from radixserve.server.off_loop import run_sized
@@ -39,6 +39,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     ctx = get_ctx(request)
     lora = ctx.lora_of_model(body.model)
     admit(request, num_prompts(body.prompt), body.n)
+    check_priority(ctx.server_args, body.priority)
     prompts = await run_sized(request, _prompt_ids, ctx, body.prompt)  # off_loop.py
     prompt_logprobs = body.echo and body.logprobs is not None
     inputs = body.generate_inputs(prompts, ctx.context_len, body.logprobs,
