@@ -72,6 +72,8 @@ class TokenizedEmbeddingReqInput(_Msg):
     rid: str
     input_ids: list[int]
     input_text: str | None = None
+    # A cross-encoder's segment of each token (pairs); None: segment 0 throughout.
+    token_type_ids: list[int] | None = None
 
 
 class AbortReq(_Msg):

@@ -13,9 +13,11 @@ from radixserve.server.native_api import router as native_router
 from radixserve.server.ollama import router as ollama_router
 from radixserve.server.openai.responses_store import ResponseStore
 from radixserve.server.openai.serving_chat import router as chat_router
+from radixserve.server.openai.serving_classify import router as classify_router
 from radixserve.server.openai.serving_completions import router as completions_router
 from radixserve.server.openai.serving_embedding import router as embedding_router
 from radixserve.server.openai.serving_models import router as models_router
+from radixserve.server.openai.serving_rerank import router as rerank_router
 from radixserve.server.openai.serving_responses import router as responses_router
 from radixserve.server.openai.serving_score import router as score_router
 from radixserve.server.request_guard import MAX_BODY_BYTES, RequestGuard
@@ -41,6 +43,8 @@ def create_app(ctx: ServerContext, max_body_bytes: int = MAX_BODY_BYTES) -> Fast
     app.include_router(models_router)
     app.include_router(responses_router)
     app.include_router(score_router)
+    app.include_router(rerank_router)
+    app.include_router(classify_router)
     app.include_router(ollama_router)
     app.add_middleware(RequestGuard, ctx=ctx, max_body_bytes=max_body_bytes)
     return app

@@ -45,7 +45,8 @@ MAX_HEADER_BYTES = 16 * 1024
 # Routes that run the model: they count as in flight (drain) and get an admission ticket.
 GENERATION_PATHS = frozenset(
     {"/generate", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/encode",
-     "/v1/embeddings", "/v1/score",
+     "/v1/embeddings", "/v1/score", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/classify",
+     "/classify",
      "/api/chat", "/api/generate", "/api/embed"}  # Ollama's
 )
 OLLAMA_PREFIX = "/api/"  # Ollama's routes: errors are {"error": message} there
