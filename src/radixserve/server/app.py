@@ -21,6 +21,7 @@ from radixserve.server.openai.serving_rerank import router as rerank_router
 from radixserve.server.openai.serving_responses import router as responses_router
 from radixserve.server.openai.serving_score import router as score_router
 from radixserve.server.request_guard import MAX_BODY_BYTES, RequestGuard
+from radixserve.server.weight_sync_api import router as weight_sync_router
 from radixserve.version import __version__
 
 
@@ -36,6 +37,7 @@ def create_app(ctx: ServerContext, max_body_bytes: int = MAX_BODY_BYTES) -> Fast
     install_error_handlers(app)
     app.include_router(native_router)
     app.include_router(control_router)
+    app.include_router(weight_sync_router)
     app.include_router(dashboard_router)
     app.include_router(chat_router)
     app.include_router(completions_router)

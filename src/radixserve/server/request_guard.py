@@ -56,7 +56,8 @@ CONTROL_PATHS = frozenset({
     "/release_memory_occupation", "/resume_memory_occupation", "/start_profile", "/stop_profile",
     "/set_internal_state", "/slow_down", "/freeze_gc", "/pause_generation",
     "/continue_generation", "/dashboard", "/dashboard/state", "/load_lora_adapter",
-    "/unload_lora_adapter",
+    "/unload_lora_adapter", "/init_weights_update_group", "/update_weights_from_distributed",
+    "/destroy_weights_update_group",
 })
 # A browser opens these without headers: they also take the key as ``?key=``.
 DASHBOARD_PATHS = frozenset({"/dashboard", "/dashboard/state"})

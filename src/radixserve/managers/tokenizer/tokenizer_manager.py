@@ -508,6 +508,17 @@ class TokenizerManager:
             await asyncio.sleep(0.01)
             self._check_alive()
 
+    @contextlib.asynccontextmanager
+    async def weights_exclusive(self, abort: bool) -> AsyncIterator[None]:
+        """For a change of the weights: one at a time, admission paused, the requests in flight
+        finished (or aborted) first; admission resumes after."""
+        async with self._exclusive:
+            try:
+                await self._drain(abort)
+                yield
+            finally:
+                self._admission.set()
+
     async def update_weights_from_disk(
         self, model_path: str, load_format: str | None = None, abort_all_requests: bool = False
     ) -> str:
