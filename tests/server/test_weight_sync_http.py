@@ -72,10 +72,18 @@ def test_weight_sync_refusals_without_a_group(tp_server):
         assert r.status_code == 400 and "no weights update group named 'none'" in r.text
         r = c.post("/destroy_weights_update_group", json={"group_name": "none"})
         assert r.status_code == 400 and "none" in r.text
-        r = c.post("/init_weights_update_group", json={
-            "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
-            "world_size": 2, "backend": "nccl"})
-        assert r.status_code == 400 and "nccl" in r.text
+        init = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
+                "world_size": 3, "backend": "gloo"}
+        for change, needle in [
+            ({"backend": "nccl"}, "nccl needs CUDA"),
+            ({"world_size": 2}, "do not fit in world_size 2"),
+            ({"master_address": "no-such-host.invalid"}, "does not resolve"),
+            ({"master_address": "0.0.0.0"}, "no host to connect to"),
+            ({}, "nothing listens at 127.0.0.1"),  # after the wait for the trainer's store
+        ]:
+            r = c.post("/init_weights_update_group", json={**init, **change})
+            assert r.status_code == 400 and needle in r.text, (change, r.text)
+        assert greedy(c) == greedy(c)  # the scheduler was never blocked
         r = c.post("/update_weights_from_distributed", json={
             "names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "weight_version": "v1"})
         assert r.status_code == 400 and "weight_version" in r.text
