@@ -185,9 +185,12 @@ def test_yes_no_reranker_matches_transformers(qwen_server, qwen_path):
         ("/v1/rerank", {"query": QUERY, "documents": DOCS, "rank_fields": ["a"]}, "rank_fields"),
         ("/v1/rerank", {"query": QUERY, "documents": DOCS, "bogus": 1}, "bogus"),
         ("/v1/embeddings", {"input": "hi"}, "classifier"),
+        ("/api/embed", {"input": "hi"}, "classifier"),
     ],
 )
 def test_bad_rerank_requests_get_400(bert_server, route, body, needle):
+    if route.startswith("/api/"):  # Ollama's routes need the model named
+        body = {**body, "model": bert_server.model}
     r = _post(bert_server, route, body)
     assert r.status_code == 400, r.text
     assert needle in r.text

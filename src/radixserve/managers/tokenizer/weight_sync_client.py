@@ -3,10 +3,10 @@
 
 Joining and leaving the weights update group are control calls; a join blocks the scheduler
 until every member has joined, so before sending it the server checks what it can: the engine's
-ranks fit in ``world_size``, and the trainer's store (rank 0) listens at ``master_address:
-master_port`` within ``MASTER_WAIT_S`` (the trainer starts it as it posts the request). A bogus
-address or a port where nothing listens is then a 400 at once, not a scheduler stuck in a
-rendezvous. An update pauses admission and lets the requests in flight
+ranks fit in ``world_size``, and a torch.distributed store (the trainer's, rank 0) answers at
+``master_address:master_port`` within ``MASTER_WAIT_S`` (the trainer starts it as it posts the
+request). A bogus address or a port where no store answers is then a 400 within seconds, not a
+scheduler stuck in a rendezvous. An update pauses admission and lets the requests in flight
 finish first (``abort_all_requests`` aborts them instead), as ``update_weights_from_disk`` does,
 then resumes. A refusal raises ``ValueError`` with the scheduler's reason (a 400 at the HTTP edge)
 and the old weights keep serving.
@@ -15,12 +15,13 @@ and the old weights keep serving.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import datetime
 import ipaddress
 import socket
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed import TCPStore
 
 from radixserve.managers import io_struct
 from radixserve.model_config import resolve_device
@@ -53,8 +54,9 @@ async def init_weights_update_group(
 
 
 async def wait_for_master(address: str, port: int, wait_s: float) -> None:
-    """Return once a TCP connection to ``address:port`` succeeds; ``ValueError`` if the
-    address does not resolve, is unspecified, or nothing listens there within ``wait_s``."""
+    """Return once a torch.distributed store (the trainer's, rank 0) answers at
+    ``address:port``; ``ValueError`` if the address does not resolve, is unspecified, or no
+    store answers within ``wait_s`` (a probe client: it does not count as a member)."""
     loop = asyncio.get_running_loop()
     try:
         infos = await asyncio.wait_for(
@@ -65,22 +67,16 @@ async def wait_for_master(address: str, port: int, wait_s: float) -> None:
         raise ValueError(f"master_address {address!r} does not resolve: {e}") from e
     if unspecified:
         raise ValueError(f"master_address {address!r} is no host to connect to")
-    deadline = loop.time() + wait_s
-    while True:
-        try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), wait_s)
-        except ConnectionRefusedError:
-            if loop.time() >= deadline:
-                raise ValueError(f"nothing listens at {address}:{port} (the trainer's store, "
-                                 f"rank 0) after {wait_s:g} s") from None
-            await asyncio.sleep(0.05)
-            continue
-        except (OSError, TimeoutError) as e:
-            raise ValueError(f"cannot reach {address}:{port}: {e}") from e
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-        return
+
+    def probe() -> None:
+        TCPStore(host, port, None, False, datetime.timedelta(seconds=wait_s),
+                 wait_for_workers=False)
+
+    try:
+        await asyncio.to_thread(probe)
+    except (RuntimeError, OSError, ValueError) as e:
+        raise ValueError(f"no torch.distributed store (the trainer's, rank 0) answers at "
+                         f"{address}:{port} within {wait_s:g} s") from e
 
 
 async def destroy_weights_update_group(
