@@ -17,7 +17,7 @@ Two ways in, one way to apply:
 is checked first (a name of the served checkpoint, the shape that checkpoint has, a floating
 dtype), so a wrong one raises ``ValueError`` naming it and no weight has changed; then each goes
 through its parameter's loader (which takes this rank's shard under tensor parallelism and
-converts the dtype), and the touched layers are packed again for their kernels.
+converts the dtype); the runner then packs the model's layers again for their kernels.
 """
 
 from __future__ import annotations
