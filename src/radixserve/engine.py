@@ -35,7 +35,7 @@ from radixserve.managers.launcher import (
     terminate_processes,
     watch_processes,
 )
-from radixserve.managers.tokenizer import lora_client
+from radixserve.managers.tokenizer import lora_client, weight_sync_client
 from radixserve.managers.tokenizer.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer.tokenizer_manager import TokenizerManager
 from radixserve.registry_choices import check_registry_choices
@@ -324,6 +324,56 @@ class Engine:
         message = self._run(
             self._live_manager.update_weights_from_disk(model_path, load_format, abort_all_requests)
         )
+        return {"success": True, "message": message}
+
+    # ------------------------------------------------------------------ RL weight sync
+    # SGLang's calls (docs/weight-sync.md); each returns {"success", "message"} and raises
+    # ValueError with the reason on refusal, the old weights serving on.
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str = "weight_update_group", backend: str | None = None,
+    ) -> dict[str, Any]:
+        """Join a trainer's torch.distributed group (the trainer is rank 0, this engine's ranks
+        ``rank_offset`` + rank); blocks until every member has joined. ``backend`` None: gloo
+        on CPU, nccl on CUDA."""
+        req = io_struct.InitWeightsUpdateGroupReqInput(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+            world_size=world_size, group_name=group_name, backend=backend)
+        message = self._run(
+            weight_sync_client.init_weights_update_group(self._live_manager, req))
+        return {"success": True, "message": message}
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+        group_name: str = "weight_update_group", flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        """Receive one broadcast from the trainer (rank 0) per (name, dtype, shape), in order,
+        and load them; blocks until all have arrived."""
+        req = io_struct.UpdateWeightsFromDistributedReqInput(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
+            flush_cache=flush_cache)
+        message = self._run(weight_sync_client.update_weights_from_distributed(
+            self._live_manager, req, abort_all_requests))
+        return {"success": True, "message": message}
+
+    def update_weights_from_tensor(
+        self, named_tensors: list[tuple[str, Any]], load_format: str | None = None,
+        flush_cache: bool = True, abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        """Load (checkpoint name, full tensor) pairs, handed to the scheduler ranks in shared
+        memory (no file). ``load_format``: None or "auto" only."""
+        if load_format not in (None, "auto"):
+            raise ValueError(f"load_format {load_format!r} is not supported (None, auto)")
+        message = self._run(weight_sync_client.update_weights_from_tensor(
+            self._live_manager, list(named_tensors), flush_cache, abort_all_requests))
+        return {"success": True, "message": message}
+
+    def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group"
+    ) -> dict[str, Any]:
+        message = self._run(
+            weight_sync_client.destroy_weights_update_group(self._live_manager, group_name))
         return {"success": True, "message": message}
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:

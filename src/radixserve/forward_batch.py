@@ -67,6 +67,8 @@ class ForwardBatch:
     input_logprob_targets: list[int] | None = None
     # Each request's LoRA adapter slot (-1: the base model); None when no request has one.
     lora_slots: list[int] | None = None
+    # Encoders' segment ids, one per token (pairs given to a cross-encoder); None: all 0.
+    token_type_ids: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -23,6 +23,7 @@ from radixserve.layers.quantization import QuantizationConfig, resolve_quantizat
 from radixserve.model_registry import (
     SUPPORTED_ARCHITECTURES,
     hidden_act_of,
+    is_classifier,
     is_encoder,
     supported_architecture,
 )
@@ -181,6 +182,26 @@ class ModelConfig:
         """A bidirectional encoder (BERT): it embeds, never generates, and keeps no KV cache."""
         return is_encoder(self.architecture)
 
+    @property
+    def is_classifier(self) -> bool:
+        """A sequence classifier (cross-encoder): its output is one logit per label."""
+        return is_classifier(self.architecture)
+
+    @property
+    def labels(self) -> list[str]:
+        """A classifier's label names in logit order (``id2label``, else ``LABEL_i`` for each of
+        ``num_labels``, transformers' defaults); empty for other models."""
+        if not self.is_classifier:
+            return []
+        id2label = self.hf_config.get("id2label") or {}
+        if id2label:
+            return [str(id2label[k]) for k in sorted(id2label, key=int)]
+        return [f"LABEL_{i}" for i in range(int(self.hf_config.get("num_labels", 2)))]
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
+
     @classmethod
     def from_path(
         cls,
@@ -226,10 +247,13 @@ class ModelConfig:
         num_heads = int(need("num_attention_heads"))
         hidden_size = int(need("hidden_size"))
         max_pos = int(need("max_position_embeddings"))
-        if context_length is not None and context_length > max_pos:
+        usable = max_pos  # XLM-R's positions start at pad_token_id + 1
+        if arch == "XLMRobertaForSequenceClassification":
+            usable -= int(hf.get("pad_token_id", 1)) + 1
+        if context_length is not None and context_length > usable:
             raise ValueError(
                 f"context_length {context_length} is larger than the model's "
-                f"max_position_embeddings {max_pos}"
+                f"max_position_embeddings {usable}"
             )
         rope_theta, rope_scaling = _rope(hf)
         act = hidden_act_of(arch)
@@ -238,7 +262,7 @@ class ModelConfig:
                 f"hidden_act {hf['hidden_act']!r} is not supported for {arch} (only {act})"
             )
 
-        context_len = min(max_pos, context_length or max_pos)
+        context_len = min(usable, context_length or usable)
         window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
         if window is not None and window < context_len:
             logger.warning(

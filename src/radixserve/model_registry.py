@@ -23,13 +23,21 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "BertModel": ("bert", "BertModel"),
+    "BertForSequenceClassification": ("bert_classifier", "BertForSequenceClassification"),
+    "XLMRobertaForSequenceClassification": (
+        "bert_classifier", "XLMRobertaForSequenceClassification"
+    ),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 # Bidirectional encoders: embedding-only, no KV cache, no generation.
-ENCODER_ARCHITECTURES: tuple[str, ...] = ("BertModel",)
+# Sequence classifiers (cross-encoders): encoders whose output is one logit per label.
+CLASSIFIER_ARCHITECTURES: tuple[str, ...] = (
+    "BertForSequenceClassification", "XLMRobertaForSequenceClassification"
+)
+ENCODER_ARCHITECTURES: tuple[str, ...] = ("BertModel", *CLASSIFIER_ARCHITECTURES)
 # The MLP activation each family implements.
-_HIDDEN_ACT = {"BertModel": "gelu"}
+_HIDDEN_ACT = dict.fromkeys(ENCODER_ARCHITECTURES, "gelu")
 
 
 def supported_architecture(names: list[str]) -> str | None:
@@ -40,6 +48,11 @@ def supported_architecture(names: list[str]) -> str | None:
 def is_encoder(architecture: str) -> bool:
     """Whether ``architecture`` is a bidirectional encoder (embeddings only, no KV cache)."""
     return architecture in ENCODER_ARCHITECTURES
+
+
+def is_classifier(architecture: str) -> bool:
+    """Whether ``architecture`` is a sequence classifier (its output: one logit per label)."""
+    return architecture in CLASSIFIER_ARCHITECTURES
 
 
 def hidden_act_of(architecture: str) -> str:

@@ -75,6 +75,8 @@ class TokenizedEmbeddingReqInput(_Msg):
     rid: str
     input_ids: list[int]
     input_text: str | None = None
+    # A cross-encoder's segment of each token (pairs); None: segment 0 throughout.
+    token_type_ids: list[int] | None = None
 
 
 class AbortReq(_Msg):
@@ -137,6 +139,40 @@ class LoadLoRAAdapterReqInput(_Msg):
 
 class UnloadLoRAAdapterReqInput(_Msg):
     lora_name: str
+
+
+class InitWeightsUpdateGroupReqInput(_Msg):
+    """Join a weights update group with an RL trainer (SGLang's fields; ``weight_sync.py``).
+    ``backend`` None: the device's (gloo on CPU, nccl on CUDA)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str | None = None
+
+
+class UpdateWeightsFromDistributedReqInput(_Msg):
+    """Receive one broadcast per (name, dtype, shape) from rank 0 of ``group_name``."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+
+
+class UpdateWeightsFromTensorReqInput(_Msg):
+    """Tensors in the shared-memory block ``shm_name``: (name, dtype, shape, byte offset)."""
+
+    shm_name: str
+    layout: list[tuple[str, str, list[int], int]]
+    flush_cache: bool = True
+
+
+class DestroyWeightsUpdateGroupReqInput(_Msg):
+    group_name: str = "weight_update_group"
 
 
 class GetWeightsByNameReqInput(_Msg):
@@ -316,6 +352,14 @@ class LoRAUpdateOutput(_Msg):
     loaded_adapters: dict[str, str] = {}
 
 
+class WeightsUpdateReqOutput(_Msg):
+    """The reply to the weight-sync requests (init, update from distributed or tensors,
+    destroy)."""
+
+    success: bool
+    message: str
+
+
 class GetWeightsByNameReqOutput(_Msg):
     parameter: list[Any] | None  # the first truncate_size rows (or values), as float lists
     message: str = ""
@@ -423,6 +467,10 @@ Message = Union[  # noqa: UP007 - msgspec needs a real Union object here
     ContinueGenerationReqInput,
     UpdateWeightFromDiskReqInput,
     GetWeightsByNameReqInput,
+    InitWeightsUpdateGroupReqInput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromTensorReqInput,
+    DestroyWeightsUpdateGroupReqInput,
     LoadLoRAAdapterReqInput,
     UnloadLoRAAdapterReqInput,
     ReleaseMemoryOccupationReqInput,
@@ -444,6 +492,7 @@ Message = Union[  # noqa: UP007 - msgspec needs a real Union object here
     ContinueGenerationReqOutput,
     UpdateWeightFromDiskReqOutput,
     GetWeightsByNameReqOutput,
+    WeightsUpdateReqOutput,
     LoRAUpdateOutput,
     ReleaseMemoryOccupationReqOutput,
     ResumeMemoryOccupationReqOutput,

@@ -162,6 +162,8 @@ class ModelRunner:
             logger.info("attention backend: %s", self.attention_backend)
         self.model: Any = self._load_model(model_config)
         self.released: set[str] = set()  # memory given back by release_memory (MEMORY_TAGS)
+        # The served checkpoint's tensor shapes, read on the first weight sync.
+        self._checkpoint_shapes: dict[str, list[int]] | None = None
         if self.lora is not None:
             load_initial_adapters(self.lora, settings.lora_paths)
         self.cuda_graph_batch_sizes = self._cuda_graph_batch_sizes(
@@ -339,6 +341,26 @@ class ModelRunner:
         self.model, self.model_config = model, config
         self._capture_cuda_graphs()  # the graphs read the old weights' addresses
         logger.info("weights updated from %s", model_path)
+
+    def update_weights_from_tensors(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Write (checkpoint name, full tensor) pairs into the served weights (RL weight sync,
+        ``weight_sync.py``): all are checked first, so a wrong name, shape or dtype raises
+        ``ValueError`` with nothing changed; then the layers are packed again for their kernels.
+        The caller makes sure no batch runs meanwhile and flushes the cache as asked."""
+        from radixserve.layers.packed_weight import prepack_model
+        from radixserve.model_executor import weight_sync
+
+        if "weights" in self.released:
+            raise ValueError("the weights are released (release_memory_occupation)")
+        if self.model_config.quantization is not None:
+            raise ValueError("weight sync of quantized (int8) weights is not supported")
+        if self._checkpoint_shapes is None:
+            self._checkpoint_shapes = weight_sync.checkpoint_shapes(self.model_config.model_path)
+        weight_sync.check_named_tensors(named_tensors, self._checkpoint_shapes)
+        weight_sync.load_named_tensors(self.model, named_tensors)
+        prepack_model(self.model, psutil.virtual_memory().total, self.batch_invariant,
+                      self.cpu_kernel_autotune)
+        self._capture_cuda_graphs()  # the graphs read the old packed layouts
 
     def get_weights_by_name(self, name: str, truncate_size: int) -> list[Any]:
         """The first ``truncate_size`` rows (or values) of checkpoint tensor ``name`` as the

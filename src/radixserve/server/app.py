@@ -16,12 +16,15 @@ from radixserve.server.openai.batch_store import BatchStore
 from radixserve.server.openai.responses_store import ResponseStore
 from radixserve.server.openai.serving_batch import router as batch_router
 from radixserve.server.openai.serving_chat import router as chat_router
+from radixserve.server.openai.serving_classify import router as classify_router
 from radixserve.server.openai.serving_completions import router as completions_router
 from radixserve.server.openai.serving_embedding import router as embedding_router
 from radixserve.server.openai.serving_models import router as models_router
+from radixserve.server.openai.serving_rerank import router as rerank_router
 from radixserve.server.openai.serving_responses import router as responses_router
 from radixserve.server.openai.serving_score import router as score_router
 from radixserve.server.request_guard import MAX_BODY_BYTES, RequestGuard
+from radixserve.server.weight_sync_api import router as weight_sync_router
 from radixserve.version import __version__
 
 
@@ -43,6 +46,7 @@ def create_app(ctx: ServerContext, max_body_bytes: int = MAX_BODY_BYTES) -> Fast
     install_error_handlers(app)
     app.include_router(native_router)
     app.include_router(control_router)
+    app.include_router(weight_sync_router)
     app.include_router(dashboard_router)
     app.include_router(chat_router)
     app.include_router(completions_router)
@@ -50,6 +54,8 @@ def create_app(ctx: ServerContext, max_body_bytes: int = MAX_BODY_BYTES) -> Fast
     app.include_router(models_router)
     app.include_router(responses_router)
     app.include_router(score_router)
+    app.include_router(rerank_router)
+    app.include_router(classify_router)
     app.include_router(ollama_router)
     app.include_router(batch_router)
     app.add_middleware(RequestGuard, ctx=ctx, max_body_bytes=max_body_bytes)

@@ -45,7 +45,8 @@ MAX_HEADER_BYTES = 16 * 1024
 # Routes that run the model: they count as in flight (drain) and get an admission ticket.
 GENERATION_PATHS = frozenset(
     {"/generate", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/encode",
-     "/v1/embeddings", "/v1/score",
+     "/v1/embeddings", "/v1/score", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/classify",
+     "/classify",
      "/api/chat", "/api/generate", "/api/embed"}  # Ollama's
 )
 OLLAMA_PREFIX = "/api/"  # Ollama's routes: errors are {"error": message} there
@@ -55,7 +56,8 @@ CONTROL_PATHS = frozenset({
     "/release_memory_occupation", "/resume_memory_occupation", "/start_profile", "/stop_profile",
     "/set_internal_state", "/slow_down", "/freeze_gc", "/pause_generation",
     "/continue_generation", "/dashboard", "/dashboard/state", "/load_lora_adapter",
-    "/unload_lora_adapter",
+    "/unload_lora_adapter", "/init_weights_update_group", "/update_weights_from_distributed",
+    "/destroy_weights_update_group",
 })
 # A browser opens these without headers: they also take the key as ``?key=``.
 DASHBOARD_PATHS = frozenset({"/dashboard", "/dashboard/state"})

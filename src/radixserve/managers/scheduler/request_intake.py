@@ -126,6 +126,7 @@ class RequestIntake:
         """Queue an embedding: a prefill that samples nothing (``max_new_tokens`` 0)."""
         self.num_received_reqs += 1
         req = Req(msg.rid, list(msg.input_ids), SamplingParams(max_new_tokens=0))
+        req.token_type_ids = msg.token_type_ids
         if self.control.released:
             self._reject(req, self.control.released_message(), status_code=503)
             return

@@ -112,6 +112,8 @@ class Req:
         self.lora_path: str | None = None
         self.lora_slot = -1
         self.lora_namespace = 0
+        # An encoder's segment ids for origin_input_ids (cross-encoder pairs), else None.
+        self.token_type_ids: list[int] | None = None
 
         # Memory state (see the module docstring's table).
         self.req_pool_idx: int | None = None
@@ -543,6 +545,9 @@ class ScheduleBatch:
                 else None
             ),
         )
+        if is_extend and any(r.token_type_ids for r in self.reqs):  # encoders: whole inputs
+            types = [t for r in self.reqs for t in (r.token_type_ids or [0] * r.extend_input_len)]
+            forward_batch.token_type_ids = torch.tensor(types, device=self.input_ids.device)
         if is_extend and any(r.wants_input_logprobs for r in self.reqs):
             self._plan_input_logprobs(forward_batch)
         return forward_batch

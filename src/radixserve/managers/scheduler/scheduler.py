@@ -63,6 +63,7 @@ from radixserve.managers.scheduler.schedule_batch import (
 from radixserve.managers.scheduler.scheduler_control import SchedulerControl
 from radixserve.managers.scheduler.scheduler_loop import LoopScheduler, SchedulerLoop
 from radixserve.managers.scheduler.scheduler_stats import LoadReporter, SchedulerStats
+from radixserve.managers.scheduler.weight_sync_control import WeightSyncControl
 from radixserve.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -157,6 +158,7 @@ class Scheduler:
                 (CloseSessionReqInput, lambda msg: self.sessions.close(msg.session_id)),
                 *self.control.handlers(),
                 *LoRAControl(self.tp_worker.model_runner.lora).handlers(),
+                *WeightSyncControl(self).handlers(),
             ]
         )
 

@@ -80,6 +80,12 @@ CONTROL_CALLS: dict[type, ControlCall] = {
         io_struct.GetWeightsByNameReqOutput,
         lambda reply: reply.message if reply.parameter is None else None,
     ),
+    # RL weight sync (weight_sync_client.py); one reply type, one request in flight at a time.
+    **dict.fromkeys(
+        (io_struct.InitWeightsUpdateGroupReqInput, io_struct.UpdateWeightsFromDistributedReqInput,
+         io_struct.UpdateWeightsFromTensorReqInput, io_struct.DestroyWeightsUpdateGroupReqInput),
+        ControlCall(io_struct.WeightsUpdateReqOutput, _unsuccessful),
+    ),
     io_struct.ReleaseMemoryOccupationReqInput: ControlCall(
         io_struct.ReleaseMemoryOccupationReqOutput, _unsuccessful
     ),

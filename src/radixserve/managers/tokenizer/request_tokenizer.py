@@ -43,14 +43,20 @@ class RequestTokenizer:
     # The LoRA adapters the scheduler holds, name → path (lora_client.py keeps it current).
     lora_adapters: dict[str, str] = field(default_factory=dict)
 
-    def embedding(self, obj: GenerateReqInput) -> TokenizedEmbeddingReqInput:
-        """The scheduler message of one input to embed."""
+    def embedding(
+        self, obj: GenerateReqInput, token_type_ids: list[int] | None = None
+    ) -> TokenizedEmbeddingReqInput:
+        """The scheduler message of one input to embed (``token_type_ids``: its ids' segments,
+        one per id, for a cross-encoder's pair)."""
         if obj.input_ids is not None:
             input_ids = list(obj.input_ids)
         else:
             input_ids = self.encode_text(obj.text)
         check_embedding(input_ids, vocab_size=self.vocab_size, context_len=self.context_len)
-        return TokenizedEmbeddingReqInput(rid=obj.rid, input_ids=input_ids, input_text=obj.text)
+        if token_type_ids is not None and len(token_type_ids) != len(input_ids):
+            raise ValueError(f"{len(token_type_ids)} token_type_ids for {len(input_ids)} tokens")
+        return TokenizedEmbeddingReqInput(rid=obj.rid, input_ids=input_ids, input_text=obj.text,
+                                          token_type_ids=token_type_ids)
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of a prompt; ``ValueError`` for text the tokenizer cannot read (a lone

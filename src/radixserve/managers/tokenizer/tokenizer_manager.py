@@ -257,9 +257,12 @@ class TokenizerManager:
             raise ValueError(where + why) from e
 
     # ------------------------------------------------------------------ embeddings
-    async def encode_request(self, obj: GenerateReqInput) -> dict[str, Any] | list[dict[str, Any]]:
+    async def encode_request(
+        self, obj: GenerateReqInput, token_type_ids: list[list[int]] | None = None
+    ) -> dict[str, Any] | list[dict[str, Any]]:
         """Embed ``obj``'s one input (→ dict) or batch (→ list, in input order). An embedding
         reads only ``text`` or ``input_ids``, and ``rid``: it samples nothing.
+        ``token_type_ids``: the segments of each input's ids (cross-encoder pairs).
 
         Each output is ``{"embedding": [float, ...], "meta_info": {"id", "prompt_tokens",
         "cached_tokens", "finish_reason"}}``. Invalid input raises ``ValueError`` before anything
@@ -276,7 +279,8 @@ class TokenizerManager:
         reqs = []
         for i in range(obj.batch_size):
             try:
-                reqs.append(self.request_tokenizer.embedding(obj[i]))
+                types = None if token_type_ids is None else token_type_ids[i]
+                reqs.append(self.request_tokenizer.embedding(obj[i], types))
             except ValueError as e:
                 raise ValueError(f"input {i}: {e}" if not obj.is_single else str(e)) from e
         prepared = PreparedGenerate(obj, reqs, [self._encode(req) for req in reqs])
@@ -504,6 +508,17 @@ class TokenizerManager:
         while self._states:
             await asyncio.sleep(0.01)
             self._check_alive()
+
+    @contextlib.asynccontextmanager
+    async def weights_exclusive(self, abort: bool) -> AsyncIterator[None]:
+        """For a change of the weights: one at a time, admission paused, the requests in flight
+        finished (or aborted) first; admission resumes after."""
+        async with self._exclusive:
+            try:
+                await self._drain(abort)
+                yield
+            finally:
+                self._admission.set()
 
     async def update_weights_from_disk(
         self, model_path: str, load_format: str | None = None, abort_all_requests: bool = False

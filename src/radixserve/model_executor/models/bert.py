@@ -8,7 +8,8 @@ pads them to ``[batch, longest, ...]`` and masks the padding keys.
 Parameter names are those of a Hugging Face ``BertModel`` checkpoint, except that
 ``query``/``key``/``value`` are fused into ``qkv_proj`` (``packed_modules_mapping``). The output is
 the mean of each request's last hidden states, L2-normalised: sentence-transformers' default for
-these models. Only single-segment inputs are supported (token type 0).
+these models. Inputs are single segments (token type 0); the cross-encoders built on these
+layers (``bert_classifier.py``) also take pairs.
 """
 
 from __future__ import annotations
@@ -45,9 +46,17 @@ class BertEmbeddings(nn.Module):
         )
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``token_type_ids`` (pair inputs of a cross-encoder): None is segment 0 throughout."""
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
-        return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        if token_type_ids is None:
+            return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        return self.LayerNorm(x + self.token_type_embeddings(token_type_ids))
 
 
 class BertSelfAttention(nn.Module):

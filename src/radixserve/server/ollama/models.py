@@ -176,6 +176,9 @@ async def embed(body: EmbedRequest, request: Request) -> dict[str, Any]:
     started = time.perf_counter_ns()
     ctx = get_ctx(request)
     check_model(ctx, body.model)
+    if ctx.tokenizer_manager.model_config.is_classifier:
+        raise APIError(400, "this model is a sequence classifier (cross-encoder), not an "
+                       "embedding model: use /v1/classify or /v1/rerank")
     admit(request, num_prompts(body.input), prompt_param="input")
     texts = [body.input] if isinstance(body.input, str) else body.input
     if not texts:

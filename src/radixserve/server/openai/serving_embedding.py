@@ -58,6 +58,9 @@ def _encoded(embedding: list[float], encoding_format: str) -> list[float] | str:
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
     ctx = get_ctx(request)
     ctx.check_model(body.model)
+    if ctx.tokenizer_manager.model_config.is_classifier:
+        raise APIError(400, "this model is a sequence classifier (cross-encoder), not an "
+                       "embedding model: use /v1/classify or /v1/rerank")
     admit(request, num_prompts(body.input), prompt_param="input")
     size = int(ctx.tokenizer_manager.model_config.hidden_size)
     if body.dimensions is not None and body.dimensions != size:
