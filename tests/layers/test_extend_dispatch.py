@@ -80,6 +80,11 @@ def test_tune_chooses_the_faster_per_cell_and_the_cache_answers_the_next_start(t
         assert name == (xd.SDPA if xd.cell_sizes(cell)[0] >= 256 else xd.NATIVE)
     stored = json.loads(kd.DispatchCache(tmp_path, IDENTITY).path.read_text())
     assert set(stored["entries"]) == {SHAPE.key()}
+    # what the benchmarks print: the same table read back, or the static one where none is
+    assert xd.cached_or_static(SHAPE, static, kd.DispatchCache(tmp_path, IDENTITY)) == (
+        table, "measured")
+    empty = kd.DispatchCache(tmp_path / "none", IDENTITY)
+    assert xd.cached_or_static(SHAPE, static, empty) == (static, "static")
 
     again, calls_again = timings(sdpa_faster_from_extend=0)  # must not be asked
     assert xd.tune(SHAPE, static, kd.DispatchCache(tmp_path, IDENTITY), measure_fn=again) == table

@@ -139,6 +139,7 @@ class _SdpaPlan:
     batch for all layers."""
 
     sdpa: list[tuple[int, int, int, int]]  # (first row, extend, prefix, pool row) per request
+    sdpa_rows: torch.Tensor | None  # their token rows (None: all rows)
     native_requests: torch.Tensor | None  # indices of the kernel's requests (None: no such)
     native_rows: torch.Tensor | None  # their token rows
 
@@ -149,21 +150,27 @@ class _SdpaPlan:
     ) -> _SdpaPlan:
         starts = [0, *itertools.accumulate(extend_lens)]
         pool_rows = req_pool_indices.tolist()
-        sdpa, native, rows = [], [], []
+        sdpa, native, rows, sdpa_rows = [], [], [], []
         for i, choice in enumerate(choices):
+            span = range(starts[i], starts[i + 1])
             if choice == xd.SDPA:
                 sdpa.append((starts[i], extend_lens[i], prefix_lens[i], pool_rows[i]))
+                sdpa_rows.extend(span)
             else:
                 native.append(i)
-                rows.extend(range(starts[i], starts[i + 1]))
+                rows.extend(span)
         if not native:
-            return cls(sdpa, None, None)
-        return cls(sdpa, torch.tensor(native), torch.tensor(rows))
+            return cls(sdpa, None, None, None)
+        return cls(sdpa, torch.tensor(sdpa_rows), torch.tensor(native), torch.tensor(rows))
 
     def attend(self, b: xd.PagedExtend) -> torch.Tensor:
-        """The kernel for its requests (on their rows), SDPA for the others, one output."""
-        b.k_buffer[b.loc] = b.k  # SDPA reads prefixed requests' K/V from the pool
-        b.v_buffer[b.loc] = b.v
+        """The kernel for its requests (on their rows), SDPA for the others, one output. The
+        SDPA requests' new K/V go into the pool first (the kernel writes its own): later steps
+        read them, and SDPA reads a prefixed request's whole K/V from there."""
+        rows = self.sdpa_rows
+        loc, k, v = (b.loc, b.k, b.v) if rows is None else (b.loc[rows], b.k[rows], b.v[rows])
+        b.k_buffer.index_copy_(0, loc, k)
+        b.v_buffer.index_copy_(0, loc, v)
         out = torch.empty_like(b.q)
         if self.native_requests is not None:
             reqs, rows = self.native_requests, self.native_rows

@@ -237,6 +237,17 @@ def measure(
     return seconds
 
 
+def cached_or_static(
+    shape: Shape, static: tuple[str, ...], cache: kernel_dispatch.DispatchCache
+) -> tuple[tuple[str, ...], str]:
+    """The table ``tune`` gives ``shape`` from ``cache`` without measuring, and whether any
+    cell of it was ``measured`` or it is all ``static`` (for benchmarks that report it)."""
+    seconds = cache.get(shape.key()) if len(shape.candidates) > 1 else None
+    if not seconds or all(v is None for values in seconds.values() for v in values):
+        return static, "static"
+    return kernel_dispatch.choose(seconds, static), "measured"
+
+
 MeasureFn = Callable[[Shape, Sequence[int], float], dict[str, list[float | None]]]
 
 
