@@ -213,12 +213,21 @@ def measure(
 ) -> dict[str, list[float | None]]:
     """Seconds of one request per candidate in ``cells`` (cheapest first), the candidates taking
     turns; best of up to three calls (one when a call takes over 20 ms). None past
-    ``budget_end``. One KV head: both candidates' time grows with the KV heads alike."""
+    ``budget_end``, and for the cells the last one's time predicts would end past it. One KV
+    head: both candidates' time grows with the KV heads alike."""
     seconds: dict[str, list[float | None]] = {n: [None] * NUM_CELLS for n in shape.candidates}
     gen = torch.Generator().manual_seed(0)
     heads = shape.group * kv_heads
-    for cell in sorted(cells, key=lambda c: cell_sizes(c)[0] * sum(cell_sizes(c))):
-        if time.perf_counter() > budget_end:
+
+    def work(cell: int) -> int:  # query-key pairs: what both candidates' time grows with
+        extend, prefix = cell_sizes(cell)
+        return extend * (prefix + extend // 2 + 1)
+
+    per_pair = 0.0  # seconds per pair of the last cell, warm-up and both candidates included
+    for cell in sorted(cells, key=work):
+        started = time.perf_counter()
+        # a cell that would end past the budget is left for a later start
+        if started + per_pair * work(cell) > budget_end:
             break
         extend, prefix = cell_sizes(cell)
         batch = one_request(extend, prefix, heads, kv_heads, shape.head_dim, shape.dtype, gen)
@@ -234,6 +243,7 @@ def measure(
                 break
         for name in shape.candidates:
             seconds[name][cell] = best[name]
+        per_pair = (time.perf_counter() - started) / work(cell)
     return seconds
 
 
