@@ -246,6 +246,7 @@ def print_kernel_dispatch(args: argparse.Namespace, model_path: str,
 
     from radixserve.layers import cpu_kernels
     from radixserve.layers import kernel_dispatch as kd
+    from radixserve.layers.attention import extend_dispatch as xd
     from radixserve.layers.packed_weight import CpuPackedWeight
     from radixserve.layers.quantization.int8 import CpuInt8Weight
     from radixserve.model_config import ModelConfig
@@ -271,6 +272,15 @@ def print_kernel_dispatch(args: argparse.Namespace, model_path: str,
             print(json.dumps({"kernel_dispatch": layer, "n": n, "k": k, "kind": weight.kind(),
                               "source": source, "kernels": kd.describe(table),
                               "deterministic": deterministic}), flush=True)
+        # prefill attention per (extend, prefix) length bucket (layers/attention/extend_dispatch)
+        allowed = xd.allowed_candidates(deterministic)
+        shape = xd.Shape(dtype, config.head_dim,
+                         config.num_attention_heads // config.num_key_value_heads, allowed)
+        static = xd.static_table(allowed, cpu_kernels.amx_available(), dtype)
+        table, source = xd.cached_or_static(shape, static, cache)
+        print(json.dumps({"kernel_dispatch": "attention_extend", "kind": shape.key(),
+                          "source": source, "kernels": xd.describe(table),
+                          "deterministic": deterministic}), flush=True)
 
 
 Generate = Callable[[list[list[int]], int], tuple[list[list[int]], float]]

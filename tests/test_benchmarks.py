@@ -162,8 +162,30 @@ def test_bench_offline_throughput_times_each_scenario_and_the_step_overhead(llam
     # which kernel each layer type runs per row bucket, as the engine chose it
     dispatch = {r["kernel_dispatch"]: r for r in lines if "kernel_dispatch" in r}
     if dispatch:  # printed where radixserve's CPU kernels run
+        attention = dispatch.pop("attention_extend")
         assert set(dispatch) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
         assert all(r["kind"] == "fp32" and r["kernels"].startswith("1") for r in dispatch.values())
+        # float32: the extend kernel unless this machine measured SDPA faster somewhere
+        assert attention["kind"].startswith("attention:float32:")
+        assert attention["kernels"].startswith("prefix 0: 16")
+        assert attention["source"] == "measured" or "sdpa" not in attention["kernels"]
+
+
+def test_bench_batched_prefill_times_before_after_and_transformers_on_the_same_prompts(
+    llama_path,
+):
+    require_kernels()  # "before" is radixserve's kernels
+    lines = run_benchmark(
+        "bench_batched_prefill.py", "--model", str(llama_path), "--batch-sizes", "2,3",
+        "--min-input-len", "4", "--max-input-len", "9", "--repeats", "1", "--profile",
+        "--top", "3", "--dtype", "float32",
+    )
+    assert sorted((r["config"], r["batch_size"]) for r in lines) == sorted(
+        (c, b) for c in ("before", "after", "transformers") for b in (2, 3))
+    for r in lines:
+        assert r["wall_s"] > 0 and 8 <= r["prompt_tokens"] <= 27
+        assert len(r["profile_self_ms"]) == 3
+        assert (r["config"] == "transformers") == ("vs_transformers" not in r)
 
 
 def test_bench_offline_throughput_runs_a_gguf_file_in_both_engines(llama_path, tmp_path):

@@ -160,6 +160,9 @@ class ModelRunner:
                 self.batch_invariant,
             )
             logger.info("attention backend: %s", self.attention_backend)
+            choose = getattr(self.attn_backend, "choose_extend_kernels", None)
+            if choose is not None:  # the cpu backend: its prefill kernel per extend length
+                choose(model_config.num_attention_heads // info.tp_size, self.cpu_kernel_autotune)
         self.model: Any = self._load_model(model_config)
         self.released: set[str] = set()  # memory given back by release_memory (MEMORY_TAGS)
         # The served checkpoint's tensor shapes, read on the first weight sync.
