@@ -58,9 +58,10 @@ class MHATokenToKVPool:
         self.k_scale_buffer, self.v_scale_buffer = [], []
         if self.quantized:
             scale_shape = (self.size + self.page_size, self.head_num)
+            layers = range(self.layer_num)
             kwargs = {"dtype": SCALE_DTYPE, "device": self.device}
-            self.k_scale_buffer = [torch.empty(scale_shape, **kwargs) for _ in range(self.layer_num)]
-            self.v_scale_buffer = [torch.empty(scale_shape, **kwargs) for _ in range(self.layer_num)]
+            self.k_scale_buffer = [torch.empty(scale_shape, **kwargs) for _ in layers]
+            self.v_scale_buffer = [torch.empty(scale_shape, **kwargs) for _ in layers]
         for buffer in self.k_buffer + self.v_buffer + self.k_scale_buffer + self.v_scale_buffer:
             buffer[: self.page_size].zero_()
 
