@@ -48,17 +48,17 @@ def make_runner(model: str, dtype: str, kv_cache_dtype: str, tokens: int, batch:
     return ModelRunner(config, RunnerSettings.from_args(args), "cpu")
 
 
-def fill_pool(pool: MHATokenToKVPool, seed: int) -> None:
-    """Random K/V in every slot: values of a unit normal (a quantized pool: its codes of random
-    rows and their scales)."""
+def fill_pool(pool: MHATokenToKVPool, seed: int, chunk: int = 8192) -> None:
+    """Random K/V in every slot (a quantized pool: their codes and scales): one block of
+    unit-normal rows written over and over, since only the bytes read matter here."""
     gen = torch.Generator().manual_seed(seed)
+    shape = (chunk, pool.head_num, pool.head_dim)
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    slots = pool.size + pool.page_size
     for layer in range(pool.layer_num):
-        for start in range(0, pool.size + pool.page_size, 8192):
-            end = min(start + 8192, pool.size + pool.page_size)
-            loc = torch.arange(start, end)
-            shape = (end - start, pool.head_num, pool.head_dim)
-            pool.set_kv_buffer(layer, loc, torch.randn(shape, generator=gen),
-                               torch.randn(shape, generator=gen))
+        for start in range(0, slots, chunk):
+            end = min(start + chunk, slots)
+            pool.set_kv_buffer(layer, torch.arange(start, end), k[: end - start], v[: end - start])
 
 
 def decode_batch(batch: int, context: int, step: int, row_len: int, page: int,
@@ -90,7 +90,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's, one per core)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = args.model
     if model == "smollm2":
         path = smollm2_gguf()
@@ -131,7 +135,7 @@ def main() -> None:
         print(json.dumps({
             "kv_cache_dtype": name, "kv_storage": str(pool.dtype).removeprefix("torch."),
             "attention_backend": runner.attention_backend, "model_dtype": args.dtype,
-            "batch": args.batch, "context": args.context,
+            "batch": args.batch, "context": args.context, "threads": torch.get_num_threads(),
             "decode_tokens_per_s": round(speed[name], 2), "ms_per_step": round(step_s * 1e3, 2),
             "rounds_ms_per_step": [round(t * 1e3, 2) for t in times[name]],
             "kv_bytes_per_token": per_token[name],

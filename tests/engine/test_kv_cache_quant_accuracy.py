@@ -40,12 +40,18 @@ QUESTIONS = [
     "What are the main causes of the French Revolution?",
     "Describe how a bicycle works.",
 ]
-# measured (RESULTS.md): int8 / fp8_e4m3; the bounds leave a margin for other CPUs' kernels
+# Measured 2026-11-26 (benchmarks/RESULTS.md, "KV-cache quantization"):
+#   int8      agreement 0.979, |Δ| 0.028; free-running identical 0.213, |Δ| 0.029
+#   fp8_e4m3  agreement 0.969, |Δ| 0.042; free-running identical 0.082, |Δ| 0.044
+# The bounds leave a margin for other CPUs (whose bf16 kernels shift the reference itself, and
+# with it where free-running greedy outputs first part): agreement 2 points lower, |Δ| about
+# 1.8x, the identical share at most half. A cache that dequantized wrongly (a lost scale, a
+# misread code) scores far outside them: its first tokens already differ.
 THRESHOLDS = {
     # dtype: (teacher-forced agreement >=, its mean |Δ logprob| <=,
     #         free-running identical share >=, its mean |Δ logprob| <=)
-    "int8": (0.97, 0.05, 0.25, 0.05),
-    "fp8_e4m3": (0.93, 0.12, 0.10, 0.12),
+    "int8": (0.96, 0.05, 0.10, 0.05),
+    "fp8_e4m3": (0.95, 0.075, 0.04, 0.08),
 }
 
 
