@@ -46,8 +46,8 @@ class CpuAttnBackend(AttentionBackend):
         )
         if reason is not None or token_to_kv_pool.device.type != "cpu":
             raise ValueError(
-                f"the cpu attention backend cannot run with a {token_to_kv_pool.dtype} KV "
-                f"cache here: {reason or 'not a CPU'}"
+                f"the cpu attention backend cannot run here (a {token_to_kv_pool.dtype} KV "
+                f"cache): {reason or 'not a CPU'}"
             )
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
