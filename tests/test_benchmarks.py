@@ -221,3 +221,18 @@ def test_bench_offline_throughput_refuses_a_plot_it_cannot_draw_before_it_runs(l
         assert done.returncode == 2, done.stderr[-2000:]
         assert message in done.stderr
         assert not done.stdout  # nothing ran
+
+
+def test_bench_kv_cache_quant_times_each_cache_dtype_and_sizes_its_pool(llama_path):
+    lines = run_benchmark(
+        "bench_kv_cache_quant.py", "--model", str(llama_path), "--dtype", "float32",
+        "--kv-cache-dtypes", "auto,int8,fp8_e5m2", "--batch", "2", "--context", "40",
+        "--steps", "2", "--rounds", "1", "--attention-backend", "torch_native",
+    )
+    *runs, summary = lines
+    assert [r["kv_cache_dtype"] for r in runs] == ["auto", "int8", "fp8_e5m2"]
+    assert [r["kv_storage"] for r in runs] == ["float32", "int8", "float8_e5m2"]
+    assert all(r["decode_tokens_per_s"] > 0 and r["batch"] == 2 for r in runs)
+    # float32 K/V against int8/fp8 codes plus a float32 scale per head
+    assert runs[1]["tokens_per_budget_vs_first"] > 3.0
+    assert set(summary["speedup"]) == {"auto", "int8", "fp8_e5m2"}

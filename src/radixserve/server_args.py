@@ -17,6 +17,9 @@ DEVICES = ("auto", "cpu", "cuda")
 # off: the static table (layers/kernel_dispatch.py)
 CPU_KERNEL_AUTOTUNE_MODES = ("on", "off")
 SPECULATIVE_ALGORITHMS = ("NGRAM",)
+# --kv-cache-dtype: SGLang's names with vLLM's aliases (bfloat16, fp8 = fp8_e4m3); what each
+# stores is mem_cache/kv_quant.py's KV_CACHE_DTYPES
+KV_CACHE_DTYPE_CHOICES = ("auto", "bf16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class ServerArgs:
     max_total_tokens: int | None = None
     max_running_requests: int | None = None
     page_size: int = 1
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPE_CHOICES; auto: the model's dtype
     disable_radix_cache: bool = False
     # scheduling
     max_prefill_tokens: int = 16384
@@ -155,6 +159,11 @@ class ServerArgs:
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         self._check_priority_scheduling()
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         self._check_parallelism()
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(

@@ -1,7 +1,10 @@
 """Random paged-attention batches for comparing attention backends: a KV pool whose unowned slots
 hold NaN (an unmasked read of one poisons the output), shuffled pages, request rows out of order,
-cached prefixes already in the pool. Shared by the interpreter tests (``tests/layers``) and the
-GPU check (``tests/cuda``); importing it sets nothing up (no ``TRITON_INTERPRET``)."""
+cached prefixes already in the pool. ``kv_dtype`` makes the pool's storage dtype differ from the
+activations' (a quantized pool: its unowned slots' scales hold NaN); ``reference_attention``
+attends over what the pool holds, dequantized, in plain torch. Shared by the interpreter tests
+(``tests/layers``) and the GPU check (``tests/cuda``); importing it sets nothing up (no
+``TRITON_INTERPRET``)."""
 
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ class PagedBatch:
 
 def random_batch(seed: int, mode: ForwardMode, page_size: int, dtype: torch.dtype, heads: int,
                  kv_heads: int, head_dim: int, max_extend: int = 12, max_prefix: int = 30,
-                 max_bs: int = 3, device: str = "cpu") -> PagedBatch:
+                 max_bs: int = 3, device: str = "cpu",
+                 kv_dtype: torch.dtype | None = None) -> PagedBatch:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     bs = rng.randint(1, max_bs)
@@ -44,9 +48,11 @@ def random_batch(seed: int, mode: ForwardMode, page_size: int, dtype: torch.dtyp
     context = max_prefix + max_extend + 1
     num_pages = bs * (-(-context // page_size)) + 2
     rows_total = bs + 3
-    pool = MHATokenToKVPool(num_pages * page_size, page_size, dtype, kv_heads, head_dim, 1,
-                            device)
-    for buffer in pool.k_buffer + pool.v_buffer:
+    pool = MHATokenToKVPool(num_pages * page_size, page_size, kv_dtype or dtype, kv_heads,
+                            head_dim, 1, device)
+    poisoned = pool.k_scale_buffer + pool.v_scale_buffer if pool.quantized else (
+        pool.k_buffer + pool.v_buffer)
+    for buffer in poisoned:
         buffer[page_size:] = float("nan")
     req_pool = ReqToTokenPool(rows_total, context, device)
     pages = list(range(1, num_pages + 1))
@@ -92,3 +98,26 @@ def attend(name: str, b: PagedBatch, kv_splits: int | None = None) -> torch.Tens
     attn = Attention(b.heads, b.head_dim, b.head_dim**-0.5, b.kv_heads, 0, backend)
     backend.init_forward_metadata(b.fb)
     return attn(b.q, b.k, b.v, b.fb)
+
+
+def reference_attention(b: PagedBatch) -> torch.Tensor:
+    """Each request's new tokens over its whole KV as the pool holds it (after a backend wrote
+    the new K/V there), dequantized to float32, causally, in plain torch; float32
+    ``[tokens, heads * head_dim]``."""
+    fb = b.fb
+    group = b.heads // b.kv_heads
+    q = b.q.float().view(-1, b.heads, b.head_dim)
+    outs, start = [], 0
+    for i, seq_len in enumerate(fb.seq_lens_cpu):
+        n = 1 if fb.forward_mode.is_decode else fb.extend_seq_lens_cpu[i]
+        slots = b.req_pool.req_to_token[fb.req_pool_indices[i], :seq_len]
+        k, v = b.pool.get_dequantized(0, slots, torch.float32)
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, seq, d]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        qi = q[start:start + n].transpose(0, 1)  # [heads, n, d]
+        scores = qi @ k.transpose(1, 2) * b.head_dim**-0.5
+        pos = torch.arange(seq_len - n, seq_len)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > pos, float("-inf"))
+        outs.append((scores.softmax(-1) @ v).transpose(0, 1).reshape(n, -1))
+        start += n
+    return torch.cat(outs)

@@ -89,6 +89,28 @@ def test_saved_kv_loads_back_bit_for_bit_into_other_slots(tmp_path, dtype):
     assert again.load("chat", out) and torch.equal(kv_at(pool, out), original)
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_a_quantized_pool_saves_and_loads_its_scales_with_its_codes(tmp_path, dtype):
+    """``--kv-cache-dtype``: the payload carries every slot buffer (codes and scales)."""
+    pool = MHATokenToKVPool(KV_TOKENS, 1, dtype, HEADS, DIM, LAYERS, "cpu")
+    for layer in range(LAYERS):
+        slots = torch.arange(KV_TOKENS + 1)
+        pool.set_kv_buffer(layer, slots, torch.randn(KV_TOKENS + 1, HEADS, DIM),
+                           torch.randn(KV_TOKENS + 1, HEADS, DIM))
+    store = DiskSessionStore(tmp_path, pool, layout(pool), None)
+    src, dst = torch.tensor([5, 9, 10]), torch.tensor([100, 101, 102])
+    original = [[b[src].clone() for b in pool.slot_buffers(i)] for i in range(LAYERS)]
+    assert store.save("chat", [1, 2, 3, 4], [1, 2, 3], src)
+    again = DiskSessionStore(tmp_path, pool, layout(pool), None)  # a restart
+    again.open("chat")
+    assert again.load("chat", dst)
+    for layer in range(LAYERS):
+        loaded = [b[dst] for b in pool.slot_buffers(layer)]
+        assert len(loaded) == 4
+        for got, want in zip(loaded, original[layer], strict=True):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_the_file_is_one_per_session_with_the_documented_header(tmp_path, pool):
     store = disk(tmp_path, pool)
     store.save("a/../b", [7, 8, 9], [7, 8], torch.tensor([3, 4]))

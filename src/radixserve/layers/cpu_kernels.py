@@ -298,13 +298,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 ATTENTION_MAX_HEAD_DIM = 256
 
 
+# quantized KV pools the attention kernels read (``csrc/kv_quant.h``), beside KERNEL_DTYPES
+QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def attention_kernels_support(dtype: torch.dtype, head_dim: int) -> str | None:
     """Why the attention kernels cannot take a KV pool of ``dtype`` with ``head_dim``, or None
-    when they can (head_dim a multiple of 16 up to 256, float32 or bf16, any GQA group)."""
+    when they can (head_dim a multiple of 16 up to 256, float32, bf16, or int8/fp8 codes with
+    scales; any GQA group)."""
     if not load_cpu_kernels():
         return "radixserve's CPU kernels do not run on this machine"
-    if dtype not in KERNEL_DTYPES:
-        return f"the CPU attention kernels take float32 or bfloat16, not {dtype}"
+    if dtype not in KERNEL_DTYPES + QUANTIZED_KV_DTYPES:
+        return (
+            "the CPU attention kernels take float32, bfloat16, int8, float8_e4m3fn or "
+            f"float8_e5m2, not {dtype}"
+        )
     if head_dim % 16 or head_dim > ATTENTION_MAX_HEAD_DIM:
         return (
             "the CPU attention kernels take a head_dim that is a multiple of 16 up to 256, "
@@ -342,4 +350,28 @@ def paged_attention(
         q, k, v, loc, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, extend_lens,
         scale, out,
     )
+    return out
+
+
+def paged_attention_quant(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    extend_lens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``paged_attention`` over a quantized pool (int8/fp8 codes, float32 scales ``[slots,
+    kv_heads]``) whose new tokens' K/V the caller has quantized into it already; ``q`` float32,
+    returns float32."""
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    args = (q, k_buffer, v_buffer, k_scale, v_scale, req_to_token, req_pool_indices, seq_lens)
+    if extend_lens is None:
+        torch.ops.radixserve_cpu.decode_attention_quant(*args, scale, out)
+    else:
+        torch.ops.radixserve_cpu.extend_attention_quant(*args, extend_lens, scale, out)
     return out

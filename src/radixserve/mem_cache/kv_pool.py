@@ -7,6 +7,12 @@ their slot tables at slot 0 and mask them, which keeps every gather in bounds.
 Only the padding page is zeroed: every other slot is written before it is read, and leaving the
 rest uninitialised keeps a large CPU pool from committing all of its RAM up front. Masked entries
 still have to be finite (a NaN survives masking), which the zeroed padding page guarantees.
+
+``dtype`` is the storage dtype (``--kv-cache-dtype``; the model's by default). A quantized one
+(int8, fp8: ``mem_cache/kv_quant.py``) stores 8-bit codes in ``k_buffer``/``v_buffer`` and one
+float32 scale per (slot, head) in ``k_scale_buffer``/``v_scale_buffer`` (``[size + page_size,
+head_num]`` per layer; empty lists otherwise). ``slot_buffers(layer)`` lists every tensor of a
+layer indexed by slot, which is what a copy of slots (to another tier, to disk) must carry.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from radixserve.mem_cache.kv_quant import SCALE_DTYPE, dequantize, is_quantized, quantize
 
 
 @dataclass(eq=False)
@@ -30,6 +38,9 @@ class MHATokenToKVPool:
     device: torch.device  # a str is accepted and converted
     k_buffer: list[torch.Tensor] = field(init=False, repr=False, default_factory=list)
     v_buffer: list[torch.Tensor] = field(init=False, repr=False, default_factory=list)
+    # per-(slot, head) float32 scales of a quantized pool; empty lists otherwise
+    k_scale_buffer: list[torch.Tensor] = field(init=False, repr=False, default_factory=list)
+    v_scale_buffer: list[torch.Tensor] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
         assert self.size % self.page_size == 0, (
@@ -44,22 +55,57 @@ class MHATokenToKVPool:
         kwargs = {"dtype": self.dtype, "device": self.device}
         self.k_buffer = [torch.empty(shape, **kwargs) for _ in range(self.layer_num)]
         self.v_buffer = [torch.empty(shape, **kwargs) for _ in range(self.layer_num)]
-        for buffer in self.k_buffer + self.v_buffer:
+        self.k_scale_buffer, self.v_scale_buffer = [], []
+        if self.quantized:
+            scale_shape = (self.size + self.page_size, self.head_num)
+            layers = range(self.layer_num)
+            kwargs = {"dtype": SCALE_DTYPE, "device": self.device}
+            self.k_scale_buffer = [torch.empty(scale_shape, **kwargs) for _ in layers]
+            self.v_scale_buffer = [torch.empty(scale_shape, **kwargs) for _ in layers]
+        for buffer in self.k_buffer + self.v_buffer + self.k_scale_buffer + self.v_scale_buffer:
             buffer[: self.page_size].zero_()
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pool stores 8-bit codes with per-(slot, head) scales."""
+        return is_quantized(self.dtype)
 
     def release(self) -> None:
         """Free the buffers (``release_memory_occupation``); ``allocate`` brings them back.
         Every slot's content is lost: the caller flushes whatever referred to it."""
         self.k_buffer, self.v_buffer = [], []
+        self.k_scale_buffer, self.v_scale_buffer = [], []
 
     @staticmethod
     def bytes_per_token(head_num: int, head_dim: int, layer_num: int, dtype: torch.dtype) -> int:
-        """KV bytes one token takes across all layers (K and V)."""
-        return 2 * layer_num * head_num * head_dim * dtype.itemsize
+        """KV bytes one token takes across all layers (K and V, with their scales when ``dtype``
+        is quantized): what the memory budget is divided by."""
+        per_head = head_dim * dtype.itemsize
+        if is_quantized(dtype):
+            per_head += SCALE_DTYPE.itemsize
+        return 2 * layer_num * head_num * per_head
 
     def size_bytes(self) -> int:
-        """Bytes held by all K and V buffers, padding page included."""
-        return sum(b.numel() * b.element_size() for b in self.k_buffer + self.v_buffer)
+        """Bytes held by all K and V buffers (and scales), padding page included."""
+        return sum(
+            b.numel() * b.element_size()
+            for layer in range(len(self.k_buffer))
+            for b in self.slot_buffers(layer)
+        )
+
+    def slot_buffers(self, layer_id: int) -> list[torch.Tensor]:
+        """Every tensor of layer ``layer_id`` indexed by KV slot in dimension 0: K and V codes,
+        then (quantized) their scales. Copying a slot means copying its row of each."""
+        buffers = [self.k_buffer[layer_id], self.v_buffer[layer_id]]
+        if self.quantized:
+            buffers += [self.k_scale_buffer[layer_id], self.v_scale_buffer[layer_id]]
+        return buffers
+
+    def get_kv_scale_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The K and V scales (``[slots, head_num]`` float32) of a quantized pool, else None."""
+        if not self.quantized:
+            return None
+        return self.k_scale_buffer[layer_id], self.v_scale_buffer[layer_id]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]
@@ -70,6 +116,28 @@ class MHATokenToKVPool:
     def set_kv_buffer(
         self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Write ``k``, ``v`` (``[n, head_num, head_dim]``) into slots ``loc`` (``[n]``)."""
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+        """Write ``k``, ``v`` (``[n, head_num, head_dim]``) into slots ``loc`` (``[n]``),
+        quantized with their scales when the pool is."""
+        if not self.quantized:
+            self.k_buffer[layer_id][loc] = k.to(self.dtype)
+            self.v_buffer[layer_id][loc] = v.to(self.dtype)
+            return
+        for codes, scales, x in (
+            (self.k_buffer[layer_id], self.k_scale_buffer[layer_id], k),
+            (self.v_buffer[layer_id], self.v_scale_buffer[layer_id], v),
+        ):
+            q, scale = quantize(x, self.dtype)
+            codes[loc] = q
+            scales[loc] = scale
+
+    def get_dequantized(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``slots`` in ``dtype`` (``[n, head_num, head_dim]``), dequantized when the
+        pool is quantized: the reference the backends' fused reads are tested against."""
+        k = self.k_buffer[layer_id].index_select(0, slots)
+        v = self.v_buffer[layer_id].index_select(0, slots)
+        if not self.quantized:
+            return k.to(dtype), v.to(dtype)
+        ks = self.k_scale_buffer[layer_id].index_select(0, slots)
+        vs = self.v_scale_buffer[layer_id].index_select(0, slots)
+        return dequantize(k, ks, dtype), dequantize(v, vs, dtype)

@@ -206,16 +206,13 @@ class SessionStore(ABC):
         if payload is None:
             self.discard(session_id)
             return False
-        layers = self.layout.layer_num
-        kv = payload.view(self.layout.dtype).view(
-            2 * layers, entry.kv_tokens, self.layout.head_num, self.layout.head_dim
-        )
         index = kv_indices.to(self.pool.device)
-        for layer in range(layers):
-            self.pool.k_buffer[layer][index] = kv[layer].to(self.pool.device, non_blocking=True)
-            self.pool.v_buffer[layer][index] = kv[layers + layer].to(
-                self.pool.device, non_blocking=True
-            )
+        offset = 0
+        for buffer in self._buffers():
+            nbytes = entry.kv_tokens * buffer[0].numel() * buffer.element_size()
+            rows = payload[offset:offset + nbytes].view(buffer.dtype).view(-1, *buffer.shape[1:])
+            buffer[index] = rows.to(self.pool.device, non_blocking=True)
+            offset += nbytes
         entry.last_used = time.monotonic()
         return True
 
@@ -248,13 +245,19 @@ class SessionStore(ABC):
             self.discard(entry.session_id)
 
     def _gather(self, kv_indices: torch.Tensor) -> torch.Tensor:
-        """The KV of ``kv_indices`` as one flat CPU byte tensor (K layers, then V layers)."""
+        """The KV of ``kv_indices`` as one flat CPU byte tensor, the slots' rows of each of
+        ``_buffers``."""
         index = kv_indices.to(self.pool.device)
-        kv = torch.stack(
-            [self.pool.k_buffer[i][index] for i in range(self.layout.layer_num)]
-            + [self.pool.v_buffer[i][index] for i in range(self.layout.layer_num)]
-        )
-        return kv.cpu().contiguous().view(-1).view(torch.uint8)
+        parts = [buffer[index].cpu().contiguous().view(-1).view(torch.uint8)
+                 for buffer in self._buffers()]
+        return torch.cat(parts)
+
+    def _buffers(self) -> list[torch.Tensor]:
+        """The pool's buffers in payload order: K of every layer, then V, then (a quantized
+        pool) the K scales and the V scales: an unquantized payload is laid out as before."""
+        per_layer = [self.pool.slot_buffers(i) for i in range(self.layout.layer_num)]
+        kinds = len(per_layer[0]) if per_layer else 0
+        return [buffers[kind] for kind in range(kinds) for buffers in per_layer]
 
     @abstractmethod
     def _write(self, session_id: str, header: dict, payload: torch.Tensor) -> int:

@@ -38,6 +38,7 @@ from radixserve.layers.packed_weight import planned_copy_bytes
 from radixserve.lora.lora_manager import create_lora_manager, load_initial_adapters
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
+from radixserve.mem_cache.kv_quant import kv_dtype_name, kv_storage_dtype
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_config import ModelConfig, resolve_device
 from radixserve.model_executor.cuda_graph_runner import (
@@ -79,6 +80,7 @@ class RunnerSettings:
     named as its server argument."""
 
     page_size: int = 1
+    kv_cache_dtype: str = "auto"  # the KV pool's storage (mem_cache/kv_quant.py); auto: the model's
     max_running_requests: int | None = None  # None: min(256, KV tokens)
     max_total_tokens: int | None = None  # None: planned from mem_fraction_static
     mem_fraction_static: float | None = None  # None: the device's default
@@ -118,6 +120,7 @@ class ModelRunner:
         if self.batch_invariant and self.device.type != "cpu":
             raise ValueError("--enable-deterministic-inference runs on CPU only in this build")
         self.page_size = settings.page_size
+        self.kv_cache_dtype = kv_storage_dtype(settings.kv_cache_dtype, self.dtype)
         self.vocab_size = model_config.vocab_size
         self.parallel = parallel or ParallelState.single()
         info = self.parallel.info
@@ -127,7 +130,7 @@ class ModelRunner:
         self.lora = create_lora_manager(settings, model_config, self.device, self.parallel)
         if not model_config.is_encoder:
             self.attention_backend = settings.attention_backend or default_attention_backend(
-                self.device, self.dtype, model_config.head_dim
+                self.device, self.kv_cache_dtype, model_config.head_dim
             )
         # The graphs are sized before the KV pool: their memory comes out of its budget.
         planned_graphs = self._cuda_graph_batch_sizes(
@@ -241,14 +244,14 @@ class ModelRunner:
     def _create_kv_pool(self) -> MHATokenToKVPool:
         cfg = self.model_config
         pool = MHATokenToKVPool(
-            self.max_total_num_tokens, self.page_size, self.dtype, self.num_kv_heads,
+            self.max_total_num_tokens, self.page_size, self.kv_cache_dtype, self.num_kv_heads,
             cfg.head_dim, self.num_layers, self.device,
         )
         logger.info(
             "KV cache: %d tokens, %.4g GiB (%s, page size %d); %d request slots",
             self.max_total_num_tokens,
             pool.size_bytes() / _GIB,
-            str(self.dtype).removeprefix("torch."),
+            kv_dtype_name(self.kv_cache_dtype) + (" with scales" if pool.quantized else ""),
             self.page_size,
             self.max_running_requests,
         )
@@ -281,7 +284,7 @@ class ModelRunner:
             budget = (available_memory_bytes(self.device) - weight_bytes) * fraction / sharing
             budget -= self.graph_reserved_bytes
             per_token = MHATokenToKVPool.bytes_per_token(
-                self.num_kv_heads, cfg.head_dim, self.num_layers, self.dtype
+                self.num_kv_heads, cfg.head_dim, self.num_layers, self.kv_cache_dtype
             )
             tokens = int(budget) // per_token
             agreed = torch.tensor([tokens], dtype=torch.int64)

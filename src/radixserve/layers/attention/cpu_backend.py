@@ -20,6 +20,11 @@ prefix length bucket): ``extend_dispatch.py`` chooses, by measurement at start-u
 
 Built only for KV pools the kernels take (float32 or bf16, head_dim a multiple of 16 up to 256,
 any number of query heads per KV head); ``create_attention_backend`` reports why otherwise.
+
+A quantized pool (``--kv-cache-dtype int8 / fp8_e4m3 / fp8_e5m2``) takes the kernels'
+``*_quant`` variants: the pool quantizes the new K/V with their scales (``set_kv_buffer``), then
+the kernel reads codes and scales in place, in float32 (a quarter or half of the bytes per key of
+a float32 or bf16 pool: the bandwidth a long decode is bound by).
 """
 
 from __future__ import annotations
@@ -48,7 +53,10 @@ class CpuAttnBackend(AttentionBackend):
             token_to_kv_pool.dtype, token_to_kv_pool.head_dim
         )
         if reason is not None or token_to_kv_pool.device.type != "cpu":
-            raise ValueError(f"the cpu attention backend cannot run here: {reason or 'not a CPU'}")
+            raise ValueError(
+                f"the cpu attention backend cannot run here (a {token_to_kv_pool.dtype} KV "
+                f"cache): {reason or 'not a CPU'}"
+            )
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
         self.batch_invariant = batch_invariant
@@ -112,6 +120,25 @@ class CpuAttnBackend(AttentionBackend):
         n, heads, kv_heads = q.shape[0], layer.num_heads, layer.num_kv_heads
         head_dim = layer.head_dim
         pool = self.token_to_kv_pool
+        if pool.quantized:
+            k_scale, v_scale = pool.get_kv_scale_buffers(layer.layer_id)
+            pool.set_kv_buffer(
+                layer.layer_id, forward_batch.out_cache_loc,
+                k.view(n, kv_heads, head_dim), v.view(n, kv_heads, head_dim),
+            )
+            out = cpu_kernels.paged_attention_quant(
+                q.reshape(n, heads, head_dim).float(),
+                pool.get_key_buffer(layer.layer_id),
+                pool.get_value_buffer(layer.layer_id),
+                k_scale,
+                v_scale,
+                self.req_to_token_pool.req_to_token,
+                forward_batch.req_pool_indices,
+                forward_batch.seq_lens,
+                layer.scaling,
+                extend_lens,
+            )
+            return out.view(n, heads * head_dim).to(q.dtype)
         q3 = q.view(n, heads, head_dim).to(pool.dtype)
         k3 = k.view(n, kv_heads, head_dim).to(pool.dtype)
         v3 = v.view(n, kv_heads, head_dim).to(pool.dtype)

@@ -25,6 +25,11 @@ A batch of fresh prompts of equal length (no prefix, no padding: typically a sin
 needs none of this: it attends over its own new K/V through SDPA's causal path, which also skips
 the blocks above the diagonal.
 
+A quantized pool (``--kv-cache-dtype int8 / fp8_*``) is read through the same gather: the codes
+and their per-(slot, head) scales are gathered and multiplied back into the query's dtype. The
+new tokens attend to their K/V as the pool holds it (the fresh-prompt shortcut, which would use
+the unquantized K/V, is off), as in the other backends.
+
 This backend is the reference the others are tested against: plain torch, any device and dtype.
 The ``cpu`` backend (``cpu_backend.py``) replaces what it has kernels for.
 """
@@ -38,6 +43,7 @@ import torch.nn.functional as F
 
 from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.attention.base_backend import QKV, Attention, PagedAttentionBackend
+from radixserve.mem_cache.kv_quant import dequantize
 
 
 @dataclass
@@ -75,7 +81,7 @@ class TorchNativeAttnBackend(PagedAttentionBackend):
             prefix_lens = fb.extend_prefix_lens_cpu
         max_kv = max(fb.seq_lens_cpu)
         max_q = max(extend_lens)
-        if max_q == max_kv and min(extend_lens) == max_q:
+        if max_q == max_kv and min(extend_lens) == max_q and not self.token_to_kv_pool.quantized:
             # Fresh prompts of equal length (a single prompt, typically): no cached prefix and
             # no padding, so the new K/V are all there is and SDPA's causal path applies.
             empty = torch.empty(0, dtype=torch.int64, device=device)
@@ -98,7 +104,9 @@ class TorchNativeAttnBackend(PagedAttentionBackend):
             q_index = (q_start + q_off).masked_fill(~q_valid, 0)
         q_abs_pos = as_column(prefix_lens) + q_off
         visible = (kv_pos[None, None, :] <= q_abs_pos[:, :, None]) & kv_valid[:, None, :]
-        mask = torch.zeros(visible.shape, dtype=self.token_to_kv_pool.dtype, device=device)
+        pool_dtype = self.token_to_kv_pool.dtype
+        mask_dtype = torch.float32 if self.token_to_kv_pool.quantized else pool_dtype
+        mask = torch.zeros(visible.shape, dtype=mask_dtype, device=device)
         mask.masked_fill_(~visible, float("-inf"))
         return _Metadata(fb.batch_size, slot_index, max_kv, max_q, q_index, q_valid, mask[:, None])
 
@@ -126,13 +134,18 @@ class TorchNativeAttnBackend(PagedAttentionBackend):
             )
             return out.transpose(1, 2).reshape(num_tokens, heads * head_dim)
 
-        def gather(buffer: torch.Tensor) -> torch.Tensor:
+        def gather(buffer: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
             # [bs * max_kv, kv_heads, head_dim] → [bs, kv_heads, max_kv, head_dim] for SDPA
-            rows = buffer.index_select(0, md.slot_index).to(q.dtype)
+            rows = buffer.index_select(0, md.slot_index)
+            if scales is None:
+                rows = rows.to(q.dtype)
+            else:
+                rows = dequantize(rows, scales.index_select(0, md.slot_index), q.dtype)
             return rows.view(bs, md.max_kv, kv_heads, head_dim).transpose(1, 2)
 
-        keys = gather(pool.get_key_buffer(layer.layer_id))
-        values = gather(pool.get_value_buffer(layer.layer_id))
+        k_scale, v_scale = pool.get_kv_scale_buffers(layer.layer_id) or (None, None)
+        keys = gather(pool.get_key_buffer(layer.layer_id), k_scale)
+        values = gather(pool.get_value_buffer(layer.layer_id), v_scale)
         if forward_batch.forward_mode.is_decode:
             # Query head h uses KV head h // group: fold each group into the query dimension.
             queries = q.view(bs, kv_heads, heads // kv_heads, head_dim)

@@ -11,6 +11,9 @@ On CPU the backend runs only under Triton's interpreter (``TRITON_INTERPRET=1``,
 triton is first imported): slow, and meant for tests that check the kernels and the whole engine
 against ``torch_native`` and ``transformers`` on machines without a GPU. The interpreter runs
 the grid's programs one after another, so there decode splits each request's KV in 2, not 8.
+
+Any KV storage dtype is read: the activations' own, another float, or a quantized pool's int8
+or fp8 codes with their scales (``--kv-cache-dtype``), dequantized in the kernels' loads.
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ class TritonAttnBackend(PagedAttentionBackend):
         kv = self.kernels.PagedKV(
             pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
             self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+            *(pool.get_kv_scale_buffers(layer.layer_id) or ()),
         )
         if forward_batch.forward_mode.is_decode:
             self.kernels.decode_attention(

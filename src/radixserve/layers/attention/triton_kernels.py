@@ -25,6 +25,13 @@ next power of two, so head_dim 64-256 (and sizes like 80 or 96) all run.
 
 Triton's interpreter (``TRITON_INTERPRET=1``) runs these on CPU for the tests; it computes fp32
 and fp16 exactly but not bf16.
+
+A quantized pool (``--kv-cache-dtype``, ``mem_cache/kv_quant.py``) is read in the same loads:
+``KV_FORMAT`` (a constexpr, so each format compiles its own kernel) says how a row's codes become
+float32 before its scale (one float32 per slot and KV head) multiplies them. fp8 codes arrive as
+uint8 and are widened through fp16 bits in integer arithmetic (e5m2: the high byte of the same
+fp16; e4m3fn: its fields moved to fp16's, which reads as the value times 2^-8), which runs the
+same on every GPU and in the interpreter, without fp8 types in the kernel.
 """
 
 from __future__ import annotations
@@ -37,13 +44,41 @@ import triton.language as tl
 
 NUM_KV_SPLITS = 8  # SGLang's default max_kv_splits
 
+# KV_FORMAT of a pool's storage: the activations' own dtype (or another float), int8 codes,
+# fp8 e4m3fn codes, fp8 e5m2 codes (both passed as uint8)
+KV_PLAIN, KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2 = 0, 1, 2, 3
+_KV_FORMATS = {torch.int8: KV_INT8, torch.float8_e4m3fn: KV_FP8_E4M3,
+               torch.float8_e5m2: KV_FP8_E5M2}
+
+
+@triton.jit
+def _load_kv_rows(buf, scales, slots, kv_head, stride_t, stride_h, stride_s, offs_d, kv_mask,
+                  n_mask, dtype, KV_FORMAT: tl.constexpr):
+    """The rows ``slots`` of one KV head of ``buf`` as ``dtype``, dequantized with their scales
+    when ``KV_FORMAT`` says the buffer holds codes."""
+    raw = tl.load(buf + slots[:, None] * stride_t + kv_head * stride_h + offs_d[None, :],
+                  mask=kv_mask, other=0)
+    if KV_FORMAT == 0:
+        return raw.to(dtype)
+    if KV_FORMAT == 1:
+        x = raw.to(tl.float32)
+    elif KV_FORMAT == 2:
+        u = raw.to(tl.uint16)
+        bits = ((u & 0x7F) << 7) | ((u & 0x80) << 8)
+        x = bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    else:
+        u = raw.to(tl.uint16)
+        x = (u << 8).to(tl.float16, bitcast=True).to(tl.float32)
+    scale = tl.load(scales + slots * stride_s + kv_head, mask=n_mask, other=0.0)
+    return (x * scale[:, None]).to(dtype)
+
 
 @triton.jit
 def _attend_kv_block(
     q, acc, m_i, l_i, q_pos, pos, end, offs_d, d_mask,
-    K_buf, V_buf, req_to_token, row, kv_head, sm_scale,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    K_buf, V_buf, K_scale, V_scale, req_to_token, row, kv_head, sm_scale,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_s, stride_r2t,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, KV_FORMAT: tl.constexpr,
 ):
     """One online-softmax step, shared by decode and extend: attend the query rows ``q`` to the
     KV positions ``pos`` (those at ``end`` or past it masked; with ``CAUSAL``, also those past
@@ -52,11 +87,8 @@ def _attend_kv_block(
     n_mask = pos < end
     slots = tl.load(req_to_token + row * stride_r2t + pos, mask=n_mask, other=0)
     kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(
-        K_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
+    k = _load_kv_rows(K_buf, K_scale, slots, kv_head, stride_kt, stride_kh, stride_s, offs_d,
+                      kv_mask, n_mask, q.dtype, KV_FORMAT)
     if IEEE:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -70,11 +102,8 @@ def _attend_kv_block(
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(
-        V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
+    v = _load_kv_rows(V_buf, V_scale, slots, kv_head, stride_vt, stride_vh, stride_s, offs_d,
+                      kv_mask, n_mask, q.dtype, KV_FORMAT)
     if IEEE:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -84,15 +113,16 @@ def _attend_kv_block(
 
 @triton.jit
 def _decode_stage1(
-    Q, K_buf, V_buf, req_to_token, req_pool_indices, seq_lens, Mid_O, Mid_LSE,
+    Q, K_buf, V_buf, K_scale, V_scale, req_to_token, req_pool_indices, seq_lens, Mid_O, Mid_LSE,
     sm_scale,
     stride_qb, stride_qh,
-    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_s,
     stride_r2t,
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
     KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -120,9 +150,9 @@ def _decode_stage1(
     for block in range(start, end, BLOCK_N):
         acc, m_i, l_i = _attend_kv_block(
             q, acc, m_i, l_i, end, block + offs_n, end, offs_d, d_mask,
-            K_buf, V_buf, req_to_token, row, kv_head, sm_scale,
-            stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
-            CAUSAL=False, IEEE=IEEE,
+            K_buf, V_buf, K_scale, V_scale, req_to_token, row, kv_head, sm_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, stride_s, stride_r2t,
+            CAUSAL=False, IEEE=IEEE, KV_FORMAT=KV_FORMAT,
         )
     if end > start:
         tl.store(
@@ -172,13 +202,14 @@ def _decode_stage2(
 
 @triton.jit
 def _extend_kernel(
-    Q, Out, K_buf, V_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts,
+    Q, Out, K_buf, V_buf, K_scale, V_scale, req_to_token, req_pool_indices, prefix_lens,
+    extend_lens, q_starts,
     sm_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_s,
     stride_r2t,
     KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, KV_FORMAT: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -209,9 +240,9 @@ def _extend_kernel(
         for block in range(0, kv_end, BLOCK_N):
             acc, m_i, l_i = _attend_kv_block(
                 q, acc, m_i, l_i, q_pos, block + offs_n, kv_end, offs_d, d_mask,
-                K_buf, V_buf, req_to_token, row, kv_head, sm_scale,
-                stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
-                CAUSAL=True, IEEE=IEEE,
+                K_buf, V_buf, K_scale, V_scale, req_to_token, row, kv_head, sm_scale,
+                stride_kt, stride_kh, stride_vt, stride_vh, stride_s, stride_r2t,
+                CAUSAL=True, IEEE=IEEE, KV_FORMAT=KV_FORMAT,
             )
         tl.store(
             Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -223,12 +254,31 @@ def _extend_kernel(
 class PagedKV(NamedTuple):
     """Where both kernels read a batch's KV: the pool's ``k_buffer``/``v_buffer``
     (``[slots, kv_heads, head_dim]``) through the ``req_to_token`` rows of the batch's requests
-    (``req_pool_indices``)."""
+    (``req_pool_indices``); a quantized pool's codes come with their float32 scales
+    (``[slots, kv_heads]``)."""
 
     k_buffer: torch.Tensor
     v_buffer: torch.Tensor
     req_to_token: torch.Tensor
     req_pool_indices: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+_KVArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]
+
+
+def _kv_args(kv: PagedKV) -> _KVArgs:
+    """The buffers as the kernels take them (fp8 codes as uint8), the scales (the buffers
+    themselves when there are none: never read), the scales' row stride and ``KV_FORMAT``."""
+    fmt = _KV_FORMATS.get(kv.k_buffer.dtype, KV_PLAIN)
+    k, v = kv.k_buffer, kv.v_buffer
+    if fmt in (KV_FP8_E4M3, KV_FP8_E5M2):
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
+    if fmt == KV_PLAIN:
+        return k, v, k, v, 0, fmt
+    assert kv.k_scale is not None and kv.v_scale is not None, "a quantized pool needs its scales"
+    return k, v, kv.k_scale, kv.v_scale, kv.k_scale.stride(0), fmt
 
 
 def _block_d(head_dim: int) -> int:
@@ -246,7 +296,8 @@ def decode_attention(
     """Attention of one query token per request (``q`` ``[bs, heads, head_dim]``) over each
     request's ``seq_lens[i]`` positions of ``kv``; written into ``out``
     (``[bs, heads, head_dim]``)."""
-    k_buffer, v_buffer, req_to_token, req_pool_indices = kv
+    req_to_token, req_pool_indices = kv.req_to_token, kv.req_pool_indices
+    k_buffer, v_buffer, k_scale, v_scale, stride_s, kv_format = _kv_args(kv)
     bs, heads, head_dim = q.shape
     kv_heads = k_buffer.shape[1]
     group = heads // kv_heads
@@ -255,17 +306,18 @@ def decode_attention(
                         device=q.device)
     mid_lse = torch.empty((bs, heads, num_kv_splits), dtype=torch.float32, device=q.device)
     _decode_stage1[(bs, kv_heads, num_kv_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        q, k_buffer, v_buffer, k_scale, v_scale, req_to_token, req_pool_indices, seq_lens, mid_o,
+        mid_lse,
         sm_scale,
         q.stride(0), q.stride(1),
-        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), stride_s,
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         KV_GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=64 if block_d <= 128 else 32,
-        NUM_SPLITS=num_kv_splits, IEEE=q.dtype == torch.float32,
+        NUM_SPLITS=num_kv_splits, IEEE=q.dtype == torch.float32, KV_FORMAT=kv_format,
     )
     _decode_stage2[(bs, heads)](
         mid_o, mid_lse, out, seq_lens,
@@ -289,7 +341,8 @@ def extend_attention(
     """Causal attention of each request's new tokens (``q`` ``[num_tokens, heads, head_dim]``,
     request ``i``'s ``extend_lens[i]`` rows from ``q_starts[i]``) over its prefix and new tokens,
     all already in ``kv``; written into ``out`` (same shape as ``q``)."""
-    k_buffer, v_buffer, req_to_token, req_pool_indices = kv
+    req_to_token, req_pool_indices = kv.req_to_token, kv.req_pool_indices
+    k_buffer, v_buffer, k_scale, v_scale, stride_s, kv_format = _kv_args(kv)
     _, heads, head_dim = q.shape
     kv_heads = k_buffer.shape[1]
     block_d = _block_d(head_dim)
@@ -297,12 +350,13 @@ def extend_attention(
     block_m = 32 if small else 64
     bs = req_pool_indices.shape[0]
     _extend_kernel[(bs, heads, triton.cdiv(max_extend, block_m))](
-        q, out, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens,
-        q_starts,
+        q, out, k_buffer, v_buffer, k_scale, v_scale, req_to_token, req_pool_indices,
+        prefix_lens, extend_lens, q_starts,
         sm_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), stride_s,
         req_to_token.stride(0),
         KV_GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=32 if small else 64, IEEE=q.dtype == torch.float32,
+        KV_FORMAT=kv_format,
     )

@@ -15,6 +15,11 @@
 //
 // Tasks never race: a task writes only its own head of its own request's new slot, and reads
 // only its own request's slots.
+//
+// decode_attention_quant reads a quantized pool (int8 or fp8 codes with a float32 scale per slot
+// and KV head, kv_quant.h) the same way, a row's codes times its scale as it is loaded: a quarter
+// (float32 models) or half (bf16) of the bytes per key, which is what a long decode is bound by.
+// It does not write the new token's K/V: the caller quantized it into the pool already.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -29,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_quant.h"
 #include "paged_attention.h"
 #include "vec_math.h"
 
@@ -80,37 +86,53 @@ constexpr int64_t heads_per_pass(int64_t regs) {
 }
 constexpr int64_t kKeyBlock = 64;  // keys per block: a block's rows stay in L1 across the passes
 
-// Where one task's keys and values are: row t of its request at base + slots[t] * kv_row.
-template <typename T>
+// Where one task's keys and values are: row t of its request at base + slots[t] * kv_row; in a
+// quantized pool (S int8 or fp8) its scale at scale_base[slots[t] * scale_row].
+template <typename S>
 struct Rows {
-  const T* k;
-  const T* v;
+  const S* k;
+  const S* v;
   const int64_t* slots;
   int64_t kv_row;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  int64_t scale_row = 0;
 };
 
-// Row t of a task's keys or values (`base`: rows.k or rows.v) into R registers; the row kAhead
-// further on is prefetched.
-template <typename T, int64_t R>
-inline void load_row(const T* base, const Rows<T>& rows, int64_t t, int64_t len, int64_t head_dim,
-                     __m512* out) {
-  if (t + kAhead < len) prefetch_row(base + rows.slots[t + kAhead] * rows.kv_row, head_dim);
-  const T* row = base + rows.slots[t] * rows.kv_row;
-  for (int64_t r = 0; r < R; ++r) out[r] = load16(row + r * kLanes);
+// Row t of a task's keys or values (`base`: rows.k or rows.v, `scales`: their scales) into R
+// float32 registers; the row kAhead further on is prefetched.
+template <typename S, int64_t R>
+inline void load_row(const S* base, const float* scales, const Rows<S>& rows, int64_t t,
+                     int64_t len, int64_t head_dim, __m512* out) {
+  if (t + kAhead < len) {
+    prefetch_row(base + rows.slots[t + kAhead] * rows.kv_row, head_dim);
+    if constexpr (kQuantizedKV<S>) {
+      _mm_prefetch(reinterpret_cast<const char*>(scales + rows.slots[t + kAhead] * rows.scale_row),
+                   _MM_HINT_T0);
+    }
+  }
+  const S* row = base + rows.slots[t] * rows.kv_row;
+  if constexpr (kQuantizedKV<S>) {
+    const __m512 scale = _mm512_set1_ps(scales[rows.slots[t] * rows.scale_row] * kScaleFactor<S>);
+    for (int64_t r = 0; r < R; ++r) out[r] = _mm512_mul_ps(load_kv16(row + r * kLanes), scale);
+  } else {
+    for (int64_t r = 0; r < R; ++r) out[r] = load_kv16(row + r * kLanes);
+  }
 }
 
 // One pass of G heads over keys or values [t0, t1): with kScores, scores[g][t] = query_g . k_t;
 // else acc_g += scores[g][t] v_t. `held` (the G heads' queries, or their sums: R registers
 // each) stays in registers for the pass; score rows are `len` apart.
-template <bool kScores, typename T, int64_t R, int64_t G>
-void run_pass(__m512* held, const Rows<T>& rows, int64_t t0, int64_t t1, int64_t len,
+template <bool kScores, typename S, int64_t R, int64_t G>
+void run_pass(__m512* held, const Rows<S>& rows, int64_t t0, int64_t t1, int64_t len,
               int64_t head_dim, float* scores) {
   __m512 reg[G][R];
   for (int64_t g = 0; g < G; ++g)
     for (int64_t r = 0; r < R; ++r) reg[g][r] = held[g * R + r];
   for (int64_t t = t0; t < t1; ++t) {
     __m512 row[R];
-    load_row<T, R>(kScores ? rows.k : rows.v, rows, t, len, head_dim, row);
+    load_row<S, R>(kScores ? rows.k : rows.v, kScores ? rows.k_scale : rows.v_scale, rows, t, len,
+                   head_dim, row);
     for (int64_t g = 0; g < G; ++g) {
       if constexpr (kScores) {
         __m512 dot = _mm512_mul_ps(reg[g][0], row[0]);
@@ -155,10 +177,13 @@ void softmax_rows(float* scores, int64_t rows, int64_t len) {
   }
 }
 
-template <typename T, int64_t kRegs>
+// S: the pool's element type, T's own or (quantized) the codes; a quantized pool comes with its
+// scales (k_scale, v_scale) and no new K/V to write (k, v and loc undefined).
+template <typename T, typename S, int64_t kRegs>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& loc, const at::Tensor& k_buffer,
-                           const at::Tensor& v_buffer, const at::Tensor& req_to_token,
+                           const at::Tensor& v_buffer, const at::Tensor& k_scale,
+                           const at::Tensor& v_scale, const at::Tensor& req_to_token,
                            const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
                            double scale, at::Tensor& out) {
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
@@ -166,13 +191,17 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   constexpr int64_t regs = kRegs;
   constexpr int64_t pass = heads_per_pass(kRegs);
   const int64_t kv_row = kv_heads * head_dim, table_stride = req_to_token.stride(0);
-  const int64_t q_stride = q.stride(0), k_stride = k.stride(0), v_stride = v.stride(0);
+  constexpr bool quantized = kQuantizedKV<S>;
+  const int64_t q_stride = q.stride(0);
+  const int64_t k_stride = quantized ? 0 : k.stride(0), v_stride = quantized ? 0 : v.stride(0);
   const T* q_ptr = q.data_ptr<T>();
-  const T* k_new = k.data_ptr<T>();
-  const T* v_new = v.data_ptr<T>();
-  T* k_ptr = k_buffer.data_ptr<T>();
-  T* v_ptr = v_buffer.data_ptr<T>();
-  const int64_t* loc_ptr = loc.data_ptr<int64_t>();
+  const S* k_new = quantized ? nullptr : static_cast<const S*>(k.data_ptr());
+  const S* v_new = quantized ? nullptr : static_cast<const S*>(v.data_ptr());
+  S* k_ptr = static_cast<S*>(k_buffer.data_ptr());
+  S* v_ptr = static_cast<S*>(v_buffer.data_ptr());
+  const float* k_scale_ptr = quantized ? k_scale.data_ptr<float>() : nullptr;
+  const float* v_scale_ptr = quantized ? v_scale.data_ptr<float>() : nullptr;
+  const int64_t* loc_ptr = quantized ? nullptr : loc.data_ptr<int64_t>();
   const int64_t* table = req_to_token.data_ptr<int64_t>();
   const int64_t* pool_idx = req_pool_indices.data_ptr<int64_t>();
   const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
@@ -186,10 +215,18 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads, len = len_ptr[b];
       const int64_t head_off = h * head_dim;
-      const Rows<T> rows{k_ptr + head_off, v_ptr + head_off,
-                         table + pool_idx[b] * table_stride, kv_row};
-      std::copy_n(k_new + b * k_stride + head_off, head_dim, k_ptr + loc_ptr[b] * kv_row + head_off);
-      std::copy_n(v_new + b * v_stride + head_off, head_dim, v_ptr + loc_ptr[b] * kv_row + head_off);
+      Rows<S> rows{k_ptr + head_off, v_ptr + head_off, table + pool_idx[b] * table_stride,
+                   kv_row};
+      if constexpr (quantized) {
+        rows.k_scale = k_scale_ptr + h;
+        rows.v_scale = v_scale_ptr + h;
+        rows.scale_row = kv_heads;
+      } else {
+        std::copy_n(k_new + b * k_stride + head_off, head_dim,
+                    k_ptr + loc_ptr[b] * kv_row + head_off);
+        std::copy_n(v_new + b * v_stride + head_off, head_dim,
+                    v_ptr + loc_ptr[b] * kv_row + head_off);
+      }
       const T* q_group = q_ptr + b * q_stride + h * group * head_dim;
       for (int64_t i = 0; i < group * regs; ++i) {
         query[i] = _mm512_mul_ps(load16(q_group + i * kLanes), scale_v);
@@ -203,7 +240,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
           const int64_t t1 = std::min(len, t0 + kKeyBlock);
           for (int64_t g = 0; g < group; g += pass) {
             with_constant<pass>(std::min(pass, group - g), [&](auto heads_tag) {
-              run_pass<decltype(scores_tag)::value, T, regs, decltype(heads_tag)::value>(
+              run_pass<decltype(scores_tag)::value, S, regs, decltype(heads_tag)::value>(
                   held + g * regs, rows, t0, t1, len, head_dim, scores.data() + g * len);
             });
           }
@@ -263,12 +300,56 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const auto run = [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     with_constant<kMaxHeadRegs>(q.size(2) / kLanes, [&](auto regs) {
-      decode_attention_impl<T, decltype(regs)::value>(q, k, v, loc, k_buffer, v_buffer,
-                                                      req_to_token, req_pool_indices, seq_lens,
-                                                      scale, out);
+      decode_attention_impl<T, T, decltype(regs)::value>(
+          q, k, v, loc, k_buffer, v_buffer, at::Tensor(), at::Tensor(), req_to_token,
+          req_pool_indices, seq_lens, scale, out);
     });
   };
   with_attention_dtype("decode_attention", q, run);
+}
+
+// decode_attention over a quantized pool: q and out float32 [batch, heads, head_dim]; k_buffer,
+// v_buffer [slots, kv_heads, head_dim] of int8 or fp8 codes; k_scale, v_scale float32 [slots,
+// kv_heads]. The new token's K/V must be in the pool already (the caller quantized it there).
+void decode_attention_quant(const at::Tensor& q, const at::Tensor& k_buffer,
+                            const at::Tensor& v_buffer, const at::Tensor& k_scale,
+                            const at::Tensor& v_scale, const at::Tensor& req_to_token,
+                            const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                            double scale, at::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && out.sizes() == q.sizes() &&
+                  k_buffer.sizes() == v_buffer.sizes() && k_buffer.size(2) == q.size(2),
+              "decode_attention_quant: q and out must be [batch, heads, head_dim], the KV "
+              "buffers [slots, kv_heads, head_dim]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "decode_attention_quant: q and out must be float32");
+  TORCH_CHECK(k_buffer.scalar_type() == v_buffer.scalar_type(),
+              "decode_attention_quant: K and V codes must share a dtype");
+  TORCH_CHECK(q.size(1) % k_buffer.size(1) == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= kLanes * kMaxHeadRegs,
+              "head_dim must be a multiple of 16 up to 256, got ", q.size(2));
+  for (const at::Tensor* t : {&k_scale, &v_scale}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == k_buffer.size(0) && t->size(1) == k_buffer.size(1),
+                "decode_attention_quant: the scales must be contiguous float32 [slots, kv_heads]");
+  }
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "decode_attention_quant: q must have contiguous heads in each row");
+  TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous() && out.is_contiguous(),
+              "the KV buffers and out must be contiguous");
+  const int64_t batch = q.size(0);
+  check_long_vector(req_pool_indices, batch, "req_pool_indices");
+  check_long_vector(seq_lens, batch, "seq_lens");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.dim() == 2 &&
+                  req_to_token.stride(1) == 1,
+              "req_to_token must be int64 [requests, context] with contiguous rows");
+  with_quantized_kv_dtype("decode_attention_quant", k_buffer, [&](auto code_tag) {
+    using S = decltype(code_tag);
+    with_constant<kMaxHeadRegs>(q.size(2) / kLanes, [&](auto regs) {
+      decode_attention_impl<float, S, decltype(regs)::value>(
+          q, at::Tensor(), at::Tensor(), at::Tensor(), k_buffer, v_buffer, k_scale, v_scale,
+          req_to_token, req_pool_indices, seq_lens, scale, out);
+    });
+  });
 }
 
 }  // namespace
@@ -276,4 +357,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("decode_attention(" RADIXSERVE_PAGED_ATTENTION_ARGS "float scale, Tensor(c!) out) -> ()");
   m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
+  m.def("decode_attention_quant(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor k_scale, "
+        "Tensor v_scale, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
+        "float scale, Tensor(c!) out) -> ()");
+  m.impl("decode_attention_quant", c10::DispatchKey::CPU, &decode_attention_quant);
 }

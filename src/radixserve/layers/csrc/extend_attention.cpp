@@ -21,6 +21,11 @@
 // operations run in the same order for it whatever the batch (batch invariance, which
 // `--enable-deterministic-inference` relies on: chunked prefill of 64 or 4096 tokens and a radix
 // cache hit give the bits of a cold prefill).
+//
+// extend_attention_quant reads a quantized pool (int8 or fp8 codes with a float32 scale per slot
+// and KV head, kv_quant.h): a block's rows are dequantized as they are converted to float32, the
+// rest is the same. It does not write the new tokens' K/V: the caller quantized them into the
+// pool already, so the new tokens attend to their own K/V as the pool holds it, like the prefix.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -35,6 +40,7 @@
 #include <initializer_list>
 #include <vector>
 
+#include "kv_quant.h"
 #include "paged_attention.h"
 #include "vec_math.h"
 
@@ -60,6 +66,27 @@ struct Shape {
   int64_t heads, kv_heads, group, head_dim;
   int64_t q_stride, kv_row, table_stride, out_stride;
 };
+
+// Where a task's KV is: codes (or values) of S, and for a quantized pool the float32 scales
+// ([slots, kv_heads]).
+template <typename S>
+struct PoolKV {
+  const S* k;
+  const S* v;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+};
+
+// 16 elements of a pool row in float32, its scale applied (`scale`: the row's scale times
+// kScaleFactor; unused for an unquantized pool).
+template <typename S>
+inline __m512 load_pool(const S* p, __m512 scale) {
+  if constexpr (kQuantizedKV<S>) {
+    return _mm512_mul_ps(load_kv16(p), scale);
+  } else {
+    return load_kv16(p);
+  }
+}
 
 // cols[e] = element e of rows[0..15]: a 16 x 16 float32 transpose. After the unpacks, register
 // 4q + c holds, in its 128-bit quarter L, element 4L + c of rows 4q..4q+3; two rounds of
@@ -123,8 +150,8 @@ inline void weigh_values(float* acc, const float* alpha, const float* probs, con
 // One task: rows = positions [first, first + count) of request b (absolute positions
 // prefix + i) times the `group` query heads of KV head h, padded to whole tiles of kRowTile rows
 // (padding rows see no key and are never written out).
-template <typename T>
-void attend_block(const T* q, const T* k_buf, const T* v_buf, const int64_t* slots,
+template <typename T, typename S>
+void attend_block(const T* q, const PoolKV<S>& kv, const int64_t* slots,
                   int64_t token0, int64_t prefix, int64_t first, int64_t count, int64_t h,
                   float scale, T* out, const Shape& s, std::vector<float>& scratch) {
   const int64_t D = s.head_dim, G = s.group, rows = count * G;
@@ -166,19 +193,27 @@ void attend_block(const T* q, const T* k_buf, const T* v_buf, const int64_t* slo
     // transposed 16 x 16 in registers (a scalar store per element had cost decode steps in
     // deterministic mode, with few rows per task, more than their scores)
     for (int64_t j0 = 0; j0 < kKeys; j0 += kLanes) {
-      const T* kr[kLanes];
+      const S* kr[kLanes];
+      __m512 k_sc[kLanes];
       for (int64_t i = 0; i < kLanes; ++i) {
-        const int64_t j = j0 + i, row = slots[std::min(k0 + j, max_pos)] * s.kv_row + head_off;
-        kr[i] = k_buf + row;
-        const T* vr = v_buf + row;
+        const int64_t j = j0 + i, slot = slots[std::min(k0 + j, max_pos)];
+        const int64_t row = slot * s.kv_row + head_off;
+        kr[i] = kv.k + row;
+        const S* vr = kv.v + row;
+        __m512 v_sc = _mm512_setzero_ps();
+        if constexpr (kQuantizedKV<S>) {
+          const int64_t at = slot * s.kv_heads + h;
+          k_sc[i] = _mm512_set1_ps(kv.k_scale[at] * kScaleFactor<S>);
+          v_sc = _mm512_set1_ps(kv.v_scale[at] * kScaleFactor<S>);
+        }
         for (int64_t d = 0; d < D; d += kLanes) {
-          _mm512_storeu_ps(vb + j * D + d, j < n ? load_row(vr + d) : _mm512_setzero_ps());
+          _mm512_storeu_ps(vb + j * D + d, j < n ? load_pool(vr + d, v_sc) : _mm512_setzero_ps());
         }
       }
       for (int64_t d = 0; d < D; d += kLanes) {
         __m512 rows[kLanes], cols[kLanes];
         for (int64_t i = 0; i < kLanes; ++i) {
-          rows[i] = j0 + i < n ? load_row(kr[i] + d) : _mm512_setzero_ps();
+          rows[i] = j0 + i < n ? load_pool(kr[i] + d, k_sc[i]) : _mm512_setzero_ps();
         }
         transpose16(rows, cols);
         for (int64_t e = 0; e < kLanes; ++e) _mm512_storeu_ps(kt + (d + e) * kKeys + j0, cols[e]);
@@ -259,9 +294,12 @@ void attend_block(const T* q, const T* k_buf, const T* v_buf, const int64_t* slo
   }
 }
 
-template <typename T>
+// S: the pool's element type, T's own or (quantized) the codes; a quantized pool comes with its
+// scales and no new K/V to write (k, v and loc undefined).
+template <typename T, typename S>
 void extend_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& loc, at::Tensor& k_buffer, at::Tensor& v_buffer,
+                           const at::Tensor& k_scale, const at::Tensor& v_scale,
                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                            const at::Tensor& seq_lens, const at::Tensor& extend_lens,
                            double scale, at::Tensor& out) {
@@ -269,19 +307,25 @@ void extend_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   Shape s{q.size(1), k_buffer.size(1), q.size(1) / k_buffer.size(1), q.size(2), q.stride(0),
           k_buffer.size(1) * q.size(2), req_to_token.stride(0), out.stride(0)};
   const T* qp = q.data_ptr<T>();
-  T* kb = k_buffer.data_ptr<T>();
-  T* vbuf = v_buffer.data_ptr<T>();
-  const int64_t* loc_p = loc.data_ptr<int64_t>();
-  // the new tokens' K/V into the pool
-  const T* kn = k.data_ptr<T>();
-  const T* vn = v.data_ptr<T>();
-  const int64_t k_stride = k.stride(0), v_stride = v.stride(0), row = s.kv_row;
-  at::parallel_for(0, tokens, 64, [&](int64_t first, int64_t last) {
-    for (int64_t t = first; t < last; ++t) {
-      std::copy_n(kn + t * k_stride, row, kb + loc_p[t] * row);
-      std::copy_n(vn + t * v_stride, row, vbuf + loc_p[t] * row);
-    }
-  });
+  S* kb = static_cast<S*>(k_buffer.data_ptr());
+  S* vbuf = static_cast<S*>(v_buffer.data_ptr());
+  PoolKV<S> kv{kb, vbuf};
+  if constexpr (kQuantizedKV<S>) {
+    kv.k_scale = k_scale.data_ptr<float>();
+    kv.v_scale = v_scale.data_ptr<float>();
+  } else {
+    // the new tokens' K/V into the pool
+    const int64_t* loc_p = loc.data_ptr<int64_t>();
+    const S* kn = static_cast<const S*>(k.data_ptr());
+    const S* vn = static_cast<const S*>(v.data_ptr());
+    const int64_t k_stride = k.stride(0), v_stride = v.stride(0), row = s.kv_row;
+    at::parallel_for(0, tokens, 64, [&](int64_t first, int64_t last) {
+      for (int64_t t = first; t < last; ++t) {
+        std::copy_n(kn + t * k_stride, row, kb + loc_p[t] * row);
+        std::copy_n(vn + t * v_stride, row, vbuf + loc_p[t] * row);
+      }
+    });
+  }
   // tasks: (request, KV head, block of kQueries new positions), longest first
   struct Task {
     int64_t b, token0, prefix, first, count, h;
@@ -313,7 +357,7 @@ void extend_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
     std::vector<float> scratch;
     for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
       const Task& t = tasks[i];
-      attend_block(qp, kb, vbuf, table + pool_idx[t.b] * s.table_stride, t.token0, t.prefix,
+      attend_block(qp, kv, table + pool_idx[t.b] * s.table_stride, t.token0, t.prefix,
                    t.first, t.count, t.h, static_cast<float>(scale), op, s, scratch);
     }
   });
@@ -369,9 +413,55 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               "contiguous rows");
   if (tokens == 0) return;
   with_attention_dtype("extend_attention", q, [&](auto dtype_tag) {
-    extend_attention_impl<decltype(dtype_tag)>(q, k, v, loc, k_buffer, v_buffer, req_to_token,
-                                               req_pool_indices, seq_lens, extend_lens, scale,
-                                               out);
+    using T = decltype(dtype_tag);
+    extend_attention_impl<T, T>(q, k, v, loc, k_buffer, v_buffer, at::Tensor(), at::Tensor(),
+                                req_to_token, req_pool_indices, seq_lens, extend_lens, scale,
+                                out);
+  });
+}
+
+// extend_attention over a quantized pool: q and out float32 [tokens, heads, head_dim];
+// k_buffer, v_buffer [slots, kv_heads, head_dim] of int8 or fp8 codes; k_scale, v_scale float32
+// [slots, kv_heads]. The new tokens' K/V must be in the pool already.
+void extend_attention_quant(const at::Tensor& q, at::Tensor k_buffer, at::Tensor v_buffer,
+                            const at::Tensor& k_scale, const at::Tensor& v_scale,
+                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                            const at::Tensor& seq_lens, const at::Tensor& extend_lens,
+                            double scale, at::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && out.sizes() == q.sizes() &&
+                  k_buffer.sizes() == v_buffer.sizes() && k_buffer.size(2) == q.size(2),
+              "extend_attention_quant: q and out must be [tokens, heads, head_dim], the KV "
+              "buffers [slots, kv_heads, head_dim]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "extend_attention_quant: q and out must be float32");
+  TORCH_CHECK(k_buffer.scalar_type() == v_buffer.scalar_type(),
+              "extend_attention_quant: K and V codes must share a dtype");
+  TORCH_CHECK(q.size(1) % k_buffer.size(1) == 0,
+              "extend_attention_quant: heads must be a multiple of kv_heads");
+  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= 256,
+              "extend_attention_quant: head_dim must be a multiple of 16 up to 256");
+  for (const at::Tensor* t : {&k_scale, &v_scale}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == k_buffer.size(0) && t->size(1) == k_buffer.size(1),
+                "extend_attention_quant: the scales must be contiguous float32 [slots, kv_heads]");
+  }
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "extend_attention_quant: q must have contiguous heads in each row");
+  TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous() && out.is_contiguous(),
+              "extend_attention_quant: the KV buffers and out must be contiguous");
+  const int64_t batch = seq_lens.size(0);
+  check_long_vector(req_pool_indices, batch, "req_pool_indices");
+  check_long_vector(seq_lens, batch, "seq_lens");
+  check_long_vector(extend_lens, batch, "extend_lens");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.dim() == 2 &&
+                  req_to_token.stride(1) == 1,
+              "extend_attention_quant: req_to_token must be int64 [requests, context] with "
+              "contiguous rows");
+  if (q.size(0) == 0) return;
+  with_quantized_kv_dtype("extend_attention_quant", k_buffer, [&](auto code_tag) {
+    extend_attention_impl<float, decltype(code_tag)>(
+        q, at::Tensor(), at::Tensor(), at::Tensor(), k_buffer, v_buffer, k_scale, v_scale,
+        req_to_token, req_pool_indices, seq_lens, extend_lens, scale, out);
   });
 }
 
@@ -381,4 +471,8 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("extend_attention(" RADIXSERVE_PAGED_ATTENTION_ARGS
         "Tensor extend_lens, float scale, Tensor(c!) out) -> ()");
   m.impl("extend_attention", c10::DispatchKey::CPU, &extend_attention);
+  m.def("extend_attention_quant(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor k_scale, "
+        "Tensor v_scale, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
+        "Tensor extend_lens, float scale, Tensor(c!) out) -> ()");
+  m.impl("extend_attention_quant", c10::DispatchKey::CPU, &extend_attention_quant);
 }

@@ -1,0 +1,147 @@
+"""Attention over a quantized KV pool (``--kv-cache-dtype int8 / fp8_e4m3 / fp8_e5m2``) in each
+backend that reads one (torch_native, the CPU kernels, the Triton kernels in Triton's
+interpreter), against plain torch over the pool's dequantized contents, on random paged batches:
+the backends must dequantize exactly what the pool holds (codes times their per-(slot, head)
+scales) and attend over it, new tokens included. Unowned slots have NaN scales, so a read of
+one shows. Also the pool's quantization itself and its byte accounting.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# As in test_triton_attention.py: interpret the Triton kernels where no GPU compiles them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from radixserve.forward_batch import ForwardMode  # noqa: E402
+from radixserve.layers import cpu_kernels  # noqa: E402
+from radixserve.layers.attention import create_attention_backend  # noqa: E402
+from radixserve.mem_cache.kv_pool import MHATokenToKVPool  # noqa: E402
+from radixserve.mem_cache.kv_quant import (  # noqa: E402
+    KV_CACHE_DTYPES,
+    dequantize,
+    kv_storage_dtype,
+    quantize,
+)
+from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool  # noqa: E402
+from radixserve.server_args import KV_CACHE_DTYPE_CHOICES  # noqa: E402
+from tests.layers.paged_batches import attend, random_batch, reference_attention  # noqa: E402
+
+KV_DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+DECODE, EXTEND = ForwardMode.DECODE, ForwardMode.EXTEND
+
+
+def check(backend: str, seed: int, mode: ForwardMode, dtype: torch.dtype, kv_dtype: torch.dtype,
+          heads: int, kv_heads: int, head_dim: int, page_size: int = 4, **shape) -> None:
+    batch = random_batch(seed, mode, page_size, dtype, heads, kv_heads, head_dim,
+                         kv_dtype=kv_dtype, **shape)
+    out = attend(backend, batch)
+    assert out.dtype == dtype and not out.isnan().any()
+    expected = reference_attention(batch)
+    # the dequantized K/V are the same numbers in every backend; what differs is the order of
+    # float32 sums and, for half-precision activations, their rounding
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+CASES = [  # (seed, mode, heads, kv_heads, head_dim)
+    (0, DECODE, 4, 2, 64),
+    (1, EXTEND, 4, 1, 64),
+    (2, DECODE, 6, 3, 128),
+    (3, EXTEND, 2, 2, 128),
+]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize(("seed", "mode", "heads", "kv_heads", "head_dim"), CASES)
+def test_torch_native_reads_a_quantized_pool(kv_dtype, seed, mode, heads, kv_heads, head_dim):
+    check("torch_native", seed, mode, torch.float32, kv_dtype, heads, kv_heads, head_dim)
+
+
+needs_cpu_kernels = pytest.mark.skipif(
+    cpu_kernels.attention_kernels_support(torch.int8, 64) is not None,
+    reason="radixserve's CPU kernels do not run here",
+)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize(("seed", "mode", "heads", "kv_heads", "head_dim"), CASES)
+def test_cpu_kernels_read_a_quantized_pool(dtype, kv_dtype, seed, mode, heads, kv_heads,
+                                           head_dim):
+    check("cpu", seed, mode, dtype, kv_dtype, heads, kv_heads, head_dim)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+def test_cpu_kernels_over_many_key_blocks(kv_dtype):
+    """Requests longer than the kernels' key blocks (64), prefills over several query blocks."""
+    for seed, mode in ((20, DECODE), (21, EXTEND)):
+        check("cpu", seed, mode, torch.float32, kv_dtype, 8, 2, 64, page_size=16,
+              max_prefix=200, max_extend=40, max_bs=4)
+
+
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter"
+)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize(("seed", "mode"), [(5, DECODE), (6, EXTEND)])
+def test_triton_reads_a_quantized_pool(dtype, kv_dtype, seed, mode):
+    check("triton", seed, mode, dtype, kv_dtype, 4, 2, 64)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+def test_quantize_round_trip(kv_dtype):
+    """Per-row scales: each row's largest magnitude is kept (to the format's precision), an
+    all-zero row stays zero, and the error is bounded by the format's step."""
+    x = torch.randn(50, 3, 64) * torch.logspace(-3, 3, 50)[:, None, None]
+    x[7, 1] = 0
+    codes, scale = quantize(x, kv_dtype)
+    assert codes.dtype == kv_dtype and scale.shape == (50, 3)
+    y = dequantize(codes, scale, torch.float32)
+    assert torch.equal(y[7, 1], torch.zeros(64))
+    rel = {torch.int8: 1 / 254, torch.float8_e4m3fn: 1 / 16, torch.float8_e5m2: 1 / 8}[kv_dtype]
+    bound = x.abs().amax(-1, keepdim=True) * rel * 1.01
+    assert ((y - x).abs() <= bound).all()
+
+
+def test_pool_bytes_and_slot_buffers():
+    """A quantized pool counts its codes and scales: about half a bf16 pool's bytes per token
+    (64-dim heads: 68 bytes against 128), so the same budget holds ~1.9x the tokens."""
+    bf16 = MHATokenToKVPool.bytes_per_token(3, 64, 30, torch.bfloat16)
+    int8 = MHATokenToKVPool.bytes_per_token(3, 64, 30, torch.int8)
+    assert bf16 == 2 * 30 * 3 * 64 * 2 and int8 == 2 * 30 * 3 * (64 + 4)
+    assert bf16 / int8 > 1.85
+    pool = MHATokenToKVPool(16, 4, torch.float8_e5m2, 3, 64, 2, "cpu")
+    assert pool.size_bytes() == 20 * MHATokenToKVPool.bytes_per_token(3, 64, 2, pool.dtype)
+    buffers = pool.slot_buffers(1)
+    assert [b.dtype for b in buffers] == [torch.float8_e5m2] * 2 + [torch.float32] * 2
+    assert all(b.shape[0] == 20 for b in buffers)
+    plain = MHATokenToKVPool(16, 4, torch.bfloat16, 3, 64, 2, "cpu")
+    assert len(plain.slot_buffers(0)) == 2 and plain.get_kv_scale_buffers(0) is None
+
+
+def test_kv_cache_dtype_names():
+    assert set(KV_CACHE_DTYPE_CHOICES) == set(KV_CACHE_DTYPES)
+    assert kv_storage_dtype("auto", torch.float32) == torch.float32
+    assert kv_storage_dtype("fp8_e4m3", torch.bfloat16) == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        kv_storage_dtype("q4_0", torch.float32)
+
+
+def test_a_backend_refuses_a_dtype_it_cannot_read(monkeypatch):
+    """The cpu backend on a machine without its kernels names the KV dtype and the reason."""
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", lambda: False)
+    pool = MHATokenToKVPool(8, 1, torch.int8, 1, 64, 1, "cpu")
+    with pytest.raises(ValueError, match=r"cpu attention backend.*torch\.int8"):
+        create_attention_backend("cpu", ReqToTokenPool(2, 8, "cpu"), pool)
