@@ -61,6 +61,47 @@ class MHATokenToKVPool:
         """Bytes held by all K and V buffers, padding page included."""
         return sum(b.numel() * b.element_size() for b in self.k_buffer + self.v_buffer)
 
+    # ---- page copies between tiers (mem_cache/hiradix_cache.py, hicache_storage.py) -------------
+    # The hierarchical cache moves KV between this pool, host memory and files only through the
+    # three methods below, as opaque bytes per token: a pool that stores more per token (a
+    # quantized pool's scales) extends them, and every tier carries what it returns unchanged.
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's KV takes in ``read_kv_pages``'s format (all layers, K and V)."""
+        return self.bytes_per_token(self.head_num, self.head_dim, self.layer_num, self.dtype)
+
+    def kv_layout(self) -> dict[str, object]:
+        """What KV bytes of this pool mean: stored KV whose layout differs is never loaded."""
+        return {
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "layer_num": self.layer_num,
+            "head_num": self.head_num,
+            "head_dim": self.head_dim,
+            "kv_bytes_per_token": self.kv_bytes_per_token(),
+            "token_layout": "k_layers,v_layers",
+        }
+
+    def read_kv_pages(self, slots: torch.Tensor) -> torch.Tensor:
+        """The KV of ``slots`` (whole pages, in practice) as a CPU ``uint8`` tensor of shape
+        ``[len(slots), kv_bytes_per_token()]``: per token, K of every layer then V of every
+        layer, each ``[head_num, head_dim]``."""
+        index = slots.to(self.device)
+        kv = torch.stack([b[index] for b in self.k_buffer + self.v_buffer], dim=1)
+        data = kv.cpu().contiguous().view(torch.uint8)
+        return data.reshape(len(slots), self.kv_bytes_per_token())
+
+    def write_kv_pages(self, slots: torch.Tensor, data: torch.Tensor) -> None:
+        """Write ``data`` (``read_kv_pages``'s format, on any device) into ``slots``."""
+        n = len(slots)
+        assert data.shape == (n, self.kv_bytes_per_token()), (
+            f"KV bytes of shape {tuple(data.shape)} for {n} slots"
+        )
+        kv = data.to(self.device, non_blocking=True).contiguous().view(self.dtype)
+        kv = kv.view(n, 2 * self.layer_num, self.head_num, self.head_dim)
+        index = slots.to(self.device)
+        for i, buffer in enumerate(self.k_buffer + self.v_buffer):
+            buffer[index] = kv[:, i]
+
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]
 

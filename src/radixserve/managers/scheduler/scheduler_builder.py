@@ -37,7 +37,13 @@ from radixserve.managers.scheduler.speculative_decoder import (
     SpeculativeOutputProcessor,
 )
 from radixserve.managers.scheduler.tp_worker import TpModelWorker
-from radixserve.mem_cache import create_prefix_cache, create_session_store
+from radixserve.mem_cache import (
+    HiRadixCache,
+    HostKVPool,
+    create_hierarchical_cache,
+    create_prefix_cache,
+    create_session_store,
+)
 from radixserve.model_config import ModelConfig, resolve_device
 from radixserve.model_executor.model_runner import RunnerSettings
 from radixserve.server_args import ServerArgs
@@ -89,6 +95,8 @@ def build_scheduler(
         not radix_enabled, runner.req_to_token_pool, runner.token_to_kv_pool_allocator,
         runner.page_size, streaming_sessions=server_args.enable_streaming_session,
         session_store=store, session_offload_after=server_args.session_offload_after,
+    ) if not (server_args.enable_hierarchical_cache and radix_enabled) else _hierarchical_cache(
+        server_args, runner
     )
     # For stop strings and grammars; the detokenizer makes the text.
     tokenizer = load_tokenizer(server_args.tokenizer)
@@ -158,6 +166,21 @@ def build_scheduler(
     make_loop = choose_loop(server_args, parallel, tp_worker, is_generation)
     return Scheduler(
         parts, settings, send_to_tokenizer, parallel, make_loop, dp_rank, send_load
+    )
+
+
+def _hierarchical_cache(server_args: ServerArgs, runner: Any) -> HiRadixCache:
+    """``--enable-hierarchical-cache``: the host tier is ``--hicache-size`` GB, else
+    ``--hicache-ratio`` times the device pool."""
+    pool = runner.token_to_kv_pool
+    if server_args.hicache_size > 0:
+        host_tokens = HostKVPool.tokens_for_bytes(pool, int(server_args.hicache_size * 1e9))
+    else:
+        host_tokens = int(runner.max_total_num_tokens * server_args.hicache_ratio)
+    return create_hierarchical_cache(
+        runner.req_to_token_pool, runner.token_to_kv_pool_allocator, runner.page_size, pool,
+        host_tokens=host_tokens, write_policy=server_args.hicache_write_policy,
+        storage_dir=server_args.hicache_storage_dir, model_path=server_args.model_path,
     )
 
 
