@@ -221,9 +221,6 @@ class ServerArgs:
             return
         if self.disable_radix_cache:
             raise ValueError("enable_hierarchical_cache needs the radix cache")
-        if self.enable_streaming_session:
-            raise ValueError("enable_hierarchical_cache does not combine with "
-                             "enable_streaming_session yet (sessions have their own store)")
         if self.tp_size * self.pp_size * self.dp_size > 1:
             raise ValueError("enable_hierarchical_cache runs on a single rank for now")
 

@@ -95,7 +95,9 @@ def test_another_models_storage_is_refused_and_recomputed(
 
 def test_aborts_under_kv_pressure_leak_nothing_in_any_tier(llama_path, cold, strict_env):
     rng = random.Random(0)
-    with Engine(**engine_kwargs(llama_path, hicache_ratio=2.0)) as eng:
+    # inside the session-aware cache: the composition is checked by the same strict check
+    with Engine(**engine_kwargs(llama_path, hicache_ratio=2.0,
+                                enable_streaming_session=True)) as eng:
         for round_ in range(2):
             streams = []
             for i in range(8):

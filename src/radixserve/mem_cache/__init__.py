@@ -39,12 +39,14 @@ def create_prefix_cache(
     streaming_sessions: bool = False,
     session_store: SessionStore | None = None,
     session_offload_after: float | None = None,
+    tree: BasePrefixCache | None = None,
 ) -> BasePrefixCache:
     """``RadixCache`` by default; ``ChunkCache`` (no sharing) with ``--disable-radix-cache``;
     either composed into a ``SessionAwareCache`` with ``--enable-streaming-session`` (with the
-    store its idle sessions go to)."""
+    store its idle sessions go to). ``tree``: a cache built already (the hierarchical cache,
+    ``create_hierarchical_cache``) to use instead of a new ``RadixCache``."""
     cache_cls = ChunkCache if disable_radix_cache else RadixCache
-    cache = cache_cls(req_to_token_pool, allocator, page_size)
+    cache = tree if tree is not None else cache_cls(req_to_token_pool, allocator, page_size)
     if not streaming_sessions:
         return cache
     return SessionAwareCache(

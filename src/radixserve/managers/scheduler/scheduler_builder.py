@@ -91,12 +91,13 @@ def build_scheduler(
             raise ValueError("--session-offload-after needs a session store: give "
                              "--session-store DIR (on a GPU, host memory is the default)")
     # With streaming sessions, the cache keeps each session's KV in a slot of its own.
+    # With --enable-hierarchical-cache, the tree is a HiRadixCache over host and storage tiers.
+    hierarchical = server_args.enable_hierarchical_cache and radix_enabled
     tree_cache = create_prefix_cache(
         not radix_enabled, runner.req_to_token_pool, runner.token_to_kv_pool_allocator,
         runner.page_size, streaming_sessions=server_args.enable_streaming_session,
         session_store=store, session_offload_after=server_args.session_offload_after,
-    ) if not (server_args.enable_hierarchical_cache and radix_enabled) else _hierarchical_cache(
-        server_args, runner
+        tree=_hierarchical_cache(server_args, runner) if hierarchical else None,
     )
     # For stop strings and grammars; the detokenizer makes the text.
     tokenizer = load_tokenizer(server_args.tokenizer)
