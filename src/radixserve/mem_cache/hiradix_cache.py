@@ -233,18 +233,29 @@ class HiRadixCache(RadixCache):
 
     def load_back(self, reqs: list[Any], max_tokens: int, max_rows: int) -> None:
         """Bring each waiting request's host and storage hits to the device, in queue order,
-        while ``max_tokens`` (free + reclaimable device tokens) lasts."""
-        for req in reqs:
-            if req.cached_tokens_tiers is None:
-                req.cached_tokens_tiers = {"host": 0, "storage": 0}
-            key = namespaced(req.all_ids[: req.max_prefix_len], req.lora_namespace)
-            loaded = self._load_prefix(key, max_tokens)
-            if loaded is None:
-                break
-            host, storage = loaded
-            if host or storage:
-                req.cached_tokens_tiers = {"host": host, "storage": storage}
-            max_tokens -= host + storage
+        while ``max_tokens`` (free + reclaimable device tokens) and ``max_rows`` (requests that
+        can be admitted) last. The prefix of each request considered stays locked until the end
+        of the call, so that a later request's load cannot evict what an earlier one loaded
+        (they would evict each other's documents every step and admit none of them whole)."""
+        held: list[Any] = []
+        try:
+            for req in reqs[:max_rows]:
+                if req.cached_tokens_tiers is None:
+                    req.cached_tokens_tiers = {"host": 0, "storage": 0}
+                key = namespaced(req.all_ids[: req.max_prefix_len], req.lora_namespace)
+                loaded = self._load_prefix(key, max_tokens)
+                if loaded is None:
+                    break
+                host, storage = loaded
+                if host or storage:
+                    req.cached_tokens_tiers = {"host": host, "storage": storage}
+                max_tokens -= host + storage
+                node = self.match_prefix(key).last_node
+                self.inc_lock_ref(node)
+                held.append(node)
+        finally:
+            for node in held:
+                self.dec_lock_ref(node)
 
     def _load_prefix(self, key: list[int], max_tokens: int) -> tuple[int, int] | None:
         """Load ``key``'s host part, then its storage blocks; ``(host, storage)`` tokens
