@@ -17,7 +17,7 @@ One JSON line per server, then a summary: ``reask_ttft_ratio`` (hicache re-ask T
 re-ask TTFT, which recomputes; target <= 0.3) and ``throughput_ratio`` (hicache over radix;
 target >= 1.5), with the outputs of both servers checked equal.
 
-    python benchmarks/bench_hicache.py --model tiny          # about a minute on an idle machine
+    python benchmarks/bench_hicache.py --model tiny   # the run of RESULTS.md
 """
 
 from __future__ import annotations
@@ -45,12 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", "-O", type=int, default=8)
     p.add_argument("--working-set-ratio", type=float, default=4.0,
                    help="documents' tokens over the device pool's")
-    p.add_argument("--rounds", type=int, default=3, help="ttft phase: rounds over the docs")
-    p.add_argument("--requests", type=int, default=48, help="throughput phase: requests")
+    p.add_argument("--rounds", type=int, default=2, help="ttft phase: rounds over the docs")
+    p.add_argument("--requests", type=int, default=24, help="throughput phase: requests")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--write-policy", default="write_through")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="float32", help="float32: both servers' outputs equal")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-low", type=int, default=10)
