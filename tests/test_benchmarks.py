@@ -51,6 +51,20 @@ def test_bench_sessions_runs_every_mode_and_streaming_reuses_the_history(llama_p
     assert lines[-1]["identical"] == 2  # float32: the same conversations in every mode
 
 
+def test_bench_hicache_serves_reasked_documents_from_the_host_tier(llama_path):
+    *servers, summary = run_benchmark(
+        "bench_hicache.py", "--model", str(llama_path), "--docs", "4", "--doc-len", "192",
+        "--question-len", "8", "--output-len", "4", "--rounds", "2", "--requests", "4",
+        "--working-set-ratio", "2", "--page-size", "4", "--dtype", "float32", "--device", "cpu",
+        "--vocab-high", "400",
+    )
+    by_name = {line["server"]: line for line in servers}
+    assert by_name["hicache"]["reask_cached_tokens_by_tier"]["host"] > 0
+    assert by_name["radix"]["reask_cached_tokens_by_tier"]["host"] == 0
+    assert summary["same_outputs"]  # float32: loaded KV gives the recomputed outputs
+    assert summary["reask_ttft_ratio"] > 0 and summary["throughput_ratio"] > 0
+
+
 def test_bench_constrained_compares_json_schema_with_unconstrained_at_equal_length(llama_path):
     lines = run_benchmark(
         "bench_constrained.py", "--model", str(llama_path), "--batch-sizes", "1,3",

@@ -21,6 +21,8 @@ from radixserve.server_args import (
     CPU_KERNEL_AUTOTUNE_MODES,
     DEVICES,
     DTYPES,
+    HICACHE_STORAGE_BACKENDS,
+    HICACHE_WRITE_POLICIES,
     KV_CACHE_DTYPE_CHOICES,
     LOAD_BALANCE_METHODS,
     SCHEDULE_POLICIES,
@@ -42,6 +44,8 @@ CHOICES: dict[str, Sequence[str]] = {
     "load_balance_method": LOAD_BALANCE_METHODS,
     "log_level": LOG_LEVELS,
     "speculative_algorithm": SPECULATIVE_ALGORITHMS,
+    "hicache_write_policy": HICACHE_WRITE_POLICIES,
+    "hicache_storage_backend": HICACHE_STORAGE_BACKENDS,
     **REGISTRY_CHOICES,
 }
 
@@ -92,6 +96,16 @@ HELP: dict[str, str] = {
     "max_running_requests": "Most requests in the running batch.",
     "page_size": "Tokens per KV cache page.",
     "disable_radix_cache": "Do not reuse prompt prefixes across requests.",
+    "enable_hierarchical_cache": "Keep prefixes the KV pool evicts in host memory (and "
+    "storage) and load them back instead of recomputing them (docs/hierarchical-cache.md).",
+    "hicache_ratio": "Host tier size as a multiple of the device KV pool.",
+    "hicache_size": "Host tier size in GB (overrides --hicache-ratio when > 0).",
+    "hicache_write_policy": "When KV is copied to the host: write_back (at eviction), "
+    "write_through (when cached), write_through_selective (when matched twice).",
+    "hicache_storage_backend": "Storage tier below the host: 'file' (needs "
+    "--hicache-storage-dir).",
+    "hicache_storage_dir": "Directory of the file storage tier; it survives restarts and is "
+    "read only by the same model, dtype and KV layout.",
     "max_prefill_tokens": "Token budget of one prefill batch.",
     "chunked_prefill_size": "Longest prefill chunk of one request.",
     "schedule_policy": "Order of waiting requests (lpm: longest cached prefix first).",

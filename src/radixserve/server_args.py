@@ -20,6 +20,8 @@ SPECULATIVE_ALGORITHMS = ("NGRAM",)
 # --kv-cache-dtype: SGLang's names with vLLM's aliases (bfloat16, fp8 = fp8_e4m3); what each
 # stores is mem_cache/kv_quant.py's KV_CACHE_DTYPES
 KV_CACHE_DTYPE_CHOICES = ("auto", "bf16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+HICACHE_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+HICACHE_STORAGE_BACKENDS = ("file",)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,13 @@ class ServerArgs:
     page_size: int = 1
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPE_CHOICES; auto: the model's dtype
     disable_radix_cache: bool = False
+    # hierarchical cache (docs/hierarchical-cache.md)
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # host tier size / device pool size
+    hicache_size: float = 0.0  # host tier in GB; overrides hicache_ratio when > 0
+    hicache_write_policy: str = "write_through"
+    hicache_storage_backend: str | None = None
+    hicache_storage_dir: str | None = None
     # scheduling
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 4096
@@ -222,8 +231,30 @@ class ServerArgs:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         self._check_speculative()
         self._check_lora()
+        self._check_hicache()
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+
+    def _check_hicache(self) -> None:
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            raise ValueError(f"hicache_write_policy must be one of {HICACHE_WRITE_POLICIES}, "
+                             f"got {self.hicache_write_policy!r}")
+        if self.hicache_ratio <= 0 or self.hicache_size < 0:
+            raise ValueError("hicache_ratio must be positive and hicache_size >= 0")
+        if (self.hicache_storage_backend is not None
+                and self.hicache_storage_backend not in HICACHE_STORAGE_BACKENDS):
+            raise ValueError(f"hicache_storage_backend must be one of "
+                             f"{HICACHE_STORAGE_BACKENDS}, got {self.hicache_storage_backend!r}")
+        if (self.hicache_storage_backend is None) != (self.hicache_storage_dir is None):
+            raise ValueError("hicache_storage_backend 'file' and hicache_storage_dir go together")
+        if not self.enable_hierarchical_cache:
+            if self.hicache_storage_backend is not None:
+                raise ValueError("hicache_storage_backend needs enable_hierarchical_cache")
+            return
+        if self.disable_radix_cache:
+            raise ValueError("enable_hierarchical_cache needs the radix cache")
+        if self.tp_size * self.pp_size * self.dp_size > 1:
+            raise ValueError("enable_hierarchical_cache runs on a single rank for now")
 
     def _check_parallelism(self) -> None:
         for name in ("tp_size", "pp_size", "dp_size", "nnodes"):

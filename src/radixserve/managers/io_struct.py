@@ -257,6 +257,8 @@ class ReqTokenOutput(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # hierarchical cache: {"device", "host", "storage"} tokens of cached_tokens; else None
+    cached_tokens_details: dict[str, int] | None = None
     stream: bool = False
     stop: list[str] = msgspec.field(default_factory=list)
     stop_regex: list[str] = msgspec.field(default_factory=list)
@@ -281,6 +283,7 @@ class ReqStrOutput(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    cached_tokens_details: dict[str, int] | None = None
     logprobs: LogprobsOutput | None = None
 
     @classmethod

@@ -220,6 +220,18 @@ class BasePrefixCache(ABC):
         that outlives the process, so that a restarted server can resume it."""
         return None
 
+    # ------------------------------------------------------------------ lower tiers
+    # Defaults for a cache without tiers below the device pool; ``HiRadixCache`` overrides them.
+
+    def tier_figures(self) -> dict[str, int]:
+        """Counters of the tiers below the device pool (host, storage), for the memory check
+        and ``/metrics``; empty without them."""
+        return {}
+
+    def tier_problems(self) -> list[str]:
+        """Violations of the lower tiers' invariants (checked with the device pool's)."""
+        return []
+
     def snapshot(self, max_nodes: int) -> dict[str, Any] | None:
         """For the inspector page: the tree's nodes (at most ``max_nodes``, breadth first) and
         its hit and eviction counters; ``None`` for a cache without a tree."""

@@ -107,6 +107,58 @@ class MHATokenToKVPool:
             return None
         return self.k_scale_buffer[layer_id], self.v_scale_buffer[layer_id]
 
+    # ---- page copies between tiers (mem_cache/hiradix_cache.py, hicache_storage.py) -------------
+    # The hierarchical cache moves KV between this pool, host memory and files only through the
+    # three methods below, as opaque bytes per token: a pool that stores more per token (a
+    # quantized pool's scales) extends them, and every tier carries what it returns unchanged.
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's KV takes in ``read_kv_pages``'s format (all layers, K and V)."""
+        return self.bytes_per_token(self.head_num, self.head_dim, self.layer_num, self.dtype)
+
+    def kv_layout(self) -> dict[str, object]:
+        """What KV bytes of this pool mean: stored KV whose layout differs is never loaded."""
+        return {
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "layer_num": self.layer_num,
+            "head_num": self.head_num,
+            "head_dim": self.head_dim,
+            "kv_bytes_per_token": self.kv_bytes_per_token(),
+            "token_layout": "k_layers,v_layers" + (",k_scales,v_scales" if self.quantized else ""),
+        }
+
+    def _tier_buffers(self) -> list[torch.Tensor]:
+        """The buffers a token's KV bytes come from, in ``read_kv_pages``'s order: K of every
+        layer, V of every layer, then (quantized) the K scales and the V scales."""
+        return self.k_buffer + self.v_buffer + self.k_scale_buffer + self.v_scale_buffer
+
+    def read_kv_pages(self, slots: torch.Tensor) -> torch.Tensor:
+        """The KV of ``slots`` (whole pages, in practice) as a CPU ``uint8`` tensor of shape
+        ``[len(slots), kv_bytes_per_token()]``: per token, K of every layer then V of every
+        layer, each ``[head_num, head_dim]``, then a quantized pool's scales (``[head_num]``
+        per layer, K then V)."""
+        index = slots.to(self.device)
+        n = len(slots)
+        rows = [b[index].reshape(n, -1).view(torch.uint8) for b in self._tier_buffers()]
+        data = torch.cat(rows, dim=1).cpu()
+        assert data.shape == (n, self.kv_bytes_per_token()), data.shape
+        return data
+
+    def write_kv_pages(self, slots: torch.Tensor, data: torch.Tensor) -> None:
+        """Write ``data`` (``read_kv_pages``'s format, on any device) into ``slots``."""
+        n = len(slots)
+        assert data.shape == (n, self.kv_bytes_per_token()), (
+            f"KV bytes of shape {tuple(data.shape)} for {n} slots"
+        )
+        data = data.to(self.device, non_blocking=True).contiguous()
+        index = slots.to(self.device)
+        start = 0
+        for buffer in self._tier_buffers():
+            width = buffer[0].numel() * buffer.element_size()
+            part = data[:, start : start + width].contiguous().view(buffer.dtype)
+            buffer[index] = part.view(n, *buffer.shape[1:])
+            start += width
+
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]
 

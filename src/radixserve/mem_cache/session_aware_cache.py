@@ -249,6 +249,12 @@ class SessionAwareCache(BasePrefixCache):
             + self.inner.releasable_size([s.tree_node for s in idle if s.tree_node is not None])
         )
 
+    def tier_figures(self) -> dict[str, int]:
+        return self.inner.tier_figures()
+
+    def tier_problems(self) -> list[str]:
+        return self.inner.tier_problems()
+
     def session_held_tokens(self) -> int:
         return sum(self._own_tokens(s) for s in self.slots.values() if not s.in_use)
 
@@ -297,7 +303,10 @@ class SessionAwareCache(BasePrefixCache):
 
     def load_back(self, reqs: list[Any], max_tokens: int, max_rows: int) -> None:
         """Copy offloaded sessions of waiting turns back into the pool, in queue order, while
-        the budgets last; other idle sessions may be offloaded to make room."""
+        the budgets last; other idle sessions may be offloaded to make room. The inner cache
+        loads what its lower tiers hold for the other requests (the hierarchical cache)."""
+        self.inner.load_back([r for r in reqs if r.streaming_session_id is None], max_tokens,
+                             max_rows)
         if self.store is None:
             return
         waiting = {r.streaming_session_id for r in reqs}

@@ -111,6 +111,22 @@ class ServerMetrics:
         )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache.")
+        # hierarchical cache (docs/hierarchical-cache.md): hits per tier, and what each holds
+        self.cached_tokens_host = counter(
+            "cached_tokens_host", "Prompt tokens loaded back from the host tier of the cache."
+        )
+        self.cached_tokens_storage = counter(
+            "cached_tokens_storage", "Prompt tokens loaded back from the storage tier."
+        )
+        self.hicache_host_tokens = gauge(
+            "hicache_host_tokens", "KV tokens the host tier of the hierarchical cache holds."
+        )
+        self.hicache_host_usage = gauge(
+            "hicache_host_usage", "Fraction of the host tier's KV tokens in use."
+        )
+        self.hicache_storage_tokens = gauge(
+            "hicache_storage_tokens", "KV tokens in the storage tier's block files."
+        )
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.num_requests = counter("num_requests", "Finished requests.")
         self.ttft = histogram(
@@ -128,6 +144,9 @@ class ServerMetrics:
         self.num_requests.inc()
         self.prompt_tokens.inc(m.prompt_tokens)
         self.cached_tokens.inc(m.cached_tokens)
+        if m.cached_tokens_details is not None:
+            self.cached_tokens_host.inc(m.cached_tokens_details.get("host", 0))
+            self.cached_tokens_storage.inc(m.cached_tokens_details.get("storage", 0))
         self.generation_tokens.inc(m.completion_tokens)
         self._prompt_total += m.prompt_tokens
         self._cached_total += m.cached_tokens
@@ -162,6 +181,12 @@ class ServerMetrics:
             )
             self.num_used_tokens.set(total - free)
             self.token_usage.set((total - free) / total)
+        if any("host_total_kv_tokens" in m for m in memories):
+            host = sum(m.get("host_kv_tokens", 0) for m in memories)
+            host_total = sum(m.get("host_total_kv_tokens", 0) for m in memories)
+            self.hicache_host_tokens.set(host)
+            self.hicache_host_usage.set(host / host_total if host_total else 0.0)
+            self.hicache_storage_tokens.set(sum(m.get("storage_kv_tokens", 0) for m in memories))
         speculative = [s for s in states if "avg_spec_accept_length" in s]
         if speculative:
             n = len(speculative)

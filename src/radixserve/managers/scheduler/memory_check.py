@@ -8,7 +8,9 @@ minus the prefix the cache owns and pins for it (``protected_prefix_len``). ``pr
 tree nodes locked by running requests and by streaming sessions (a session's first-turn prefix
 stays locked while it holds its slot). When nothing runs, ``in_batch`` is 0 and the only locks
 left must be the sessions': ``protected == session_protected``. ``session_offloaded`` (KV in the
-session store) holds no pool memory and is reported beside the sums.
+session store) holds no pool memory and is reported beside the sums. With the hierarchical cache
+the lower tiers are checked too (``tier_problems``): every host slot handed out belongs to one
+tree node, no node holds KV in no tier, and no host-only node is locked.
 
 The scheduler checks whenever it goes idle; with ``RADIXSERVE_STRICT_MEM_CHECK=busy`` also after
 every step, raising on a violation. A violation is a bug: "memory leak detected" is logged with the
@@ -62,6 +64,7 @@ class MemoryChecker:
             "total_kv_tokens": self.total,
             "free_req_slots": self.req_to_token_pool.available_size(),
             "total_req_slots": self.req_to_token_pool.size,
+            **cache.tier_figures(),
         }
 
     def check(self, holders: Iterable[Req]) -> dict[str, Any]:
@@ -82,7 +85,11 @@ class MemoryChecker:
         ok = accounted == m["total_kv_tokens"] and rows == m["total_req_slots"]
         if not holding:
             ok = ok and m["protected_kv_tokens"] == cache.session_protected_tokens()
+        problems = cache.tier_problems()
+        ok = ok and not problems
         record = {"ok": ok, "time": time.time(), "in_batch_kv_tokens": in_batch, **m}
+        if problems:
+            record["tier_problems"] = problems
         if not ok:
             message = f"memory leak detected: {record}"
             logger.error(message)

@@ -73,6 +73,17 @@ def _logprobs_output(req: Req, start: int) -> LogprobsOutput:
     return out
 
 
+def cached_tokens_details(req: Req) -> dict[str, int] | None:
+    """SGLang's per-tier split of ``cached_tokens`` (hierarchical cache only): ``device`` hits,
+    and tokens loaded back from ``host`` memory and ``storage``."""
+    tiers = req.cached_tokens_tiers
+    if tiers is None:
+        return None
+    host = min(tiers["host"], req.cached_tokens)
+    storage = min(tiers["storage"], req.cached_tokens - host)
+    return {"device": req.cached_tokens - host - storage, "host": host, "storage": storage}
+
+
 def make_output(req: Req) -> ReqTokenOutput:
     """The request's progress since its last output; advances its send offset."""
     start = req.send_offset
@@ -85,6 +96,7 @@ def make_output(req: Req) -> ReqTokenOutput:
         prompt_tokens=len(req.origin_input_ids),
         completion_tokens=len(req.output_ids),
         cached_tokens=req.cached_tokens,
+        cached_tokens_details=cached_tokens_details(req),
         stream=req.stream,
         stop=list(params.stop),
         stop_regex=list(params.stop_regex),

@@ -136,6 +136,9 @@ class Req:
 
         # Reporting.
         self.cached_tokens = 0
+        # With the hierarchical cache: how many of cached_tokens were loaded back from the host
+        # and from storage ({"host": h, "storage": s}, set by its load_back); None without it.
+        self.cached_tokens_tiers: dict[str, int] | None = None
         self.finished_reason: FinishReason | None = None
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []

@@ -39,7 +39,13 @@ from radixserve.managers.scheduler.speculative_decoder import (
     SpeculativeOutputProcessor,
 )
 from radixserve.managers.scheduler.tp_worker import TpModelWorker
-from radixserve.mem_cache import create_prefix_cache, create_session_store
+from radixserve.mem_cache import (
+    HiRadixCache,
+    HostKVPool,
+    create_hierarchical_cache,
+    create_prefix_cache,
+    create_session_store,
+)
 from radixserve.model_config import ModelConfig, resolve_device
 from radixserve.model_executor.model_runner import RunnerSettings
 from radixserve.server_args import ServerArgs
@@ -87,10 +93,13 @@ def build_scheduler(
             raise ValueError("--session-offload-after needs a session store: give "
                              "--session-store DIR (on a GPU, host memory is the default)")
     # With streaming sessions, the cache keeps each session's KV in a slot of its own.
+    # With --enable-hierarchical-cache, the tree is a HiRadixCache over host and storage tiers.
+    hierarchical = server_args.enable_hierarchical_cache and radix_enabled
     tree_cache = create_prefix_cache(
         not radix_enabled, runner.req_to_token_pool, runner.token_to_kv_pool_allocator,
         runner.page_size, streaming_sessions=server_args.enable_streaming_session,
         session_store=store, session_offload_after=server_args.session_offload_after,
+        tree=_hierarchical_cache(server_args, runner) if hierarchical else None,
     )
     # For stop strings and grammars; the detokenizer makes the text.
     tokenizer = load_tokenizer(server_args.tokenizer)
@@ -190,6 +199,21 @@ def priority_scheduling(server_args: ServerArgs) -> PriorityScheduling | None:
         preemption=not server_args.disable_priority_preemption,
         threshold=server_args.priority_scheduling_preemption_threshold,
         default=server_args.default_priority_value,
+    )
+
+
+def _hierarchical_cache(server_args: ServerArgs, runner: Any) -> HiRadixCache:
+    """``--enable-hierarchical-cache``: the host tier is ``--hicache-size`` GB, else
+    ``--hicache-ratio`` times the device pool."""
+    pool = runner.token_to_kv_pool
+    if server_args.hicache_size > 0:
+        host_tokens = HostKVPool.tokens_for_bytes(pool, int(server_args.hicache_size * 1e9))
+    else:
+        host_tokens = int(runner.max_total_num_tokens * server_args.hicache_ratio)
+    return create_hierarchical_cache(
+        runner.req_to_token_pool, runner.token_to_kv_pool_allocator, runner.page_size, pool,
+        host_tokens=host_tokens, write_policy=server_args.hicache_write_policy,
+        storage_dir=server_args.hicache_storage_dir, model_path=server_args.model_path,
     )
 
 

@@ -35,6 +35,7 @@ class RequestMetrics:
     arrival_time: float
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_details: dict[str, int] | None = None  # per tier (hierarchical cache)
     completion_tokens: int = 0
     first_token_time: float | None = None
     # One entry per output message: (time it arrived, number of new tokens in it).
@@ -59,6 +60,7 @@ class ReqState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_details: dict[str, int] | None = None
     finished_reason: FinishReason | None = None
     finished: bool = False
     dirty: bool = False  # received something the consumer has not yielded yet
@@ -73,6 +75,8 @@ class ReqState:
             "cached_tokens": self.cached_tokens,
             "finish_reason": self._finish_reason_dict(),
         }
+        if self.cached_tokens_details is not None:
+            meta["cached_tokens_details"] = dict(self.cached_tokens_details)
         if self.logprobs is not None:
             meta.update(self.logprobs.to_meta())
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}

@@ -364,6 +364,7 @@ class TokenizerManager:
         state.prompt_tokens = out.prompt_tokens
         state.completion_tokens = out.completion_tokens
         state.cached_tokens = out.cached_tokens
+        state.cached_tokens_details = out.cached_tokens_details
         if state.logprobs is not None and out.logprobs is not None:
             state.logprobs.add(out.logprobs, out.new_token_ids)
         metrics = state.metrics
@@ -410,6 +411,7 @@ class TokenizerManager:
         metrics = state.metrics
         metrics.prompt_tokens = state.prompt_tokens
         metrics.cached_tokens = state.cached_tokens
+        metrics.cached_tokens_details = state.cached_tokens_details
         metrics.completion_tokens = state.completion_tokens
         metrics.finish_time = time.perf_counter()
         metrics.finish_reason = reason
