@@ -65,20 +65,26 @@ class CpuAttnBackend(AttentionBackend):
         self.extend_table: tuple[str, ...] | None = None
         self._plan: _SdpaPlan | None = None
 
+    def _extend_candidates(self) -> tuple[str, ...]:
+        """The prefill candidates this pool allows: a quantized pool is read by the kernels'
+        ``*_quant`` variants only (SDPA would need its K/V dequantized first)."""
+        only_kernel = self.batch_invariant or self.token_to_kv_pool.quantized
+        return xd.allowed_candidates(only_kernel)
+
     def static_extend_table(self) -> tuple[str, ...]:
-        allowed = xd.allowed_candidates(self.batch_invariant)
-        return xd.static_table(allowed, cpu_kernels.amx_available(), self.token_to_kv_pool.dtype)
+        return xd.static_table(
+            self._extend_candidates(), cpu_kernels.amx_available(), self.token_to_kv_pool.dtype
+        )
 
     def choose_extend_kernels(self, num_heads: int, autotune: str) -> tuple[str, ...]:
         """Set the prefill kernel table for layers of ``num_heads`` query heads: measured (and
         cached with the linear kernels' choices) when ``autotune`` is ``on``, else static."""
         pool = self.token_to_kv_pool
         shape = xd.Shape(
-            pool.dtype, pool.head_dim, num_heads // pool.head_num,
-            xd.allowed_candidates(self.batch_invariant),
+            pool.dtype, pool.head_dim, num_heads // pool.head_num, self._extend_candidates(),
         )
         cache = None
-        if autotune == "on":
+        if autotune == "on" and len(shape.candidates) > 1:
             cache = kernel_dispatch.DispatchCache(
                 kernel_dispatch.default_cache_root(),
                 kernel_dispatch.machine_identity(cpu_kernels.cpu_flags()),
