@@ -256,21 +256,15 @@ class TokenizerManager:
             raise ValueError(where + why) from e
 
     # ------------------------------------------------------------------ embeddings
-    async def encode_request(self, obj: GenerateReqInput) -> dict[str, Any] | list[dict[str, Any]]:
-        """Embed ``obj``'s one input (→ dict) or batch (→ list, in input order). An embedding
-        reads only ``text`` or ``input_ids``, and ``rid``: it samples nothing.
-
-        Each output is ``{"embedding": [float, ...], "meta_info": {"id", "prompt_tokens",
-        "cached_tokens", "finish_reason"}}``. Invalid input raises ``ValueError`` before anything
-        is sent; cancelling the call aborts its unfinished requests.
-        """
+    def prepare_embedding(self, obj: GenerateReqInput) -> PreparedGenerate:
+        """Normalize, tokenize, validate and encode every input of an embedding call (the
+        HTTP routes run this off the event loop for a large body: ``server/off_loop.py``)."""
         self._check_alive()
         if self.is_generation:
             raise ValueError(
                 "this server serves a generation model: start it with --is-embedding to embed "
                 "with a decoder checkpoint"
             )
-        await self._admit()  # the last await before the requests are sent
         obj.normalize()
         reqs = []
         for i in range(obj.batch_size):
@@ -278,7 +272,23 @@ class TokenizerManager:
                 reqs.append(self.request_tokenizer.embedding(obj[i]))
             except ValueError as e:
                 raise ValueError(f"input {i}: {e}" if not obj.is_single else str(e)) from e
-        prepared = PreparedGenerate(obj, reqs, [self._encode(req) for req in reqs])
+        return PreparedGenerate(obj, reqs, [self._encode(req) for req in reqs])
+
+    async def encode_request(
+        self, obj: GenerateReqInput | PreparedGenerate
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Embed ``obj``'s one input (→ dict) or batch (→ list, in input order). An embedding
+        reads only ``text`` or ``input_ids``, and ``rid``: it samples nothing.
+
+        Each output is ``{"embedding": [float, ...], "meta_info": {"id", "prompt_tokens",
+        "cached_tokens", "finish_reason"}}``. Invalid input raises ``ValueError`` before anything
+        is sent (``prepare_embedding``, unless the caller did it); cancelling the call aborts its
+        unfinished requests.
+        """
+        prepared = obj if isinstance(obj, PreparedGenerate) else self.prepare_embedding(obj)
+        obj = prepared.obj
+        await self._admit()  # the last await before the requests are sent
+        self._check_alive()
         with self._in_flight(prepared) as states:
             while not all(s.finished for s in states):
                 await states[0].notify.wait()
