@@ -58,6 +58,9 @@ PROCESS_MARKS = (
 
 
 def pytest_configure(config):
+    # Every `radixserve serve` a test starts stops once this pytest process is gone (killed
+    # mid-run, say): no orphan servers (server/parent_watch.py).
+    os.environ.setdefault("RADIXSERVE_EXIT_WITH_PARENT", "1")
     config.addinivalue_line(
         "markers", "processes: starts server, engine or other processes (left out of test-quick)"
     )

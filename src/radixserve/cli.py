@@ -309,7 +309,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     from radixserve.server.http_server import launch_server
+    from radixserve.server.parent_watch import stop_when_parent_dies
 
+    stop_when_parent_dies()
     try:
         return launch_server(server_args)
     except (ValueError, OSError, RuntimeError) as e:

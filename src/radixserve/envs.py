@@ -23,6 +23,9 @@ class EnvBool:
 
 # Raise instead of only logging when the idle memory self-check finds a leak (set in tests).
 RADIXSERVE_TEST_STRICT = EnvBool("RADIXSERVE_TEST_STRICT")
+# `radixserve serve` stops (SIGTERM to itself: a clean drain) once its parent process is gone
+# (server/parent_watch.py): no orphan server after its launcher was killed (set in tests).
+RADIXSERVE_EXIT_WITH_PARENT = EnvBool("RADIXSERVE_EXIT_WITH_PARENT")
 # Do not build or use radixserve's own CPU kernels (layers/cpu_kernels.py): torch only.
 RADIXSERVE_DISABLE_CPU_KERNELS = EnvBool("RADIXSERVE_DISABLE_CPU_KERNELS")
 # Build those kernels for AVX-512 F/BW only, without the BF16, VNNI and AMX instructions this CPU

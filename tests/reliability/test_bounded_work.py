@@ -160,6 +160,74 @@ def test_a_seven_megabyte_prompt_does_not_hold_other_requests(server):
     assert "context" in big.result(STATE_TIMEOUT_S)
 
 
+def _off_loop_total(c: httpx.Client) -> int:
+    r = c.get("/get_server_info")
+    assert r.status_code == 200, r.text
+    return r.json()["inputs_off_loop_total"]
+
+
+# Every route that tokenizes or renders user input, with an input past OFF_LOOP_BYTES (64 KiB):
+# each runs that work off the event loop (``server/off_loop.py``) exactly once.
+LARGE = "word " * 14_000  # 70,000 characters, about 14,000 tokens: past the 1,024 context
+OFF_LOOP_ROUTES = {
+    "generate": ("/generate", {"text": LARGE, "sampling_params": {"max_new_tokens": 1}}),
+    "tokenize": ("/tokenize", {"prompt": LARGE}),
+    "completions": ("/v1/completions", {"prompt": LARGE, "max_tokens": 1}),
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": LARGE}],
+                                      "max_tokens": 1}),
+    "responses": ("/v1/responses", {"input": LARGE, "max_output_tokens": 16}),
+    "responses_auto_truncation": ("/v1/responses", {
+        "input": [{"role": "user", "content": LARGE}, {"role": "user", "content": "hi"}],
+        "truncation": "auto", "max_output_tokens": 16}),
+    "score": ("/v1/score", {"query": LARGE, "items": ["a", "b"], "label_token_ids": [1]}),
+    "embeddings": ("/v1/embeddings", {"input": LARGE}),
+    "encode": ("/encode", {"text": LARGE}),
+    "ollama_chat": ("/api/chat", {"model": "{model}", "stream": False,
+                                  "messages": [{"role": "user", "content": LARGE}]}),
+    "ollama_generate": ("/api/generate", {"model": "{model}", "stream": False,
+                                          "prompt": LARGE}),
+    "ollama_generate_raw": ("/api/generate", {"model": "{model}", "stream": False,
+                                              "prompt": LARGE, "raw": True}),
+    "ollama_embed": ("/api/embed", {"model": "{model}", "input": LARGE}),
+}
+
+
+@pytest.mark.parametrize("route", OFF_LOOP_ROUTES)
+def test_every_route_prepares_a_large_input_off_the_event_loop(server, route):
+    """The server counts the inputs it prepared off the loop: a large input to any route that
+    tokenizes or renders one adds exactly one (inline on the loop, it would add none), and the
+    answer is never a 5xx (most are a 400: the prompt is past the context)."""
+    path, body = OFF_LOOP_ROUTES[route]
+    if body.get("model") == "{model}":
+        body = {**body, "model": server.model}
+    with httpx.Client(base_url=server.base_url, timeout=STATE_TIMEOUT_S) as c:
+        before = _off_loop_total(c)
+        r = c.post(path, json=body)
+        assert r.status_code < 500, r.text[:2000]
+        assert _off_loop_total(c) == before + 1
+        if route == "score":  # refused before the query is joined to every item
+            assert r.status_code == 400 and r.json()["error"]["param"] == "query", r.text
+
+
+def _responses_too_long(base_url: str, text: str) -> httpx.Response:
+    with httpx.Client(base_url=base_url, timeout=STATE_TIMEOUT_S) as c:
+        return c.post("/v1/responses", json={"input": text, "max_output_tokens": 16})
+
+
+def test_a_seven_megabyte_responses_input_does_not_hold_the_event_loop(server):
+    """The 7 MB conversation of a /v1/responses request is rendered and tokenized (seconds of
+    work) off the loop: the server answers /get_server_info meanwhile, saying that the input
+    is being prepared. On the loop, no answer could come before that work ended."""
+    big = in_background(_responses_too_long, server.base_url, "word " * 1_400_000)
+    with httpx.Client(base_url=server.base_url, timeout=STATE_TIMEOUT_S) as c:
+        info = wait_for(lambda: c.get("/get_server_info").json(),
+                        lambda i: i["inputs_off_loop"] > 0 or big.done(),
+                        "the big input being prepared")
+        assert info["inputs_off_loop"] == 1, "the 7 MB input was prepared on the event loop"
+    r = big.result(STATE_TIMEOUT_S)
+    assert r.status_code == 400 and "context" in r.text, r.text[:2000]
+
+
 class RunningStream:
     """A streaming /generate of ``UNTIL_ABORTED`` tokens on a thread; ``first`` is set by its
     first chunk: from then on it runs, one step after the other, so that a ``slow_down`` that

@@ -63,7 +63,8 @@ class ServerProcess:
             "--log-level", "warning",
             *extra_args,
         ]
-        env = {**os.environ, "RADIXSERVE_TEST_STRICT": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        env = {**os.environ, "RADIXSERVE_TEST_STRICT": "1", "PYTHONUNBUFFERED": "1",
+               "RADIXSERVE_EXIT_WITH_PARENT": "1", **(env or {})}  # no orphan when we are killed
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -114,3 +115,56 @@ def test_console_script_rejects_an_invalid_choice():
     proc = subprocess.run([str(script), "serve", "--dtype", "float8"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "invalid choice: 'float8'" in proc.stderr
+
+
+# Starts the server (argv[1:]) and waits for it, as a test run or a script would; its stdout,
+# which the server inherits, says the server's pid first.
+LAUNCHER = """
+import subprocess, sys
+server = subprocess.Popen(sys.argv[1:])
+print(f"server pid {server.pid}", flush=True)
+server.wait()
+"""
+
+
+def _gone(proc: psutil.Process) -> bool:
+    """Exited (a zombie waiting for whoever adopted it to reap it counts as exited)."""
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_server_whose_parent_is_killed_stops_with_its_workers(llama_path, tmp_path):
+    """A test run killed mid-way (SIGKILL: no fixture teardown, no atexit) must leave no server
+    behind. With ``RADIXSERVE_EXIT_WITH_PARENT=1`` (which the suite sets) the server notices it
+    was reparented, drains and stops, and its workers with it. Without it, the server serves on
+    and the wait below fails at its bound."""
+    cmd = [sys.executable, "-c", LAUNCHER,
+           sys.executable, "-m", "radixserve", "serve", "--model-path", str(llama_path),
+           "--port", str(free_port()), "--dtype", "float32", "--device", "cpu",
+           "--max-total-tokens", "4096", "--log-level", "warning"]
+    env = {**os.environ, "RADIXSERVE_EXIT_WITH_PARENT": "1", "PYTHONUNBUFFERED": "1"}
+    log = tmp_path / "stderr.log"
+    procs: list[psutil.Process] = []
+    with log.open("w") as err:
+        launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+                                    start_new_session=True)
+    try:
+        assert launcher.stdout is not None
+        server = psutil.Process(int(launcher.stdout.readline().split()[-1]))
+        procs = [server]
+        assert any(line.startswith(READY_PREFIX) for line in launcher.stdout), log.read_text()
+        procs += server.children(recursive=True)
+        assert len(procs) >= 3, procs  # the server, the scheduler and the detokenizer
+        launcher.kill()
+        assert launcher.wait(30) == -signal.SIGKILL
+        wait_for(lambda: {"alive": [p.pid for p in procs if not _gone(p)]},
+                 lambda s: not s["alive"], "the orphaned server and its workers exited")
+        assert "the parent process" in log.read_text()
+    finally:
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        launcher.kill()
+        launcher.wait()

@@ -257,24 +257,18 @@ class TokenizerManager:
             raise ValueError(where + why) from e
 
     # ------------------------------------------------------------------ embeddings
-    async def encode_request(
+    def prepare_embedding(
         self, obj: GenerateReqInput, token_type_ids: list[list[int]] | None = None
-    ) -> dict[str, Any] | list[dict[str, Any]]:
-        """Embed ``obj``'s one input (→ dict) or batch (→ list, in input order). An embedding
-        reads only ``text`` or ``input_ids``, and ``rid``: it samples nothing.
-        ``token_type_ids``: the segments of each input's ids (cross-encoder pairs).
-
-        Each output is ``{"embedding": [float, ...], "meta_info": {"id", "prompt_tokens",
-        "cached_tokens", "finish_reason"}}``. Invalid input raises ``ValueError`` before anything
-        is sent; cancelling the call aborts its unfinished requests.
-        """
+    ) -> PreparedGenerate:
+        """Normalize, tokenize, validate and encode every input of an embedding call (the
+        HTTP routes run this off the event loop for a large body: ``server/off_loop.py``).
+        ``token_type_ids``: the segments of each input's ids (cross-encoder pairs)."""
         self._check_alive()
         if self.is_generation:
             raise ValueError(
                 "this server serves a generation model: start it with --is-embedding to embed "
                 "with a decoder checkpoint"
             )
-        await self._admit()  # the last await before the requests are sent
         obj.normalize()
         reqs = []
         for i in range(obj.batch_size):
@@ -283,7 +277,27 @@ class TokenizerManager:
                 reqs.append(self.request_tokenizer.embedding(obj[i], types))
             except ValueError as e:
                 raise ValueError(f"input {i}: {e}" if not obj.is_single else str(e)) from e
-        prepared = PreparedGenerate(obj, reqs, [self._encode(req) for req in reqs])
+        return PreparedGenerate(obj, reqs, [self._encode(req) for req in reqs])
+
+    async def encode_request(
+        self, obj: GenerateReqInput | PreparedGenerate,
+        token_type_ids: list[list[int]] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Embed ``obj``'s one input (→ dict) or batch (→ list, in input order). An embedding
+        reads only ``text`` or ``input_ids``, and ``rid``: it samples nothing.
+
+        Each output is ``{"embedding": [float, ...], "meta_info": {"id", "prompt_tokens",
+        "cached_tokens", "finish_reason"}}``. Invalid input raises ``ValueError`` before anything
+        is sent (``prepare_embedding``, unless the caller did it); cancelling the call aborts its
+        unfinished requests.
+        """
+        if isinstance(obj, PreparedGenerate):
+            prepared = obj
+        else:
+            prepared = self.prepare_embedding(obj, token_type_ids)
+        obj = prepared.obj
+        await self._admit()  # the last await before the requests are sent
+        self._check_alive()
         with self._in_flight(prepared) as states:
             while not all(s.finished for s in states):
                 await states[0].notify.wait()

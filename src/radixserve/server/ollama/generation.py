@@ -30,6 +30,7 @@ from radixserve.server.admission import admit
 from radixserve.server.context import ServerContext, get_ctx
 from radixserve.server.errors import APIError
 from radixserve.server.generations import merged_choices
+from radixserve.server.off_loop import run_sized
 from radixserve.server.ollama.protocol import ChatRequest, GenerateRequest, GenerationRequest
 from radixserve.server.ollama.protocol import Message as OllamaMessage
 from radixserve.server.ollama.replies import Turn, done_reply
@@ -54,8 +55,8 @@ async def chat(body: ChatRequest, request: Request) -> Response:
                        "it with --tool-call-parser", param="tools")
     chat_body = _chat_request(_messages(body.messages), body, body.tools)
     plan = plan_tools(chat_body, ctx.server_args.tool_call_parser, ctx.tokenizer)
-    prompt_text = render_chat(ctx, chat_body, plan.template_tools)
-    prompt_ids = ctx.tokenizer.encode(prompt_text, add_special_tokens=False)
+    prompt_text, prompt_ids = await run_sized(request, _render_and_encode, ctx, chat_body,
+                                              plan.template_tools)  # off_loop.py
     return await _run(request, ctx, body, "chat", prompt_text, prompt_ids, plan, started)
 
 
@@ -73,8 +74,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     if templated:
         messages = [{"role": "system", "content": body.system}] if body.system else []
         messages.append({"role": "user", "content": body.prompt or ""})
-        prompt_text = render_chat(ctx, _chat_request(messages, body, None))
-        ids = tok.encode(prompt_text, add_special_tokens=False)
+        prompt_text, ids = await run_sized(request, _render_and_encode, ctx,
+                                           _chat_request(messages, body, None), None)
     else:
         why = "raw is true" if body.raw else "the model has no chat template"
         if body.system:
@@ -84,9 +85,17 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
             raise APIError(400, f"think false is applied by the chat template, which is not "
                            f"used ({why})", param="think")
         prompt_text = body.prompt or ""
-        ids = tok.encode(prompt_text, add_special_tokens=not body.context) if prompt_text else []
+        ids = await run_sized(request, lambda: tok.encode(
+            prompt_text, add_special_tokens=not body.context)) if prompt_text else []
     prompt_ids = [*(body.context or []), *ids]
     return await _run(request, ctx, body, "generate", prompt_text, prompt_ids, NO_TOOLS, started)
+
+
+def _render_and_encode(ctx: ServerContext, chat_body: ChatCompletionRequest,
+                       tools: list[dict[str, Any]] | None) -> tuple[str, list[int]]:
+    """The prompt's text and ids (off the event loop for a large body: ``off_loop.py``)."""
+    text = render_chat(ctx, chat_body, tools)
+    return text, ctx.tokenizer.encode(text, add_special_tokens=False)
 
 
 async def _run(request: Request, ctx: ServerContext, body: GenerationRequest,

@@ -31,6 +31,7 @@ from radixserve.server.admission import admit, num_prompts
 from radixserve.server.context import ServerContext, get_ctx
 from radixserve.server.errors import APIError
 from radixserve.server.generations import cancel_on_disconnect
+from radixserve.server.off_loop import run_sized
 from radixserve.server.ollama.protocol import EmbedRequest, ShowRequest
 from radixserve.server.ollama.route import OllamaRoute, check_model
 
@@ -189,7 +190,7 @@ async def embed(body: EmbedRequest, request: Request) -> dict[str, Any]:
         raise APIError(400, f"dimensions={body.dimensions} is not supported: this model's "
                        f"embeddings have {size} dimensions and cannot be shortened",
                        param="dimensions")
-    ids = [ctx.tokenizer.encode(t) for t in texts]
+    ids = await run_sized(request, lambda: [ctx.tokenizer.encode(t) for t in texts])
     for i, seq in enumerate(ids):
         if len(seq) > limit and not body.truncate:
             raise APIError(400, f"input {i} has {len(seq)} tokens: more than the context of "

@@ -21,6 +21,7 @@ from radixserve.server.admission import admit, num_prompts
 from radixserve.server.context import get_ctx
 from radixserve.server.errors import APIError
 from radixserve.server.generations import cancel_on_disconnect
+from radixserve.server.off_loop import run_sized
 from radixserve.server.strict_request import StrictRequest, non_empty_list
 
 router = APIRouter()
@@ -73,7 +74,8 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
     inputs = body.input
     token_ids = isinstance(inputs, list) and all(isinstance(x, (int, list)) for x in inputs)
     obj = GenerateReqInput(input_ids=inputs) if token_ids else GenerateReqInput(text=inputs)
-    outputs = await cancel_on_disconnect(request, ctx.tokenizer_manager.encode_request(obj))
+    prepared = await run_sized(request, ctx.tokenizer_manager.prepare_embedding, obj)
+    outputs = await cancel_on_disconnect(request, ctx.tokenizer_manager.encode_request(prepared))
     if isinstance(outputs, dict):
         outputs = [outputs]
     prompt_tokens = sum(out["meta_info"]["prompt_tokens"] for out in outputs)
@@ -96,5 +98,6 @@ async def encode(body: EncodeRequest, request: Request) -> Any:
     prompt, field = (body.text, "text") if body.text is not None else (body.input_ids, "input_ids")
     admit(request, num_prompts(prompt), prompt_param=field)
     obj = GenerateReqInput(text=body.text, input_ids=body.input_ids, rid=body.rid)
-    work = tokenizer_manager.encode_request(obj)
+    prepared = await run_sized(request, tokenizer_manager.prepare_embedding, obj)  # off_loop.py
+    work = tokenizer_manager.encode_request(prepared)
     return await cancel_on_disconnect(request, work)

@@ -36,6 +36,7 @@ from radixserve.server.generations import (
     merge_generations,
     prime,
 )
+from radixserve.server.off_loop import body_size, run_for_size
 from radixserve.server.openai.chat_parsing import (
     ParsedMessage,
     ToolPlan,
@@ -84,7 +85,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if body.max_tool_calls is not None:
         plan = dataclasses.replace(plan, max_calls=min(plan.max_calls or body.max_tool_calls,
                                                        body.max_tool_calls))
-    chat, prompt_text, prompt_ids = _prompt(ctx, body, chat, plan, previous)
+    # The stored conversation counts too: a small body may continue a long one (off_loop.py).
+    size = body_size(request) + (len(previous.text) if previous else 0)
+    chat, prompt_text, prompt_ids = await run_for_size(size, _prompt, ctx, body, chat, plan,
+                                                       previous)
     obj = chat.generate_inputs([prompt_ids], ctx.context_len, None, plan.sampling,
                                max_completion_tokens=ctx.server_args.max_completion_tokens)[0]
     constrained = any(k in GRAMMAR_FIELDS for k in obj.sampling_params)

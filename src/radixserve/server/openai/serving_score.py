@@ -22,10 +22,11 @@ from fastapi import APIRouter, Request
 from pydantic import Field
 
 from radixserve.managers.tokenizer.generate_request import GenerateReqInput
-from radixserve.server.admission import admit
+from radixserve.server.admission import admit, check_batch_size
 from radixserve.server.context import ServerContext, get_ctx
 from radixserve.server.errors import APIError
 from radixserve.server.generations import cancel_on_disconnect, collect_final, merged_choices
+from radixserve.server.off_loop import run_for_size
 from radixserve.server.strict_request import StrictRequest
 
 router = APIRouter()
@@ -46,7 +47,7 @@ class ScoringRequest(StrictRequest):
 async def score(body: ScoringRequest, request: Request) -> dict[str, Any]:
     ctx = get_ctx(request)
     ctx.check_model(body.model)
-    prompts = _prompts(ctx, body)
+    prompts = await _prompts(ctx, body)
     admit(request, len(prompts), prompt_param="items")
     inputs = [
         GenerateReqInput(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
@@ -66,8 +67,9 @@ async def score(body: ScoringRequest, request: Request) -> dict[str, Any]:
     }
 
 
-def _prompts(ctx: ServerContext, body: ScoringRequest) -> list[list[int]]:
-    """Every item's prompt as token ids."""
+async def _prompts(ctx: ServerContext, body: ScoringRequest) -> list[list[int]]:
+    """Every item's prompt as token ids: the query is joined to each item, so the text to
+    tokenize can be many times the body (off the event loop once large: ``off_loop.py``)."""
     if body.query is None or body.items is None:
         missing = "query" if body.query is None else "items"
         raise APIError(400, f"{missing} is required", param=missing)
@@ -78,9 +80,19 @@ def _prompts(ctx: ServerContext, body: ScoringRequest) -> list[list[int]]:
     if any(isinstance(item, str) != text_query for item in items):
         raise APIError(400, "query and items must be both text or both token ids",
                        param="items")
+    check_batch_size(ctx.server_args, len(items), "items")  # before the work it multiplies
+    # The query is joined to every item: one longer than the context alone is refused before
+    # that multiplies it (2,048 copies of an 8 MB query would not fit in memory).
+    query_len = len(await run_for_size(len(body.query), ctx.tokenizer.encode, body.query)
+                    if text_query else body.query)
+    if query_len > ctx.context_len:
+        raise APIError(400, f"query has {query_len} tokens: more than the context of "
+                       f"{ctx.context_len}", param="query")
     joined = [[item, body.query] if body.item_first else [body.query, item] for item in items]
     if text_query:
-        return [ctx.tokenizer.encode(a + b) for a, b in joined]  # type: ignore[operator]
+        size = sum(len(a) + len(b) for a, b in joined)  # type: ignore[arg-type]
+        return await run_for_size(size, lambda: [
+            ctx.tokenizer.encode(a + b) for a, b in joined])  # type: ignore[operator]
     return [[*a, *b] for a, b in joined]  # type: ignore[misc]
 
 
