@@ -25,6 +25,7 @@ from radixserve.server_args import (
     HICACHE_WRITE_POLICIES,
     KV_CACHE_DTYPE_CHOICES,
     LOAD_BALANCE_METHODS,
+    LORA_EVICTION_POLICIES,
     SCHEDULE_POLICIES,
     SPECULATIVE_ALGORITHMS,
     ServerArgs,
@@ -46,6 +47,7 @@ CHOICES: dict[str, Sequence[str]] = {
     "speculative_algorithm": SPECULATIVE_ALGORITHMS,
     "hicache_write_policy": HICACHE_WRITE_POLICIES,
     "hicache_storage_backend": HICACHE_STORAGE_BACKENDS,
+    "lora_eviction_policy": LORA_EVICTION_POLICIES,
     **REGISTRY_CHOICES,
 }
 
@@ -161,8 +163,11 @@ HELP: dict[str, str] = {
     "enable_lora": "Serve LoRA adapters on top of the base model (docs/lora.md).",
     "lora_paths": "LoRA adapters to load at start, as NAME=PATH (PEFT adapter folders) or "
     "PATH (named by its path); requests pick one with lora_path or model=BASE:NAME.",
-    "max_loras_per_batch": "Adapter slots: at most this many adapters are loaded at once, and "
-    "a batch may mix all of them.",
+    "max_loras_per_batch": "Adapter slots: a batch mixes at most this many adapters.",
+    "max_loaded_loras": "Adapters held in host memory, at least --max-loras-per-batch "
+    "(default: that many); a batch's adapters take slots, evicting unused ones.",
+    "lora_eviction_policy": "Which unused adapter leaves its slot when a batch needs one: lru "
+    "(least recently used) or fifo (longest in a slot).",
     "max_lora_rank": "Largest adapter rank the slots hold (default: the largest of "
     "--lora-paths, 16 without).",
     "lora_target_modules": "Modules adapters may adapt: q_proj k_proj v_proj o_proj gate_proj "

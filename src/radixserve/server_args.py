@@ -22,6 +22,7 @@ SPECULATIVE_ALGORITHMS = ("NGRAM",)
 KV_CACHE_DTYPE_CHOICES = ("auto", "bf16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 HICACHE_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 HICACHE_STORAGE_BACKENDS = ("file",)
+LORA_EVICTION_POLICIES = ("lru", "fifo")  # SGLang's --lora-eviction-policy
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,8 @@ class ServerArgs:
     enable_lora: bool = False
     lora_paths: list[str] | None = None  # "name=path" or "path" (named by its path)
     max_loras_per_batch: int = 8
+    max_loaded_loras: int | None = None  # None: max_loras_per_batch (every adapter in a slot)
+    lora_eviction_policy: str = "lru"  # which slot a batch takes when all hold adapters
     max_lora_rank: int | None = None  # None: the largest rank of --lora-paths (16 without)
     lora_target_modules: list[str] | None = None  # None: those of --lora-paths (all without)
     # serving
@@ -332,7 +335,8 @@ class ServerArgs:
     def _check_lora(self) -> None:
         if self.lora_paths and not self.enable_lora:  # as SGLang: adapters imply the flag
             object.__setattr__(self, "enable_lora", True)
-        lora_set = [name for name in ("lora_paths", "max_lora_rank", "lora_target_modules")
+        lora_set = [name for name in ("lora_paths", "max_lora_rank", "lora_target_modules",
+                                      "max_loaded_loras")
                     if getattr(self, name) is not None]
         if not self.enable_lora:
             if lora_set:
@@ -349,10 +353,21 @@ class ServerArgs:
         self.lora_path_map  # noqa: B018 - raises for a malformed entry
         if len(set(names)) != len(names):
             raise ValueError(f"lora_paths names an adapter twice: {names}")
-        if len(names) > self.max_loras_per_batch:
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
             raise ValueError(
-                f"lora_paths has {len(names)} adapters; at most max_loras_per_batch "
-                f"({self.max_loras_per_batch}) are loaded at once"
+                f"max_loaded_loras ({self.max_loaded_loras}) must be >= max_loras_per_batch "
+                f"({self.max_loras_per_batch})"
+            )
+        if self.lora_eviction_policy not in LORA_EVICTION_POLICIES:
+            raise ValueError(
+                f"lora_eviction_policy must be one of {', '.join(LORA_EVICTION_POLICIES)}, "
+                f"got {self.lora_eviction_policy!r}"
+            )
+        most = self.max_loaded_loras or self.max_loras_per_batch
+        if len(names) > most:
+            raise ValueError(
+                f"lora_paths has {len(names)} adapters; at most {most} are loaded at once "
+                "(max_loaded_loras, default max_loras_per_batch)"
             )
         modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
         for module in self.lora_target_modules or ():

@@ -28,7 +28,7 @@ def test_lora_flags_parse_with_sglangs_names():
     ({"max_lora_rank": 8}, "max_lora_rank need --enable-lora"),
     ({"enable_lora": True, "is_embedding": True}, "generation models"),
     ({"lora_paths": ["a=/x", "a=/y"]}, "names an adapter twice"),
-    ({"lora_paths": ["a=/x", "b=/y"], "max_loras_per_batch": 1}, "at most max_loras_per_batch"),
+    ({"lora_paths": ["a=/x", "b=/y"], "max_loras_per_batch": 1}, "at most 1 are loaded at once"),
     ({"enable_lora": True, "lora_target_modules": ["lm_head"]}, "'lm_head' is not one of"),
     ({"enable_lora": True, "max_loras_per_batch": 0}, "max_loras_per_batch must be >= 1"),
     ({"lora_paths": ["=/x"]}, "is not NAME=PATH or PATH"),

@@ -77,7 +77,7 @@ def test_load_generate_unload_over_http(http, adapters, llama_path):
     assert got == [peft_greedy(llama_path, adapters["all"], PROMPT_IDS, 6),
                    peft_greedy(llama_path, None, PROMPT_IDS, 6)]
     r = http.post("/load_lora_adapter", json={"lora_name": "third", "lora_path": "/nowhere"})
-    assert r.status_code == 400 and "LoRA slots" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and "adapters are loaded" in r.json()["error"]["message"], r.text
     r = http.post("/unload_lora_adapter", json={"lora_name": "all"})
     assert r.status_code == 200 and set(r.json()["loaded_adapters"]) == {"qv"}, r.text
     r = http.post("/generate", json={"text": "hi", "lora_path": "all"})

@@ -45,7 +45,7 @@ def test_an_adapter_over_int8_weights_matches_peft_over_the_decompressed_model(
     runner = make_runner(w8a16, dtype="float32", enable_lora=True, lora_paths=[f"a={adapter}"],
                          max_lora_rank=8, max_loras_per_batch=2)
     assert runner.model.model.layers[0].self_attn.qkv_proj.weight_packed.dtype == torch.int32
-    slot = runner.lora.loaded["a"].slot
+    slot = runner.lora.slot_of["a"]
     slots = ManualSlots(runner)
     seqs = [slots.new_seq() for _ in PROMPTS]
     batch = slots.extend(seqs, PROMPTS)

@@ -2,9 +2,10 @@
 
 ``LoRAManager`` is built by the model runner after the model's weights are packed. It
 
-- owns the ``LoRAMemoryPool`` (``--max-loras-per-batch`` slots at ``--max-lora-rank``): in this
-  build every loaded adapter holds a slot, so at most ``--max-loras-per-batch`` adapters are
-  loaded at once and any batch can mix all of them;
+- owns the ``LoRAMemoryPool`` (``--max-loras-per-batch`` slots at ``--max-lora-rank``) and the
+  loaded adapters (up to ``--max-loaded-loras``, their weights kept in host memory): a batch's
+  adapters hold slots (``ensure_slots``, called when the scheduler admits requests), taking
+  free ones first, then those of adapters the batch does not use (``--lora-eviction-policy``);
 - registers a forward hook on each adapted linear layer (``qkv_proj``, ``o_proj``,
   ``gate_up_proj``, ``down_proj`` of every decoder layer of this rank) that adds the
   ``LoRADelta`` of this step's batch. A hook, not a wrapper module, so parameter names stay the
@@ -51,6 +52,8 @@ class LoRASettings:
     max_loras_per_batch: int = 8
     max_lora_rank: int = 16
     lora_target_modules: tuple[str, ...] = tuple(LORA_TARGET_MODULES)
+    max_loaded_loras: int = 8  # adapters held at once (>= max_loras_per_batch)
+    lora_eviction_policy: str = "lru"
 
 
 def resolve_settings(
@@ -58,6 +61,8 @@ def resolve_settings(
     max_lora_rank: int | None,
     lora_target_modules: list[str] | None,
     initial: dict[str, str],
+    max_loaded_loras: int | None = None,
+    lora_eviction_policy: str = "lru",
 ) -> LoRASettings:
     """The pool's shape: ``--max-lora-rank`` (default: the largest rank of the start-up
     adapters, 16 without) and ``--lora-target-modules`` (default: those the start-up adapters
@@ -74,13 +79,14 @@ def resolve_settings(
         targets_out = tuple(LORA_TARGET_MODULES)
     else:
         targets_out = tuple(m for m in LORA_TARGET_MODULES if m in lora_target_modules)
-    return LoRASettings(max_loras_per_batch, rank, targets_out)
+    return LoRASettings(max_loras_per_batch, rank, targets_out,
+                        max(max_loaded_loras or max_loras_per_batch, max_loras_per_batch),
+                        lora_eviction_policy)
 
 
 @dataclass(frozen=True)
 class LoadedAdapter:
-    adapter: LoRAAdapter
-    slot: int
+    adapter: LoRAAdapter  # its weights, in host memory while it holds no slot
     namespace: int
 
 
@@ -111,6 +117,8 @@ class LoRAManager:
             settings.lora_target_modules, device, pool_dtype, shards,
         )
         self.loaded: dict[str, LoadedAdapter] = {}
+        # Which loaded adapters hold a pool slot, in eviction order (first: the next to leave).
+        self.slot_of: dict[str, int] = {}
         self._namespaces = itertools.count(1)
         self.info: LoRABatchInfo | None = None
         self.device = device
@@ -153,37 +161,70 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ adapters
     def load(self, name: str, path: str) -> LoadedAdapter:
-        """Read, check and place the adapter at ``path`` under ``name``; a refusal raises
-        ``LoRAAdapterError`` (``ValueError``) and changes nothing."""
+        """Read, check and hold the adapter at ``path`` under ``name`` (in a free slot if there
+        is one; else a batch that uses it gives it one); a refusal raises ``LoRAAdapterError``
+        (``ValueError``) and changes nothing."""
         if name in self.loaded:
             raise LoRAAdapterError(f"a LoRA adapter named {name!r} is already loaded")
         if not name or ":" in name:
             raise LoRAAdapterError(f"LoRA adapter name {name!r} must be non-empty, without ':'")
-        used = {entry.slot for entry in self.loaded.values()}
-        free = [s for s in range(self.pool.slots) if s not in used]
-        if not free:
+        most = self.settings.max_loaded_loras
+        if len(self.loaded) >= most:
             raise LoRAAdapterError(
-                f"all {self.pool.slots} LoRA slots (--max-loras-per-batch) hold adapters "
-                f"({', '.join(sorted(self.loaded))}); unload one first"
+                f"{most} LoRA adapters are loaded (--max-loaded-loras; default "
+                f"--max-loras-per-batch): {', '.join(sorted(self.loaded))}; unload one first"
             )
         adapter = load_adapter(
             name, path, self.shapes, self.settings.max_lora_rank,
             self.settings.lora_target_modules,
         )
-        self.pool.write(free[0], adapter)
-        entry = LoadedAdapter(adapter, free[0], next(self._namespaces))
+        entry = LoadedAdapter(adapter, next(self._namespaces))
         self.loaded[name] = entry
+        free = self._free_slots()
+        if free:
+            self._place(name, free[0])
         return entry
 
     def unload(self, name: str) -> None:
         entry = self.loaded.pop(name, None)
         if entry is None:
             raise LoRAAdapterError(f"no LoRA adapter named {name!r} is loaded")
-        self.pool.clear(entry.slot)
+        slot = self.slot_of.pop(name, None)
+        if slot is not None:
+            self.pool.clear(slot)
+
+    def _free_slots(self) -> list[int]:
+        used = set(self.slot_of.values())
+        return [s for s in range(self.pool.slots) if s not in used]
+
+    def _place(self, name: str, slot: int) -> None:
+        self.pool.write(slot, self.loaded[name].adapter)
+        self.slot_of[name] = slot
+
+    def ensure_slots(self, names: set[str]) -> dict[str, int]:
+        """Give every adapter in ``names`` (at most ``max_loras_per_batch``, the scheduler's
+        admission keeps to it) a slot, taking free slots first, then those of adapters outside
+        ``names`` in eviction order (``--lora-eviction-policy``: least recently used, or first
+        placed); adapters in ``names`` keep the slots they hold. Returns ``{name: slot}``."""
+        assert len(names) <= self.pool.slots, (names, self.pool.slots)
+        if self.settings.lora_eviction_policy == "lru":
+            for name in sorted(names & self.slot_of.keys()):  # used now: last to leave
+                self.slot_of[name] = self.slot_of.pop(name)
+        for name in sorted(names - self.slot_of.keys()):
+            free = self._free_slots()
+            if free:
+                slot = free[0]
+            else:
+                victim = next(n for n in self.slot_of if n not in names)
+                slot = self.slot_of.pop(victim)
+                logger.info("LoRA adapter %s leaves slot %d for %s", victim, slot, name)
+            self._place(name, slot)
+        return {name: self.slot_of[name] for name in names}
 
     def describe(self) -> list[dict[str, Any]]:
         return [
-            {"name": name, "path": e.adapter.path, "rank": e.adapter.rank, "slot": e.slot}
+            {"name": name, "path": e.adapter.path, "rank": e.adapter.rank,
+             "slot": self.slot_of.get(name)}
             for name, e in sorted(self.loaded.items())
         ]
 
@@ -213,7 +254,7 @@ def create_lora_manager(
     initial = _path_map(settings.lora_paths)
     lora_settings = resolve_settings(
         settings.max_loras_per_batch, settings.max_lora_rank, settings.lora_target_modules,
-        initial,
+        initial, settings.max_loaded_loras, settings.lora_eviction_policy,
     )
     layers = parallel.info.stage_layers(model_config.num_hidden_layers)
     return LoRAManager(model_config, layers, lora_settings, device, model_config.torch_dtype,
@@ -224,8 +265,8 @@ def load_initial_adapters(manager: LoRAManager, lora_paths: list[str] | None) ->
     """Load ``--lora-paths`` at start; a bad folder fails the start with its reason."""
     for name, path in _path_map(lora_paths).items():
         entry = manager.load(name, path)
-        logger.info("LoRA adapter %s (rank %d) from %s in slot %d", name,
-                    entry.adapter.rank, path, entry.slot)
+        logger.info("LoRA adapter %s (rank %d) from %s, slot %s", name,
+                    entry.adapter.rank, path, manager.slot_of.get(name))
 
 
 def _path_map(lora_paths: list[str] | None) -> dict[str, str]:

@@ -94,6 +94,8 @@ class RunnerSettings:
     enable_lora: bool = False
     lora_paths: list[str] | None = None
     max_loras_per_batch: int = 8
+    max_loaded_loras: int | None = None
+    lora_eviction_policy: str = "lru"
     max_lora_rank: int | None = None
     lora_target_modules: list[str] | None = None
 

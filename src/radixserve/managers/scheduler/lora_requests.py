@@ -1,11 +1,14 @@
 """The scheduler's side of LoRA: binding each request to its adapter, and the load/unload
 control requests.
 
-A request names its adapter (``lora_path``); admission looks it up in the runner's
-``LoRAManager`` and stores the adapter's pool slot and cache namespace on the ``Req`` (an
-unknown name, e.g. one unloaded since the server's check, is a 400). Unloading an adapter that
-a running or waiting request uses is **refused** (the reply names how many requests use it);
-the caller retries once they finish. Loading is refused when every slot is taken.
+A request names its adapter (``lora_path``); intake looks it up in the runner's
+``LoRAManager`` and stores the adapter's name and cache namespace on the ``Req`` (an unknown
+name, e.g. one unloaded since the server's check, is a 400). The prefill planner admits a
+request only while the batch's distinct adapters fit ``--max-loras-per-batch``
+(``adapter_fits``) and gives the batch's adapters pool slots (``assign_slots``). Unloading an
+adapter that a running or waiting request uses is **refused** (the reply names how many requests
+use it); the caller retries once they finish. Loading is refused when ``--max-loaded-loras``
+adapters are loaded.
 """
 
 from __future__ import annotations
@@ -39,8 +42,23 @@ def bind_lora(req: Req, lora_path: str | None, manager: LoRAManager | None) -> s
         return f"no LoRA adapter named {lora_path!r} is loaded"
     if req.streaming_session_id is not None:
         return "LoRA adapters are not supported with streaming sessions yet"
-    req.lora_path, req.lora_slot, req.lora_namespace = lora_path, entry.slot, entry.namespace
+    req.lora_path, req.lora_namespace = lora_path, entry.namespace
     return None
+
+
+def adapter_fits(req: Req, adapters: set[str], max_loras_per_batch: int) -> bool:
+    """Whether admitting ``req`` keeps the batch's distinct adapters (``adapters``: those of
+    the running and already admitted requests) within ``--max-loras-per-batch``."""
+    return (req.lora_path is None or req.lora_path in adapters
+            or len(adapters) < max_loras_per_batch)
+
+
+def assign_slots(manager: LoRAManager, reqs: list[Req]) -> None:
+    """Give the adapters of ``reqs`` (a batch about to run, with the requests still running)
+    pool slots, and each request its adapter's slot (-1: the base model)."""
+    slots = manager.ensure_slots({r.lora_path for r in reqs if r.lora_path is not None})
+    for req in reqs:
+        req.lora_slot = -1 if req.lora_path is None else slots[req.lora_path]
 
 
 class LoRAControl:
@@ -69,8 +87,8 @@ class LoRAControl:
         except (LoRAAdapterError, OSError) as e:
             logger.warning("LoRA adapter %s refused: %s", msg.lora_name, e)
             return self._reply(str(e))
-        logger.info("LoRA adapter %s (rank %d) loaded from %s in slot %d", msg.lora_name,
-                    entry.adapter.rank, msg.lora_path, entry.slot)
+        logger.info("LoRA adapter %s (rank %d) loaded from %s, slot %s", msg.lora_name,
+                    entry.adapter.rank, msg.lora_path, self.manager.slot_of.get(msg.lora_name))
         return self._reply()
 
     def unload(self, msg: UnloadLoRAAdapterReqInput) -> LoRAUpdateOutput:

@@ -12,7 +12,9 @@ chunked request.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from radixserve.managers.scheduler.lora_requests import adapter_fits, assign_slots
 from radixserve.managers.scheduler.retraction import NewTokenRatio
 from radixserve.managers.scheduler.schedule_batch import BatchResources, Req, ScheduleBatch
 from radixserve.managers.scheduler.schedule_policy import (
@@ -21,6 +23,9 @@ from radixserve.managers.scheduler.schedule_policy import (
     SchedulePolicy,
     decode_reservation,
 )
+
+if TYPE_CHECKING:
+    from radixserve.lora.lora_manager import LoRAManager
 
 
 @dataclass
@@ -37,10 +42,13 @@ class PrefillPlanner:
         policy: SchedulePolicy,
         new_token_ratio: NewTokenRatio,
         allow_chunking: bool,
+        lora: LoRAManager | None = None,
     ) -> None:
         """``resources``: the pools and cache the batches use; ``allow_chunking``: False for
-        an encoder, whose input is encoded in one step."""
+        an encoder, whose input is encoded in one step; ``lora``: the adapters, with
+        ``--enable-lora``."""
         self.resources = resources
+        self.lora = lora
         self.policy = policy
         self.new_token_ratio = new_token_ratio
         self.allow_chunking = allow_chunking
@@ -92,8 +100,16 @@ class PrefillPlanner:
                 chunked_req = None  # its last chunk runs now
         if chunked_req is None:
             self.policy.calc_priority(waiting)
+            adapters = {r.lora_path for r in (*running, *adder.can_run) if r.lora_path}
             for req in waiting:
-                if adder.add_one_req(req) is AddResult.STOP:
+                if self.lora is not None and not adapter_fits(
+                    req, adapters, self.lora.settings.max_loras_per_batch
+                ):
+                    continue  # its adapter waits for a slot; later requests may fit
+                result = adder.add_one_req(req)
+                if req.lora_path is not None and adder.can_run and adder.can_run[-1] is req:
+                    adapters.add(req.lora_path)
+                if result is AddResult.STOP:
                     break
             if adder.new_chunked_req is not None:
                 chunked_req = adder.new_chunked_req
@@ -101,6 +117,8 @@ class PrefillPlanner:
             return PrefillPlan(None, waiting, chunked_req)
         admitted = {id(r) for r in adder.can_run}
         waiting = [r for r in waiting if id(r) not in admitted]
+        if self.lora is not None:
+            assign_slots(self.lora, [*running, *adder.can_run])
         batch = ScheduleBatch(adder.can_run, self.resources)
         batch.prepare_for_extend()
         return PrefillPlan(batch, waiting, chunked_req)

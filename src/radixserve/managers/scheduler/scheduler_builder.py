@@ -144,6 +144,7 @@ def build_scheduler(
         SchedulePolicy(server_args.schedule_policy, tree_cache, radix_enabled, priority),
         new_token_ratio,
         allow_chunking=not model_config.is_encoder,
+        lora=runner.lora,
     )
     limits = RequestLimits(  # vocabulary, context, page, KV pool
         model_config.vocab_size, model_config.context_len, runner.page_size,
