@@ -151,16 +151,11 @@ class TemperatureSample(CustomOp):
             probs = _filter_min_p(probs, min_ps)
         return _invert_cdf(probs, uniforms)
 
-    def forward_cuda(
-        self,
-        logits: torch.Tensor,
-        temperatures: torch.Tensor,
-        min_ps: torch.Tensor | None,
-        uniforms: torch.Tensor,
-    ) -> torch.Tensor:
+    def forward_cuda(self, *args: torch.Tensor | None) -> torch.Tensor:
+        """``forward_native``'s arguments, to the kernel."""
         from radixserve.layers import triton_sampling
 
-        return triton_sampling.temperature_sample(logits, temperatures, min_ps, uniforms)
+        return triton_sampling.temperature_sample(*args)
 
 
 class TokenBitmask(CustomOp):

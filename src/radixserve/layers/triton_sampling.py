@@ -62,6 +62,17 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _kept_weights(Logits, row, stride, start, n_cols, inv_t, peak, min_p, BLOCK: tl.constexpr):
+    """The block at ``start`` of a row's unnormalised probabilities ``exp(x / T - peak)``, with
+    the tokens min_p removes (and the lanes past the row) at 0; and the block's columns."""
+    cols = start + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(Logits + row * stride + cols, mask=mask, other=-float("inf"))
+    w = tl.exp(x.to(tl.float32) * inv_t - peak)
+    return tl.where(mask & (w >= min_p), w, 0.0), cols
+
+
+@triton.jit
 def _temperature_sample_kernel(
     Logits, Temperatures, MinPs, Uniforms, Out, stride, n_cols,
     HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr,
@@ -79,11 +90,7 @@ def _temperature_sample_kernel(
     total = 0.0
     last = -1  # the last token with mass: where a target rounded up to the total lands
     for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(Logits + row * stride + cols, mask=mask, other=-float("inf"))
-        w = tl.exp(x.to(tl.float32) * inv_t - peak)
-        w = tl.where(mask & (w >= min_p), w, 0.0)
+        w, cols = _kept_weights(Logits, row, stride, start, n_cols, inv_t, peak, min_p, BLOCK)
         total += tl.sum(w, axis=0)
         last = tl.maximum(last, tl.max(tl.where(w > 0.0, cols, -1), axis=0))
     # 3. the first token whose running mass exceeds uniform * total (searchsorted, right=True)
@@ -91,13 +98,10 @@ def _temperature_sample_kernel(
     running = 0.0
     chosen = n_cols
     for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(Logits + row * stride + cols, mask=mask, other=-float("inf"))
-        w = tl.exp(x.to(tl.float32) * inv_t - peak)
-        w = tl.where(mask & (w >= min_p), w, 0.0)
+        w, cols = _kept_weights(Logits, row, stride, start, n_cols, inv_t, peak, min_p, BLOCK)
         cdf = running + tl.cumsum(w, axis=0)
-        chosen = tl.minimum(chosen, tl.min(tl.where(mask & (cdf > target), cols, n_cols), axis=0))
+        hit = (cols < n_cols) & (cdf > target)
+        chosen = tl.minimum(chosen, tl.min(tl.where(hit, cols, n_cols), axis=0))
         running += tl.sum(w, axis=0)
     chosen = tl.minimum(chosen, last)
     # A NaN row has no token with mass (last == -1): clamp into the vocabulary, as the reference.

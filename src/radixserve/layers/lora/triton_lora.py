@@ -31,15 +31,21 @@ _BLOCK_O = 64  # output features per program of the expand
 
 
 @triton.jit
+def _segment_block(SegStart, SegLen, SegSlot, BLOCK_M: tl.constexpr):
+    """This program's segment: its first row, adapter slot, and the program's block of rows
+    within it (offsets from the first row) with their mask."""
+    seg = tl.program_id(0)
+    start, n = tl.load(SegStart + seg), tl.load(SegLen + seg)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return start, tl.load(SegSlot + seg), rows, rows < n
+
+
+@triton.jit
 def _shrink_kernel(
     X, A, Out, SegStart, SegLen, SegSlot, stride_xm, stride_as, stride_ar, stride_om, K, R,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
 ):
-    seg = tl.program_id(0)
-    start, n = tl.load(SegStart + seg), tl.load(SegLen + seg)
-    slot = tl.load(SegSlot + seg)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < n
+    start, slot, rows, row_mask = _segment_block(SegStart, SegLen, SegSlot, BLOCK_M)
     ranks = tl.arange(0, BLOCK_R)
     rank_mask = ranks < R
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -64,11 +70,7 @@ def _expand_kernel(
     XA, B, Out, SegStart, SegLen, SegSlot, stride_xam, stride_bs, stride_bo, stride_om, N_OUT, R,
     BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
 ):
-    seg = tl.program_id(0)
-    start, n = tl.load(SegStart + seg), tl.load(SegLen + seg)
-    slot = tl.load(SegSlot + seg)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < n
+    start, slot, rows, row_mask = _segment_block(SegStart, SegLen, SegSlot, BLOCK_M)
     outs = tl.program_id(2) * BLOCK_O + tl.arange(0, BLOCK_O)
     out_mask = outs < N_OUT
     ranks = tl.arange(0, BLOCK_R)
