@@ -163,6 +163,16 @@ class DraftModelProposer:
             and runner.req_to_token_pool.available_size() == runner.max_running_requests
         )
 
+    def usage(self) -> dict[str, int]:
+        """The draft pool's figures for ``/get_server_info``."""
+        runner = self.runner
+        free = runner.token_to_kv_pool_allocator.available_size()
+        return {
+            "spec_draft_total_kv_tokens": runner.max_total_num_tokens,
+            "spec_draft_used_kv_tokens": runner.max_total_num_tokens - free,
+            "spec_draft_reqs": len(self.states),
+        }
+
     def _state(self, req: Req) -> _DraftState | None:
         state = self.states.get(req.rid)
         if state is not None and state.req is not req:

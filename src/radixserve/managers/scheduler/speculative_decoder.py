@@ -316,7 +316,11 @@ class SpeculativeLoop(NormalLoop):
         self.decoder = decoder
 
     def summary(self) -> dict[str, Any]:
-        return self.decoder.stats.summary()
+        summary = self.decoder.stats.summary()
+        draft = self.decoder.draft_model
+        if draft is not None:  # STANDALONE: the draft pool's use (0 when idle: nothing leaked)
+            summary.update(draft.usage())
+        return summary
 
     def run_step(self) -> bool:
         """A step, then the draft model's state of requests that stopped running is freed."""
