@@ -67,7 +67,7 @@ def draft_client(llama_path):
         llama_path, "--speculative-algorithm", "STANDALONE",
         "--speculative-draft-model-path", str(llama_path),
         "--speculative-draft-model-quantization", "int8", "--speculative-num-steps", "4",
-        "--page-size", "4",
+        "--page-size", "4", "--cpu-kernel-autotune", "off",  # no kernel timing for two models
     )
     with httpx.Client(base_url=srv.base_url, timeout=120) as c:
         yield c
