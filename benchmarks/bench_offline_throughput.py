@@ -58,11 +58,38 @@ RADIXSERVE_VARIANTS: dict[str, dict[str, Any]] = {
     "radixserve-deterministic": {"enable_deterministic_inference": True},
     # speculative decoding by prompt lookup (--speculative-* below; docs/speculative.md)
     "radixserve-ngram": {"speculative_algorithm": "NGRAM"},
+    # ... and with a draft model (--speculative-draft-model-path, default: the model itself,
+    # usually with --speculative-draft-model-quantization int8)
+    "radixserve-standalone": {"speculative_algorithm": "STANDALONE"},
 }
-# Flags passed to the speculative variants' Engine (SGLang's names).
-SPECULATIVE_FLAGS = ("speculative_num_draft_tokens", "speculative_max_batch_size",
-                     "speculative_ngram_min_match_window_size",
-                     "speculative_ngram_max_match_window_size")
+# Flags passed to the speculative variants' Engine (SGLang's names), per algorithm.
+SPECULATIVE_FLAGS = {
+    "NGRAM": ("speculative_num_draft_tokens", "speculative_max_batch_size",
+              "speculative_ngram_min_match_window_size",
+              "speculative_ngram_max_match_window_size"),
+    "STANDALONE": ("speculative_num_steps", "speculative_max_batch_size",
+                   "speculative_draft_model_path", "speculative_draft_model_quantization"),
+}
+# Text workloads (a chat turn through the model's chat template; meant for a trained model such
+# as --model smollm2): what the model really answers, EOS honoured.
+TEXT_WORKLOADS: dict[str, list[str]] = {
+    "edit-text": [
+        "Add a docstring to this Python function and return the whole function unchanged "
+        "otherwise:\n\n```python\ndef merge_intervals(intervals):\n    intervals = "
+        "sorted(intervals, key=lambda pair: pair[0])\n    merged = []\n    for start, end in "
+        "intervals:\n        if merged and start <= merged[-1][1]:\n            merged[-1][1] "
+        "= max(merged[-1][1], end)\n        else:\n            merged.append([start, end])\n"
+        "    return merged\n```",
+        "Rename the variable `total` to `running_sum` in this code and show the full result:"
+        "\n\n```python\ndef cumulative(values):\n    total = 0\n    out = []\n    for v in "
+        "values:\n        total += v\n        out.append(total)\n    return out\n```",
+    ],
+    "chat": [
+        "Tell me a short story about a lighthouse keeper who finds a message in a bottle.",
+        "What are some good habits for staying healthy while working from home?",
+        "Explain why the sky is blue to a ten-year-old.",
+    ],
+}
 BACKENDS = (*RADIXSERVE_VARIANTS, "transformers", "llamacpp-q8_0", "llamacpp-bf16",
             "llamacpp-file")
 LLAMACPP_ALIAS = {"llamacpp": "llamacpp-q8_0"}
@@ -103,10 +130,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1,
                    help="best of this many runs per scenario (the backends take turns)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workload", choices=("random", "edit"), default="random",
-                   help="decode prompts: random tokens, or 'edit': a file of lines repeated "
-                        "with small changes (what an 'edit this code' answer copies)")
+    p.add_argument("--workload", choices=("random", "edit", *TEXT_WORKLOADS), default="random",
+                   help="decode prompts: random tokens, 'edit': a file of lines repeated "
+                        "with small changes (what an 'edit this code' answer copies), or a "
+                        "chat turn ('edit-text': edit this code, 'chat': free chat; EOS ends "
+                        "them: for a trained model)")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=8)
+    p.add_argument("--speculative-num-steps", type=int, default=4)
+    p.add_argument("--speculative-draft-model-path",
+                   help="STANDALONE's draft model (default: the --model itself)")
+    p.add_argument("--speculative-draft-model-quantization", choices=("int8",))
     p.add_argument("--speculative-max-batch-size", type=int, default=8)
     p.add_argument("--speculative-ngram-min-match-window-size", type=int, default=1)
     p.add_argument("--speculative-ngram-max-match-window-size", type=int, default=12)
@@ -186,9 +219,20 @@ def resolve_model(name: str) -> tuple[str, str]:
 class Workload:
     """The prompts of every scenario, drawn once so that both backends get the same ones."""
 
-    def __init__(self, args: argparse.Namespace, allowed: list[int]) -> None:
+    def __init__(self, args: argparse.Namespace, allowed: list[int], tokenizer: Any) -> None:
         rng = random.Random(args.seed)
         draw = edit_prompt if args.workload == "edit" else _random_prompt
+        if args.workload in TEXT_WORKLOADS:
+            texts = TEXT_WORKLOADS[args.workload]
+            chats = [tokenizer.encode(
+                tokenizer.apply_chat_template([{"role": "user", "content": t}],
+                                              add_generation_prompt=True, tokenize=False),
+                add_special_tokens=False) for t in texts]
+            self.decode = {b: [list(chats[i % len(chats)]) for i in range(b)]
+                           for b in args.batch_sizes}
+            self.prefill = [rng.choices(allowed, k=args.prefill_len)] if args.prefill_len else []
+            self.output_len = args.output_len
+            return
         self.decode = {
             b: [draw(rng, allowed, rng.randint(args.min_input_len, args.max_input_len))
                 for _ in range(b)]
@@ -290,9 +334,12 @@ Generate = Callable[[list[list[int]], int], tuple[list[list[int]], float]]
 def radixserve_backend(args: argparse.Namespace, model_path: str,
                        **engine_kwargs: Any) -> Iterator[Generate]:
     """``generate(prompts, n) -> (outputs, wall_s)`` on a running Engine (cache flushed first)."""
-    params = {"temperature": 0.0, "ignore_eos": True}
-    if "speculative_algorithm" in engine_kwargs:
-        engine_kwargs.update({flag: getattr(args, flag) for flag in SPECULATIVE_FLAGS})
+    params = {"temperature": 0.0, "ignore_eos": args.workload not in TEXT_WORKLOADS}
+    algorithm = engine_kwargs.get("speculative_algorithm")
+    if algorithm is not None:
+        engine_kwargs.update({flag: getattr(args, flag) for flag in SPECULATIVE_FLAGS[algorithm]})
+    if algorithm == "STANDALONE" and engine_kwargs["speculative_draft_model_path"] is None:
+        engine_kwargs["speculative_draft_model_path"] = model_path
     with start_engine(args.threads, model_path=model_path, dtype=args.dtype,
                       device=args.device, max_total_tokens=args.max_total_tokens,
                       max_running_requests=max(args.batch_sizes, default=1),
@@ -509,7 +556,7 @@ def run_model(args: argparse.Namespace, name: str, dtype: str,
     special = set(tokenizer.all_special_ids) | set(config.eos_token_ids)
     # Prompt ids stay inside the tokenizer (the small model's vocab is larger than its tokenizer).
     allowed = [t for t in range(min(len(tokenizer), config.vocab_size)) if t not in special]
-    work = Workload(args, allowed)
+    work = Workload(args, allowed, tokenizer)
     threads = args.threads or len(os.sched_getaffinity(0))
     print(json.dumps({"model": label, "path": model_path, "dtype": str(config.torch_dtype),
                       "device": args.device,

@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="of the launched server and offline Engine")
     p.add_argument("--server-flags", default="",
                    help="more flags for the launched server, e.g. '--stream-interval 4'")
+    # speculative decoding of the launched server (SGLang's flags, docs/speculative.md)
+    for flag in SPECULATIVE_SERVER_FLAGS:
+        p.add_argument(flag, help="passed to the launched server")
     p.add_argument("--offline-baseline", action="store_true",
                    help="also time the same batch on an in-process Engine (needs --launch)")
     p.add_argument("--repeats", type=int, default=1,
@@ -234,6 +237,13 @@ def run_offline(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
             "total_output_tokens": output_tokens}
 
 
+SPECULATIVE_SERVER_FLAGS = (
+    "--speculative-algorithm", "--speculative-num-draft-tokens", "--speculative-num-steps",
+    "--speculative-draft-model-path", "--speculative-draft-model-quantization",
+    "--speculative-max-batch-size",
+)
+
+
 @contextlib.contextmanager
 def launched(args: argparse.Namespace) -> Iterator[Any]:
     """The server of ``--launch`` (``args.base_url`` points at it), and the offline Engine of
@@ -241,6 +251,10 @@ def launched(args: argparse.Namespace) -> Iterator[Any]:
     model_path = resolve_model(args.launch)
     with contextlib.ExitStack() as stack:
         flags = ["--dtype", args.dtype, *shlex.split(args.server_flags)]
+        for flag in SPECULATIVE_SERVER_FLAGS:
+            value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+            if value is not None:
+                flags += [flag, value]
         server = stack.enter_context(Server(model_path, *flags))
         args.base_url = server.base_url
         engine = None

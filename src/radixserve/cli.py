@@ -152,13 +152,20 @@ HELP: dict[str, str] = {
     "seeded) output does not depend on the other requests, the prefill chunk size or the radix "
     "cache (CPU kernels and the cpu attention backend).",
     "speculative_algorithm": "Speculative decoding: NGRAM drafts tokens by prompt lookup over "
-    "each request's own prompt and output; the target verifies them (greedy output unchanged; "
-    "docs/speculative.md).",
-    "speculative_num_draft_tokens": "Draft tokens proposed per request per verify step.",
+    "each request's own prompt and output, STANDALONE with a small draft model; the target "
+    "verifies them (greedy output unchanged; docs/speculative.md).",
+    "speculative_num_draft_tokens": "NGRAM: draft tokens proposed per request per verify step "
+    "(default 8); STANDALONE: speculative_num_steps + 1 (SGLang's count).",
     "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of a request that must "
     "recur in its tokens for a proposal.",
     "speculative_ngram_max_match_window_size": "NGRAM: longest suffix matched.",
-    "speculative_draft_model_path": "STANDALONE's draft model (not in this build).",
+    "speculative_draft_model_path": "STANDALONE: the draft model (same tokenizer as the "
+    "target; the target's own path with --speculative-draft-model-quantization int8 drafts "
+    "with its int8 copy).",
+    "speculative_draft_model_quantization": "STANDALONE: quantize the draft's weights (int8).",
+    "speculative_num_steps": "STANDALONE: draft tokens the draft model decodes per verify step "
+    "(default 4).",
+    "speculative_eagle_topk": "STANDALONE: drafts per position; 1 (chain drafts) in this build.",
     "speculative_max_batch_size": "Decode batches larger than this run without speculation.",
     "enable_lora": "Serve LoRA adapters on top of the base model (docs/lora.md).",
     "lora_paths": "LoRA adapters to load at start, as NAME=PATH (PEFT adapter folders) or "

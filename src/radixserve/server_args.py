@@ -16,7 +16,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # on: time the CPU kernels per linear shape and batch bucket once per machine (cached);
 # off: the static table (layers/kernel_dispatch.py)
 CPU_KERNEL_AUTOTUNE_MODES = ("on", "off")
-SPECULATIVE_ALGORITHMS = ("NGRAM",)
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 # --kv-cache-dtype: SGLang's names with vLLM's aliases (bfloat16, fp8 = fp8_e4m3); what each
 # stores is mem_cache/kv_quant.py's KV_CACHE_DTYPES
 KV_CACHE_DTYPE_CHOICES = ("auto", "bf16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
@@ -94,10 +94,15 @@ class ServerArgs:
     enable_deterministic_inference: bool = False
     # speculative decoding (docs/speculative.md)
     speculative_algorithm: str | None = None
-    speculative_num_draft_tokens: int = 8
+    # None: 8 for NGRAM (its drafts), num_steps + 1 for STANDALONE (SGLang's count, with the
+    # token the drafts follow)
+    speculative_num_draft_tokens: int | None = None
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     speculative_draft_model_path: str | None = None
+    speculative_draft_model_quantization: str | None = None  # e.g. int8 (the target as draft)
+    speculative_num_steps: int | None = None  # STANDALONE: draft forwards per step (default 4)
+    speculative_eagle_topk: int | None = None  # STANDALONE: 1 (chain drafts; no trees)
     speculative_max_batch_size: int = 8
     # LoRA adapters (lora/, docs/lora.md)
     enable_lora: bool = False
@@ -306,16 +311,25 @@ class ServerArgs:
     def _check_speculative(self) -> None:
         algo = self.speculative_algorithm
         if algo is None:
-            if self.speculative_draft_model_path is not None:
-                raise ValueError("speculative_draft_model_path needs speculative_algorithm")
+            for name in ("speculative_draft_model_path", "speculative_draft_model_quantization",
+                         "speculative_num_steps", "speculative_eagle_topk"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs speculative_algorithm")
             return
         if algo not in SPECULATIVE_ALGORITHMS:
             raise ValueError(
                 f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS} in this build, "
                 f"got {algo!r}"
             )
-        if self.speculative_draft_model_path is not None:
-            raise ValueError("speculative_draft_model_path is for STANDALONE, not NGRAM")
+        if algo == "NGRAM":
+            for name in ("speculative_draft_model_path", "speculative_draft_model_quantization",
+                         "speculative_num_steps", "speculative_eagle_topk"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is for STANDALONE, not NGRAM")
+            if self.speculative_num_draft_tokens is None:
+                object.__setattr__(self, "speculative_num_draft_tokens", 8)
+        else:
+            self._check_standalone()
         for name in ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
                      "speculative_max_batch_size"):
             if getattr(self, name) < 1:
@@ -332,6 +346,38 @@ class ServerArgs:
                           ("is_embedding", self.is_embedding)):
             if bad:
                 raise ValueError(f"speculative_algorithm does not combine with {name}")
+
+    def _check_standalone(self) -> None:
+        """STANDALONE: a draft model; SGLang's counts (``num_draft_tokens`` = ``num_steps`` + 1
+        with top-k 1, the token the drafts follow included), filled in from each other."""
+        if self.speculative_draft_model_path is None:
+            raise ValueError("speculative_algorithm STANDALONE needs speculative_draft_model_path")
+        quant = self.speculative_draft_model_quantization
+        if quant is not None and quant not in ("int8",):
+            raise ValueError(
+                f"speculative_draft_model_quantization must be 'int8', got {quant!r}"
+            )
+        if self.speculative_eagle_topk not in (None, 1):
+            raise ValueError(
+                "speculative_eagle_topk must be 1 for STANDALONE (chain drafts; tree drafts "
+                f"are not in this build), got {self.speculative_eagle_topk}"
+            )
+        steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
+        if steps is None:
+            steps = 4 if tokens is None else tokens - 1
+        if tokens is None:
+            tokens = steps + 1
+        if steps < 1:
+            raise ValueError(f"speculative_num_steps must be >= 1, got {steps}")
+        if tokens != steps + 1:
+            raise ValueError(
+                f"speculative_num_draft_tokens must be speculative_num_steps + 1 = {steps + 1} "
+                f"with speculative_eagle_topk 1, got {tokens}"
+            )
+        object.__setattr__(self, "speculative_num_steps", steps)
+        object.__setattr__(self, "speculative_num_draft_tokens", tokens)
+        object.__setattr__(self, "speculative_eagle_topk", 1)
+
     def _check_lora(self) -> None:
         if self.lora_paths and not self.enable_lora:  # as SGLang: adapters imply the flag
             object.__setattr__(self, "enable_lora", True)

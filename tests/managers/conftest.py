@@ -134,6 +134,10 @@ def check_no_leak(monkeypatch):
         driver.run()
         sched.self_check_during_idle()  # raises on a leak (strict)
         assert sched.last_leak_check["ok"], sched.last_leak_check
+        draft = getattr(getattr(sched.loop, "decoder", None), "draft_model", None)
+        if draft is not None:  # STANDALONE: the draft model's pool and rows are all free
+            assert draft.is_empty(), (len(draft.states), draft.runner.max_total_num_tokens,
+                                      draft.runner.token_to_kv_pool_allocator.available_size())
 
 
 @dataclass

@@ -75,6 +75,16 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class KVShare:
+    """What a second runner on the same device (a speculative draft model,
+    ``managers/scheduler/draft_proposer.py``) takes from the KV budget: its weights, and its KV
+    bytes per token (it keeps as many token slots as this runner)."""
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+
+
+@dataclasses.dataclass(frozen=True)
 class RunnerSettings:
     """The server arguments the model runner reads (how much KV, which kernels), each field
     named as its server argument."""
@@ -111,8 +121,12 @@ class ModelRunner:
         settings: RunnerSettings,
         device: torch.device | str,
         parallel: ParallelState | None = None,
+        kv_share: KVShare | None = None,
     ) -> None:
-        """``parallel``: this rank's place and groups (one process: ``ParallelState.single``)."""
+        """``parallel``: this rank's place and groups (one process: ``ParallelState.single``);
+        ``kv_share``: another model sharing this runner's memory budget (a speculative draft
+        model), whose weights and per-token KV bytes the planned pool leaves room for."""
+        self.kv_share = kv_share
         self.model_config = model_config
         self.device = resolve_device(device)
         self.dtype = model_config.torch_dtype
@@ -283,11 +297,14 @@ class ModelRunner:
                 weight_bytes, self.device, self.dtype, psutil.virtual_memory().total
             )
             weight_bytes += self.lora.pool.nbytes() if self.lora is not None else 0
-            budget = (available_memory_bytes(self.device) - weight_bytes) * fraction / sharing
-            budget -= self.graph_reserved_bytes
             per_token = MHATokenToKVPool.bytes_per_token(
                 self.num_kv_heads, cfg.head_dim, self.num_layers, self.kv_cache_dtype
             )
+            if self.kv_share is not None:  # the draft model's weights and KV, token for token
+                weight_bytes += self.kv_share.weight_bytes
+                per_token += self.kv_share.kv_bytes_per_token
+            budget = (available_memory_bytes(self.device) - weight_bytes) * fraction / sharing
+            budget -= self.graph_reserved_bytes
             tokens = int(budget) // per_token
             agreed = torch.tensor([tokens], dtype=torch.int64)
             tokens = int(self.parallel.world.all_reduce(agreed, torch.distributed.ReduceOp.MIN))

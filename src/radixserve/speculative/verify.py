@@ -19,6 +19,12 @@ renormalised, and nothing after it is kept; when every draft is kept, one more t
 from ``p_k``. Each emitted token then has exactly the target's distribution:
 ``P(d) = p(d)`` and ``P(x) = (1 - p(d)) * p(x) / (1 - p(d)) = p(x)`` for ``x != d``.
 
+**Drafts drawn from a distribution** ``q`` (a draft model's sampled request): draft ``d`` is
+kept with probability ``min(1, p(d) / q(d))``, and at a rejection the token is drawn from
+``(p - q)+`` renormalised: the standard speculative sampling rule (Leviathan et al., Chen et
+al.), whose emitted tokens again have exactly the distribution ``p``; a point mass ``q`` gives
+the rule above.
+
 **KV of rejected drafts.** The verify forward wrote KV for all ``k`` drafts. After it a request
 keeps KV for positions ``< kv_len`` (its newest token's KV comes with the next step, as after a
 decode step); ``free_rejected_kv`` returns the pages of its row that lie wholly at or beyond
@@ -69,21 +75,31 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def rejection_accept(
-    drafts: list[int], probs: torch.Tensor, generator: torch.Generator | None = None
+    drafts: list[int], probs: torch.Tensor, generator: torch.Generator | None = None,
+    draft_probs: torch.Tensor | None = None,
 ) -> list[int]:
     """The tokens a sampled request gains (module doc): ``probs`` ``[len(drafts) + 1, vocab]``
-    are the target's (possibly unnormalised) distributions after ``[newest token, drafts]``."""
+    are the target's (possibly unnormalised) distributions after ``[newest token, drafts]``;
+    ``draft_probs`` ``[len(drafts), vocab]`` the distributions the drafts were drawn from (None:
+    deterministic drafts, a point mass on each)."""
     assert probs.shape[0] == len(drafts) + 1, (len(drafts), probs.shape)
     probs = probs.float().cpu()
     probs = probs / probs.sum(dim=-1, keepdim=True)
+    if draft_probs is not None:
+        assert draft_probs.shape[0] == len(drafts), (len(drafts), draft_probs.shape)
+        draft_probs = draft_probs.float().cpu()
     uniforms = torch.rand(len(drafts), generator=generator).tolist()
     out: list[int] = []
     for j, draft in enumerate(drafts):
-        if uniforms[j] < float(probs[j, draft]):
+        q = 1.0 if draft_probs is None else float(draft_probs[j, draft])
+        if uniforms[j] * q < float(probs[j, draft]):  # u < min(1, p(d) / q(d))
             out.append(draft)
             continue
-        residual = probs[j].clone()
-        residual[draft] = 0.0
+        if draft_probs is None:
+            residual = probs[j].clone()
+            residual[draft] = 0.0
+        else:  # (p - q)+: positive wherever a rejection could happen (p(d) < q(d))
+            residual = (probs[j] - draft_probs[j]).clamp_min(0.0)
         out.append(_draw(residual, generator))
         return out
     out.append(_draw(probs[len(drafts)], generator))

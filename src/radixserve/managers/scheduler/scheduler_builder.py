@@ -19,6 +19,11 @@ import torch
 from radixserve import envs
 from radixserve.constrained import GrammarCache, create_grammar_backend
 from radixserve.distributed import ParallelState
+from radixserve.managers.scheduler.draft_proposer import (
+    DraftModelProposer,
+    build_draft_runner,
+    load_draft_config,
+)
 from radixserve.managers.scheduler.output_processor import OutputProcessor
 from radixserve.managers.scheduler.overlap_schedule import OverlapLoop
 from radixserve.managers.scheduler.overlap_worker import OverlapWorker
@@ -74,8 +79,16 @@ def build_scheduler(
     )
     is_generation = not (server_args.is_embedding or model_config.is_encoder)
     runner_settings = RunnerSettings.from_args(server_args)
-    tp_worker = TpModelWorker(model_config, runner_settings, device, parallel)
+    draft_config = kv_share = None
+    if server_args.speculative_algorithm == "STANDALONE" and is_generation:
+        draft_config, kv_share = load_draft_config(server_args, model_config, device)
+    tp_worker = TpModelWorker(model_config, runner_settings, device, parallel, kv_share)
     runner = tp_worker.model_runner
+    draft_model = None
+    if draft_config is not None:
+        draft_model = DraftModelProposer(
+            build_draft_runner(draft_config, runner_settings, runner)
+        )
     if server_args.chunked_prefill_size < runner.page_size:
         raise ValueError(
             f"chunked_prefill_size ({server_args.chunked_prefill_size}) must be at least "
@@ -170,7 +183,7 @@ def build_scheduler(
         watchdog_timeout=server_args.watchdog_timeout,
         waiting_timeout=waiting_timeout(parallel),
     )
-    make_loop = choose_loop(server_args, parallel, tp_worker, is_generation)
+    make_loop = choose_loop(server_args, parallel, tp_worker, is_generation, draft_model)
     return Scheduler(
         parts, settings, send_to_tokenizer, parallel, make_loop, dp_rank, send_load
     )
@@ -220,7 +233,7 @@ def _hierarchical_cache(server_args: ServerArgs, runner: Any) -> HiRadixCache:
 
 def choose_loop(
     server_args: ServerArgs, parallel: ParallelState, tp_worker: TpModelWorker,
-    is_generation: bool,
+    is_generation: bool, draft_model: DraftModelProposer | None = None,
 ) -> Callable[[LoopScheduler], SchedulerLoop]:
     """The one place a scheduler's loop is chosen: ``PipelineLoop`` with ``--pp-size`` > 1,
     ``OverlapLoop`` where ``ServerArgs.overlap_schedule_on`` says so (on CUDA by default,
@@ -234,15 +247,19 @@ def choose_loop(
         p2p, device = parallel.p2p, tp_worker.model_runner.device
         return lambda scheduler: PipelineLoop(scheduler, timeout, info, p2p, device)
     if server_args.speculative_algorithm is not None and is_generation:
+        standalone = server_args.speculative_algorithm == "STANDALONE"
+        assert standalone == (draft_model is not None)
         decoder = SpeculativeDecoder(
             tp_worker,
-            NgramProposer(
+            None if standalone else NgramProposer(
                 server_args.speculative_ngram_min_match_window_size,
                 server_args.speculative_ngram_max_match_window_size,
             ),
-            server_args.speculative_num_draft_tokens,
+            server_args.speculative_num_steps if standalone
+            else server_args.speculative_num_draft_tokens,
             server_args.speculative_max_batch_size,
             tp_worker.model_runner.model_config.context_len,
+            draft_model=draft_model,
         )
         return lambda scheduler: SpeculativeLoop(scheduler, timeout, decoder)
     if server_args.overlap_schedule_on(tp_worker.model_runner.device.type) and is_generation:

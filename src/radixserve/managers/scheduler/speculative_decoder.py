@@ -5,8 +5,9 @@ loops: a step is planned as usual (``get_next_batch_to_run``; a decode step has 
 each request one KV slot for its newest token), and when it is a decode step that may speculate
 (``SpeculativeDecoder.eligible``) it is replaced by a *verify step*:
 
-1. the proposer (``speculative/ngram.py``) drafts up to ``--speculative-num-draft-tokens``
-   tokens per request, never more than the request may still generate;
+1. the proposer (``speculative/ngram.py``, or the draft model of ``draft_proposer.py``) drafts
+   up to ``--speculative-num-draft-tokens`` tokens per request (STANDALONE:
+   ``--speculative-num-steps``), never more than the request may still generate;
 2. KV slots for the drafts are allocated behind the decode slot (evicting from the prefix cache
    first; when even that is short, the step decodes without drafts);
 3. the target runs one EXTEND over ``[newest token, drafts...]`` of every request (per-request
@@ -38,6 +39,7 @@ import torch
 
 from radixserve.finish_reason import FinishAbort
 from radixserve.forward_batch import ForwardBatch, ForwardMode
+from radixserve.managers.scheduler.draft_proposer import DraftModelProposer
 from radixserve.managers.scheduler.output_processor import OutputProcessor
 from radixserve.managers.scheduler.schedule_batch import (
     Req,
@@ -116,11 +118,17 @@ class SpeculativeDecoder:
     """Drafts a prepared decode batch and runs the target's verify forward over it."""
 
     tp_worker: TpModelWorker
-    proposer: NgramProposer
-    num_draft_tokens: int  # --speculative-num-draft-tokens
+    proposer: NgramProposer | None  # NGRAM
+    num_draft_tokens: int  # drafts per request and step (NGRAM's flag; STANDALONE's num_steps)
     max_batch_size: int  # --speculative-max-batch-size: larger batches decode plainly
     context_len: int
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
+    draft_model: DraftModelProposer | None = None  # STANDALONE
+
+    def sweep(self, running: list[Req]) -> None:
+        """Free the draft model's state of requests no longer running (after every step)."""
+        if self.draft_model is not None:
+            self.draft_model.sweep(running)
 
     def eligible(self, batch: ScheduleBatch) -> bool:
         return (
@@ -129,22 +137,30 @@ class SpeculativeDecoder:
             and all(may_speculate(r) for r in batch.reqs)
         )
 
-    def _drafts(self, batch: ScheduleBatch) -> list[list[int]]:
-        drafts = []
-        for req in batch.reqs:
-            # The request gains at most len(drafts) + 1 tokens; its row ends at context_len.
-            room = min(
-                self.num_draft_tokens,
-                req.remaining_new_tokens() - 1,
-                self.context_len - req.kv_len,
-            )
-            drafts.append(self.proposer.propose(req.all_ids, room) if room > 0 else [])
-        return drafts
+    def _drafts(
+        self, batch: ScheduleBatch
+    ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Each request's drafts, and (a draft model's sampled request) their distributions."""
+        # The request gains at most len(drafts) + 1 tokens; its row ends at context_len.
+        rooms = [
+            min(self.num_draft_tokens, req.remaining_new_tokens() - 1,
+                self.context_len - req.kv_len)
+            for req in batch.reqs
+        ]
+        if self.draft_model is not None:
+            proposal = self.draft_model.propose(batch, rooms)
+            return proposal.drafts, proposal.draft_probs
+        assert self.proposer is not None
+        drafts = [
+            self.proposer.propose(req.all_ids, room) if room > 0 else []
+            for req, room in zip(batch.reqs, rooms, strict=True)
+        ]
+        return drafts, [None] * len(drafts)
 
     def verify(self, batch: ScheduleBatch) -> VerifyResult | None:
         """The verify step of a decode batch prepared by ``prepare_for_decode``; None when no
         request has a draft or their KV does not fit (the caller runs the plain decode)."""
-        drafts = self._drafts(batch)
+        drafts, draft_probs = self._drafts(batch)
         if not any(drafts):
             return None
         resources = batch.resources
@@ -155,6 +171,8 @@ class SpeculativeDecoder:
         need = sum(pages_to_alloc(s, e, allocator.page_size) for s, e in zip(starts, ends,
                                                                               strict=True))
         if need > allocator.available_size() + cache.reclaimable_size():
+            if self.draft_model is not None:  # nothing verified: the drafts' KV goes
+                self.draft_model.after_verify(batch, drafts, [[] for _ in drafts])
             return None
         if allocator.available_size() < need:
             cache.evict(need - allocator.available_size())
@@ -199,12 +217,15 @@ class SpeculativeDecoder:
             input_logprob_starts=[0] * len(counts),
             input_logprob_counts=counts,
         )
-        gained, logprobs = self._accept(batch, forward_batch, drafts)
+        gained, logprobs = self._accept(batch, forward_batch, drafts, draft_probs)
+        if self.draft_model is not None:
+            self.draft_model.after_verify(batch, drafts, gained)
         self.stats.num_verify_steps += 1
         return VerifyResult(drafts, gained, logprobs, ends, self.stats)
 
     def _accept(
-        self, batch: ScheduleBatch, forward_batch: ForwardBatch, drafts: list[list[int]]
+        self, batch: ScheduleBatch, forward_batch: ForwardBatch, drafts: list[list[int]],
+        draft_probs: list[torch.Tensor | None],
     ) -> tuple[list[list[int]], list[list[float] | None]]:
         """The target's verdict on each request's drafts: the tokens it keeps, and their
         logprobs (from the raw logits, as the sampler gives them) when it asks for them."""
@@ -227,7 +248,7 @@ class SpeculativeDecoder:
                 probs = sampling_probs(
                     logits[rows], params.temperature, params.top_k, params.top_p, params.min_p
                 )
-                kept = rejection_accept(draft, probs)
+                kept = rejection_accept(draft, probs, draft_probs=draft_probs[i])
             gained.append(kept)
             if req.return_logprob:
                 chosen = torch.log_softmax(logits[rows[: len(kept)]].float(), dim=-1)
@@ -295,7 +316,17 @@ class SpeculativeLoop(NormalLoop):
         self.decoder = decoder
 
     def summary(self) -> dict[str, Any]:
-        return self.decoder.stats.summary()
+        summary = self.decoder.stats.summary()
+        draft = self.decoder.draft_model
+        if draft is not None:  # STANDALONE: the draft pool's use (0 when idle: nothing leaked)
+            summary.update(draft.usage())
+        return summary
+
+    def run_step(self) -> bool:
+        """A step, then the draft model's state of requests that stopped running is freed."""
+        busy = super().run_step()
+        self.decoder.sweep(self.scheduler.running_batch.reqs)
+        return busy
 
     def forward(self, batch: ScheduleBatch) -> Any:
         """A verify step where the batch is eligible and drafts were proposed, else the plain

@@ -22,7 +22,7 @@ from radixserve.distributed import ParallelState
 from radixserve.forward_batch import ForwardBatch, StageActivations
 from radixserve.layers.sampler import SampleOutput
 from radixserve.model_config import ModelConfig
-from radixserve.model_executor.model_runner import ModelRunner, RunnerSettings
+from radixserve.model_executor.model_runner import KVShare, ModelRunner, RunnerSettings
 
 
 class TpModelWorker:
@@ -34,9 +34,10 @@ class TpModelWorker:
         settings: RunnerSettings,
         device: torch.device,
         parallel: ParallelState | None = None,
+        kv_share: KVShare | None = None,
     ) -> None:
         self.parallel = parallel or ParallelState.single()
-        self.model_runner = ModelRunner(model_config, settings, device, self.parallel)
+        self.model_runner = ModelRunner(model_config, settings, device, self.parallel, kv_share)
         self.hidden_size = model_config.hidden_size
 
     @torch.inference_mode()
