@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from radixserve.managers.caller import may_manage
 from radixserve.server.openai.batch_protocol import (
     TERMINAL,
     BatchLine,
@@ -36,7 +37,7 @@ from radixserve.server.openai.batch_protocol import (
     parse_input,
     result_line,
 )
-from radixserve.server.openai.batch_store import BatchStore
+from radixserve.server.openai.batch_store import OWNER, BatchStore
 
 logger = logging.getLogger(__name__)
 
@@ -76,13 +77,17 @@ class BatchRunner:
         # changes the status the task reads), and every change is saved to the store.
         self.live: dict[str, dict] = {}
 
-    def get(self, batch_id: str) -> dict | None:
-        """A batch as it is now (live while it runs, else as stored)."""
-        return self.live.get(batch_id) or self.store.batch(batch_id)
+    def get(self, batch_id: str, caller: str | None = None) -> dict | None:
+        """A batch as it is now (live while it runs, else as stored); None when there is none
+        or ``caller`` may not see it (``managers/caller.py``; None: unscoped)."""
+        batch = self.live.get(batch_id)
+        if batch is not None:
+            return batch if may_manage(caller, batch.get(OWNER)) else None
+        return self.store.batch(batch_id, caller)
 
-    def all(self) -> list[dict]:
-        """Every batch, newest first."""
-        return [self.live.get(b["id"], b) for b in self.store.batches()]
+    def all(self, caller: str | None = None) -> list[dict]:
+        """Every batch ``caller`` may see, newest first."""
+        return [self.live.get(b["id"], b) for b in self.store.batches(caller)]
 
     # ------------------------------------------------------------------ lifecycle
     def resume(self) -> None:
@@ -259,7 +264,7 @@ class BatchRunner:
             path = self.store.results_path(batch["id"], kind)
             if path.exists() and path.stat().st_size:
                 meta = self.store.add_file(path.read_bytes(), f"{batch['id']}_{kind}.jsonl",
-                                           "batch_output", _now())
+                                           "batch_output", _now(), batch.get(OWNER))
                 batch[field] = meta["id"]
         self._count(batch)
         batch.update(final)
