@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 
 from radixserve.managers.caller import may_manage
+from radixserve.managers.tokenizer.queue_eviction import EVICTED_MESSAGE, EVICTED_STATUS
 from radixserve.server.openai.batch_protocol import (
     TERMINAL,
     BatchLine,
@@ -42,8 +43,19 @@ from radixserve.server.openai.batch_store import OWNER, BatchStore
 logger = logging.getLogger(__name__)
 
 BATCH_CONCURRENCY = 8  # requests of all batches running at once
-_RETRY_S = 0.5  # after a 429 (--max-queued-requests reached): try that request again then
+_RETRY_S = 0.5  # after a 429 (--max-queued-requests reached) or an eviction: retry then
 _LEAST_IMPORTANT = {False: -(2**63), True: 2**63 - 1}  # by --schedule-low-priority-values-first
+
+
+def _evicted(response: httpx.Response) -> bool:
+    """Evicted from a full queue by a more important request (docs/priority.md): like a 429,
+    the request runs again later rather than failing the line."""
+    if response.status_code != EVICTED_STATUS:
+        return False
+    try:
+        return response.json()["error"]["message"] == EVICTED_MESSAGE
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def _now() -> int:
@@ -217,7 +229,7 @@ class BatchRunner:
         else:
             while True:
                 response = await self.client.post(batch["endpoint"], json=body)
-                if response.status_code != 429:
+                if response.status_code != 429 and not _evicted(response):
                     break
                 await asyncio.sleep(_RETRY_S)
             if not 200 <= response.status_code < 300 and not self.accepting():
