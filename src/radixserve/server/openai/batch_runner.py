@@ -9,11 +9,12 @@ One asyncio task per live batch moves it through OpenAI's statuses::
     in_progress → cancelling → cancelled      (POST /v1/batches/{id}/cancel)
     in_progress → expired                     (its 24 hours passed)
 
-At most ``BATCH_CONCURRENCY`` requests of all batches run at once, so a batch never crowds out
-interactive requests; with ``--enable-priority-scheduling`` its generations also carry the least
-important priority (docs/priority.md), so that any interactive request goes first and may
-preempt them. Each finished request's line is appended to the batch's results on disk at once
-(``batch_store.py``) and the batch object is saved with its counts, so a restart loses nothing:
+At most ``--batch-max-concurrency`` (8) requests of all batches run at once, so a batch never
+crowds out interactive requests; with ``--enable-priority-scheduling`` its generations also
+carry the least important priority (docs/priority.md), so that any interactive request goes
+first and may preempt them. Each finished request's line is appended to the batch's results on
+disk at once (``batch_store.py``) and the batch object is saved with its counts, so a restart
+loses nothing:
 ``resume`` picks every unfinished batch up again and runs only the requests with no line yet.
 A request cut off by a shutdown leaves no line, so it runs again after the restart.
 """
@@ -42,7 +43,6 @@ from radixserve.server.openai.batch_store import OWNER, BatchStore
 
 logger = logging.getLogger(__name__)
 
-BATCH_CONCURRENCY = 8  # requests of all batches running at once
 _RETRY_S = 0.5  # after a 429 (--max-queued-requests reached) or an eviction: retry then
 _LEAST_IMPORTANT = {False: -(2**63), True: 2**63 - 1}  # by --schedule-low-priority-values-first
 
@@ -83,7 +83,7 @@ class BatchRunner:
             transport=httpx.ASGITransport(app=app), base_url="http://batch", headers=headers,
             timeout=None,
         )
-        self.slots = asyncio.Semaphore(BATCH_CONCURRENCY)
+        self.slots = asyncio.Semaphore(server_args.batch_max_concurrency)
         self.tasks: dict[str, asyncio.Task] = {}
         # The batch objects of running batches: the task and the routes share them (a cancel
         # changes the status the task reads), and every change is saved to the store.
@@ -188,7 +188,7 @@ class BatchRunner:
         self.store.save_batch(batch)
 
     async def _run_requests(self, batch: dict, lines: list[BatchLine]) -> None:
-        """Run every request without a result line yet, ``BATCH_CONCURRENCY`` at a time over
+        """Run every request without a result line yet, ``--batch-max-concurrency`` at a time over
         all batches, until done, cancelled or expired."""
         done = {r["custom_id"] for kind in ("output", "error")
                 for r in self.store.read_results(batch["id"], kind)}
@@ -197,9 +197,7 @@ class BatchRunner:
         running: set[asyncio.Task] = set()
         try:
             for line in pending:
-                await self.slots.acquire()
-                if self._should_stop(batch):
-                    self.slots.release()
+                if not await self._take_slot(batch):
                     break
                 task = asyncio.create_task(self._one(batch, line))
                 running.add(task)
@@ -211,6 +209,22 @@ class BatchRunner:
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
+
+    async def _take_slot(self, batch: dict) -> bool:
+        """Wait for one of the ``--batch-max-concurrency`` slots; False (and no slot) once the
+        batch should stop, which is checked while waiting too: the requests holding every slot
+        may be this batch's own, held (a paused server) until the cancel stops them."""
+        while True:
+            if self._should_stop(batch):
+                return False
+            try:
+                await asyncio.wait_for(self.slots.acquire(), timeout=1.0)
+            except TimeoutError:
+                continue
+            if not self._should_stop(batch):
+                return True
+            self.slots.release()
+            return False
 
     def _should_stop(self, batch: dict) -> bool:
         """Cancelled, expired, or the server drains."""
