@@ -124,6 +124,8 @@ HELP: dict[str, str] = {
     "important value).",
     "batch_dir": "Folder of the Batch API's files and batches, kept across restarts (unfinished "
     "batches resume); default: a temporary folder removed at shutdown (docs/batch.md).",
+    "batch_max_concurrency": "Most requests of all Batch API batches running at once, so that "
+    "batches leave room for interactive requests (docs/batch.md).",
     "enable_streaming_session": "Keep a streaming session's KV between turns.",
     "session_store": "Directory of the session store: an idle streaming session's KV is "
     "offloaded to a file there instead of dropped, restored by its next turn, and sessions "

@@ -126,6 +126,7 @@ class ServerArgs:
     responses_store_size: int = 1000
     responses_store_ttl: float = 3600.0
     batch_dir: str | None = None  # the Batch API's files and batches (docs/batch.md)
+    batch_max_concurrency: int = 8  # requests of all batches running at once (docs/batch.md)
     log_requests: bool = False
     log_level: str = "info"
     skip_warmup: bool = False
@@ -188,7 +189,7 @@ class ServerArgs:
             )
         for name in ("max_total_tokens", "max_running_requests", "context_length",
                      "max_queued_requests", "constrained_json_max_whitespace_cnt",
-                     "responses_store_size", "responses_store_ttl"):
+                     "responses_store_size", "responses_store_ttl", "batch_max_concurrency"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")

@@ -24,9 +24,10 @@ from tests.server.conftest import (
     pause_generation,
     start_server,
 )
-from tests.sync import wait_for
+from tests.sync import in_background, wait_for
 
-FLAGS = ("--enable-priority-scheduling", "--max-running-requests", "2")
+FLAGS = ("--enable-priority-scheduling", "--max-running-requests", "2",
+         "--batch-max-concurrency", "2")
 
 
 @pytest.fixture(scope="module")
@@ -155,12 +156,20 @@ def test_cancel_stops_a_running_batch(srv, oai):
         batch = oai.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
                                    completion_window="24h")
         wait_status(oai, batch.id, {"in_progress"})
-        wait_for(lambda: internal_state(client), lambda s: s["num_waiting_reqs"] >= 1,
+        wait_for(lambda: internal_state(client), lambda s: s["num_waiting_reqs"] >= 2,
                  "batch requests queued")
+        # --batch-max-concurrency 2: the batch's other two requests are held back, so an
+        # interactive request sent now is the third to wait, not the fifth.
+        interactive = in_background(client.post, "/generate", json={
+            "text": "Hi", "sampling_params": {"max_new_tokens": 2}})
+        state = wait_for(lambda: internal_state(client), lambda s: s["num_waiting_reqs"] >= 3,
+                         "the interactive request queued")
+        assert state["num_waiting_reqs"] == 3
         assert oai.batches.cancel(batch.id).status == "cancelling"
         cancelled = wait_status(oai, batch.id, {"cancelled"})
     finally:
         continue_generation(client)
+    assert interactive.result(60).status_code == 200
     assert cancelled["cancelled_at"] and cancelled["request_counts"]["completed"] == 0
     with pytest.raises(openai.APIStatusError) as err:
         oai.batches.cancel(batch.id)

@@ -2,8 +2,10 @@
 
 ``RequestGuard`` (server/request_guard.py) sets ``current_caller`` for the task that serves a
 request; what the request creates is then owned by that caller: the ``ReqState`` of each of its
-generations (a plain key may abort only those, ``TokenizerManager.abort_request``) and a stored
-``/v1/responses`` object (read, continued and deleted only with the key that stored it).
+generations (a plain key may abort only those, ``TokenizerManager.abort_request``), a stored
+``/v1/responses`` object (read, continued and deleted only with the key that stored it), and the
+Batch API's files and batches (seen, read, cancelled and deleted only with the key that created
+them, or the admin key: ``may_manage``).
 
 ``None`` means unscoped: no key is configured (every caller is the same) or the caller is not
 HTTP (the ``Engine``). The server has one ``--api-key`` and one ``--admin-api-key``, so there are
@@ -26,3 +28,9 @@ def may_act_for(caller: str | None, owner: str | None) -> bool:
     """Whether ``caller`` may act on something ``owner`` created: the same caller, or an
     unscoped one (``None``: no keys, or the Engine)."""
     return caller is None or caller == owner
+
+
+def may_manage(caller: str | None, owner: str | None) -> bool:
+    """``may_act_for``, and the admin key too: who may see and manage a Batch API file or batch
+    (OpenAI's organisation admin sees every batch; anyone else gets a 404 for ids not theirs)."""
+    return caller == ADMIN or may_act_for(caller, owner)

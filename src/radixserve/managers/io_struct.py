@@ -82,6 +82,10 @@ class TokenizedEmbeddingReqInput(_Msg):
 class AbortReq(_Msg):
     rid: str = ""
     abort_all: bool = False
+    # How a waiting request it hits ends (default: "aborted by request", no status): a 503
+    # for one evicted by a more important request (docs/priority.md).
+    message: str = ""
+    status_code: int | None = None
 
 
 class FlushCacheReq(_Msg):

@@ -7,7 +7,10 @@ calls ``admit``, which answers
   in one request), or when the request alone asks for more generations than
   ``--max-queued-requests`` could ever admit;
 - 429 with ``Retry-After`` while the generations in flight plus these would pass
-  ``--max-queued-requests``;
+  ``--max-queued-requests``; with ``--enable-priority-scheduling``, unless waiting requests
+  less important than this one can make room: those are evicted (they end with a 503, as
+  SGLang's) and this one is admitted (``managers/tokenizer/queue_eviction.py``). Until the
+  evicted responses have ended, moments later, the count exceeds the limit by this request;
 
 and otherwise counts them in flight until the response has ended (streams included): the
 ``RequestGuard`` hands each generation request a ``Ticket`` and gives its generations back when
@@ -60,8 +63,10 @@ def check_batch_size(args: Any, prompts: int, prompt_param: str) -> None:
         )
 
 
-def admit(request: Request, prompts: int, n: int = 1, prompt_param: str = "prompt") -> None:
-    """Admit ``prompts × n`` generations for ``request`` or raise the ``APIError`` above."""
+def admit(request: Request, prompts: int, n: int = 1, prompt_param: str = "prompt",
+          priority: int | None = None) -> None:
+    """Admit ``prompts × n`` generations for ``request`` or raise the ``APIError`` above
+    (``priority``: the one the request names, which a full queue is judged by)."""
     ctx = request.app.state.ctx
     args = ctx.server_args
     if n > args.max_n:
@@ -76,7 +81,9 @@ def admit(request: Request, prompts: int, n: int = 1, prompt_param: str = "promp
                 400, f"the request asks for {generations} generations (prompts × n) and at most "
                 f"{limit} may be in flight (--max-queued-requests)", param="n",
             )
-        if ctx.queued_generations + generations > limit:
+        shortage = ctx.queued_generations + generations - limit
+        if shortage > 0 and not (args.enable_priority_scheduling and
+                                 ctx.tokenizer_manager.evict_for_priority(priority, shortage)):
             raise APIError(
                 429, f"Too many generations in flight ({ctx.queued_generations}; this request "
                 f"asks for {generations}, the limit is {limit}); retry later.",

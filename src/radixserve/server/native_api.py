@@ -167,7 +167,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     ctx = get_ctx(request)
     ctx.check_model(body.model)
     prompt, field = (body.text, "text") if body.text is not None else (body.input_ids, "input_ids")
-    admit(request, num_prompts(prompt), requested_n(body.sampling_params), prompt_param=field)
+    admit(request, num_prompts(prompt), requested_n(body.sampling_params), prompt_param=field,
+          priority=body.priority)
     _check_lora_path(ctx, body.lora_path)
     check_priority(ctx.server_args, body.priority)
     fields = body.model_dump(exclude_none=True, exclude={"model", "routed_dp_rank"})

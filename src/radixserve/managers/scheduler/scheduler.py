@@ -454,7 +454,8 @@ class Scheduler:
         def hit(req: Req) -> bool:
             return msg.abort_all or req.rid == msg.rid
 
-        reason = FinishAbort(message="aborted by request")
+        reason = FinishAbort(message=msg.message or "aborted by request",
+                             status_code=msg.status_code)
         waiting = [r for r in self.waiting_queue if hit(r)] + self.grammar_queue.remove(hit)
         self.waiting_queue = [r for r in self.waiting_queue if not hit(r)]
         self.output_processor.finish_now(waiting, reason)

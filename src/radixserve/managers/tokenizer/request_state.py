@@ -55,6 +55,8 @@ class ReqState:
     log_metrics: bool = True
     session_id: str | None = None
     owner: str | None = None  # who sent it (managers/caller.py): only they may abort it
+    priority: int | None = None  # the priority it named (docs/priority.md)
+    evicted: bool = False  # evicted for a more important request (queue_eviction.py)
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0

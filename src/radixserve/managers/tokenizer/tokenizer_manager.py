@@ -43,6 +43,12 @@ from radixserve.managers.caller import current_caller, may_act_for
 from radixserve.managers.tokenizer.control_client import ControlClient
 from radixserve.managers.tokenizer.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer.logprob_meta import LogprobMeta
+from radixserve.managers.tokenizer.queue_eviction import (
+    EVICTED_MESSAGE,
+    EVICTED_STATUS,
+    importance,
+    pick_evictions,
+)
 from radixserve.managers.tokenizer.request_state import (
     CapacityError,
     ReqState,
@@ -231,6 +237,7 @@ class TokenizerManager:
                 log_metrics=log_metrics,
                 session_id=_session_id(req),
                 owner=current_caller.get(),
+                priority=getattr(req, "priority", None),
             )
             for i, req in enumerate(reqs)
         ]
@@ -449,6 +456,19 @@ class TokenizerManager:
             if state is not None and not may_act_for(current_caller.get(), state.owner):
                 return
         self._send_msg(io_struct.AbortReq(rid=rid, abort_all=abort_all))
+
+    def evict_for_priority(self, priority: int | None, needed: int) -> bool:
+        """Evict waiting requests less important than ``priority`` so that ``needed`` more
+        generations fit under ``--max-queued-requests`` (``queue_eviction.py``); whether it
+        did. The evicted end with SGLang's 503."""
+        args = self.server_args
+        victims = pick_evictions(list(self._states.values()), importance(priority, args),
+                                 needed, args)
+        for state in victims:
+            state.evicted = True
+            self._send_msg(io_struct.AbortReq(rid=state.rid, message=EVICTED_MESSAGE,
+                                              status_code=EVICTED_STATUS))
+        return bool(victims)
 
     async def open_session(self, req: io_struct.OpenSessionReqInput) -> str:
         """Open a session and return its id; ``ValueError`` with the scheduler's reason.

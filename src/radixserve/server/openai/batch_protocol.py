@@ -102,8 +102,9 @@ def _check_line(raw: str, number: int, endpoint: str, seen: set[str]) -> BatchLi
     return BatchLine(number, custom_id, doc["body"])
 
 
-def new_batch(body: CreateBatchRequest, now: int) -> dict:
-    """A batch object just created (status ``validating``)."""
+def new_batch(body: CreateBatchRequest, now: int, owner: str | None = None) -> dict:
+    """A batch object just created (status ``validating``), owned by ``owner`` (the caller
+    that created it: ``batch_store.OWNER``, stripped before a client sees it)."""
     return {
         "id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": body.endpoint,
         "errors": None, "input_file_id": body.input_file_id,
@@ -112,7 +113,7 @@ def new_batch(body: CreateBatchRequest, now: int) -> dict:
         "in_progress_at": None, "expires_at": now + COMPLETION_WINDOW_S, "finalizing_at": None,
         "completed_at": None, "failed_at": None, "expired_at": None, "cancelling_at": None,
         "cancelled_at": None, "request_counts": {"total": 0, "completed": 0, "failed": 0},
-        "metadata": body.metadata,
+        "metadata": body.metadata, "_owner": owner,
     }
 
 

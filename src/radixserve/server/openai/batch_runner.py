@@ -9,11 +9,12 @@ One asyncio task per live batch moves it through OpenAI's statuses::
     in_progress → cancelling → cancelled      (POST /v1/batches/{id}/cancel)
     in_progress → expired                     (its 24 hours passed)
 
-At most ``BATCH_CONCURRENCY`` requests of all batches run at once, so a batch never crowds out
-interactive requests; with ``--enable-priority-scheduling`` its generations also carry the least
-important priority (docs/priority.md), so that any interactive request goes first and may
-preempt them. Each finished request's line is appended to the batch's results on disk at once
-(``batch_store.py``) and the batch object is saved with its counts, so a restart loses nothing:
+At most ``--batch-max-concurrency`` (8) requests of all batches run at once, so a batch never
+crowds out interactive requests; with ``--enable-priority-scheduling`` its generations also
+carry the least important priority (docs/priority.md), so that any interactive request goes
+first and may preempt them. Each finished request's line is appended to the batch's results on
+disk at once (``batch_store.py``) and the batch object is saved with its counts, so a restart
+loses nothing:
 ``resume`` picks every unfinished batch up again and runs only the requests with no line yet.
 A request cut off by a shutdown leaves no line, so it runs again after the restart.
 """
@@ -29,6 +30,8 @@ from typing import Any
 
 import httpx
 
+from radixserve.managers.caller import may_manage
+from radixserve.managers.tokenizer.queue_eviction import EVICTED_MESSAGE, EVICTED_STATUS
 from radixserve.server.openai.batch_protocol import (
     TERMINAL,
     BatchLine,
@@ -36,13 +39,23 @@ from radixserve.server.openai.batch_protocol import (
     parse_input,
     result_line,
 )
-from radixserve.server.openai.batch_store import BatchStore
+from radixserve.server.openai.batch_store import OWNER, BatchStore
 
 logger = logging.getLogger(__name__)
 
-BATCH_CONCURRENCY = 8  # requests of all batches running at once
-_RETRY_S = 0.5  # after a 429 (--max-queued-requests reached): try that request again then
+_RETRY_S = 0.5  # after a 429 (--max-queued-requests reached) or an eviction: retry then
 _LEAST_IMPORTANT = {False: -(2**63), True: 2**63 - 1}  # by --schedule-low-priority-values-first
+
+
+def _evicted(response: httpx.Response) -> bool:
+    """Evicted from a full queue by a more important request (docs/priority.md): like a 429,
+    the request runs again later rather than failing the line."""
+    if response.status_code != EVICTED_STATUS:
+        return False
+    try:
+        return response.json()["error"]["message"] == EVICTED_MESSAGE
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def _now() -> int:
@@ -70,19 +83,23 @@ class BatchRunner:
             transport=httpx.ASGITransport(app=app), base_url="http://batch", headers=headers,
             timeout=None,
         )
-        self.slots = asyncio.Semaphore(BATCH_CONCURRENCY)
+        self.slots = asyncio.Semaphore(server_args.batch_max_concurrency)
         self.tasks: dict[str, asyncio.Task] = {}
         # The batch objects of running batches: the task and the routes share them (a cancel
         # changes the status the task reads), and every change is saved to the store.
         self.live: dict[str, dict] = {}
 
-    def get(self, batch_id: str) -> dict | None:
-        """A batch as it is now (live while it runs, else as stored)."""
-        return self.live.get(batch_id) or self.store.batch(batch_id)
+    def get(self, batch_id: str, caller: str | None = None) -> dict | None:
+        """A batch as it is now (live while it runs, else as stored); None when there is none
+        or ``caller`` may not see it (``managers/caller.py``; None: unscoped)."""
+        batch = self.live.get(batch_id)
+        if batch is not None:
+            return batch if may_manage(caller, batch.get(OWNER)) else None
+        return self.store.batch(batch_id, caller)
 
-    def all(self) -> list[dict]:
-        """Every batch, newest first."""
-        return [self.live.get(b["id"], b) for b in self.store.batches()]
+    def all(self, caller: str | None = None) -> list[dict]:
+        """Every batch ``caller`` may see, newest first."""
+        return [self.live.get(b["id"], b) for b in self.store.batches(caller)]
 
     # ------------------------------------------------------------------ lifecycle
     def resume(self) -> None:
@@ -171,7 +188,7 @@ class BatchRunner:
         self.store.save_batch(batch)
 
     async def _run_requests(self, batch: dict, lines: list[BatchLine]) -> None:
-        """Run every request without a result line yet, ``BATCH_CONCURRENCY`` at a time over
+        """Run every request without a result line yet, ``--batch-max-concurrency`` at a time over
         all batches, until done, cancelled or expired."""
         done = {r["custom_id"] for kind in ("output", "error")
                 for r in self.store.read_results(batch["id"], kind)}
@@ -180,9 +197,7 @@ class BatchRunner:
         running: set[asyncio.Task] = set()
         try:
             for line in pending:
-                await self.slots.acquire()
-                if self._should_stop(batch):
-                    self.slots.release()
+                if not await self._take_slot(batch):
                     break
                 task = asyncio.create_task(self._one(batch, line))
                 running.add(task)
@@ -194,6 +209,22 @@ class BatchRunner:
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
+
+    async def _take_slot(self, batch: dict) -> bool:
+        """Wait for one of the ``--batch-max-concurrency`` slots; False (and no slot) once the
+        batch should stop, which is checked while waiting too: the requests holding every slot
+        may be this batch's own, held (a paused server) until the cancel stops them."""
+        while True:
+            if self._should_stop(batch):
+                return False
+            try:
+                await asyncio.wait_for(self.slots.acquire(), timeout=1.0)
+            except TimeoutError:
+                continue
+            if not self._should_stop(batch):
+                return True
+            self.slots.release()
+            return False
 
     def _should_stop(self, batch: dict) -> bool:
         """Cancelled, expired, or the server drains."""
@@ -212,7 +243,7 @@ class BatchRunner:
         else:
             while True:
                 response = await self.client.post(batch["endpoint"], json=body)
-                if response.status_code != 429:
+                if response.status_code != 429 and not _evicted(response):
                     break
                 await asyncio.sleep(_RETRY_S)
             if not 200 <= response.status_code < 300 and not self.accepting():
@@ -259,7 +290,7 @@ class BatchRunner:
             path = self.store.results_path(batch["id"], kind)
             if path.exists() and path.stat().st_size:
                 meta = self.store.add_file(path.read_bytes(), f"{batch['id']}_{kind}.jsonl",
-                                           "batch_output", _now())
+                                           "batch_output", _now(), batch.get(OWNER))
                 batch[field] = meta["id"]
         self._count(batch)
         batch.update(final)

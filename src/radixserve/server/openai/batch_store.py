@@ -9,6 +9,10 @@
                                         requests finish; the batch's output and error files are
                                         made from them when it ends
 
+Each file and batch document also holds ``_owner``, the caller that created it
+(``managers/caller.py``; a batch's output and error files are its owner's): the routes show a
+caller only what ``may_manage`` lets it see, and strip the field (``public``) before answering.
+
 Every JSON document is written to a temporary name and renamed over the old one, so a crash
 leaves the old or the new document, never half of one. Result lines are appended; a crash may
 leave a last line cut short, which ``read_results`` drops (that request runs again).
@@ -24,6 +28,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from radixserve.managers.caller import may_manage
+
+OWNER = "_owner"  # the private field of a stored document: who created it
+
 
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
@@ -36,6 +44,15 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except FileNotFoundError:
         return None
+
+
+def public(doc: dict[str, Any]) -> dict[str, Any]:
+    """The document as OpenAI shows it: without the private owner field."""
+    return {k: v for k, v in doc.items() if k != OWNER}
+
+
+def _visible(doc: dict[str, Any] | None, caller: str | None) -> dict[str, Any] | None:
+    return doc if doc is not None and may_manage(caller, doc.get(OWNER)) else None
 
 
 def _valid_id(ident: str, prefix: str) -> bool:
@@ -62,26 +79,29 @@ class BatchStore:
             shutil.rmtree(self.root, ignore_errors=True)
 
     # ------------------------------------------------------------------ files
-    def add_file(self, data: bytes, filename: str, purpose: str, created_at: int) -> dict:
+    def add_file(self, data: bytes, filename: str, purpose: str, created_at: int,
+                 owner: str | None = None) -> dict:
         file_id = f"file-{uuid.uuid4().hex}"
         (self.files_dir / f"{file_id}.jsonl").write_bytes(data)
         meta = {"id": file_id, "object": "file", "bytes": len(data), "created_at": created_at,
                 "filename": filename, "purpose": purpose, "status": "processed",
-                "expires_at": None, "status_details": None}
+                "expires_at": None, "status_details": None, OWNER: owner}
         _write_json(self.files_dir / f"{file_id}.json", meta)
         return meta
 
-    def file(self, file_id: str) -> dict | None:
+    def file(self, file_id: str, caller: str | None = None) -> dict | None:
+        """The file's document, None when there is none or ``caller`` may not see it (the
+        default, None, is unscoped: the server's own use)."""
         if not _valid_id(file_id, "file-"):
             return None
-        return _read_json(self.files_dir / f"{file_id}.json")
+        return _visible(_read_json(self.files_dir / f"{file_id}.json"), caller)
 
     def file_content(self, file_id: str) -> bytes:
         return (self.files_dir / f"{file_id}.jsonl").read_bytes()
 
-    def files(self) -> list[dict]:
-        """Every file, newest first."""
-        docs = [_read_json(p) for p in self.files_dir.glob("file-*.json")]
+    def files(self, caller: str | None = None) -> list[dict]:
+        """Every file ``caller`` may see, newest first."""
+        docs = [_visible(_read_json(p), caller) for p in self.files_dir.glob("file-*.json")]
         return sorted((d for d in docs if d), key=lambda d: (-d["created_at"], d["id"]))
 
     def delete_file(self, file_id: str) -> bool:
@@ -95,14 +115,15 @@ class BatchStore:
     def save_batch(self, batch: dict) -> None:
         _write_json(self.batches_dir / f"{batch['id']}.json", batch)
 
-    def batch(self, batch_id: str) -> dict | None:
+    def batch(self, batch_id: str, caller: str | None = None) -> dict | None:
+        """The batch's document, None when there is none or ``caller`` may not see it."""
         if not _valid_id(batch_id, "batch_"):
             return None
-        return _read_json(self.batches_dir / f"{batch_id}.json")
+        return _visible(_read_json(self.batches_dir / f"{batch_id}.json"), caller)
 
-    def batches(self) -> list[dict]:
-        """Every batch, newest first."""
-        docs = [_read_json(p) for p in self.batches_dir.glob("batch_*.json")]
+    def batches(self, caller: str | None = None) -> list[dict]:
+        """Every batch ``caller`` may see, newest first."""
+        docs = [_visible(_read_json(p), caller) for p in self.batches_dir.glob("batch_*.json")]
         return sorted((d for d in docs if d), key=lambda d: (-d["created_at"], d["id"]))
 
     def results_path(self, batch_id: str, kind: str) -> Path:

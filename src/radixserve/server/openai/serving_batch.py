@@ -8,7 +8,11 @@ batch over it, follow it, cancel it, read its output and error files.
     POST   /v1/batches/{id}/cancel
 
 An upload is bounded by the server's request body limit (``request_guard.MAX_BODY_BYTES``,
-8 MiB: 413 past it). The state lives in ``batch_store.py``; ``batch_runner.py`` runs batches.
+8 MiB: 413 past it). With API keys configured, a file or batch belongs to the key that created
+it (a batch's output and error files to the batch's key): another key gets the 404 of an id
+that does not exist, as OpenAI answers for ids another organisation owns; the admin key sees
+everything (``managers/caller.py``). The state lives in ``batch_store.py``; ``batch_runner.py``
+runs batches.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ import time
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from radixserve.managers.caller import current_caller
 from radixserve.server.errors import APIError
 from radixserve.server.openai.batch_protocol import CreateBatchRequest, new_batch
 from radixserve.server.openai.batch_runner import BatchRunner
-from radixserve.server.openai.batch_store import BatchStore
+from radixserve.server.openai.batch_store import BatchStore, public
 
 router = APIRouter()
 
@@ -37,14 +42,14 @@ def _store(request: Request) -> BatchStore:
 
 
 def _file_or_404(store: BatchStore, file_id: str) -> dict:
-    meta = store.file(file_id)
+    meta = store.file(file_id, current_caller.get())
     if meta is None:
         raise APIError(404, f"No file with id {file_id[:80]!r}.", param="file_id")
     return meta
 
 
 def _batch_or_404(runner: BatchRunner, batch_id: str) -> dict:
-    batch = runner.get(batch_id)
+    batch = runner.get(batch_id, current_caller.get())
     if batch is None:
         raise APIError(404, f"No batch with id {batch_id[:80]!r}.", param="batch_id")
     return batch
@@ -74,19 +79,21 @@ async def upload_file(request: Request) -> JSONResponse:
         data.decode("utf-8")
     except UnicodeDecodeError:
         raise APIError(400, "A batch file must be UTF-8 JSONL.", param="file") from None
-    meta = _store(request).add_file(data, filename, purpose, int(time.time()))
-    return JSONResponse(meta)
+    meta = _store(request).add_file(data, filename, purpose, int(time.time()),
+                                    current_caller.get())
+    return JSONResponse(public(meta))
 
 
 @router.get("/v1/files")
 async def list_files(request: Request, purpose: str | None = None) -> JSONResponse:
-    files = [f for f in _store(request).files() if purpose is None or f["purpose"] == purpose]
+    files = [public(f) for f in _store(request).files(current_caller.get())
+             if purpose is None or f["purpose"] == purpose]
     return JSONResponse({"object": "list", "data": files, "has_more": False})
 
 
 @router.get("/v1/files/{file_id}")
 async def retrieve_file(file_id: str, request: Request) -> JSONResponse:
-    return JSONResponse(_file_or_404(_store(request), file_id))
+    return JSONResponse(public(_file_or_404(_store(request), file_id)))
 
 
 @router.get("/v1/files/{file_id}/content")
@@ -108,16 +115,17 @@ async def delete_file(file_id: str, request: Request) -> JSONResponse:
 @router.post("/v1/batches")
 async def create_batch(body: CreateBatchRequest, request: Request) -> JSONResponse:
     runner = _runner(request)
-    meta = runner.store.file(body.input_file_id)
+    caller = current_caller.get()
+    meta = runner.store.file(body.input_file_id, caller)
     if meta is None:
         raise APIError(404, f"No file with id {body.input_file_id[:80]!r}.",
                        param="input_file_id")
     if meta["purpose"] != "batch":
         raise APIError(400, "The input file's purpose must be 'batch'.", param="input_file_id")
-    batch = new_batch(body, int(time.time()))
+    batch = new_batch(body, int(time.time()), caller)
     runner.store.save_batch(batch)
     runner.start(batch["id"])
-    return JSONResponse(batch)
+    return JSONResponse(public(batch))
 
 
 @router.get("/v1/batches")
@@ -125,7 +133,7 @@ async def list_batches(request: Request, after: str | None = None, limit: int = 
                        ) -> JSONResponse:
     if not 1 <= limit <= 100:
         raise APIError(400, f"limit must be between 1 and 100, got {limit}.", param="limit")
-    batches = _runner(request).all()
+    batches = [public(b) for b in _runner(request).all(current_caller.get())]
     if after is not None:
         ids = [b["id"] for b in batches]
         batches = batches[ids.index(after) + 1:] if after in ids else []
@@ -138,7 +146,7 @@ async def list_batches(request: Request, after: str | None = None, limit: int = 
 
 @router.get("/v1/batches/{batch_id}")
 async def retrieve_batch(batch_id: str, request: Request) -> JSONResponse:
-    return JSONResponse(_batch_or_404(_runner(request), batch_id))
+    return JSONResponse(public(_batch_or_404(_runner(request), batch_id)))
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
@@ -148,4 +156,4 @@ async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
     if batch["status"] not in ("validating", "in_progress", "cancelling"):
         raise APIError(409, f"The batch is {batch['status']}: only a validating or in-progress "
                        "batch can be cancelled.", param="batch_id")
-    return JSONResponse(runner.cancel(batch))
+    return JSONResponse(public(runner.cancel(batch)))

@@ -68,7 +68,7 @@ _TEMPLATE_ARGUMENTS = frozenset({
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = get_ctx(request)
     lora = ctx.lora_of_model(body.model)
-    admit(request, 1, body.n)
+    admit(request, 1, body.n, priority=body.priority)
     check_priority(ctx.server_args, body.priority)
     plan = plan_tools(body, ctx.server_args.tool_call_parser, ctx.tokenizer)
     reasoning_parser = reasoning_parser_name(ctx, body)

@@ -38,7 +38,7 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     ctx = get_ctx(request)
     lora = ctx.lora_of_model(body.model)
-    admit(request, num_prompts(body.prompt), body.n)
+    admit(request, num_prompts(body.prompt), body.n, priority=body.priority)
     check_priority(ctx.server_args, body.priority)
     prompts = await run_sized(request, _prompt_ids, ctx, body.prompt)  # off_loop.py
     prompt_logprobs = body.echo and body.logprobs is not None
