@@ -114,3 +114,16 @@ def raise_if_rejected(states: list[ReqState], is_single: bool) -> None:
         if isinstance(reason, FinishAbort) and reason.status_code in _REJECTIONS:
             error = _REJECTIONS[reason.status_code]
             raise error(reason.message if is_single else f"prompt {i}: {reason.message}")
+
+
+def session_ids_of(obj: Any) -> set[str]:
+    """The session ids a (not yet normalized) generate call names."""
+    params = obj.session_params
+    items = params if isinstance(params, list) else [params]
+    return {p["id"] for p in items if isinstance(p, dict) and isinstance(p.get("id"), str)}
+
+
+def session_id_of(req: Any) -> str | None:
+    """The session id of one tokenized request, or None outside sessions."""
+    params = getattr(req, "session_params", None)
+    return params.id if params is not None else None

@@ -55,6 +55,8 @@ from radixserve.managers.tokenizer.request_state import (
     RequestMetrics,
     ServiceUnavailableError,
     raise_if_rejected,
+    session_id_of,
+    session_ids_of,
 )
 from radixserve.managers.tokenizer.request_tokenizer import RequestTokenizer
 from radixserve.managers.tokenizer.request_values import describe, find_unrepresentable
@@ -188,7 +190,7 @@ class TokenizerManager:
         """
         prepared = obj if isinstance(obj, PreparedGenerate) else self.prepare_generate(obj)
         obj = prepared.obj
-        await self._let_disconnects_land(_session_ids(obj))
+        await self._let_disconnects_land(session_ids_of(obj))
         await self._admit()  # the last await before the requests are sent
         self._check_alive()
         with self._in_flight(prepared, log_metrics=obj.log_metrics) as states:
@@ -235,7 +237,7 @@ class TokenizerManager:
                 logprobs=logprobs[i] if logprobs else None,
                 metrics=RequestMetrics(rid=req.rid, arrival_time=now),
                 log_metrics=log_metrics,
-                session_id=_session_id(req),
+                session_id=session_id_of(req),
                 owner=current_caller.get(),
                 priority=getattr(req, "priority", None),
             )
@@ -593,14 +595,3 @@ class TokenizerManager:
             self.memory_released -= set(tags or ("kv_cache", "weights"))
         return reply.message
 
-
-def _session_ids(obj: GenerateReqInput) -> set[str]:
-    """The session ids a (not yet normalized) generate call names."""
-    params = obj.session_params
-    items = params if isinstance(params, list) else [params]
-    return {p["id"] for p in items if isinstance(p, dict) and isinstance(p.get("id"), str)}
-
-
-def _session_id(req: Any) -> str | None:
-    params = getattr(req, "session_params", None)
-    return params.id if params is not None else None
