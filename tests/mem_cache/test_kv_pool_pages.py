@@ -30,3 +30,10 @@ def test_pages_round_trip_with_their_scales(kv_dtype):
         for buffer in pool.slot_buffers(layer):
             assert torch.equal(buffer[dst].view(torch.uint8), buffer[src].view(torch.uint8))
     assert ("k_scales" in pool.kv_layout()["token_layout"]) == pool.quantized
+
+
+def test_no_pages_read_and_write_nothing():
+    pool = MHATokenToKVPool(8, 4, torch.int8, 2, 16, 2, "cpu")
+    empty = pool.read_kv_pages(torch.empty(0, dtype=torch.int64))
+    assert empty.shape == (0, pool.kv_bytes_per_token())
+    pool.write_kv_pages(torch.empty(0, dtype=torch.int64), empty)

@@ -137,8 +137,10 @@ class MHATokenToKVPool:
         ``[len(slots), kv_bytes_per_token()]``: per token, K of every layer then V of every
         layer, each ``[head_num, head_dim]``, then a quantized pool's scales (``[head_num]``
         per layer, K then V)."""
-        index = slots.to(self.device)
         n = len(slots)
+        if n == 0:
+            return torch.empty((0, self.kv_bytes_per_token()), dtype=torch.uint8)
+        index = slots.to(self.device)
         rows = [b[index].reshape(n, -1).view(torch.uint8) for b in self._tier_buffers()]
         data = torch.cat(rows, dim=1).cpu()
         assert data.shape == (n, self.kv_bytes_per_token()), data.shape
@@ -150,6 +152,8 @@ class MHATokenToKVPool:
         assert data.shape == (n, self.kv_bytes_per_token()), (
             f"KV bytes of shape {tuple(data.shape)} for {n} slots"
         )
+        if n == 0:
+            return
         data = data.to(self.device, non_blocking=True).contiguous()
         index = slots.to(self.device)
         start = 0
