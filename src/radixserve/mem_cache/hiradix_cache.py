@@ -95,20 +95,10 @@ class HiRadixCache(RadixCache):
     def _walk(self, key: list[int]) -> tuple[_HiNode, int, list[torch.Tensor], list[_HiNode]]:
         """``(last device node, device length, device values, host-only nodes after it)``;
         splits nodes so the match ends on node boundaries."""
-        tick = next(self._clock)
-        end = len(key) // self.page_size * self.page_size
-        node, pos = self._root, 0
         device_node, device_len = self._root, 0
         values: list[torch.Tensor] = []
         host_nodes: list[_HiNode] = []
-        while pos < end:
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            child.last_access = tick
-            n = self._match_len(child.key, key, pos, end)
-            if n < len(child.key):
-                child = self._split(child, n)
+        for child, pos, n in self._descend(key):
             if child.value is not None:
                 child.hits += 1
                 self.hit_tokens += n
@@ -119,7 +109,6 @@ class HiRadixCache(RadixCache):
                     self._backup(child)
             else:
                 host_nodes.append(child)
-            node, pos = child, pos + n
         return device_node, device_len, values, host_nodes
 
     def host_size(self) -> int:
