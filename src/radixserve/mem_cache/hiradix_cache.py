@@ -98,7 +98,7 @@ class HiRadixCache(RadixCache):
         device_node, device_len = self._root, 0
         values: list[torch.Tensor] = []
         host_nodes: list[_HiNode] = []
-        for child, pos, n in self._descend(key):
+        for child, pos, n in self._descend(key, next(self._clock)):
             if child.value is not None:
                 child.hits += 1
                 self.hit_tokens += n
@@ -155,20 +155,13 @@ class HiRadixCache(RadixCache):
         tick = next(self._clock)
         node, pos = self._root, 0
         device_len = 0
-        while pos < len(key):
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            child.last_access = tick
-            n = self._match_len(child.key, key, pos, len(key))
-            if n < len(child.key):
-                child = self._split(child, n)
-            if child.value is None:  # host only: the request's slots become the node's
-                child.value = value[pos : pos + n].clone()
+        for node, start, n in self._descend(key, tick):  # key is page aligned: all of it
+            pos = start + n
+            if node.value is None:  # host only: the request's slots become the node's
+                node.value = value[start:pos].clone()
                 self._evictable_size += n
             else:
-                device_len = pos + n
-            node, pos = child, pos + n
+                device_len = pos
         if pos < len(key):
             leaf = _HiNode(next(self._ids), key[pos:], value[pos:].clone(), node, tick)
             node.children[self._child_key(key, pos)] = leaf
