@@ -81,6 +81,18 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: WeightSource) -> N
     param.data.copy_(materialize(loaded_weight))
 
 
+
+def load_into_parameter(param: torch.Tensor, tensor: WeightSource, shard_id: object = None) -> None:
+    """Write one checkpoint tensor through ``param``'s ``weight_loader`` (a packed parameter's
+    takes the shard id too), else ``default_weight_loader``; the one call checkpoint loading
+    and live weight updates share."""
+    loader = getattr(param, "weight_loader", default_weight_loader)
+    with torch.no_grad():
+        if shard_id is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard_id)
+
 def sharded_parameter(
     data: torch.Tensor, loader: object, output_dim: int | None, input_dim: int | None
 ) -> nn.Parameter:

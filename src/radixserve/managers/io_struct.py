@@ -249,8 +249,9 @@ class LogprobsOutput(msgspec.Struct, kw_only=True):
     input_token_ids_logprobs: list[list[float] | None] | None = None
 
 
-class ReqTokenOutput(msgspec.Struct, kw_only=True):
-    """One request's progress since its previous output.
+class ReqProgress(msgspec.Struct, kw_only=True):
+    """What a request's output carries on both hops (scheduler -> detokenizer -> tokenizer):
+    its progress since its previous output.
 
     ``finished_reason`` is ``None`` while running, else why it ended (``finish_reason.py``).
     """
@@ -263,13 +264,18 @@ class ReqTokenOutput(msgspec.Struct, kw_only=True):
     cached_tokens: int
     # hierarchical cache: {"device", "host", "storage"} tokens of cached_tokens; else None
     cached_tokens_details: dict[str, int] | None = None
+    logprobs: LogprobsOutput | None = None  # present when the request asked for logprobs
+
+
+class ReqTokenOutput(ReqProgress, kw_only=True):
+    """A request's progress with the options the detokenizer needs to turn it into text."""
+
     stream: bool = False
     stop: list[str] = msgspec.field(default_factory=list)
     stop_regex: list[str] = msgspec.field(default_factory=list)
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    logprobs: LogprobsOutput | None = None  # present when the request asked for logprobs
 
 
 class BatchTokenIDOutput(_Msg):
@@ -277,26 +283,17 @@ class BatchTokenIDOutput(_Msg):
 
 
 # ---------------------------------------------------------------- detokenizer -> tokenizer
-class ReqStrOutput(msgspec.Struct, kw_only=True):
-    """One request's new text (a delta, UTF-8 safe, stop strings trimmed) and new tokens."""
+class ReqStrOutput(ReqProgress, kw_only=True):
+    """A request's progress with its new text (a delta, UTF-8 safe, stop strings trimmed)."""
 
-    rid: str
     new_text: str
-    new_token_ids: list[int]
-    finished_reason: FinishReason | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    cached_tokens_details: dict[str, int] | None = None
-    logprobs: LogprobsOutput | None = None
 
     @classmethod
     def from_token_output(cls, out: ReqTokenOutput, new_text: str) -> ReqStrOutput:
-        """``out`` with its new text: every other field is the ``ReqTokenOutput`` field of the
-        same name, passed on as it is (the detokenizer's options stay behind), so that a field
-        added to both structs travels without another line here."""
-        passed_on = {name: getattr(out, name) for name in cls.__struct_fields__
-                     if name != "new_text"}
+        """``out`` with its new text: every ``ReqProgress`` field passed on as it is (the
+        detokenizer's options stay behind), so that a field added there travels without
+        another line here."""
+        passed_on = {name: getattr(out, name) for name in ReqProgress.__struct_fields__}
         return cls(new_text=new_text, **passed_on)
 
 

@@ -95,20 +95,10 @@ class HiRadixCache(RadixCache):
     def _walk(self, key: list[int]) -> tuple[_HiNode, int, list[torch.Tensor], list[_HiNode]]:
         """``(last device node, device length, device values, host-only nodes after it)``;
         splits nodes so the match ends on node boundaries."""
-        tick = next(self._clock)
-        end = len(key) // self.page_size * self.page_size
-        node, pos = self._root, 0
         device_node, device_len = self._root, 0
         values: list[torch.Tensor] = []
         host_nodes: list[_HiNode] = []
-        while pos < end:
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            child.last_access = tick
-            n = self._match_len(child.key, key, pos, end)
-            if n < len(child.key):
-                child = self._split(child, n)
+        for child, pos, n in self._descend(key, next(self._clock)):
             if child.value is not None:
                 child.hits += 1
                 self.hit_tokens += n
@@ -119,7 +109,6 @@ class HiRadixCache(RadixCache):
                     self._backup(child)
             else:
                 host_nodes.append(child)
-            node, pos = child, pos + n
         return device_node, device_len, values, host_nodes
 
     def host_size(self) -> int:
@@ -166,20 +155,13 @@ class HiRadixCache(RadixCache):
         tick = next(self._clock)
         node, pos = self._root, 0
         device_len = 0
-        while pos < len(key):
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            child.last_access = tick
-            n = self._match_len(child.key, key, pos, len(key))
-            if n < len(child.key):
-                child = self._split(child, n)
-            if child.value is None:  # host only: the request's slots become the node's
-                child.value = value[pos : pos + n].clone()
+        for node, start, n in self._descend(key, tick):  # key is page aligned: all of it
+            pos = start + n
+            if node.value is None:  # host only: the request's slots become the node's
+                node.value = value[start:pos].clone()
                 self._evictable_size += n
             else:
-                device_len = pos + n
-            node, pos = child, pos + n
+                device_len = pos
         if pos < len(key):
             leaf = _HiNode(next(self._ids), key[pos:], value[pos:].clone(), node, tick)
             node.children[self._child_key(key, pos)] = leaf

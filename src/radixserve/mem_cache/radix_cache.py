@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
@@ -83,24 +83,33 @@ class RadixCache(BasePrefixCache):
 
     def match_prefix(self, key: list[int]) -> MatchResult:
         """Longest cached page-aligned prefix; splits a node so ``last_node`` ends exactly there."""
-        tick = next(self._clock)
+        node = self._root
+        values: list[torch.Tensor] = []
+        for node, _, n in self._descend(key, next(self._clock)):
+            node.hits += 1
+            self.hit_tokens += n
+            values.append(node.value)
+        indices = torch.cat(values) if values else self._empty()
+        return MatchResult(device_indices=indices, last_node=node)
+
+    def _descend(self, key: list[int], tick: int) -> Iterator[tuple[Any, int, int]]:
+        """Walk down along ``key``'s page-aligned prefix: yields ``(node, pos, n)`` for each
+        node matched (its ``n`` tokens start at ``key[pos]``), splitting a node so the match
+        ends on its boundary and stamping its ``last_access`` with ``tick``. The one walk of
+        both caches' matches and inserts; the caller updates each node before the walk goes on
+        below it."""
         end = len(key) // self.page_size * self.page_size
         node, pos = self._root, 0
-        values: list[torch.Tensor] = []
         while pos < end:
             child = node.children.get(self._child_key(key, pos))
             if child is None:
-                break
+                return
             child.last_access = tick
             n = self._match_len(child.key, key, pos, end)
             if n < len(child.key):
                 child = self._split(child, n)
-            child.hits += 1
-            self.hit_tokens += n
-            values.append(child.value)
+            yield child, pos, n
             node, pos = child, pos + n
-        indices = torch.cat(values) if values else self._empty()
-        return MatchResult(device_indices=indices, last_node=node)
 
     def match_req(self, req: CacheableReq, key: list[int]) -> MatchResult:
         return self.match_prefix(namespaced(key, req.lora_namespace))
@@ -142,15 +151,8 @@ class RadixCache(BasePrefixCache):
         assert len(value) == len(key), "insert: key and value lengths differ"
         tick = next(self._clock)
         node, pos = self._root, 0
-        while pos < len(key):
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            child.last_access = tick
-            n = self._match_len(child.key, key, pos, len(key))
-            if n < len(child.key):
-                child = self._split(child, n)
-            node, pos = child, pos + n
+        for child, start, n in self._descend(key, tick):  # key is page aligned: all of it
+            node, pos = child, start + n
         if pos < len(key):
             # Clone: ``value`` is usually a view of a request row that will be reused.
             leaf = _TreeNode(next(self._ids), key[pos:], value[pos:].clone(), node, tick)

@@ -37,7 +37,7 @@ from radixserve.layers.custom_op import build_context
 from radixserve.layers.linear_method import (
     RangedLazyWeight,
     WeightSource,
-    default_weight_loader,
+    load_into_parameter,
 )
 from radixserve.layers.packed_weight import prepack_model
 from radixserve.model_config import ModelConfig
@@ -196,13 +196,7 @@ def fill_parameters(
             continue
         tensor = source()
         for target in targets:
-            param = params[target]
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            with torch.no_grad():
-                if shard_id is None:
-                    loader(param, tensor)
-                else:
-                    loader(param, tensor, shard_id)
+            load_into_parameter(params[target], tensor, shard_id)
             loaded.setdefault(target, set()).add(shard_id)
 
     if unexpected:

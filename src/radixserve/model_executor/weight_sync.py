@@ -202,7 +202,7 @@ def check_named_tensors(
 
 def load_named_tensors(model: nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> set[str]:
     """Write each checked tensor through its parameter's loader; returns the modules touched."""
-    from radixserve.layers.linear_method import default_weight_loader
+    from radixserve.layers.linear_method import load_into_parameter
     from radixserve.model_executor.model_loader import route_checkpoint_name
 
     params = dict(model.named_parameters())
@@ -217,12 +217,6 @@ def load_named_tensors(model: nn.Module, named_tensors: list[tuple[str, torch.Te
         routed.append((target, shard_id, tensor))
     touched = set()
     for target, shard_id, tensor in routed:
-        param = params[target]
-        loader = getattr(param, "weight_loader", default_weight_loader)
-        with torch.no_grad():
-            if shard_id is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard_id)
+        load_into_parameter(params[target], tensor, shard_id)
         touched.add(target.rsplit(".", 1)[0])
     return touched

@@ -39,6 +39,34 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 # Inter-token observations per request are capped so that one long request costs O(1) to record.
 _MAX_ITL_OBSERVATIONS = 256
 
+# The gauges and counters, by attribute and metric name (the same), with their help text.
+_GAUGES = {
+    "num_running_reqs": "Requests in the running batch.",
+    "num_queued_reqs": "Requests waiting in the scheduler.",
+    "num_used_tokens": "KV slots in use (neither free nor evictable).",
+    "token_usage": "Fraction of KV slots in use (neither free nor evictable).",
+    "gen_throughput": "Generated tokens per second over the scheduler's last log interval.",
+    "cache_hit_rate": "Cached prompt tokens / prompt tokens, over all finished requests.",
+    "spec_accept_length": (
+        "Speculative decoding: tokens gained per request per verify step (1: no draft kept)."
+    ),
+    "spec_accept_rate": "Speculative decoding: accepted / proposed draft tokens.",
+    # hierarchical cache (docs/hierarchical-cache.md): what each tier holds
+    "hicache_host_tokens": "KV tokens the host tier of the hierarchical cache holds.",
+    "hicache_host_usage": "Fraction of the host tier's KV tokens in use.",
+    "hicache_storage_tokens": "KV tokens in the storage tier's block files.",
+}
+# Where SGLang's name for a gauge differs from ours.
+_SGLANG_GAUGE_NAMES = {"num_queued_reqs": "num_queue_reqs"}
+_COUNTERS = {
+    "prompt_tokens": "Prompt tokens of finished requests.",
+    "cached_tokens": "Prompt tokens served from the prefix cache.",
+    # hierarchical cache: hits per tier
+    "cached_tokens_host": "Prompt tokens loaded back from the host tier of the cache.",
+    "cached_tokens_storage": "Prompt tokens loaded back from the storage tier.",
+    "generation_tokens": "Generated tokens.",
+    "num_requests": "Finished requests.",
+}
 
 class _Both:
     """One series under both prefixes: every update goes to each."""
@@ -61,6 +89,25 @@ class _Both:
 
 class ServerMetrics:
     """The server's Prometheus collectors, labelled with the served model name."""
+
+    # set from _GAUGES and _COUNTERS in __init__
+    num_running_reqs: _Both
+    num_queued_reqs: _Both
+    num_used_tokens: _Both
+    token_usage: _Both
+    gen_throughput: _Both
+    cache_hit_rate: _Both
+    spec_accept_length: _Both
+    spec_accept_rate: _Both
+    prompt_tokens: _Both
+    cached_tokens: _Both
+    cached_tokens_host: _Both
+    cached_tokens_storage: _Both
+    hicache_host_tokens: _Both
+    hicache_host_usage: _Both
+    hicache_storage_tokens: _Both
+    generation_tokens: _Both
+    num_requests: _Both
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -86,49 +133,10 @@ class ServerMetrics:
                 for prefix in (_PREFIX, _SGLANG)
             ))
 
-        self.num_running_reqs = gauge("num_running_reqs", "Requests in the running batch.")
-        self.num_queued_reqs = gauge(
-            "num_queued_reqs", "Requests waiting in the scheduler.", "num_queue_reqs"
-        )
-        self.num_used_tokens = gauge(
-            "num_used_tokens", "KV slots in use (neither free nor evictable)."
-        )
-        self.token_usage = gauge(
-            "token_usage", "Fraction of KV slots in use (neither free nor evictable)."
-        )
-        self.gen_throughput = gauge(
-            "gen_throughput", "Generated tokens per second over the scheduler's last log interval."
-        )
-        self.cache_hit_rate = gauge(
-            "cache_hit_rate", "Cached prompt tokens / prompt tokens, over all finished requests."
-        )
-        self.spec_accept_length = gauge(
-            "spec_accept_length",
-            "Speculative decoding: tokens gained per request per verify step (1: no draft kept).",
-        )
-        self.spec_accept_rate = gauge(
-            "spec_accept_rate", "Speculative decoding: accepted / proposed draft tokens."
-        )
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
-        self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache.")
-        # hierarchical cache (docs/hierarchical-cache.md): hits per tier, and what each holds
-        self.cached_tokens_host = counter(
-            "cached_tokens_host", "Prompt tokens loaded back from the host tier of the cache."
-        )
-        self.cached_tokens_storage = counter(
-            "cached_tokens_storage", "Prompt tokens loaded back from the storage tier."
-        )
-        self.hicache_host_tokens = gauge(
-            "hicache_host_tokens", "KV tokens the host tier of the hierarchical cache holds."
-        )
-        self.hicache_host_usage = gauge(
-            "hicache_host_usage", "Fraction of the host tier's KV tokens in use."
-        )
-        self.hicache_storage_tokens = gauge(
-            "hicache_storage_tokens", "KV tokens in the storage tier's block files."
-        )
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self.num_requests = counter("num_requests", "Finished requests.")
+        for name, doc in _GAUGES.items():
+            setattr(self, name, gauge(name, doc, _SGLANG_GAUGE_NAMES.get(name)))
+        for name, doc in _COUNTERS.items():
+            setattr(self, name, counter(name, doc))
         self.ttft = histogram(
             "time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
         )

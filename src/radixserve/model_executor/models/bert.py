@@ -113,6 +113,11 @@ class BertLayer(nn.Module):
         return self.output.LayerNorm(h + x)
 
 
+
+def layer_norm_eps(config: ModelConfig) -> float:
+    """config.json's ``layer_norm_eps`` (BERT's default 1e-12), shared by BERT's heads."""
+    return float(config.hf_config.get("layer_norm_eps", 1e-12))
+
 class BertModel(nn.Module):
     """Embeds each request of an EXTEND batch; ``embed`` is its only entry point."""
 
@@ -124,7 +129,7 @@ class BertModel(nn.Module):
 
     def __init__(self, config: ModelConfig, attn_backend: object = None) -> None:
         super().__init__()
-        eps = float(config.hf_config.get("layer_norm_eps", 1e-12))
+        eps = layer_norm_eps(config)
         self.config = config
         self.embeddings = BertEmbeddings(config, eps)
         self.encoder = nn.Module()

@@ -27,7 +27,13 @@ from torch import nn
 
 from radixserve.forward_batch import ForwardBatch
 from radixserve.model_config import ModelConfig
-from radixserve.model_executor.models.bert import BertEmbeddings, BertLayer, _padded_layout
+from radixserve.model_executor.models.bert import (
+    BertEmbeddings,
+    BertLayer,
+    BertModel,
+    _padded_layout,
+    layer_norm_eps,
+)
 
 
 class _Encoder(nn.Module):
@@ -57,24 +63,23 @@ class _Encoder(nn.Module):
         return x[starts]
 
 
-def _eps(config: ModelConfig) -> float:
-    return float(config.hf_config.get("layer_norm_eps", 1e-12))
+class _SequenceClassifier(nn.Module):
+    """What both heads share: BERT's fused q/k/v names and the config."""
 
+    packed_modules_mapping = BertModel.packed_modules_mapping
 
-class BertForSequenceClassification(nn.Module):
-    """BERT with its pooler and a linear classifier; ``embed`` gives the logits."""
-
-    packed_modules_mapping: dict[str, tuple[str, str | int]] = {
-        "query": ("qkv_proj", "q"),
-        "key": ("qkv_proj", "k"),
-        "value": ("qkv_proj", "v"),
-    }
-
-    def __init__(self, config: ModelConfig, attn_backend: object = None) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+
+
+class BertForSequenceClassification(_SequenceClassifier):
+    """BERT with its pooler and a linear classifier; ``embed`` gives the logits."""
+
+    def __init__(self, config: ModelConfig, attn_backend: object = None) -> None:
+        super().__init__(config)
         hidden = config.hidden_size
-        self.bert = _Encoder(config, _eps(config))
+        self.bert = _Encoder(config, layer_norm_eps(config))
         self.bert.pooler = nn.Module()
         self.bert.pooler.dense = nn.Linear(hidden, hidden)
         self.classifier = nn.Linear(hidden, config.num_labels)
@@ -84,17 +89,14 @@ class BertForSequenceClassification(nn.Module):
         return self.classifier(torch.tanh(self.bert.pooler.dense(cls))).float()
 
 
-class XLMRobertaForSequenceClassification(nn.Module):
+class XLMRobertaForSequenceClassification(_SequenceClassifier):
     """XLM-RoBERTa with RoBERTa's classification head; ``embed`` gives the logits."""
 
-    packed_modules_mapping = BertForSequenceClassification.packed_modules_mapping
-
     def __init__(self, config: ModelConfig, attn_backend: object = None) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         hidden = config.hidden_size
         self.position_offset = int(config.hf_config.get("pad_token_id", 1)) + 1
-        self.roberta = _Encoder(config, _eps(config))
+        self.roberta = _Encoder(config, layer_norm_eps(config))
         self.classifier = nn.Module()
         self.classifier.dense = nn.Linear(hidden, hidden)
         self.classifier.out_proj = nn.Linear(hidden, config.num_labels)

@@ -38,7 +38,9 @@ class ClassificationRequest(StrictRequest):
     _non_empty = field_validator("input")(non_empty_list)
 
 
-async def _classify(body: ClassificationRequest, request: Request) -> dict[str, Any]:
+@router.post("/v1/classify")
+@router.post("/classify")  # vLLM's path for the same route
+async def classify(body: ClassificationRequest, request: Request) -> dict[str, Any]:
     ctx = get_ctx(request)
     ctx.check_model(body.model)
     check_classifier(ctx)
@@ -61,13 +63,3 @@ async def _classify(body: ClassificationRequest, request: Request) -> dict[str, 
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
     }
 
-
-@router.post("/v1/classify")
-async def classify(body: ClassificationRequest, request: Request) -> dict[str, Any]:
-    return await _classify(body, request)
-
-
-@router.post("/classify")
-async def classify_vllm(body: ClassificationRequest, request: Request) -> dict[str, Any]:
-    """vLLM's path for the same route."""
-    return await _classify(body, request)

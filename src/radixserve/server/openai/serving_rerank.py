@@ -55,7 +55,10 @@ class RerankRequest(StrictRequest):
     _non_empty = field_validator("documents")(non_empty_list)
 
 
-async def _rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
+@router.post("/v1/rerank")
+@router.post("/rerank")  # vLLM's path for the same route
+@router.post("/v2/rerank")  # vLLM's Cohere-v2-compatible path
+async def rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
     ctx = get_ctx(request)
     ctx.check_model(body.model)
     kind = rerank_kind(ctx)
@@ -82,19 +85,3 @@ async def _rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
 
-
-@router.post("/v1/rerank")
-async def rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
-    return await _rerank(body, request)
-
-
-@router.post("/rerank")
-async def rerank_vllm(body: RerankRequest, request: Request) -> dict[str, Any]:
-    """vLLM's path for the same route."""
-    return await _rerank(body, request)
-
-
-@router.post("/v2/rerank")
-async def rerank_v2(body: RerankRequest, request: Request) -> dict[str, Any]:
-    """vLLM's Cohere-v2-compatible path for the same route."""
-    return await _rerank(body, request)
