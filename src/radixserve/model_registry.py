@@ -22,6 +22,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma2", "Gemma3ForCausalLM"),
     "BertModel": ("bert", "BertModel"),
 }
 
@@ -29,7 +31,13 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 # Bidirectional encoders: embedding-only, no KV cache, no generation.
 ENCODER_ARCHITECTURES: tuple[str, ...] = ("BertModel",)
 # The MLP activation each family implements.
-_HIDDEN_ACT = {"BertModel": "gelu"}
+_HIDDEN_ACT = {
+    "BertModel": "gelu",
+    "Gemma2ForCausalLM": "gelu_pytorch_tanh",
+    "Gemma3ForCausalLM": "gelu_pytorch_tanh",
+}
+# Families whose attention layers honour ``sliding_window`` (the others attend over everything).
+SLIDING_WINDOW_ARCHITECTURES: tuple[str, ...] = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 def supported_architecture(names: list[str]) -> str | None:

@@ -325,21 +325,27 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     extend_lens: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Write the new tokens' K/V (``[tokens, kv_heads, head_dim]``) at ``loc`` and attend over
     each request's ``seq_lens`` slots in ``req_to_token``; returns ``[tokens, heads, head_dim]``
     for ``q`` of that shape. Without ``extend_lens``, one decode token per request (the decode
     kernel); with them, a prefill: each request's ``extend_lens`` new tokens (the last of its
-    ``seq_lens``) attend causally (the extend kernel)."""
+    ``seq_lens``) attend causally (the extend kernel). ``window``: each query sees only the
+    last ``window`` positions up to itself (sliding-window attention); ``softcap`` > 0: scaled
+    scores are soft-capped to ``softcap * tanh(s / softcap)``."""
+    win = window or 0
     if extend_lens is None:
         out = torch.empty_like(q)
         torch.ops.radixserve_cpu.decode_attention(
-            q, k, v, loc, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale, out
+            q, k, v, loc, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale, win,
+            softcap, out,
         )
         return out
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     torch.ops.radixserve_cpu.extend_attention(
         q, k, v, loc, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, extend_lens,
-        scale, out,
+        scale, win, softcap, out,
     )
     return out

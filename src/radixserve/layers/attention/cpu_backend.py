@@ -76,5 +76,7 @@ class CpuAttnBackend(AttentionBackend):
             forward_batch.seq_lens,
             layer.scaling,
             extend_lens,
+            layer.sliding_window,
+            layer.logit_cap,
         )
         return out.view(n, heads * head_dim).to(q.dtype)

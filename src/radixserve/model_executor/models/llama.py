@@ -56,6 +56,7 @@ class LayerSpec:
     qkv_bias: bool  # a bias on q, k and v (Qwen2)
     qk_norm: bool  # RMSNorm per q and k head before RoPE (Qwen3)
     tp: RankGroup
+    sliding_window: int | None = None  # every layer's attention window (Mistral, Phi-3)
 
 
 class LlamaAttention(nn.Module):
@@ -89,6 +90,7 @@ class LlamaAttention(nn.Module):
             num_kv_heads=self.qkv_proj.num_kv_heads,
             layer_id=kv_layer,
             backend=spec.attn_backend,
+            sliding_window=spec.sliding_window,
         )
 
     def forward(
@@ -178,6 +180,7 @@ class LlamaModel(nn.Module):
         qkv_bias: bool,
         qk_norm: bool,
         parallel: ParallelState,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         info, tp = parallel.info, parallel.tp
@@ -192,7 +195,7 @@ class LlamaModel(nn.Module):
             config.head_dim, config.context_len, config.rope_theta, config.rope_scaling
         )
         start = self.stage_layers.start
-        spec = LayerSpec(config, attn_backend, qkv_bias, qk_norm, tp)
+        spec = LayerSpec(config, attn_backend, qkv_bias, qk_norm, tp, sliding_window)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(spec, i - start)
             if i in self.stage_layers
@@ -249,10 +252,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.parallel = parallel or ParallelState.single()
         info = self.parallel.info
-        self.model = LlamaModel(
-            config, attn_backend, qkv_bias=self.qkv_bias(config), qk_norm=self.qk_norm,
-            parallel=self.parallel,
-        )
+        self.model = self.build_model(config, attn_backend)
         self.lm_head = (
             LMHead(config.vocab_size, config.hidden_size, quant_config=config.quantization,
                    tp=self.parallel.tp)
@@ -264,6 +264,19 @@ class LlamaForCausalLM(nn.Module):
             self.tie_word_embeddings()
         self.logits_processor = LogitsProcessor()
         self.pooler = Pooler(PoolingType.LAST, normalize=True)
+
+    def build_model(self, config: ModelConfig, attn_backend: AttentionBackend) -> nn.Module:
+        """The decoder stack (embedding, layers, final norm): the seam a family with other layers
+        (``gemma2.py``) overrides, keeping the head, tying and stage logic of this class."""
+        return LlamaModel(
+            config, attn_backend, qkv_bias=self.qkv_bias(config), qk_norm=self.qk_norm,
+            parallel=self.parallel, sliding_window=self.sliding_window(config),
+        )
+
+    @staticmethod
+    def sliding_window(config: ModelConfig) -> int | None:
+        """Every layer's attention window; Llama has none (Mistral and Phi-3 read theirs)."""
+        return None
 
     @staticmethod
     def qkv_bias(config: ModelConfig) -> bool:
