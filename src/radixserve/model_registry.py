@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 # architecture → (module under radixserve.model_executor.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("phi3", "MistralForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
@@ -37,7 +38,9 @@ _HIDDEN_ACT = {
     "Gemma3ForCausalLM": "gelu_pytorch_tanh",
 }
 # Families whose attention layers honour ``sliding_window`` (the others attend over everything).
-SLIDING_WINDOW_ARCHITECTURES: tuple[str, ...] = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+SLIDING_WINDOW_ARCHITECTURES: tuple[str, ...] = (
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
+)
 
 
 def supported_architecture(names: list[str]) -> str | None:

@@ -1,6 +1,7 @@
-"""Gemma 2 and Gemma 3 served by the Engine (cpu attention backend) generate greedily what
-transformers generates, token for token: prompts several windows long, prefilled in chunks
-shorter than the window, then a radix hit on a cached prefix longer than the window."""
+"""Gemma 2, Gemma 3 and Phi-3 (windows 8, 6, 7) served by the Engine (cpu attention backend)
+generate greedily what transformers generates, token for token: prompts several windows long,
+prefilled in chunks shorter than the window, then a radix hit on a cached prefix longer than
+the window."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from tests.checkpoints import build_checkpoint
 from tests.engine.conftest import ENGINE_KWARGS
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_gemma_engine_greedy_equals_transformers(arch, tmp_path, strict_env):
-    path = build_checkpoint(tmp_path / arch, arch)
-    shared = [7 + (i * 37) % 480 for i in range(30)]  # 30 tokens: beyond both windows (8, 6)
+@pytest.mark.parametrize("arch, overrides", [
+    ("gemma2", {}), ("gemma3", {}), ("phi3", {"sliding_window": 7}),
+])
+def test_windowed_families_through_the_engine_equal_transformers(arch, overrides, tmp_path,
+                                                                 strict_env):
+    path = build_checkpoint(tmp_path / arch, arch, **overrides)
+    shared = [7 + (i * 37) % 480 for i in range(30)]  # 30 tokens: beyond every window
     prompts = [shared + [11, 12, 13], shared + [90, 91], [5, 9, 31, 200]]
     params = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
     kwargs = {**ENGINE_KWARGS, "max_total_tokens": 1024, "max_running_requests": 4}
