@@ -24,7 +24,7 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # Built on request only (``build_checkpoint``), tested by their own files: Gemma's norms start
 # at zero in transformers, so these get random norm weights (``_perturb_norms``) and a larger
 # initialisation, to make every scale and cap matter.
-EXTRA_ARCHITECTURES = ("gemma2", "gemma3", "phi3")
+EXTRA_ARCHITECTURES = ("gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def _corpus() -> list[str]:
@@ -102,6 +102,23 @@ def _hf_config(arch: str, vocab_size: int):
     if arch == "phi3":
         return tf.Phi3ForCausalLM, tf.Phi3Config(
             **common, sliding_window=None, initializer_range=0.1, tie_word_embeddings=False,
+        )
+    if arch == "mixtral":
+        return tf.MixtralForCausalLM, tf.MixtralConfig(
+            **{**common, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=None, initializer_range=0.1, tie_word_embeddings=False,
+        )
+    if arch == "qwen2_moe":
+        return tf.Qwen2MoeForCausalLM, tf.Qwen2MoeConfig(
+            **common, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, initializer_range=0.1,
+            use_sliding_window=False, tie_word_embeddings=False,
+        )
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
+            **common, head_dim=32, moe_intermediate_size=32, num_local_experts=16,
+            num_experts_per_tok=8, norm_topk_prob=True, initializer_range=0.1,
+            use_sliding_window=False, tie_word_embeddings=False,
         )
     if arch == "gemma2":
         return tf.Gemma2ForCausalLM, tf.Gemma2Config(

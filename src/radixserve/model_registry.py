@@ -21,6 +21,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("phi3", "MistralForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "MixtralForCausalLM": ("moe", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("moe", "Qwen3MoeForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
@@ -40,6 +43,7 @@ _HIDDEN_ACT = {
 # Families whose attention layers honour ``sliding_window`` (the others attend over everything).
 SLIDING_WINDOW_ARCHITECTURES: tuple[str, ...] = (
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
+    "MixtralForCausalLM",
 )
 
 
