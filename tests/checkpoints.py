@@ -21,6 +21,10 @@ CHAT_TEMPLATE = (
 VOCAB_SIZE = 512
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Built on request only (``build_checkpoint``), tested by their own files: Gemma's norms start
+# at zero in transformers, so these get random norm weights (``_perturb_norms``) and a larger
+# initialisation, to make every scale and cap matter.
+EXTRA_ARCHITECTURES = ("gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def _corpus() -> list[str]:
@@ -95,7 +99,51 @@ def _hf_config(arch: str, vocab_size: int):
             **common, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True,
             use_sliding_window=False,
         )
+    if arch == "phi3":
+        return tf.Phi3ForCausalLM, tf.Phi3Config(
+            **common, sliding_window=None, initializer_range=0.1, tie_word_embeddings=False,
+        )
+    if arch == "mixtral":
+        return tf.MixtralForCausalLM, tf.MixtralConfig(
+            **{**common, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=None, initializer_range=0.1, tie_word_embeddings=False,
+        )
+    if arch == "qwen2_moe":
+        return tf.Qwen2MoeForCausalLM, tf.Qwen2MoeConfig(
+            **common, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, initializer_range=0.1,
+            use_sliding_window=False, tie_word_embeddings=False,
+        )
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
+            **common, head_dim=32, moe_intermediate_size=32, num_local_experts=16,
+            num_experts_per_tok=8, norm_topk_prob=True, initializer_range=0.1,
+            use_sliding_window=False, tie_word_embeddings=False,
+        )
+    if arch == "gemma2":
+        return tf.Gemma2ForCausalLM, tf.Gemma2Config(
+            **common, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+            attn_logit_softcapping=2.0, final_logit_softcapping=3.0, initializer_range=0.1,
+            tie_word_embeddings=True,
+        )
+    if arch == "gemma3":
+        return tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(
+            **common, head_dim=32, query_pre_attn_scalar=32, sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"], initializer_range=0.1,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            tie_word_embeddings=True,
+        )
     raise ValueError(f"unknown test architecture {arch!r}")
+
+
+def _perturb_norms(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.3)
 
 
 def build_checkpoint(out_dir: Path, arch: str = "llama", seed: int = 0,
@@ -110,6 +158,8 @@ def build_checkpoint(out_dir: Path, arch: str = "llama", seed: int = 0,
         setattr(config, key, value)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
+    if arch in EXTRA_ARCHITECTURES:
+        _perturb_norms(model)
     kwargs = {"safe_serialization": True}
     if max_shard_size:
         kwargs["max_shard_size"] = max_shard_size

@@ -23,7 +23,14 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# What llama.cpp fixes in code for these families rather than storing in the file: Gemma 3's
+# sliding layers use RoPE base 10000 and every 6th layer is global; both scale queries by
+# head_dim ** -0.5 (Gemma 2 27B, whose query_pre_attn_scalar differs, is not covered).
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+_GEMMA3_SLIDING_PATTERN = 6
 # ``general.file_type`` (llama.cpp's LLAMA_FTYPE) of files whose weights are stored unquantised:
 # their float dtype is the checkpoint dtype; quantised files dequantise exactly only to float32.
 _FLOAT_FILE_TYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
@@ -136,9 +143,28 @@ def gguf_hf_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "torch_dtype": _FLOAT_FILE_TYPES.get(file_type, "float32"),
     }
+    if arch in ("gemma2", "gemma3"):
+        hf.update(_gemma_config(reader, arch, need, hf["head_dim"]))
     gen: dict[str, Any] = {}
     for key in ("bos_token_id", "eos_token_id"):
         value = _field(reader, f"tokenizer.ggml.{key}")
         if value is not None:
             hf[key] = gen[key] = int(value)
     return hf, gen
+
+
+def _gemma_config(reader: Any, arch: str, need: Any, head_dim: int) -> dict[str, Any]:
+    """The ``config.json`` keys of Gemma 2 / Gemma 3 that the GGUF metadata holds or implies."""
+    out: dict[str, Any] = {
+        "model_type": "gemma2" if arch == "gemma2" else "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(need("attention.sliding_window")),
+        "query_pre_attn_scalar": head_dim,
+    }
+    if arch == "gemma2":
+        out["attn_logit_softcapping"] = _field(reader, "gemma2.attn_logit_softcapping")
+        out["final_logit_softcapping"] = _field(reader, "gemma2.final_logit_softcapping")
+    else:
+        out["rope_local_base_freq"] = _GEMMA3_LOCAL_ROPE_BASE
+        out["sliding_window_pattern"] = _GEMMA3_SLIDING_PATTERN
+    return out

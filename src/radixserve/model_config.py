@@ -21,6 +21,7 @@ import torch
 from radixserve.gguf_file import find_gguf, gguf_hf_config
 from radixserve.layers.quantization import QuantizationConfig, resolve_quantization
 from radixserve.model_registry import (
+    SLIDING_WINDOW_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     hidden_act_of,
     is_classifier,
@@ -121,7 +122,11 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     plain RoPE, else a dict with ``rope_type`` and the keys that type needs."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     if params and all(isinstance(v, dict) for v in params.values()):
-        raise ValueError("per-layer-type rope_parameters are not supported")
+        # transformers 5's per-layer-type RoPE (Gemma 3): this is the global layers' one; the
+        # model reads the sliding layers' own (``gemma2.local_rope_theta``)
+        if "full_attention" not in params:
+            raise ValueError("per-layer-type rope_parameters without full_attention")
+        params = dict(params["full_attention"])
     theta = float(params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
@@ -257,14 +262,16 @@ class ModelConfig:
             )
         rope_theta, rope_scaling = _rope(hf)
         act = hidden_act_of(arch)
-        if hf.get("hidden_act", act) != act:
+        # Gemma names it hidden_activation (its hidden_act, if any, is ignored by transformers)
+        configured = hf.get("hidden_activation") or hf.get("hidden_act", act)
+        if configured != act:
             raise ValueError(
-                f"hidden_act {hf['hidden_act']!r} is not supported for {arch} (only {act})"
+                f"hidden_act {configured!r} is not supported for {arch} (only {act})"
             )
 
         context_len = min(usable, context_length or usable)
         window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-        if window is not None and window < context_len:
+        if window is not None and window < context_len and arch not in SLIDING_WINDOW_ARCHITECTURES:
             logger.warning(
                 "sliding-window attention (window %d) is not implemented: full attention is used, "
                 "so outputs past %d tokens differ from the reference",

@@ -19,9 +19,15 @@ if TYPE_CHECKING:
 # architecture → (module under radixserve.model_executor.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("phi3", "MistralForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "MixtralForCausalLM": ("moe", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("moe", "Qwen3MoeForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma2", "Gemma3ForCausalLM"),
     "BertModel": ("bert", "BertModel"),
     "BertForSequenceClassification": ("bert_classifier", "BertForSequenceClassification"),
     "XLMRobertaForSequenceClassification": (
@@ -37,7 +43,16 @@ CLASSIFIER_ARCHITECTURES: tuple[str, ...] = (
 )
 ENCODER_ARCHITECTURES: tuple[str, ...] = ("BertModel", *CLASSIFIER_ARCHITECTURES)
 # The MLP activation each family implements.
-_HIDDEN_ACT = dict.fromkeys(ENCODER_ARCHITECTURES, "gelu")
+_HIDDEN_ACT = {
+    **dict.fromkeys(ENCODER_ARCHITECTURES, "gelu"),
+    "Gemma2ForCausalLM": "gelu_pytorch_tanh",
+    "Gemma3ForCausalLM": "gelu_pytorch_tanh",
+}
+# Families whose attention layers honour ``sliding_window`` (the others attend over everything).
+SLIDING_WINDOW_ARCHITECTURES: tuple[str, ...] = (
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
+    "MixtralForCausalLM",
+)
 
 
 def supported_architecture(names: list[str]) -> str | None:

@@ -90,19 +90,23 @@ def random_batch(seed: int, mode: ForwardMode, page_size: int, dtype: torch.dtyp
                       rand(n, kv_heads * head_dim), pool, req_pool, heads, kv_heads, head_dim)
 
 
-def attend(name: str, b: PagedBatch, kv_splits: int | None = None) -> torch.Tensor:
-    """One layer of backend ``name`` over the batch (it writes the new K/V into the pool)."""
+def attend(name: str, b: PagedBatch, kv_splits: int | None = None, window: int | None = None,
+           cap: float = 0.0) -> torch.Tensor:
+    """One layer of backend ``name`` over the batch (it writes the new K/V into the pool), with
+    sliding window ``window`` and soft cap ``cap`` if given."""
     backend = create_attention_backend(name, b.req_pool, b.pool)
     if kv_splits is not None:
         backend.num_kv_splits = kv_splits
-    attn = Attention(b.heads, b.head_dim, b.head_dim**-0.5, b.kv_heads, 0, backend)
+    attn = Attention(b.heads, b.head_dim, b.head_dim**-0.5, b.kv_heads, 0, backend, window, cap)
     backend.init_forward_metadata(b.fb)
     return attn(b.q, b.k, b.v, b.fb)
 
 
-def reference_attention(b: PagedBatch) -> torch.Tensor:
+def reference_attention(b: PagedBatch, window: int | None = None, cap: float = 0.0
+                        ) -> torch.Tensor:
     """Each request's new tokens over its whole KV as the pool holds it (after a backend wrote
-    the new K/V there), dequantized to float32, causally, in plain torch; float32
+    the new K/V there), dequantized to float32, causally (only the last ``window`` positions up
+    to each query, scores soft-capped by ``cap``, if given), in plain torch; float32
     ``[tokens, heads * head_dim]``."""
     fb = b.fb
     group = b.heads // b.kv_heads
@@ -116,8 +120,14 @@ def reference_attention(b: PagedBatch) -> torch.Tensor:
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         qi = q[start:start + n].transpose(0, 1)  # [heads, n, d]
         scores = qi @ k.transpose(1, 2) * b.head_dim**-0.5
+        if cap:
+            scores = cap * torch.tanh(scores / cap)
         pos = torch.arange(seq_len - n, seq_len)[:, None]
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > pos, float("-inf"))
+        kv_pos = torch.arange(seq_len)[None, :]
+        hidden = kv_pos > pos
+        if window is not None:
+            hidden |= kv_pos <= pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         outs.append((scores.softmax(-1) @ v).transpose(0, 1).reshape(n, -1))
         start += n
     return torch.cat(outs)

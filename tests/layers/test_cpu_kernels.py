@@ -386,7 +386,8 @@ def test_decode_attention_kernel_rejects_bad_input_with_a_clear_error():
     def call(q=None, k=None, loc=ones, k_buffer=buf, lens=ones):
         q = torch.zeros(2, 4, 64) if q is None else q
         k = torch.zeros(2, 2, 64) if k is None else k
-        op(q, k, k, loc, k_buffer, k_buffer.clone(), table, ones, lens, 0.125, torch.empty_like(q))
+        op(q, k, k, loc, k_buffer, k_buffer.clone(), table, ones, lens, 0.125, 0, 0.0,
+           torch.empty_like(q))
 
     call()  # well-formed
     with pytest.raises(RuntimeError, match="takes float32 or bfloat16"):
@@ -566,3 +567,48 @@ def test_token_bitmask_kernel_rejects_bad_input_with_a_clear_error():
         apply_token_bitmask(logits, bitmask, [2])
     with pytest.raises(RuntimeError, match="contiguous rows"):
         apply_token_bitmask(logits.t(), bitmask, [0])
+
+
+def windowed_reference(args, prefix_lens, extend_lens, window, cap):
+    """Float64 attention of each request's new tokens over the keys (p - window, p] of each
+    query position p, scores soft-capped to ``cap * tanh(s / cap)`` (cap 0: none)."""
+    q, kb, vb = args["q"], args["k_buffer"], args["v_buffer"]
+    heads, kv_heads = q.shape[1], kb.shape[1]
+    outs, t0 = [], 0
+    for i, (p, e) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
+        slots = args["req_to_token"][args["req_pool_indices"][i], : p + e]
+        keys = kb[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        values = vb[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("thd,lhd->htl", q[t0 : t0 + e].double(), keys) * args["scale"]
+        if cap:
+            scores = torch.tanh(scores / cap) * cap
+        kv_pos, q_pos = torch.arange(p + e)[None, :], torch.arange(e)[:, None] + p
+        hidden = (kv_pos > q_pos) | (kv_pos <= q_pos - window)
+        outs.append(torch.einsum("htl,lhd->thd", scores.masked_fill(hidden, float("-inf"))
+                                 .softmax(-1), values))
+        t0 += e
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, cap", [(17, 0.0), (70, 0.0), (64, 2.5), (1, 0.0), (500, 1.0)])
+def test_attention_kernels_with_a_sliding_window_and_soft_cap_equal_a_float64_reference(
+    dtype, window, cap
+):
+    """Prefixes and extends across several 64-key blocks, so the extend kernel starts past the
+    first block and rows skip blocks before their window; decode (one new token per request)
+    reads only the last ``window`` slots."""
+    require_kernels()
+    for prefix_lens, extend_lens in (([150, 0, 9, 70], [70, 130, 16, 1]), ([30, 140, 0],
+                                                                            [1, 1, 1])):
+        args = extend_problem(dtype, 64, 8, 2, prefix_lens, extend_lens, seed=window)
+        decode = max(extend_lens) == 1
+        call = dict(args, window=window, softcap=cap)
+        if decode:
+            call.pop("extend_lens")
+        out = paged_attention(**call)
+        reference = windowed_reference(args, prefix_lens, extend_lens, window, cap)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)
+        else:
+            bf16_close(out, reference)

@@ -37,12 +37,13 @@ DECODE, EXTEND = ForwardMode.DECODE, ForwardMode.EXTEND
 
 
 def check(backend: str, seed: int, mode: ForwardMode, dtype: torch.dtype, kv_dtype: torch.dtype,
-          heads: int, kv_heads: int, head_dim: int, page_size: int = 4, **shape) -> None:
+          heads: int, kv_heads: int, head_dim: int, page_size: int = 4, window: int | None = None,
+          cap: float = 0.0, **shape) -> None:
     batch = random_batch(seed, mode, page_size, dtype, heads, kv_heads, head_dim,
                          kv_dtype=kv_dtype, **shape)
-    out = attend(backend, batch)
+    out = attend(backend, batch, window=window, cap=cap)
     assert out.dtype == dtype and not out.isnan().any()
-    expected = reference_attention(batch)
+    expected = reference_attention(batch, window, cap)
     # the dequantized K/V are the same numbers in every backend; what differs is the order of
     # float32 sums and, for half-precision activations, their rounding
     tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
@@ -87,6 +88,22 @@ def test_cpu_kernels_over_many_key_blocks(kv_dtype):
               max_prefix=200, max_extend=40, max_bs=4)
 
 
+WINDOW_CASES = [(5, 0.0), (70, 0.0), (None, 1.5), (9, 2.0)]  # (sliding window, soft cap)
+
+
+@pytest.mark.parametrize("backend", [
+    "torch_native", pytest.param("cpu", marks=needs_cpu_kernels),
+])
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize(("window", "cap"), WINDOW_CASES)
+def test_quantized_pool_with_sliding_window_and_soft_cap(backend, kv_dtype, window, cap):
+    """Gemma 2 / Mistral layers over a quantized pool: the window and the cap apply to the
+    dequantized scores exactly as over a plain pool (prefills longer than the window included)."""
+    for seed, mode in ((30, DECODE), (31, EXTEND)):
+        check(backend, seed, mode, torch.float32, kv_dtype, 4, 2, 64, page_size=16,
+              window=window, cap=cap, max_prefix=150, max_extend=40, max_bs=3)
+
+
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter"
 )
@@ -98,6 +115,14 @@ interpreted = pytest.mark.skipif(
 @pytest.mark.parametrize(("seed", "mode"), [(5, DECODE), (6, EXTEND)])
 def test_triton_reads_a_quantized_pool(dtype, kv_dtype, seed, mode):
     check("triton", seed, mode, dtype, kv_dtype, 4, 2, 64)
+
+
+@interpreted
+@pytest.mark.parametrize(("window", "cap"), WINDOW_CASES)
+def test_triton_quantized_pool_with_sliding_window_and_soft_cap(window, cap):
+    for seed, mode in ((30, DECODE), (31, EXTEND)):
+        check("triton", seed, mode, torch.float32, torch.int8, 4, 2, 64, page_size=16,
+              window=window, cap=cap, max_prefix=150, max_extend=40, max_bs=3)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)

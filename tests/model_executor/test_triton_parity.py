@@ -17,6 +17,7 @@ import random  # noqa: E402
 
 import pytest  # noqa: E402
 
+from tests.checkpoints import build_checkpoint  # noqa: E402
 from tests.model_executor.harness import ManualSlots, hf_logits, make_runner  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -42,6 +43,31 @@ def test_triton_backend_greedy_decode_matches_transformers(llama_path, hf_model)
         next_tokens = step_logits[-1].argmax(-1).tolist()
         step_logits.append(runner.forward(slots.decode(seqs, next_tokens)))
     hf = hf_model(llama_path)
+    for i, (seq, prompt) in enumerate(zip(seqs, prompts, strict=True)):
+        ref = hf_logits(hf, seq.tokens)[len(prompt) - 1 :]
+        ours = torch.stack([logits[i] for logits in step_logits])
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+        generated = seq.tokens[len(prompt) :] + [step_logits[-1][i].argmax().item()]
+        assert generated == ref.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_triton_sliding_window_and_soft_cap_match_transformers(arch, tmp_path, hf_model):
+    """Gemma 2 (window 8, attention and final soft caps) and Gemma 3 (window 6, one KV head):
+    a 13-token prefix cached before the window's reach, then prompts longer than the window and
+    decode steps past it."""
+    extra = {"num_key_value_heads": 1} if arch == "gemma3" else {}
+    path = build_checkpoint(tmp_path / arch, arch, **extra)
+    runner = make_runner(path, attention_backend="triton", page_size=4, max_total_tokens=512)
+    slots = ManualSlots(runner)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(6, 500) for _ in range(n)] for n in (21, 4, 15)]
+    seqs = [slots.new_seq() for _ in prompts]
+    runner.forward(slots.extend(seqs[:1], [prompts[0][:13]]))
+    step_logits = [runner.forward(slots.extend(seqs, [prompts[0][13:], *prompts[1:]]))]
+    for _ in range(10):
+        step_logits.append(runner.forward(slots.decode(seqs, step_logits[-1].argmax(-1).tolist())))
+    hf = hf_model(path)
     for i, (seq, prompt) in enumerate(zip(seqs, prompts, strict=True)):
         ref = hf_logits(hf, seq.tokens)[len(prompt) - 1 :]
         ours = torch.stack([logits[i] for logits in step_logits])

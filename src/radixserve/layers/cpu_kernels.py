@@ -333,22 +333,28 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     extend_lens: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Write the new tokens' K/V (``[tokens, kv_heads, head_dim]``) at ``loc`` and attend over
     each request's ``seq_lens`` slots in ``req_to_token``; returns ``[tokens, heads, head_dim]``
     for ``q`` of that shape. Without ``extend_lens``, one decode token per request (the decode
     kernel); with them, a prefill: each request's ``extend_lens`` new tokens (the last of its
-    ``seq_lens``) attend causally (the extend kernel)."""
+    ``seq_lens``) attend causally (the extend kernel). ``window``: each query sees only the
+    last ``window`` positions up to itself (sliding-window attention); ``softcap`` > 0: scaled
+    scores are soft-capped to ``softcap * tanh(s / softcap)``."""
+    win = window or 0
     if extend_lens is None:
         out = torch.empty_like(q)
         torch.ops.radixserve_cpu.decode_attention(
-            q, k, v, loc, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale, out
+            q, k, v, loc, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale, win,
+            softcap, out,
         )
         return out
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     torch.ops.radixserve_cpu.extend_attention(
         q, k, v, loc, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, extend_lens,
-        scale, out,
+        scale, win, softcap, out,
     )
     return out
 
@@ -364,14 +370,19 @@ def paged_attention_quant(
     seq_lens: torch.Tensor,
     scale: float,
     extend_lens: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """``paged_attention`` over a quantized pool (int8/fp8 codes, float32 scales ``[slots,
     kv_heads]``) whose new tokens' K/V the caller has quantized into it already; ``q`` float32,
-    returns float32."""
+    returns float32. ``window`` and ``softcap`` as in ``paged_attention`` (the same kernels)."""
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     args = (q, k_buffer, v_buffer, k_scale, v_scale, req_to_token, req_pool_indices, seq_lens)
+    win = window or 0
     if extend_lens is None:
-        torch.ops.radixserve_cpu.decode_attention_quant(*args, scale, out)
+        torch.ops.radixserve_cpu.decode_attention_quant(*args, scale, win, softcap, out)
     else:
-        torch.ops.radixserve_cpu.extend_attention_quant(*args, extend_lens, scale, out)
+        torch.ops.radixserve_cpu.extend_attention_quant(
+            *args, extend_lens, scale, win, softcap, out
+        )
     return out

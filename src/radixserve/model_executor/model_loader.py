@@ -180,6 +180,9 @@ def fill_parameters(
         model.tie_word_embeddings()
         if not _lm_head_from_embedding(model):
             params.pop(_LM_HEAD)
+    split = getattr(model, "split_checkpoint_tensors", None)  # fused in the checkpoint (Phi-3)
+    if split is not None:
+        tensors = split(tensors)
     holds_weight = getattr(model, "holds_weight", None)  # pipeline stages: a part of the model
     if holds_weight is not None:
         tensors = [(name, source) for name, source in tensors if holds_weight(name)]

@@ -9,7 +9,10 @@ the check that nothing is missing.
 
 One layout difference: llama.cpp's converter stores a Llama model's query and key projections
 with each head's rows reordered (the two rotary halves interleaved, for its RoPE kernel), which
-``_llama_qk_row_order`` undoes. Qwen2/Qwen3 files are stored in Hugging Face's order.
+``_llama_qk_row_order`` undoes. Qwen2/Qwen3 files are stored in Hugging Face's order. Gemma 2/3
+files store each RMSNorm weight as ``1 + w`` (llama.cpp's norm has no offset) and name the extra
+norms differently;
+``gguf_weights`` gives the checkpoint's ``w`` back, which ``GemmaRMSNorm`` loads as ``1 + w``.
 """
 
 from __future__ import annotations
@@ -42,16 +45,25 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms per layer
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_TENSOR = re.compile(r"^(\w+)\.(weight|bias)$")
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face checkpoint name of a GGUF tensor, or None for one we do not map."""
+    names = _GEMMA_LAYER_NAMES if arch in _GEMMA_ARCHITECTURES else _LAYER_NAMES
     if m := _LAYER_TENSOR.match(gguf_name):
         layer, kind, suffix = m.groups()
-        if kind in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+        if kind in names:
+            return f"model.layers.{layer}.{names[kind]}.{suffix}"
     elif (m := _GLOBAL_TENSOR.match(gguf_name)) and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
     return None
@@ -83,11 +95,14 @@ def gguf_weights(path: str | Path) -> list[tuple[str, Callable[[], GgufTensor]]]
     heads["attn_k"] = heads["attn_q"] if kv is None else kv.contents()
     out: list[tuple[str, Callable[[], GgufTensor]]] = []
     for tensor in reader.tensors:
-        name = hf_name(tensor.name) or tensor.name
+        name = hf_name(tensor.name, arch) or tensor.name
         order = None
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
         if arch == "llama" and kind in heads and len(tensor.shape) == 2:
             order = _llama_qk_row_order(int(tensor.shape[1]), int(heads[kind]))
+        if arch in _GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
+            out.append((name, lambda t=tensor: GgufTensor(t).load() - 1.0))
+            continue
         out.append((name, lambda t=tensor, o=order: GgufTensor(t, o)))
     return out
 

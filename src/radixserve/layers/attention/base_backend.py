@@ -3,7 +3,10 @@
 Per model step the runner calls ``init_forward_metadata(forward_batch)`` once; then every layer's
 ``Attention`` calls ``backend.forward(QKV(q, k, v), layer, forward_batch)``, which stores the new
 tokens' K and V in the KV pool at ``forward_batch.out_cache_loc`` and attends each query over its
-request's whole KV (cached prefix + new tokens, causally). The batch is always passed explicitly;
+request's whole KV (cached prefix + new tokens, causally; a layer with a ``sliding_window`` W
+sees only the last W positions up to each query, itself included, and reads no KV before them;
+one with ``logit_cap`` C soft-caps its scaled scores to ``C * tanh(s / C)`` before the softmax,
+as Gemma 2 does). The batch is always passed explicitly;
 a backend keeps only the metadata derived from the current batch.
 """
 
@@ -91,6 +94,10 @@ class Attention:
     num_kv_heads: int
     layer_id: int  # the layer's index in the KV pool
     backend: AttentionBackend
+    # Keys a query sees, itself included (transformers' ``sliding_window``: key position kv is
+    # visible from query position q when q - W < kv <= q); None: every earlier position.
+    sliding_window: int | None = None
+    logit_cap: float = 0.0  # soft-capping of the scaled scores; 0: none
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch

@@ -16,7 +16,9 @@ too, one new token per request, and a radix hit on generated tokens gives a cold
 
 Prefill requests take the extend kernel or torch's SDPA, per (head_dim, GQA group, extend and
 prefix length bucket): ``extend_dispatch.py`` chooses, by measurement at start-up
-(``choose_extend_kernels``) or by its static table; deterministic inference keeps the kernel.
+(``choose_extend_kernels``) or by its static table; deterministic inference keeps the kernel, and
+so do layers with a sliding window or a soft cap (``Attention.sliding_window`` / ``logit_cap``:
+the kernels honour both, SDPA's candidate neither).
 
 Built only for KV pools the kernels take (float32 or bf16, head_dim a multiple of 16 up to 256,
 any number of query heads per KV head); ``create_attention_backend`` reports why otherwise.
@@ -24,7 +26,8 @@ any number of query heads per KV head); ``create_attention_backend`` reports why
 A quantized pool (``--kv-cache-dtype int8 / fp8_e4m3 / fp8_e5m2``) takes the kernels'
 ``*_quant`` variants: the pool quantizes the new K/V with their scales (``set_kv_buffer``), then
 the kernel reads codes and scales in place, in float32 (a quarter or half of the bytes per key of
-a float32 or bf16 pool: the bandwidth a long decode is bound by).
+a float32 or bf16 pool: the bandwidth a long decode is bound by), with the same windows and soft
+caps as the plain kernels (one shared loop).
 """
 
 from __future__ import annotations
@@ -143,6 +146,8 @@ class CpuAttnBackend(AttentionBackend):
                 forward_batch.seq_lens,
                 layer.scaling,
                 extend_lens,
+                layer.sliding_window,
+                layer.logit_cap,
             )
             return out.view(n, heads * head_dim).to(q.dtype)
         q3 = q.view(n, heads, head_dim).to(pool.dtype)
@@ -150,7 +155,9 @@ class CpuAttnBackend(AttentionBackend):
         v3 = v.view(n, kv_heads, head_dim).to(pool.dtype)
         k_buffer = pool.get_key_buffer(layer.layer_id)
         v_buffer = pool.get_value_buffer(layer.layer_id)
-        if self._plan is not None:
+        # The SDPA candidate knows no window or soft cap: such layers keep the kernel (which
+        # writes the whole batch's K/V itself), the plan serves the other layers of the batch.
+        if self._plan is not None and layer.sliding_window is None and not layer.logit_cap:
             batch = xd.PagedExtend(
                 q3, k3, v3, forward_batch.out_cache_loc, k_buffer, v_buffer,
                 self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
@@ -161,7 +168,8 @@ class CpuAttnBackend(AttentionBackend):
             out = cpu_kernels.paged_attention(
                 q3, k3, v3, forward_batch.out_cache_loc, k_buffer, v_buffer,
                 self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
-                forward_batch.seq_lens, layer.scaling, extend_lens,
+                forward_batch.seq_lens, layer.scaling, extend_lens, layer.sliding_window,
+                layer.logit_cap,
             )
         return out.view(n, heads * head_dim).to(q.dtype)
 

@@ -30,6 +30,12 @@ and their per-(slot, head) scales are gathered and multiplied back into the quer
 new tokens attend to their K/V as the pool holds it (the fresh-prompt shortcut, which would use
 the unquantized K/V, is off), as in the other backends.
 
+A sliding-window layer (``Attention.sliding_window``) gets a mask of its own (built once per
+batch for each window size in use) that also hides keys W or more positions before the query;
+the causal fast path serves it only when no prompt is longer than the window. Soft-capped
+scores (``Attention.logit_cap``) cannot go through SDPA: those layers compute the scores, cap
+them and take the softmax in plain torch.
+
 This backend is the reference the others are tested against: plain torch, any device and dtype.
 The ``cpu`` backend (``cpu_backend.py``) replaces what it has kernels for.
 """
@@ -57,20 +63,51 @@ class _Metadata:
     mask: torch.Tensor | None  # None: plain causal attention over the new tokens only
 
 
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    cap: float,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """SDPA over ``[bs, heads, len, head_dim]`` (``k``/``v`` may have fewer heads: GQA), or, with
+    a soft cap ``cap`` > 0, the same in plain torch with the scaled scores capped first."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if not cap:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+            enable_gqa=heads != kv_heads,
+        )
+    if heads != kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if is_causal:
+        n = q.shape[2]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
 class TorchNativeAttnBackend(PagedAttentionBackend):
     BATCH_VARIANT_REASON = (
         "torch_native's SDPA sums in an order that depends on the batch's padded shape"
     )
-    # The current batch's metadata (None until the batch's first layer builds it); the
-    # constructor is PagedAttentionBackend's.
-    _metadata: _Metadata | None = None
+    # The current batch's metadata per sliding window (None: full attention), each built by the
+    # batch's first layer that needs it; the constructor is PagedAttentionBackend's.
+    _metadata: dict[int | None, _Metadata] | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        # Built by the first layer that needs it.
         self._batch = forward_batch
-        self._metadata = None
+        self._metadata = {}
 
-    def _build_metadata(self, fb: ForwardBatch) -> _Metadata:
+    def _build_metadata(self, fb: ForwardBatch, window: int | None) -> _Metadata:
         device = self.req_to_token_pool.req_to_token.device
         if fb.forward_mode.is_decode:
             extend_lens = [1] * fb.batch_size
@@ -81,7 +118,10 @@ class TorchNativeAttnBackend(PagedAttentionBackend):
             prefix_lens = fb.extend_prefix_lens_cpu
         max_kv = max(fb.seq_lens_cpu)
         max_q = max(extend_lens)
-        if max_q == max_kv and min(extend_lens) == max_q and not self.token_to_kv_pool.quantized:
+        if (
+            max_q == max_kv and min(extend_lens) == max_q and not self.token_to_kv_pool.quantized
+            and (window is None or window >= max_q)
+        ):
             # Fresh prompts of equal length (a single prompt, typically): no cached prefix and
             # no padding, so the new K/V are all there is and SDPA's causal path applies.
             empty = torch.empty(0, dtype=torch.int64, device=device)
@@ -104,6 +144,8 @@ class TorchNativeAttnBackend(PagedAttentionBackend):
             q_index = (q_start + q_off).masked_fill(~q_valid, 0)
         q_abs_pos = as_column(prefix_lens) + q_off
         visible = (kv_pos[None, None, :] <= q_abs_pos[:, :, None]) & kv_valid[:, None, :]
+        if window is not None:
+            visible &= kv_pos[None, None, :] > q_abs_pos[:, :, None] - window
         pool_dtype = self.token_to_kv_pool.dtype
         mask_dtype = torch.float32 if self.token_to_kv_pool.quantized else pool_dtype
         mask = torch.zeros(visible.shape, dtype=mask_dtype, device=device)
@@ -115,22 +157,21 @@ class TorchNativeAttnBackend(PagedAttentionBackend):
         q, k, v = qkv
         heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         pool = self.token_to_kv_pool
-        if self._metadata is None:
-            self._metadata = self._build_metadata(forward_batch)
-        md = self._metadata
+        assert self._metadata is not None, "init_forward_metadata must run before attention"
+        window = layer.sliding_window
+        if window not in self._metadata:
+            self._metadata[window] = self._build_metadata(forward_batch, window)
+        md = self._metadata[window]
+        cap = layer.logit_cap
         bs = md.batch_size
         if md.mask is None:
             # [bs * len, heads, head_dim] → [bs, heads, len, head_dim] for SDPA
             def dense(x: torch.Tensor, num_heads: int) -> torch.Tensor:
                 return x.reshape(bs, md.max_q, num_heads, head_dim).transpose(1, 2)
 
-            out = F.scaled_dot_product_attention(
-                dense(q, heads),
-                dense(k, kv_heads),
-                dense(v, kv_heads),
+            out = _sdpa(
+                dense(q, heads), dense(k, kv_heads), dense(v, kv_heads), None, layer.scaling, cap,
                 is_causal=True,
-                scale=layer.scaling,
-                enable_gqa=heads != kv_heads,
             )
             return out.transpose(1, 2).reshape(num_tokens, heads * head_dim)
 
@@ -149,23 +190,14 @@ class TorchNativeAttnBackend(PagedAttentionBackend):
         if forward_batch.forward_mode.is_decode:
             # Query head h uses KV head h // group: fold each group into the query dimension.
             queries = q.view(bs, kv_heads, heads // kv_heads, head_dim)
-            out = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=md.mask.to(q.dtype), scale=layer.scaling
-            )
+            out = _sdpa(queries, keys, values, md.mask.to(q.dtype), layer.scaling, cap)
             return out.reshape(num_tokens, heads * head_dim)
         queries = q.view(num_tokens, heads, head_dim)
         if md.q_index is None:
             queries = queries.view(bs, md.max_q, heads, head_dim).transpose(1, 2)
         else:
             queries = queries[md.q_index].transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            queries,
-            keys,
-            values,
-            attn_mask=md.mask.to(q.dtype),
-            scale=layer.scaling,
-            enable_gqa=heads != kv_heads,
-        )
+        out = _sdpa(queries, keys, values, md.mask.to(q.dtype), layer.scaling, cap)
         out = out.transpose(1, 2)
         if md.q_valid is not None:
             out = out[md.q_valid]

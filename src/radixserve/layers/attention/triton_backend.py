@@ -106,13 +106,14 @@ class TritonAttnBackend(PagedAttentionBackend):
         )
         if forward_batch.forward_mode.is_decode:
             self.kernels.decode_attention(
-                q3, kv, out, forward_batch.seq_lens, layer.scaling, self.num_kv_splits
+                q3, kv, out, forward_batch.seq_lens, layer.scaling, self.num_kv_splits,
+                layer.sliding_window, layer.logit_cap,
             )
         else:
             md = self._extend
             assert md is not None
             self.kernels.extend_attention(
                 q3, kv, out, md.prefix_lens, md.extend_lens, md.q_starts, md.max_extend,
-                layer.scaling,
+                layer.scaling, layer.sliding_window, layer.logit_cap,
             )
         return out.view(num_tokens, heads * head_dim)

@@ -19,6 +19,12 @@ extend offset ``j`` sits at position ``prefix + j`` and attends causally over ev
 to it, prefix and new tokens alike, all read from the pool (the backend writes the new K/V there
 first). Blocks past a request's own new tokens return at once.
 
+A sliding window W (``WINDOW`` > 0) limits a query at position p to keys (p - W, p]: decode
+splits only the last W positions of each request, extend starts each query block at the key
+block holding its first row's earliest key; the earlier slots are never read. A soft cap C
+(``SOFTCAP`` > 0, Gemma 2) replaces each scaled score s by C * tanh(s / C) before the softmax.
+Both are compile-time constants (a model has at most two windows).
+
 Scores, softmax and sums are float32; fp32 models take ``tl.dot`` in IEEE precision (no TF32),
 so their greedy output matches ``transformers``. Every kernel masks head dimensions up to the
 next power of two, so head_dim 64-256 (and sizes like 80 or 96) all run.
@@ -79,6 +85,7 @@ def _attend_kv_block(
     K_buf, V_buf, K_scale, V_scale, req_to_token, row, kv_head, sm_scale,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_s, stride_r2t,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, KV_FORMAT: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step, shared by decode and extend: attend the query rows ``q`` to the
     KV positions ``pos`` (those at ``end`` or past it masked; with ``CAUSAL``, also those past
@@ -93,14 +100,23 @@ def _attend_kv_block(
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
+    qk = qk * sm_scale
+    if SOFTCAP > 0:
+        # tanh(x) = 2 sigmoid(2x) - 1, in float32
+        qk = SOFTCAP * (2.0 / (1.0 + tl.exp(-2.0 * qk / SOFTCAP)) - 1.0)
     if CAUSAL:
-        qk = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], qk * sm_scale,
-                      float("-inf"))
+        visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
+        qk = tl.where(visible, qk, float("-inf"))
     else:
-        qk = tl.where(n_mask[None, :], qk * sm_scale, float("-inf"))
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(qk - m_new[:, None])
+    # A row that has seen no key yet (a window starting past this block) keeps m = -inf: shift
+    # by 0 instead, so that its alpha and p are 0, not NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_shift)
+    p = tl.exp(qk - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_kv_rows(V_buf, V_scale, slots, kv_head, stride_vt, stride_vh, stride_s, offs_d,
                       kv_mask, n_mask, q.dtype, KV_FORMAT)
@@ -123,14 +139,18 @@ def _decode_stage1(
     KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
     KV_FORMAT: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
     row = tl.load(req_pool_indices + b)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
-    start = split * split_len
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(seq_len - WINDOW, 0)
+    split_len = tl.cdiv(seq_len - first, NUM_SPLITS)
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_H)
@@ -153,6 +173,7 @@ def _decode_stage1(
             K_buf, V_buf, K_scale, V_scale, req_to_token, row, kv_head, sm_scale,
             stride_kt, stride_kh, stride_vt, stride_vh, stride_s, stride_r2t,
             CAUSAL=False, IEEE=IEEE, KV_FORMAT=KV_FORMAT,
+            WINDOW=WINDOW, SOFTCAP=SOFTCAP,
         )
     if end > start:
         tl.store(
@@ -172,10 +193,13 @@ def _decode_stage2(
     stride_mlb, stride_mlh,
     stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens + b)
+    if WINDOW > 0:
+        seq_len = tl.minimum(seq_len, WINDOW)  # the positions stage 1 split
     split_len = tl.cdiv(seq_len, NUM_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
@@ -210,6 +234,7 @@ def _extend_kernel(
     stride_r2t,
     KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, KV_FORMAT: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -231,22 +256,26 @@ def _extend_kernel(
             other=0.0,
         )
         q_pos = prefix + offs_m
-        # Every query row sees position 0, so each row's running max is finite after the first
-        # block (padding rows too; their output is not stored).
+        # Every real row sees at least itself; padding rows' output is not stored.
         kv_end = tl.minimum(prefix + (m_block + 1) * BLOCK_M, prefix + extend_len)
+        kv_begin = 0
+        if WINDOW > 0:
+            kv_begin = tl.maximum(prefix + m_block * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for block in range(0, kv_end, BLOCK_N):
+        for block in range(kv_begin, kv_end, BLOCK_N):
             acc, m_i, l_i = _attend_kv_block(
                 q, acc, m_i, l_i, q_pos, block + offs_n, kv_end, offs_d, d_mask,
                 K_buf, V_buf, K_scale, V_scale, req_to_token, row, kv_head, sm_scale,
                 stride_kt, stride_kh, stride_vt, stride_vh, stride_s, stride_r2t,
                 CAUSAL=True, IEEE=IEEE, KV_FORMAT=KV_FORMAT,
+                WINDOW=WINDOW, SOFTCAP=SOFTCAP,
             )
         tl.store(
             Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-            (acc / l_i[:, None]).to(Out.dtype.element_ty),
+            # padding rows past a window see no key (l = 0); their output is not stored
+            (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(Out.dtype.element_ty),
             mask=m_mask[:, None] & d_mask[None, :],
         )
 
@@ -292,10 +321,12 @@ def decode_attention(
     seq_lens: torch.Tensor,
     sm_scale: float,
     num_kv_splits: int = NUM_KV_SPLITS,
+    window: int | None = None,
+    softcap: float = 0.0,
 ) -> None:
     """Attention of one query token per request (``q`` ``[bs, heads, head_dim]``) over each
-    request's ``seq_lens[i]`` positions of ``kv``; written into ``out``
-    (``[bs, heads, head_dim]``)."""
+    request's ``seq_lens[i]`` positions of ``kv`` (the last ``window`` of them, with a sliding
+    window); written into ``out`` (``[bs, heads, head_dim]``)."""
     req_to_token, req_pool_indices = kv.req_to_token, kv.req_pool_indices
     k_buffer, v_buffer, k_scale, v_scale, stride_s, kv_format = _kv_args(kv)
     bs, heads, head_dim = q.shape
@@ -318,13 +349,14 @@ def decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=64 if block_d <= 128 else 32,
         NUM_SPLITS=num_kv_splits, IEEE=q.dtype == torch.float32, KV_FORMAT=kv_format,
+        WINDOW=window or 0, SOFTCAP=float(softcap),
     )
     _decode_stage2[(bs, heads)](
         mid_o, mid_lse, out, seq_lens,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits, WINDOW=window or 0,
     )
 
 
@@ -337,6 +369,8 @@ def extend_attention(
     q_starts: torch.Tensor,
     max_extend: int,
     sm_scale: float,
+    window: int | None = None,
+    softcap: float = 0.0,
 ) -> None:
     """Causal attention of each request's new tokens (``q`` ``[num_tokens, heads, head_dim]``,
     request ``i``'s ``extend_lens[i]`` rows from ``q_starts[i]``) over its prefix and new tokens,
@@ -359,4 +393,5 @@ def extend_attention(
         KV_GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=32 if small else 64, IEEE=q.dtype == torch.float32,
         KV_FORMAT=kv_format,
+        WINDOW=window or 0, SOFTCAP=float(softcap),
     )

@@ -13,6 +13,10 @@
 // float32 whatever the storage dtype; every sum runs in the same order whatever the pass sizes,
 // so a request's output does not depend on the batch.
 //
+// A sliding window W (window > 0) starts each request's keys at position seq_len - W: the
+// earlier slots are never read. A soft cap C (softcap > 0, Gemma 2) replaces each scaled score s
+// by C * tanh(s / C) before the softmax.
+//
 // Tasks never race: a task writes only its own head of its own request's new slot, and reads
 // only its own request's slots.
 //
@@ -185,7 +189,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
                            const at::Tensor& v_buffer, const at::Tensor& k_scale,
                            const at::Tensor& v_scale, const at::Tensor& req_to_token,
                            const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                           double scale, at::Tensor& out) {
+                           double scale, int64_t window, double softcap, at::Tensor& out) {
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = k_buffer.size(1), group = heads / kv_heads;
   constexpr int64_t regs = kRegs;
@@ -207,16 +211,20 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
   T* out_ptr = out.data_ptr<T>();
   const __m512 scale_v = _mm512_set1_ps(static_cast<float>(scale));
+  const float cap = static_cast<float>(softcap);
 
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     // the group's scaled queries and output sums, head_dim / 16 registers per query head
     std::vector<__m512> query(group * regs), acc(group * regs);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads, len = len_ptr[b];
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      // the keys the query sees: positions [first, seq_len)
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len_ptr[b] - window) : 0;
+      const int64_t len = len_ptr[b] - first;
       const int64_t head_off = h * head_dim;
-      Rows<S> rows{k_ptr + head_off, v_ptr + head_off, table + pool_idx[b] * table_stride,
-                   kv_row};
+      Rows<S> rows{k_ptr + head_off, v_ptr + head_off,
+                   table + pool_idx[b] * table_stride + first, kv_row};
       if constexpr (quantized) {
         rows.k_scale = k_scale_ptr + h;
         rows.v_scale = v_scale_ptr + h;
@@ -247,6 +255,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
         }
       };
       over_blocks(std::true_type{}, query.data());
+      if (cap > 0.0f) {
+        for (float& x : scores) x = cap * std::tanh(x / cap);
+      }
       softmax_rows(scores.data(), group, len);
       over_blocks(std::false_type{}, acc.data());
       T* dst = out_ptr + b * heads * head_dim + h * group * head_dim;
@@ -268,7 +279,8 @@ void check_long_vector(const at::Tensor& t, int64_t n, const char* name) {
 void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& loc, at::Tensor k_buffer, at::Tensor v_buffer,
                       const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                      const at::Tensor& seq_lens, double scale, at::Tensor out) {
+                      const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                      at::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k_buffer.dim() == 3 &&
                   v_buffer.dim() == 3 && out.sizes() == q.sizes(),
               "q and out must be [batch, heads, head_dim], k, v and the KV buffers "
@@ -302,7 +314,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     with_constant<kMaxHeadRegs>(q.size(2) / kLanes, [&](auto regs) {
       decode_attention_impl<T, T, decltype(regs)::value>(
           q, k, v, loc, k_buffer, v_buffer, at::Tensor(), at::Tensor(), req_to_token,
-          req_pool_indices, seq_lens, scale, out);
+          req_pool_indices, seq_lens, scale, window, softcap, out);
     });
   };
   with_attention_dtype("decode_attention", q, run);
@@ -315,7 +327,7 @@ void decode_attention_quant(const at::Tensor& q, const at::Tensor& k_buffer,
                             const at::Tensor& v_buffer, const at::Tensor& k_scale,
                             const at::Tensor& v_scale, const at::Tensor& req_to_token,
                             const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                            double scale, at::Tensor out) {
+                            double scale, int64_t window, double softcap, at::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && out.sizes() == q.sizes() &&
                   k_buffer.sizes() == v_buffer.sizes() && k_buffer.size(2) == q.size(2),
               "decode_attention_quant: q and out must be [batch, heads, head_dim], the KV "
@@ -347,7 +359,7 @@ void decode_attention_quant(const at::Tensor& q, const at::Tensor& k_buffer,
     with_constant<kMaxHeadRegs>(q.size(2) / kLanes, [&](auto regs) {
       decode_attention_impl<float, S, decltype(regs)::value>(
           q, at::Tensor(), at::Tensor(), at::Tensor(), k_buffer, v_buffer, k_scale, v_scale,
-          req_to_token, req_pool_indices, seq_lens, scale, out);
+          req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out);
     });
   });
 }
@@ -355,10 +367,11 @@ void decode_attention_quant(const at::Tensor& q, const at::Tensor& k_buffer,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
-  m.def("decode_attention(" RADIXSERVE_PAGED_ATTENTION_ARGS "float scale, Tensor(c!) out) -> ()");
+  m.def("decode_attention(" RADIXSERVE_PAGED_ATTENTION_ARGS
+        "float scale, int window, float softcap, Tensor(c!) out) -> ()");
   m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
   m.def("decode_attention_quant(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor k_scale, "
         "Tensor v_scale, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
-        "float scale, Tensor(c!) out) -> ()");
+        "float scale, int window, float softcap, Tensor(c!) out) -> ()");
   m.impl("decode_attention_quant", c10::DispatchKey::CPU, &decode_attention_quant);
 }

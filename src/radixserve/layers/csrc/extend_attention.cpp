@@ -16,6 +16,11 @@
 // is loaded once per tile rather than once per row (the value pass was bound by loads: two per
 // FMA).
 //
+// A sliding window W (window > 0) limits a row at position p to keys (p - W, p]: its task starts
+// at the key block holding its first row's earliest key (blocks stay aligned to absolute
+// positions), and a row skips the blocks wholly before its window. A soft cap C (softcap > 0,
+// Gemma 2) replaces each scaled score s by C * tanh(s / C) before the softmax.
+//
 // A row's result depends only on its query, its position and the keys up to it, never on the
 // other rows of its task, the chunk it is prefilled in or the tokens cached before it: the same
 // operations run in the same order for it whatever the batch (batch invariance, which
@@ -153,7 +158,8 @@ inline void weigh_values(float* acc, const float* alpha, const float* probs, con
 template <typename T, typename S>
 void attend_block(const T* q, const PoolKV<S>& kv, const int64_t* slots,
                   int64_t token0, int64_t prefix, int64_t first, int64_t count, int64_t h,
-                  float scale, T* out, const Shape& s, std::vector<float>& scratch) {
+                  float scale, int64_t window, float cap, T* out, const Shape& s,
+                  std::vector<float>& scratch) {
   const int64_t D = s.head_dim, G = s.group, rows = count * G;
   const int64_t padded = (rows + kRowTile - 1) / kRowTile * kRowTile;
   const int64_t max_pos = prefix + first + count - 1;
@@ -187,7 +193,9 @@ void attend_block(const T* q, const PoolKV<S>& kv, const int64_t* slots,
   std::fill(l, l + padded, 0.0f);
   std::fill(alpha, alpha + padded, 1.0f);
   const int64_t head_off = h * D;
-  for (int64_t k0 = 0; k0 <= max_pos; k0 += kKeys) {
+  const int64_t k_begin =
+      window > 0 ? std::max<int64_t>(0, prefix + first - window + 1) / kKeys * kKeys : 0;
+  for (int64_t k0 = k_begin; k0 <= max_pos; k0 += kKeys) {
     const int64_t n = std::min(kKeys, max_pos + 1 - k0);
     // the block in float32, a short last block zero-padded: values as they are, keys
     // transposed 16 x 16 in registers (a scalar store per element had cost decode steps in
@@ -237,16 +245,25 @@ void attend_block(const T* q, const PoolKV<S>& kv, const int64_t* slots,
           _mm512_storeu_ps(probs + (r0 + t) * kKeys + c * kLanes, sc[t][c]);
         }
     }
+    if (cap > 0.0f) {
+      for (int64_t i = 0; i < padded * kKeys; ++i) probs[i] = cap * std::tanh(probs[i] / cap);
+    }
     // the online softmax of each row that sees a key of the block
     for (int64_t r = 0; r < padded; ++r) {
-      live[r] = k0 <= pos[r];
-      if (!live[r]) continue;  // every key of the block is in this row's future
+      // the row's first visible key, relative to the block (<= 0: all of the block's start)
+      const int64_t lo = window > 0 ? pos[r] - window + 1 - k0 : 0;
+      // every key of the block is in this row's future, or before its window
+      live[r] = k0 <= pos[r] && lo < n;
+      if (!live[r]) continue;
       const int64_t seen = std::min(n, pos[r] + 1 - k0);  // keys of the block it sees, >= 1
       __mmask16 visible[kChunks];
       __m512 sc[kChunks];
       __m512 top = _mm512_set1_ps(-INFINITY);
       for (int c = 0; c < kChunks; ++c) {
         visible[c] = lanes(std::max<int64_t>(0, seen - c * kLanes));
+        if (lo > 0) {
+          visible[c] &= static_cast<__mmask16>(~lanes(std::clamp<int64_t>(lo - c * kLanes, 0, 16)));
+        }
         sc[c] = _mm512_loadu_ps(probs + r * kKeys + c * kLanes);
         top = _mm512_mask_max_ps(top, visible[c], top, sc[c]);
       }
@@ -302,7 +319,7 @@ void extend_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
                            const at::Tensor& k_scale, const at::Tensor& v_scale,
                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                            const at::Tensor& seq_lens, const at::Tensor& extend_lens,
-                           double scale, at::Tensor& out) {
+                           double scale, int64_t window, double softcap, at::Tensor& out) {
   const int64_t tokens = q.size(0), batch = seq_lens.size(0);
   Shape s{q.size(1), k_buffer.size(1), q.size(1) / k_buffer.size(1), q.size(2), q.stride(0),
           k_buffer.size(1) * q.size(2), req_to_token.stride(0), out.stride(0)};
@@ -358,7 +375,8 @@ void extend_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
     for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
       const Task& t = tasks[i];
       attend_block(qp, kv, table + pool_idx[t.b] * s.table_stride, t.token0, t.prefix,
-                   t.first, t.count, t.h, static_cast<float>(scale), op, s, scratch);
+                   t.first, t.count, t.h, static_cast<float>(scale), window,
+                   static_cast<float>(softcap), op, s, scratch);
     }
   });
 }
@@ -377,7 +395,7 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       const at::Tensor& loc, at::Tensor k_buffer, at::Tensor v_buffer,
                       const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                       const at::Tensor& seq_lens, const at::Tensor& extend_lens, double scale,
-                      at::Tensor out) {
+                      int64_t window, double softcap, at::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k_buffer.dim() == 3 &&
                   v_buffer.dim() == 3 && out.sizes() == q.sizes(),
               "extend_attention: q and out must be [tokens, heads, head_dim], k, v and the KV "
@@ -416,7 +434,7 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     using T = decltype(dtype_tag);
     extend_attention_impl<T, T>(q, k, v, loc, k_buffer, v_buffer, at::Tensor(), at::Tensor(),
                                 req_to_token, req_pool_indices, seq_lens, extend_lens, scale,
-                                out);
+                                window, softcap, out);
   });
 }
 
@@ -427,7 +445,7 @@ void extend_attention_quant(const at::Tensor& q, at::Tensor k_buffer, at::Tensor
                             const at::Tensor& k_scale, const at::Tensor& v_scale,
                             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                             const at::Tensor& seq_lens, const at::Tensor& extend_lens,
-                            double scale, at::Tensor out) {
+                            double scale, int64_t window, double softcap, at::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && out.sizes() == q.sizes() &&
                   k_buffer.sizes() == v_buffer.sizes() && k_buffer.size(2) == q.size(2),
               "extend_attention_quant: q and out must be [tokens, heads, head_dim], the KV "
@@ -461,7 +479,7 @@ void extend_attention_quant(const at::Tensor& q, at::Tensor k_buffer, at::Tensor
   with_quantized_kv_dtype("extend_attention_quant", k_buffer, [&](auto code_tag) {
     extend_attention_impl<float, decltype(code_tag)>(
         q, at::Tensor(), at::Tensor(), at::Tensor(), k_buffer, v_buffer, k_scale, v_scale,
-        req_to_token, req_pool_indices, seq_lens, extend_lens, scale, out);
+        req_to_token, req_pool_indices, seq_lens, extend_lens, scale, window, softcap, out);
   });
 }
 
@@ -469,10 +487,10 @@ void extend_attention_quant(const at::Tensor& q, at::Tensor k_buffer, at::Tensor
 
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("extend_attention(" RADIXSERVE_PAGED_ATTENTION_ARGS
-        "Tensor extend_lens, float scale, Tensor(c!) out) -> ()");
+        "Tensor extend_lens, float scale, int window, float softcap, Tensor(c!) out) -> ()");
   m.impl("extend_attention", c10::DispatchKey::CPU, &extend_attention);
   m.def("extend_attention_quant(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor k_scale, "
         "Tensor v_scale, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
-        "Tensor extend_lens, float scale, Tensor(c!) out) -> ()");
+        "Tensor extend_lens, float scale, int window, float softcap, Tensor(c!) out) -> ()");
   m.impl("extend_attention_quant", c10::DispatchKey::CPU, &extend_attention_quant);
 }

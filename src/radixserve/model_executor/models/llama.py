@@ -14,6 +14,7 @@ returns its ``StageActivations`` instead of logits; one that is not the first ta
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,9 @@ class LayerSpec:
     qkv_bias: bool  # a bias on q, k and v (Qwen2)
     qk_norm: bool  # RMSNorm per q and k head before RoPE (Qwen3)
     tp: RankGroup
+    sliding_window: int | None = None  # every layer's attention window (Mistral, Phi-3)
+    # the MLP of decoder layer i, or None for Llama's (MoE families: ``moe.py``)
+    mlp_factory: Callable[[LayerSpec, int], nn.Module | None] | None = None
 
 
 class LlamaAttention(nn.Module):
@@ -89,6 +93,7 @@ class LlamaAttention(nn.Module):
             num_kv_heads=self.qkv_proj.num_kv_heads,
             layer_id=kv_layer,
             backend=spec.attn_backend,
+            sliding_window=spec.sliding_window,
         )
 
     def forward(
@@ -135,12 +140,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: LayerSpec, kv_layer: int) -> None:
-        """``kv_layer``: this layer's index in the rank's KV pool (its stage's layers only)."""
+    def __init__(self, spec: LayerSpec, kv_layer: int, layer_index: int = 0) -> None:
+        """``kv_layer``: this layer's index in the rank's KV pool (its stage's layers only);
+        ``layer_index``: its index in the model."""
         super().__init__()
         config = spec.config
         self.self_attn = LlamaAttention(spec, kv_layer)
-        self.mlp = LlamaMLP(
+        mlp = spec.mlp_factory(spec, layer_index) if spec.mlp_factory is not None else None
+        self.mlp = mlp if mlp is not None else LlamaMLP(
             config.hidden_size,
             config.intermediate_size,
             bias=bool(config.hf_config.get("mlp_bias", False)),
@@ -178,6 +185,8 @@ class LlamaModel(nn.Module):
         qkv_bias: bool,
         qk_norm: bool,
         parallel: ParallelState,
+        sliding_window: int | None = None,
+        mlp_factory: Callable[[LayerSpec, int], nn.Module | None] | None = None,
     ) -> None:
         super().__init__()
         info, tp = parallel.info, parallel.tp
@@ -192,9 +201,10 @@ class LlamaModel(nn.Module):
             config.head_dim, config.context_len, config.rope_theta, config.rope_scaling
         )
         start = self.stage_layers.start
-        spec = LayerSpec(config, attn_backend, qkv_bias, qk_norm, tp)
+        spec = LayerSpec(config, attn_backend, qkv_bias, qk_norm, tp, sliding_window,
+                         mlp_factory)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, i - start)
+            LlamaDecoderLayer(spec, i - start, i)
             if i in self.stage_layers
             else MissingLayer()
             for i in range(config.num_hidden_layers)
@@ -249,10 +259,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.parallel = parallel or ParallelState.single()
         info = self.parallel.info
-        self.model = LlamaModel(
-            config, attn_backend, qkv_bias=self.qkv_bias(config), qk_norm=self.qk_norm,
-            parallel=self.parallel,
-        )
+        self.model = self.build_model(config, attn_backend)
         self.lm_head = (
             LMHead(config.vocab_size, config.hidden_size, quant_config=config.quantization,
                    tp=self.parallel.tp)
@@ -264,6 +271,24 @@ class LlamaForCausalLM(nn.Module):
             self.tie_word_embeddings()
         self.logits_processor = LogitsProcessor()
         self.pooler = Pooler(PoolingType.LAST, normalize=True)
+
+    def build_model(self, config: ModelConfig, attn_backend: AttentionBackend) -> nn.Module:
+        """The decoder stack (embedding, layers, final norm): the seam a family with other layers
+        (``gemma2.py``) overrides, keeping the head, tying and stage logic of this class."""
+        return LlamaModel(
+            config, attn_backend, qkv_bias=self.qkv_bias(config), qk_norm=self.qk_norm,
+            parallel=self.parallel, sliding_window=self.sliding_window(config),
+            mlp_factory=self.build_mlp,
+        )
+
+    def build_mlp(self, spec: LayerSpec, layer_index: int) -> nn.Module | None:
+        """Layer ``layer_index``'s MLP; None: Llama's gated MLP (MoE families override)."""
+        return None
+
+    @staticmethod
+    def sliding_window(config: ModelConfig) -> int | None:
+        """Every layer's attention window; Llama has none (Mistral and Phi-3 read theirs)."""
+        return None
 
     @staticmethod
     def qkv_bias(config: ModelConfig) -> bool:
