@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "radixserve.envs": 0,
     "radixserve.finish_reason": 0,
     "radixserve.version": 0,
+    "radixserve.startup_gc": 0,
     "radixserve.server_args": 0,
     "radixserve.sampling": 1,
     "radixserve.distributed": 1,

@@ -2,7 +2,13 @@
 
 import sys
 
-from radixserve.cli import main
+from radixserve import startup_gc
+
+# First thing, in the server and in each child it spawns (they re-import this module): no
+# garbage collection while torch and the server stack load; each process resumes it once ready.
+startup_gc.pause()
+
+from radixserve.cli import main  # noqa: E402
 
 # Guarded: the spawned children re-import the main module and must not start a server.
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from radixserve import envs
+from radixserve import envs, startup_gc
 from radixserve.registry_choices import REGISTRY_CHOICES, check_registry_choices
 from radixserve.server_args import (
     CPU_KERNEL_AUTOTUNE_MODES,
@@ -331,3 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError) as e:
         print(f"radixserve: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        # What is left is the interpreter's exit, whose collections would walk the whole heap
+        # (seconds on two cores): frozen objects are skipped, atexit handlers still run.
+        startup_gc.freeze_and_resume()

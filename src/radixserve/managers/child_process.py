@@ -30,6 +30,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from radixserve import startup_gc
+
 _PARENT_POLL_S = 0.5
 # How a parent stops its children (they ignore the process group's SIGINT and SIGTERM).
 STOP_SIGNAL = signal.SIGUSR1
@@ -70,7 +72,9 @@ def on_sigterm(callback: Callable[[], None]) -> None:
 
 
 def report_ready(conn: Connection, info: dict[str, Any] | None = None) -> None:
-    """Tell the parent this child is ready (``info``: what the parent may read of it)."""
+    """Tell the parent this child is ready (``info``: what the parent may read of it), and
+    collect garbage again, with the start-up heap frozen (``startup_gc``)."""
+    startup_gc.freeze_and_resume()
     conn.send_bytes(json.dumps({**(info or {}), "status": "ready"}).encode())
     conn.close()
 

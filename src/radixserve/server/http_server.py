@@ -31,6 +31,7 @@ from typing import Any
 
 import uvicorn
 
+from radixserve import startup_gc
 from radixserve.managers.launcher import (
     start_subprocesses,
     stop_timeout,
@@ -287,6 +288,7 @@ class _Lifecycle:
             self.ctx.state = ServerState.READY
             url = server_url(self.server_args.host, self.server_args.port)
             print(f"radixserve ready: {url} (model {self.ctx.model_name})", flush=True)
+            startup_gc.freeze_and_resume()
             self.app.state.batch_runner.resume()
 
     async def _warm_up(self) -> None:
