@@ -37,7 +37,9 @@ from tests.managers.speculative_helpers import (
     session_turns,
 )
 
-SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6}
+# every batch here speculates (the default switch-off, 2, would leave most of them plain)
+SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6,
+        "speculative_max_batch_size": 16}
 
 
 CONFIGS = {
@@ -107,7 +109,7 @@ def test_a_radix_hit_reuses_the_kv_speculation_left(llama_path):
 
 def test_abort_storm_of_speculating_requests_leaks_nothing(llama_path):
     prompts = repetitive_prompts() * 3
-    driver = new_driver(llama_path, page_size=4, speculative_max_batch_size=32, **SPEC)
+    driver = new_driver(llama_path, page_size=4, **{**SPEC, "speculative_max_batch_size": 32})
     for i, ids in enumerate(prompts):
         driver.submit(f"r{i}", ids, max_new_tokens=MAX_NEW, ignore_eos=True)
     for step in range(12):
@@ -120,6 +122,21 @@ def test_abort_storm_of_speculating_requests_leaks_nothing(llama_path):
     assert sum(r.finished_reason["type"] == "abort" for r in results.values()) >= 4
     assert driver.scheduler.loop.decoder.stats.num_accepted_drafts > 0
     # the shared fixture checks the memory invariant (no KV slot or row leaked)
+
+
+def test_batches_above_the_max_batch_size_decode_without_speculation(llama_path):
+    """The default switch-off (2, measured: benchmarks/RESULTS.md): while three requests run,
+    steps are plain decode steps; once the shortest has finished, the two left speculate."""
+    prompts = repetitive_prompts()[4:7]
+    flags = {key: value for key, value in SPEC.items() if key != "speculative_max_batch_size"}
+    per_request = {"p0": {"max_new_tokens": 6}}
+    plain, spec, scheduler = run_both(llama_path, flags, prompts, per_request,
+                                      params={"max_new_tokens": 24})
+    assert scheduler.loop.decoder.max_batch_size == 2
+    stats = scheduler.loop.decoder.stats
+    assert stats.num_verify_steps > 0 and stats.num_accepted_drafts > 0
+    assert stats.num_verify_reqs <= 2 * stats.num_verify_steps
+    assert_same(plain, spec)
 
 
 def test_seeded_and_logprob_requests_decode_without_speculation(llama_path):
