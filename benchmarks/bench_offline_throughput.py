@@ -140,7 +140,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--speculative-draft-model-path",
                    help="STANDALONE's draft model (default: the --model itself)")
     p.add_argument("--speculative-draft-model-quantization", choices=("int8",))
-    p.add_argument("--speculative-max-batch-size", type=int, default=8)
+    p.add_argument("--speculative-max-batch-size", type=int, default=2,
+                   help="the server's default; a batch-size sweep needs at least its largest")
     p.add_argument("--speculative-ngram-min-match-window-size", type=int, default=1)
     p.add_argument("--speculative-ngram-max-match-window-size", type=int, default=12)
     p.add_argument("--plot", type=Path, help="write a PNG of the results (needs matplotlib)")

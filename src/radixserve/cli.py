@@ -168,7 +168,8 @@ HELP: dict[str, str] = {
     "speculative_num_steps": "STANDALONE: draft tokens the draft model decodes per verify step "
     "(default 4).",
     "speculative_eagle_topk": "STANDALONE: drafts per position; 1 (chain drafts) in this build.",
-    "speculative_max_batch_size": "Decode batches larger than this run without speculation.",
+    "speculative_max_batch_size": "Decode batches larger than this run without speculation; "
+    "the default is the crossover measured on a 2-core CPU: raise it on bigger machines.",
     "enable_lora": "Serve LoRA adapters on top of the base model (docs/lora.md).",
     "lora_paths": "LoRA adapters to load at start, as NAME=PATH (PEFT adapter folders) or "
     "PATH (named by its path); requests pick one with lora_path or model=BASE:NAME.",

@@ -103,7 +103,9 @@ class ServerArgs:
     speculative_draft_model_quantization: str | None = None  # e.g. int8 (the target as draft)
     speculative_num_steps: int | None = None  # STANDALONE: draft forwards per step (default 4)
     speculative_eagle_topk: int | None = None  # STANDALONE: 1 (chain drafts; no trees)
-    speculative_max_batch_size: int = 8
+    # measured crossover (benchmarks/RESULTS.md, "batch-size switch-off"): NGRAM on the edit
+    # workload paid at batch 1-2 and lost at 4 and 8 on a loaded 2-core CPU
+    speculative_max_batch_size: int = 2
     # LoRA adapters (lora/, docs/lora.md)
     enable_lora: bool = False
     lora_paths: list[str] | None = None  # "name=path" or "path" (named by its path)

@@ -9,19 +9,11 @@ request row comes back, also after the KV of rejected drafts was freed mid-page.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 import pytest
 import torch
 
-from radixserve.managers.io_struct import (
-    AbortReq,
-    CloseSessionReqInput,
-    OpenSessionReqInput,
-    SessionParams,
-    TokenizedGenerateReqInput,
-)
-from radixserve.sampling.sampling_params import SamplingParams
+from radixserve.managers.io_struct import AbortReq
 from radixserve.speculative import (
     NgramProposer,
     greedy_accept,
@@ -35,41 +27,19 @@ from tests.managers.conftest import (
     make_prompts,
     new_driver,
 )
+from tests.managers.speculative_helpers import (
+    CHI2_5_DOF_999,
+    MAX_NEW,
+    assert_same,
+    chi_square,
+    repetitive_prompts,
+    run_both,
+    session_turns,
+)
 
-SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6}
-MAX_NEW = 40
-
-
-def repetitive_prompts() -> list[list[int]]:
-    """Random prompts, and prompts made of a repeated phrase (drafts from the prompt)."""
-    prompts = make_prompts(VOCAB_SIZE, (3, 17, 40, 71), seed=5)
-    for n, phrase_len in ((60, 7), (45, 11), (90, 5)):
-        phrase = make_prompts(VOCAB_SIZE, (phrase_len,), seed=n)[0]
-        prompts.append((phrase * (n // phrase_len + 1))[:n])
-    return prompts
-
-
-def run_both(path, prompts: list[list[int]], per_request: dict[str, dict[str, Any]] | None = None,
-             **overrides: Any):
-    """Results of the plain and the speculative scheduler, and the speculative scheduler."""
-    results = []
-    for spec in (False, True):
-        driver = new_driver(path, **(SPEC if spec else {}), **overrides)
-        for i, ids in enumerate(prompts):
-            params = {"max_new_tokens": MAX_NEW, **(per_request or {}).get(f"p{i}", {})}
-            driver.submit(f"p{i}", ids, **params)
-        driver.run()
-        results.append(driver.results())
-    return results[0], results[1], driver.scheduler
-
-
-def assert_same(plain, spec) -> None:
-    assert plain.keys() == spec.keys()
-    for rid, want in plain.items():
-        got = spec[rid]
-        assert got.tokens == want.tokens, rid
-        assert got.finished_reason == want.finished_reason, rid
-        assert got.completion_tokens == len(got.tokens)
+# every batch here speculates (the default switch-off, 2, would leave most of them plain)
+SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6,
+        "speculative_max_batch_size": 16}
 
 
 CONFIGS = {
@@ -85,7 +55,7 @@ CONFIGS = {
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_greedy_outputs_equal_plain_decoding_and_transformers(llama_path, config):
     prompts = repetitive_prompts()
-    plain, spec, scheduler = run_both(llama_path, prompts, **CONFIGS[config])
+    plain, spec, scheduler = run_both(llama_path, SPEC, prompts, **CONFIGS[config])
     decoder = scheduler.loop.decoder
     if config == "retract":
         assert scheduler.num_retracted_reqs > 0
@@ -115,7 +85,7 @@ def test_stops_and_length_inside_a_draft_end_the_request_there(llama_path):
         "p2": {"stop": [stop_text]},
     }
     plain, spec, scheduler = run_both(
-        llama_path, [prompts[5], prompts[6], prompts[5]], per_request
+        llama_path, SPEC, [prompts[5], prompts[6], prompts[5]], per_request
     )
     assert scheduler.loop.decoder.stats.num_accepted_drafts > 0
     assert_same(plain, spec)
@@ -139,7 +109,7 @@ def test_a_radix_hit_reuses_the_kv_speculation_left(llama_path):
 
 def test_abort_storm_of_speculating_requests_leaks_nothing(llama_path):
     prompts = repetitive_prompts() * 3
-    driver = new_driver(llama_path, page_size=4, speculative_max_batch_size=32, **SPEC)
+    driver = new_driver(llama_path, page_size=4, **{**SPEC, "speculative_max_batch_size": 32})
     for i, ids in enumerate(prompts):
         driver.submit(f"r{i}", ids, max_new_tokens=MAX_NEW, ignore_eos=True)
     for step in range(12):
@@ -152,6 +122,21 @@ def test_abort_storm_of_speculating_requests_leaks_nothing(llama_path):
     assert sum(r.finished_reason["type"] == "abort" for r in results.values()) >= 4
     assert driver.scheduler.loop.decoder.stats.num_accepted_drafts > 0
     # the shared fixture checks the memory invariant (no KV slot or row leaked)
+
+
+def test_batches_above_the_max_batch_size_decode_without_speculation(llama_path):
+    """The default switch-off (2, measured: benchmarks/RESULTS.md): while three requests run,
+    steps are plain decode steps; once the shortest has finished, the two left speculate."""
+    prompts = repetitive_prompts()[4:7]
+    flags = {key: value for key, value in SPEC.items() if key != "speculative_max_batch_size"}
+    per_request = {"p0": {"max_new_tokens": 6}}
+    plain, spec, scheduler = run_both(llama_path, flags, prompts, per_request,
+                                      params={"max_new_tokens": 24})
+    assert scheduler.loop.decoder.max_batch_size == 2
+    stats = scheduler.loop.decoder.stats
+    assert stats.num_verify_steps > 0 and stats.num_accepted_drafts > 0
+    assert stats.num_verify_reqs <= 2 * stats.num_verify_steps
+    assert_same(plain, spec)
 
 
 def test_seeded_and_logprob_requests_decode_without_speculation(llama_path):
@@ -171,15 +156,9 @@ def test_seeded_and_logprob_requests_decode_without_speculation(llama_path):
 
 def test_logprobs_of_kept_tokens_equal_plain_decoding_and_transformers(llama_path):
     prompts = repetitive_prompts()[4:7]
-    results = []
-    for spec in (False, True):
-        driver = new_driver(llama_path, **(SPEC if spec else {}))
-        for i, ids in enumerate(prompts):
-            driver.submit(f"p{i}", ids, max_new_tokens=MAX_NEW, return_logprob=True)
-        driver.run()
-        results.append(driver.results())
-    plain, spec_results = results
-    assert driver.scheduler.loop.decoder.stats.num_accepted_drafts > 0
+    plain, spec_results, scheduler = run_both(llama_path, SPEC, prompts,
+                                              params={"return_logprob": True})
+    assert scheduler.loop.decoder.stats.num_accepted_drafts > 0
     refs = hf_reference(llama_path, prompts, max_new_tokens=MAX_NEW)
     for i, ref in enumerate(refs):
         got, want = spec_results[f"p{i}"], plain[f"p{i}"]
@@ -212,17 +191,6 @@ def test_sampled_requests_speculate_by_rejection_sampling(llama_path):
     assert driver.scheduler.loop.decoder.stats.num_accepted_drafts > 0
 
 
-def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    expected = probs * counts.sum()
-    keep = expected > 0
-    assert counts[~keep].sum() == 0, "a token of probability 0 was emitted"
-    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
-
-
-# chi-square critical value for 5 degrees of freedom at p = 0.001
-CHI2_5_DOF_999 = 20.52
-
-
 def test_rejection_sampling_emits_the_target_distribution():
     """Over 20,000 verify steps with fixed drafts, the first emitted token follows ``p_0`` and
     the one after an accepted first draft follows ``p_1``; the plausible wrong rule (draw from
@@ -243,9 +211,9 @@ def test_rejection_sampling_emits_the_target_distribution():
         keep = torch.rand(1, generator=gen).item() < probs[0, 2].item()
         token = 2 if keep else int(torch.multinomial(probs[0], 1, generator=gen))
         wrong_first[token] += 1
-    assert _chi_square(first, probs[0]) < CHI2_5_DOF_999
-    assert _chi_square(second, probs[1]) < CHI2_5_DOF_999
-    assert _chi_square(wrong_first, probs[0]) > 10 * CHI2_5_DOF_999
+    assert chi_square(first, probs[0]) < CHI2_5_DOF_999
+    assert chi_square(second, probs[1]) < CHI2_5_DOF_999
+    assert chi_square(wrong_first, probs[0]) > 10 * CHI2_5_DOF_999
 
 
 def test_sampling_probs_apply_the_samplers_filters():
@@ -274,33 +242,17 @@ def test_ngram_proposer_finds_the_longest_most_recent_match():
     assert greedy_accept([], [3]) == [3]
 
 
-def test_streaming_session_turns_continue_their_history_as_without_speculation(llama_path):
-    """Turns of a streaming session (their KV stays in the session's slot between turns, with
-    the rejected drafts' KV freed) and a plain request: the same tokens as the plain loop, and
-    drafts were kept inside the turns."""
-    prompts = repetitive_prompts()
-    turns = [prompts[6][:30], prompts[6][30:45], prompts[4][:20]]
-    runs = []
-    for spec in (False, True):
-        driver = new_driver(llama_path, enable_streaming_session=True, page_size=4,
-                            **(SPEC if spec else {}))
-        driver.send(OpenSessionReqInput(capacity_of_str_len=1000, session_id="chat",
-                                        streaming=True))
-        tokens = {}
-        for i, ids in enumerate(turns):
-            driver.submit(f"plain{i}", prompts[2], max_new_tokens=12)
-            driver.send(TokenizedGenerateReqInput(
-                rid=f"turn{i}", input_ids=ids,
-                sampling_params=SamplingParams(temperature=0.0, max_new_tokens=16),
-                session_params=SessionParams(id="chat"), stream=True,
-            ))
-            driver.run()
-            tokens.update({rid: r.tokens for rid, r in driver.results().items()})
-        runs.append((tokens, driver.scheduler))
-    (plain, _), (spec_tokens, scheduler) = runs
-    assert spec_tokens == plain
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "session"])
+def test_session_turns_continue_their_history_as_without_speculation(llama_path, streaming):
+    """Turns of a session (streaming: their KV stays in the session's slot between turns, with
+    the rejected drafts' KV freed; not streaming: a chain and a fork through the radix cache)
+    beside plain requests: the same tokens as the plain loop, drafts kept inside the turns, and
+    a replay of the last turn from the cache gives its tokens again."""
+    plain, _ = session_turns(llama_path, {}, streaming=streaming, page_size=4)
+    spec, scheduler = session_turns(llama_path, SPEC, streaming=streaming, page_size=4)
+    assert spec == plain
+    assert spec["replay"] == spec["turn2"]
     assert scheduler.loop.decoder.stats.num_accepted_drafts > 0
-    driver.send(CloseSessionReqInput(session_id="chat"))
 
 
 @pytest.mark.parametrize("flags, named", [
@@ -372,4 +324,4 @@ def test_sampled_tokens_through_verify_steps_follow_the_target_distribution(llam
         probs = torch.softmax(top2.values / temperature, dim=-1)
         counts = torch.tensor([seconds.count(t) for t in top2.indices.tolist()], dtype=torch.float)
         assert counts.sum() == len(seconds) > 200
-        assert _chi_square(counts, probs) < 10.83
+        assert chi_square(counts, probs) < 10.83

@@ -18,15 +18,17 @@ import torch
 from radixserve.managers.io_struct import AbortReq
 from radixserve.speculative import rejection_accept
 from tests.checkpoints import VOCAB_SIZE, build_checkpoint
+from tests.layers.helpers import kernels_here
 from tests.managers.conftest import make_prompts, new_driver
-from tests.managers.test_speculative import (
+from tests.managers.speculative_helpers import (
     CHI2_5_DOF_999,
-    _chi_square,
+    MAX_NEW,
     assert_same,
+    chi_square,
     repetitive_prompts,
+    run_both,
+    session_turns,
 )
-
-MAX_NEW = 40
 
 
 @pytest.fixture(scope="module")
@@ -67,20 +69,6 @@ def many_prompts() -> list[list[int]]:
     return repetitive_prompts() + make_prompts(VOCAB_SIZE, (5, 23, 48), seed=9)
 
 
-def run_both(path, flags: dict[str, Any], prompts: list[list[int]],
-             per_request: dict[str, dict[str, Any]] | None = None, **overrides: Any):
-    """Results of the plain and the speculative scheduler, and the speculative scheduler."""
-    results = []
-    for spec in (False, True):
-        driver = new_driver(path, **(flags if spec else {}), **overrides)
-        for i, ids in enumerate(prompts):
-            params = {"max_new_tokens": MAX_NEW, **(per_request or {}).get(f"p{i}", {})}
-            driver.submit(f"p{i}", ids, **params)
-        driver.run()
-        results.append(driver.results())
-    return results[0], results[1], driver.scheduler
-
-
 CONFIGS = {
     "self-int8": ("self-int8", {}),
     "noisy_page16": ("noisy", {"page_size": 16}),
@@ -109,6 +97,24 @@ def test_greedy_outputs_equal_plain_decoding(llama_path, drafts, config):
         assert 0 < stats.num_accepted_drafts < stats.num_draft_tokens // 2
     else:
         assert stats.num_accepted_drafts > stats.num_draft_tokens // 4
+    assert_same(plain, spec)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "standalone"])
+def test_bf16_deterministic_greedy_outputs_equal_plain_decoding(llama_path, drafts, proposer):
+    """bf16 with ``enable_deterministic_inference``: a verify step's EXTEND over ``[newest,
+    drafts...]`` must give each position the bits a decode step would (batch-invariant
+    kernels; requests also finish at other steps, so the batches differ), so greedy outputs
+    stay the plain ones, with drafts both kept and rejected."""
+    if not kernels_here():
+        pytest.skip("deterministic inference needs radixserve's CPU kernels")
+    flags = ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6,
+              "speculative_max_batch_size": 16}
+             if proposer == "ngram" else spec_flags(drafts, "noisy"))
+    plain, spec, scheduler = run_both(llama_path, flags, many_prompts(), dtype="bfloat16",
+                                      enable_deterministic_inference=True)
+    stats = scheduler.loop.decoder.stats
+    assert 0 < stats.num_accepted_drafts < stats.num_draft_tokens
     assert_same(plain, spec)
 
 
@@ -150,15 +156,9 @@ def test_stops_and_length_inside_a_draft_end_the_request_there(llama_path, draft
 
 def test_logprobs_of_kept_tokens_equal_plain_decoding(llama_path, drafts):
     prompts = many_prompts()[3:8]
-    results = []
-    for spec in (False, True):
-        driver = new_driver(llama_path, **(spec_flags(drafts, "self-int8") if spec else {}))
-        for i, ids in enumerate(prompts):
-            driver.submit(f"p{i}", ids, max_new_tokens=MAX_NEW, return_logprob=True)
-        driver.run()
-        results.append(driver.results())
-    plain, spec_results = results
-    assert driver.scheduler.loop.decoder.stats.num_accepted_drafts > 0
+    plain, spec_results, scheduler = run_both(llama_path, spec_flags(drafts, "self-int8"),
+                                              prompts, params={"return_logprob": True})
+    assert scheduler.loop.decoder.stats.num_accepted_drafts > 0
     for rid, want in plain.items():
         got = spec_results[rid]
         assert got.tokens == want.tokens
@@ -187,6 +187,22 @@ def test_abort_storm_of_drafting_requests_leaks_nothing(llama_path, drafts):
     assert held > 0 and driver.scheduler.loop.decoder.stats.num_verify_steps > 0
     assert draft.usage() == {"spec_draft_total_kv_tokens": draft.runner.max_total_num_tokens,
                              "spec_draft_used_kv_tokens": 0, "spec_draft_reqs": 0}
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "session"])
+def test_session_turns_continue_their_history_as_without_speculation(llama_path, drafts,
+                                                                     streaming):
+    """Turns of a streaming session (its KV kept in the session's slot, the draft's prefilled
+    again for each turn) or of a session (a chain and a fork through the radix cache) beside
+    plain requests: the plain loop's tokens, drafts kept inside the turns, a replay of the last
+    turn from the cache gives its tokens again, and both pools come back (the fixture)."""
+    plain, _ = session_turns(llama_path, {}, streaming=streaming, page_size=4)
+    spec, scheduler = session_turns(llama_path, spec_flags(drafts, "noisy"),
+                                    streaming=streaming, page_size=4)
+    assert spec == plain
+    assert spec["replay"] == spec["turn2"]
+    stats = scheduler.loop.decoder.stats
+    assert 0 < stats.num_accepted_drafts < stats.num_draft_tokens  # some kept, some freed
 
 
 def test_sampled_requests_share_steps_with_greedy_ones(llama_path, drafts):
@@ -224,9 +240,9 @@ def test_rejection_sampling_with_draft_distributions_emits_the_target_distributi
             second[out[1]] += 1
         keep = torch.rand(1, generator=gen).item() * q[0, d[0]] < p[0, d[0]]
         wrong[d[0] if keep else int(torch.multinomial(p[0], 1, generator=gen))] += 1
-    assert _chi_square(first, p[0]) < CHI2_5_DOF_999
-    assert _chi_square(second, p[1]) < CHI2_5_DOF_999
-    assert _chi_square(wrong, p[0]) > 10 * CHI2_5_DOF_999
+    assert chi_square(first, p[0]) < CHI2_5_DOF_999
+    assert chi_square(second, p[1]) < CHI2_5_DOF_999
+    assert chi_square(wrong, p[0]) > 10 * CHI2_5_DOF_999
 
 
 @pytest.mark.slow
@@ -264,7 +280,7 @@ def test_sampled_tokens_through_draft_verify_steps_follow_the_target_distributio
         probs = torch.softmax(top2.values / temperature, dim=-1)
         counts = torch.tensor([seconds.count(t) for t in top2.indices.tolist()], dtype=torch.float)
         assert counts.sum() == len(seconds) > 150
-        assert _chi_square(counts, probs) < 10.83
+        assert chi_square(counts, probs) < 10.83
 
 
 def test_a_draft_with_another_vocabulary_is_refused_at_start(llama_path, tmp_path):

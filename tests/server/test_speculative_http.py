@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.managers.test_speculative import repetitive_prompts
+from tests.managers.speculative_helpers import repetitive_prompts
 from tests.server.conftest import (
     CONSTRAINED_FLAGS,
     assert_no_leak,
