@@ -143,6 +143,40 @@ def test_kv_of_another_model_or_dtype_is_refused_but_the_history_resumes(tmp_pat
     assert entry.token_ids == [1, 2, 3] and entry.kv_tokens == 0
 
 
+def test_kv_of_a_quantized_pool_is_refused_by_another_kv_dtype(tmp_path):
+    """The layout check covers ``--kv-cache-dtype``: int8 codes and scales are not fp8's."""
+    int8 = MHATokenToKVPool(KV_TOKENS, 1, torch.int8, HEADS, DIM, LAYERS, "cpu")
+    DiskSessionStore(tmp_path, int8, layout(int8), None).save(
+        "chat", [1, 2, 3], [1, 2], torch.tensor([3, 4]))
+    fp8 = MHATokenToKVPool(KV_TOKENS, 1, torch.float8_e4m3fn, HEADS, DIM, LAYERS, "cpu")
+    assert fp8.kv_bytes_per_token() == int8.kv_bytes_per_token(), "same size, other meaning"
+    entry = DiskSessionStore(tmp_path, fp8, layout(fp8), None).open("chat")
+    assert entry.token_ids == [1, 2, 3] and entry.kv_tokens == 0
+    assert DiskSessionStore(tmp_path, int8, layout(int8), None).open("chat").kv_tokens == 2
+
+
+def test_one_format_a_storage_block_is_never_read_as_a_session_nor_a_session_as_a_block(
+    tmp_path, pool,
+):
+    """The storage tier and the session store share the file format and its reader; the
+    kind in the header keeps a block and a session apart."""
+    from radixserve.mem_cache.hicache_storage import FileKVStorage
+
+    storage = FileKVStorage(tmp_path / "blocks", "model-a", pool.kv_layout(), 1)
+    tokens = list(range(storage.block_tokens))
+    storage.put("h0", tokens, pool.read_kv_pages(torch.arange(1, 1 + len(tokens))))
+    store = disk(tmp_path, pool)
+    # A block file where a session's file should be: its header reads, its KV is refused.
+    store.path("chat").write_bytes(storage.path("h0").read_bytes())
+    with pytest.raises(SessionStoreError, match="names another session"):
+        disk(tmp_path, pool).open("chat")
+    # A session's file where a block should be: refused, deleted, recomputed.
+    store.save("chat", [1, 2, 3], tokens, torch.arange(1, 1 + len(tokens)))
+    storage.path("h0").write_bytes(store.path("chat").read_bytes())
+    assert storage.get("h0", tokens) is None and storage.refused == 1
+    assert not storage.path("h0").exists()
+
+
 def test_a_truncated_file_is_refused_but_the_history_resumes(tmp_path, pool):
     store = disk(tmp_path, pool)
     store.save("chat", [1, 2, 3], [1, 2], torch.tensor([3, 4]))
