@@ -9,7 +9,8 @@ import zlib
 import pytest
 import torch
 
-from radixserve.mem_cache.hicache_storage import HEADER_BYTES, block_tokens_for
+from radixserve.mem_cache.hicache_storage import block_tokens_for
+from radixserve.mem_cache.kv_file import HEADER_BYTES
 from tests.mem_cache.test_hiradix_cache_property import DEVICE_TOKENS, Life, _Req, check, kv_of
 
 

@@ -21,13 +21,17 @@ from radixserve.mem_cache import (
     SessionAwareCache,
     TokenToKVPoolAllocator,
 )
-from radixserve.mem_cache.session_store import (
+from radixserve.mem_cache.kv_file import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
     MAGIC,
+    KVExpectation,
+    model_fingerprint,
+)
+from radixserve.mem_cache.session_store import (
     DiskSessionStore,
     HostSessionStore,
-    KVLayout,
     SessionStoreError,
-    model_fingerprint,
 )
 from tests.checkpoints import build_checkpoint
 from tests.sessions.test_session_aware_cache import LENGTH, SessionDriver, ids
@@ -52,8 +56,8 @@ def make_pool(page_size: int = 1, dtype: torch.dtype = torch.float32) -> MHAToke
     return pool
 
 
-def layout(pool: MHATokenToKVPool, fingerprint: str = "model-a") -> KVLayout:
-    return KVLayout.of_pool(pool, fingerprint)
+def layout(pool: MHATokenToKVPool, fingerprint: str = "model-a") -> KVExpectation:
+    return KVExpectation.of_pool(pool, fingerprint)
 
 
 def kv_at(pool: MHATokenToKVPool, slots: torch.Tensor) -> torch.Tensor:
@@ -111,21 +115,23 @@ def test_a_quantized_pool_saves_and_loads_its_scales_with_its_codes(tmp_path, dt
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
-def test_the_file_is_one_per_session_with_the_documented_header(tmp_path, pool):
+def test_the_file_is_one_per_session_in_the_storage_tiers_format(tmp_path, pool):
     store = disk(tmp_path, pool)
     store.save("a/../b", [7, 8, 9], [7, 8], torch.tensor([3, 4]))
     (path,) = (tmp_path / "store").iterdir()
     assert path == store.path("a/../b"), "the name is a digest of the id, inside the store"
     data = path.read_bytes()
-    assert data.startswith(MAGIC)
-    length, _ = struct.unpack("<II", data[len(MAGIC) : len(MAGIC) + 8])
-    header = json.loads(data[len(MAGIC) + 8 : len(MAGIC) + 8 + length])
-    assert header["session_id"] == "a/../b" and header["fingerprint"] == "model-a"
-    assert header["dtype"] == "float32" and header["page_size"] == 1
-    assert (header["layer_num"], header["head_num"], header["head_dim"]) == (LAYERS, HEADS, DIM)
-    assert header["token_ids"] == [7, 8, 9] and header["kv_token_ids"] == [7, 8]
+    assert data.startswith(MAGIC + bytes([FORMAT_VERSION]))
+    length, _ = struct.unpack("<II", data[8:16])
+    header = json.loads(data[16 : 16 + length])
+    assert header["kind"] == "session" and header["session_id"] == "a/../b"
+    assert header["fingerprint"] == "model-a" and header["layout"] == pool.kv_layout()
+    assert header["page_size"] == 1
+    assert header["history"] == [7, 8, 9] and header["token_ids"] == [7, 8]
     assert header["payload_bytes"] == 2 * 2 * LAYERS * HEADS * DIM * 4
-    assert len(data) == len(MAGIC) + 8 + length + header["payload_bytes"]
+    assert len(data) == HEADER_BYTES + header["payload_bytes"], "the payload is page aligned"
+    # The payload is the pool's tier format: what read_kv_pages gives for the slots.
+    assert data[HEADER_BYTES:] == pool.read_kv_pages(torch.tensor([3, 4])).numpy().tobytes()
 
 
 def test_kv_of_another_model_or_dtype_is_refused_but_the_history_resumes(tmp_path, pool):
@@ -135,6 +141,40 @@ def test_kv_of_another_model_or_dtype_is_refused_but_the_history_resumes(tmp_pat
     bf16 = make_pool(dtype=torch.bfloat16)
     entry = DiskSessionStore(tmp_path / "store", bf16, layout(bf16), None).open("chat")
     assert entry.token_ids == [1, 2, 3] and entry.kv_tokens == 0
+
+
+def test_kv_of_a_quantized_pool_is_refused_by_another_kv_dtype(tmp_path):
+    """The layout check covers ``--kv-cache-dtype``: int8 codes and scales are not fp8's."""
+    int8 = MHATokenToKVPool(KV_TOKENS, 1, torch.int8, HEADS, DIM, LAYERS, "cpu")
+    DiskSessionStore(tmp_path, int8, layout(int8), None).save(
+        "chat", [1, 2, 3], [1, 2], torch.tensor([3, 4]))
+    fp8 = MHATokenToKVPool(KV_TOKENS, 1, torch.float8_e4m3fn, HEADS, DIM, LAYERS, "cpu")
+    assert fp8.kv_bytes_per_token() == int8.kv_bytes_per_token(), "same size, other meaning"
+    entry = DiskSessionStore(tmp_path, fp8, layout(fp8), None).open("chat")
+    assert entry.token_ids == [1, 2, 3] and entry.kv_tokens == 0
+    assert DiskSessionStore(tmp_path, int8, layout(int8), None).open("chat").kv_tokens == 2
+
+
+def test_one_format_a_storage_block_is_never_read_as_a_session_nor_a_session_as_a_block(
+    tmp_path, pool,
+):
+    """The storage tier and the session store share the file format and its reader; the
+    kind in the header keeps a block and a session apart."""
+    from radixserve.mem_cache.hicache_storage import FileKVStorage
+
+    storage = FileKVStorage(tmp_path / "blocks", "model-a", pool.kv_layout(), 1)
+    tokens = list(range(storage.block_tokens))
+    storage.put("h0", tokens, pool.read_kv_pages(torch.arange(1, 1 + len(tokens))))
+    store = disk(tmp_path, pool)
+    # A block file where a session's file should be: its header reads, its KV is refused.
+    store.path("chat").write_bytes(storage.path("h0").read_bytes())
+    with pytest.raises(SessionStoreError, match="names another session"):
+        disk(tmp_path, pool).open("chat")
+    # A session's file where a block should be: refused, deleted, recomputed.
+    store.save("chat", [1, 2, 3], tokens, torch.arange(1, 1 + len(tokens)))
+    storage.path("h0").write_bytes(store.path("chat").read_bytes())
+    assert storage.get("h0", tokens) is None and storage.refused == 1
+    assert not storage.path("h0").exists()
 
 
 def test_a_truncated_file_is_refused_but_the_history_resumes(tmp_path, pool):
@@ -168,7 +208,7 @@ def test_a_session_whose_header_cannot_be_read_cannot_resume(tmp_path, pool, dam
     path = store.path("chat")
     data = bytearray(path.read_bytes())
     if damage == "header":
-        data[len(MAGIC) + 12] ^= 0xFF
+        data[20] ^= 0xFF
         path.write_bytes(bytes(data))
     elif damage == "magic":
         path.write_bytes(b"not a session file")

@@ -39,6 +39,7 @@ import torch
 from radixserve.mem_cache.base_prefix_cache import MatchResult
 from radixserve.mem_cache.hicache_host import HostKVPool
 from radixserve.mem_cache.hicache_storage import FileKVStorage, chain_hashes
+from radixserve.mem_cache.kv_file import model_fingerprint
 from radixserve.mem_cache.radix_cache import RadixCache, _TreeNode, namespaced
 
 logger = logging.getLogger(__name__)
@@ -450,8 +451,6 @@ def create_hierarchical_cache(
 ) -> HiRadixCache:
     """A ``HiRadixCache`` with a host tier of ``host_tokens`` tokens and, with
     ``storage_dir``, a file storage tier keyed by the model's fingerprint."""
-    from radixserve.mem_cache.session_store import model_fingerprint
-
     cache = HiRadixCache(req_to_token_pool, allocator, page_size)
     host = HostKVPool(device_pool, host_tokens)
     storage = None

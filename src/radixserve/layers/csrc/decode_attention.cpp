@@ -23,7 +23,9 @@
 // decode_attention_quant reads a quantized pool (int8 or fp8 codes with a float32 scale per slot
 // and KV head, kv_quant.h) the same way, a row's codes times its scale as it is loaded: a quarter
 // (float32 models) or half (bf16) of the bytes per key, which is what a long decode is bound by.
-// It does not write the new token's K/V: the caller quantized it into the pool already.
+// It does not write the new token's K/V: the caller quantized it into the pool already. A row's
+// scale is folded in once per query head rather than per register of codes: a key's score is
+// (q . codes) * scale, a value row is weighted by p * scale.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -103,8 +105,9 @@ struct Rows {
   int64_t scale_row = 0;
 };
 
-// Row t of a task's keys or values (`base`: rows.k or rows.v, `scales`: their scales) into R
-// float32 registers; the row kAhead further on is prefetched.
+// Row t of a task's keys or values (`base`: rows.k or rows.v) into R float32 registers, as
+// stored (a quantized pool's codes, not yet times their scale); the row kAhead further on, and
+// its scale, are prefetched.
 template <typename S, int64_t R>
 inline void load_row(const S* base, const float* scales, const Rows<S>& rows, int64_t t,
                      int64_t len, int64_t head_dim, __m512* out) {
@@ -116,11 +119,16 @@ inline void load_row(const S* base, const float* scales, const Rows<S>& rows, in
     }
   }
   const S* row = base + rows.slots[t] * rows.kv_row;
+  for (int64_t r = 0; r < R; ++r) out[r] = load_kv16(row + r * kLanes);
+}
+
+// The scale row t's codes are multiplied by (1 for an unquantized pool).
+template <typename S>
+inline float row_scale(const float* scales, const Rows<S>& rows, int64_t t) {
   if constexpr (kQuantizedKV<S>) {
-    const __m512 scale = _mm512_set1_ps(scales[rows.slots[t] * rows.scale_row] * kScaleFactor<S>);
-    for (int64_t r = 0; r < R; ++r) out[r] = _mm512_mul_ps(load_kv16(row + r * kLanes), scale);
+    return scales[rows.slots[t] * rows.scale_row] * kScaleFactor<S>;
   } else {
-    for (int64_t r = 0; r < R; ++r) out[r] = load_kv16(row + r * kLanes);
+    return 1.0f;
   }
 }
 
@@ -133,17 +141,22 @@ void run_pass(__m512* held, const Rows<S>& rows, int64_t t0, int64_t t1, int64_t
   __m512 reg[G][R];
   for (int64_t g = 0; g < G; ++g)
     for (int64_t r = 0; r < R; ++r) reg[g][r] = held[g * R + r];
+  const float* scales = kScores ? rows.k_scale : rows.v_scale;
   for (int64_t t = t0; t < t1; ++t) {
     __m512 row[R];
-    load_row<S, R>(kScores ? rows.k : rows.v, kScores ? rows.k_scale : rows.v_scale, rows, t, len,
-                   head_dim, row);
+    load_row<S, R>(kScores ? rows.k : rows.v, scales, rows, t, len, head_dim, row);
+    // A quantized row's scale multiplies once per head (the dot product, or the probability
+    // its values are weighted by), not once per register of the row.
+    const float row_s = row_scale<S>(scales, rows, t);
     for (int64_t g = 0; g < G; ++g) {
       if constexpr (kScores) {
         __m512 dot = _mm512_mul_ps(reg[g][0], row[0]);
         for (int64_t r = 1; r < R; ++r) dot = _mm512_fmadd_ps(reg[g][r], row[r], dot);
-        scores[g * len + t] = _mm512_reduce_add_ps(dot);
+        const float score = _mm512_reduce_add_ps(dot);
+        scores[g * len + t] = kQuantizedKV<S> ? score * row_s : score;
       } else {
-        const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+        const float weight = scores[g * len + t];
+        const __m512 p = _mm512_set1_ps(kQuantizedKV<S> ? weight * row_s : weight);
         for (int64_t r = 0; r < R; ++r) reg[g][r] = _mm512_fmadd_ps(p, row[r], reg[g][r]);
       }
     }
