@@ -119,7 +119,37 @@ def load_schema(base_url: str, headers: dict[str, str] | None = None) -> Any:
 
 
 def operations(schema: Any) -> list[Any]:
-    return [result.ok() for result in schema.get_all_operations()]
+    """Every operation in the schema's order, or the part of them that
+    ``RADIXSERVE_FUZZ_OPERATIONS`` (a comma-separated list of labels such as ``POST /generate``
+    or bare paths, each path meaning all of its methods) and ``RADIXSERVE_FUZZ_AFTER`` (a label:
+    only the operations after it, to go on from where a stopped run printed its last one)
+    select. An entry that names no operation is an error, not an empty run."""
+    ops = [result.ok() for result in schema.get_all_operations()]
+    after = os.environ.get("RADIXSERVE_FUZZ_AFTER", "").strip()
+    if after:
+        labels = [label(op) for op in ops]
+        if after not in labels:
+            raise ValueError(f"RADIXSERVE_FUZZ_AFTER={after!r} is not an operation: {labels}")
+        ops = ops[labels.index(after) + 1:]
+    wanted = [w.strip() for w in os.environ.get("RADIXSERVE_FUZZ_OPERATIONS", "").split(",")]
+    wanted = [w for w in wanted if w]
+    if wanted:
+        unknown = [w for w in wanted if not any(w in (label(op), op.path) for op in ops)]
+        if unknown:
+            raise ValueError(f"RADIXSERVE_FUZZ_OPERATIONS names no operation: {unknown}")
+        ops = [op for op in ops if label(op) in wanted or op.path in wanted]
+    return ops
+
+
+def is_subset() -> bool:
+    """Whether ``operations`` selects part of the schema (the checks of the whole are off)."""
+    return bool(os.environ.get("RADIXSERVE_FUZZ_AFTER", "").strip()
+                or os.environ.get("RADIXSERVE_FUZZ_OPERATIONS", "").strip())
+
+
+def label(operation: Any) -> str:
+    """``METHOD /path``, as the reports print it."""
+    return f"{operation.method.upper()} {operation.path}"
 
 
 def is_error_object(body: Any, path: str = "") -> bool:
@@ -261,7 +291,7 @@ def fuzz_operation(operation: Any, keeper: ServerKeeper, examples: int,
                    seed: int | None) -> OperationReport:
     """Send ``examples`` positive and negative requests to ``operation``; ``seed`` None: the
     same examples on every run (hypothesis' derandomized mode)."""
-    report = OperationReport(f"{operation.method.upper()} {operation.path}")
+    report = OperationReport(label(operation))
     strategy = st.one_of(operation.as_strategy(GenerationMode.POSITIVE),
                          operation.as_strategy(GenerationMode.NEGATIVE))
 

@@ -160,10 +160,11 @@ def test_a_seven_megabyte_prompt_does_not_hold_other_requests(server):
     assert "context" in big.result(STATE_TIMEOUT_S)
 
 
-def _off_loop_total(c: httpx.Client) -> int:
+def _off_loop_total(c: httpx.Client, kind: str = "inputs") -> int:
+    """``inputs_off_loop_total`` (tokenizing, templates) or ``bodies_off_loop_total``."""
     r = c.get("/get_server_info")
     assert r.status_code == 200, r.text
-    return r.json()["inputs_off_loop_total"]
+    return r.json()[f"{kind}_off_loop_total"]
 
 
 # Every route that tokenizes or renders user input, with an input past OFF_LOOP_BYTES (64 KiB):
@@ -196,15 +197,17 @@ OFF_LOOP_ROUTES = {
 def test_every_route_prepares_a_large_input_off_the_event_loop(server, route):
     """The server counts the inputs it prepared off the loop: a large input to any route that
     tokenizes or renders one adds exactly one (inline on the loop, it would add none), and the
-    answer is never a 5xx (most are a 400: the prompt is past the context)."""
+    answer is never a 5xx (most are a 400: the prompt is past the context). Its body was
+    parsed and checked, then validated against the route's model, off the loop: two more."""
     path, body = OFF_LOOP_ROUTES[route]
     if body.get("model") == "{model}":
         body = {**body, "model": server.model}
     with httpx.Client(base_url=server.base_url, timeout=STATE_TIMEOUT_S) as c:
-        before = _off_loop_total(c)
+        before, bodies_before = _off_loop_total(c), _off_loop_total(c, "bodies")
         r = c.post(path, json=body)
         assert r.status_code < 500, r.text[:2000]
         assert _off_loop_total(c) == before + 1
+        assert _off_loop_total(c, "bodies") == bodies_before + 2
         if route == "score":  # refused before the query is joined to every item
             assert r.status_code == 400 and r.json()["error"]["param"] == "query", r.text
 
@@ -226,6 +229,33 @@ def test_a_seven_megabyte_responses_input_does_not_hold_the_event_loop(server):
         assert info["inputs_off_loop"] == 1, "the 7 MB input was prepared on the event loop"
     r = big.result(STATE_TIMEOUT_S)
     assert r.status_code == 400 and "context" in r.text, r.text[:2000]
+
+
+def _generate_with_bulk(base_url: str, bulk: list[int]) -> httpx.Response:
+    with httpx.Client(base_url=base_url, timeout=STATE_TIMEOUT_S) as c:
+        return c.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1},
+                                         "bulk": bulk})
+
+
+def test_a_large_body_is_parsed_off_the_event_loop(server):
+    """A 4 MB body of two million small numbers takes seconds to parse and check (every value
+    is looked at: ``request_guard._check_values``); that runs off the loop. The server answers
+    /get_server_info meanwhile, saying that a body is being parsed (on the loop, no answer
+    could come before the parse ended), and a short generation sent then finishes before the
+    big body's answer: its unknown field ``bulk``, found by validating it off the loop too."""
+    big = in_background(_generate_with_bulk, server.base_url, [0] * 2_000_000)
+    with httpx.Client(base_url=server.base_url, timeout=STATE_TIMEOUT_S) as c:
+        info = wait_for(lambda: c.get("/get_server_info").json(),
+                        lambda i: i.get("bodies_off_loop", 0) > 0 or big.done(),
+                        "the big body being parsed")
+        assert info.get("bodies_off_loop") == 1, "the 4 MB body was parsed on the event loop"
+        r = c.post("/generate", json={"text": "hello", "sampling_params": {
+            "max_new_tokens": 4, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+        assert r.json()["meta_info"]["completion_tokens"] == 4
+    assert not big.done(), "the short request waited for the big body"
+    r = big.result(STATE_TIMEOUT_S)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bulk", r.text[:2000]
 
 
 class RunningStream:

@@ -203,3 +203,39 @@ def test_models_that_cannot_do_it_get_400(xlmr_server, qwen_server, client):
     assert decoder.status_code == 400 and "not a sequence classifier" in decoder.text
     plain = client.post("/v1/rerank", json={"query": QUERY, "documents": DOCS})
     assert plain.status_code == 400 and "classifier_from_token" in plain.text
+
+
+# A large input (past off_loop.OFF_LOOP_BYTES, 64 KiB) is tokenized and prepared on the
+# server's thread pool, not its event loop; /get_server_info counts such work.
+LARGE_DOC = "word " * 14_000  # 70,000 characters: far past every context here
+
+
+def _inputs_off_loop_total(srv) -> int:
+    with httpx.Client(base_url=srv.base_url, timeout=120) as c:
+        r = c.get("/get_server_info")
+        assert r.status_code == 200, r.text
+        return r.json()["inputs_off_loop_total"]
+
+
+@pytest.mark.parametrize("which, route, body", [
+    ("bert", "/v1/rerank", {"query": QUERY, "documents": [LARGE_DOC, "x"]}),
+    ("xlmr", "/v1/classify", {"input": [LARGE_DOC, "x"]}),
+    ("qwen", "/v1/rerank", {"query": QUERY, "documents": [LARGE_DOC, "x"]}),
+])
+def test_a_large_input_is_prepared_off_the_event_loop(request, which, route, body):
+    """The pairs (or texts) are tokenized and prepared off the loop exactly once (on the
+    loop, nothing would be counted); the document is past the context: a 400, not a 5xx."""
+    srv = request.getfixturevalue(f"{which}_server")
+    before = _inputs_off_loop_total(srv)
+    r = _post(srv, route, body)
+    assert r.status_code == 400, r.text[:2000]
+    assert _inputs_off_loop_total(srv) == before + 1
+
+
+def test_a_query_longer_than_the_context_is_refused_before_it_is_joined(bert_server):
+    """The query alone is tokenized (off the loop: it is large) and refused, naming it,
+    before it is copied into a pair with each document."""
+    before = _inputs_off_loop_total(bert_server)
+    r = _post(bert_server, "/v1/rerank", {"query": LARGE_DOC, "documents": ["a", "b", "c"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "query", r.text[:2000]
+    assert _inputs_off_loop_total(bert_server) == before + 1

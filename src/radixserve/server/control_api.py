@@ -20,8 +20,9 @@ from radixserve.managers.io_struct import PauseMode, ProfileReq
 from radixserve.managers.tokenizer import lora_client
 from radixserve.managers.tokenizer.tokenizer_manager import TokenizerManager
 from radixserve.server.context import get_ctx
+from radixserve.server.parsed_body import ParsedBodyRoute
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)  # parsed_body.py
 
 
 class _StrictModel(BaseModel):

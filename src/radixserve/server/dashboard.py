@@ -18,8 +18,9 @@ from fastapi.responses import HTMLResponse
 
 from radixserve.managers.io_struct import GetInspectorStateReq
 from radixserve.server.context import get_ctx
+from radixserve.server.parsed_body import ParsedBodyRoute
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)  # parsed_body.py
 
 _PAGE = Path(__file__).with_name("dashboard.html")
 

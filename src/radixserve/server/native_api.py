@@ -38,11 +38,12 @@ from radixserve.server.generations import cancel_on_disconnect, first_item, prim
 from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.off_loop import counts as off_loop_counts
 from radixserve.server.off_loop import run_sized
+from radixserve.server.parsed_body import ParsedBodyRoute
 from radixserve.server.sse import DONE, sse_event, sse_response
 from radixserve.server.strict_request import StrictRequest, Unsupported
 from radixserve.version import __version__
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)  # parsed_body.py
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
@@ -333,7 +334,7 @@ async def get_server_info(request: Request) -> dict[str, Any]:
         internal_states=await ctx.tokenizer_manager.control.internal_states(),
         num_inflight_requests=ctx.tokenizer_manager.num_inflight,
         queued_generations=ctx.queued_generations,  # admitted, counted against the limit
-        **off_loop_counts(),  # inputs tokenized / rendered off the event loop (off_loop.py)
+        **off_loop_counts(),  # inputs and bodies prepared off the event loop (off_loop.py)
         processes=ctx.scheduler_info.get("processes", {}),
         version=__version__,
     )

@@ -12,7 +12,8 @@ In order:
    the values in a JSON body (400 naming an integer past 64 bits, NaN, a lone surrogate or
    nesting too deep: ``managers/tokenizer/request_values.py``), a body that is not UTF-8 (a
    byte order mark, UTF-16 or UTF-32) and a key repeated in one JSON object (400); POST bodies
-   are read as JSON whatever their Content-Type says.
+   are read as JSON whatever their Content-Type says. The body is parsed once, here (off the
+   event loop when large), and the route reads that value (``parsed_body.py``).
 2. The route (``native_api``, ``openai/*``), which validates its body with pydantic (errors → 400),
    admits the generations it asks for (``admission.py``: 400 past ``--max-n`` or
    ``--max-batch-size``, 429 past ``--max-queued-requests``) and calls the ``TokenizerManager``
@@ -37,6 +38,8 @@ from radixserve.managers.tokenizer.request_values import MAX_DEPTH, describe, fi
 from radixserve.server.admission import RETRY_AFTER_S, TICKET_KEY, Ticket
 from radixserve.server.context import ServerContext, ServerState
 from radixserve.server.errors import APIError, send_error
+from radixserve.server.off_loop import BODY_SIZE_KEY, run_body
+from radixserve.server.parsed_body import PARSED_BODY_KEY
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # The request head: past these, 431 (h11 bounds only a head still arriving, to 16 KiB).
@@ -92,12 +95,16 @@ class RequestGuard:
                 caller = self._check_api_key(scope)
                 self._check_state()
             body, receive = await self._read_body(scope, receive)
-            _check_values(body)
+            # Off the event loop for a large body: 8 MiB of small values take seconds.
+            parsed = await run_body(len(body), _check_values, body)
         except APIError as err:
             await send_error(send, err, message_only=path.startswith(OLLAMA_PREFIX))
             return
         if scope["method"] == "POST":
             scope = _as_json(scope)
+        scope = {**scope, BODY_SIZE_KEY: len(body)}
+        if parsed is not _NOT_JSON and path not in UPLOAD_PATHS:  # the route reads it
+            scope[PARSED_BODY_KEY] = parsed
         current_caller.set(caller)  # this task's; what the request creates is the caller's
         if not generation:
             await self.app(scope, receive, send)
@@ -218,12 +225,16 @@ def _check_headers(scope: Scope) -> None:
                        f"{MAX_HEADER_BYTES} are accepted.", headers={"Connection": "close"})
 
 
-def _check_values(body: bytes) -> None:
-    """400 naming the first value of a JSON body that the server cannot carry (an integer past
-    64 bits, NaN, a lone surrogate, deep nesting: ``request_values``), before any route reads
-    it. A body that is not JSON is left to the route, which says so."""
+_NOT_JSON = object()  # ``_check_values``' answer for an empty body or one that is not JSON
+
+
+def _check_values(body: bytes) -> object:
+    """The JSON value of ``body``; 400 naming the first value that the server cannot carry (an
+    integer past 64 bits, NaN, a lone surrogate, deep nesting: ``request_values``), before
+    any route reads it. A body that is not JSON (``_NOT_JSON``) is left to the route, which
+    says so."""
     if not body:
-        return
+        return _NOT_JSON
     try:
         # surrogatepass: an encoded lone surrogate is refused below, naming where it is.
         text = body.decode("utf-8", "surrogatepass")
@@ -243,7 +254,7 @@ def _check_values(body: bytes) -> None:
         if _other_encoding(body):  # UTF-16/32 without a byte order mark: NULs are UTF-8
             raise APIError(400, "The request body is not UTF-8 JSON (it reads as UTF-16 or "
                            "UTF-32); JSON must be sent as UTF-8.") from None
-        return
+        return _NOT_JSON
     except _DuplicateKeyError as e:
         raise APIError(400, f"The request body repeats the key {e.key[:100]!r} in one object: "
                        "each key may appear once.", param=e.key[:100]) from None
@@ -253,6 +264,7 @@ def _check_values(body: bytes) -> None:
     if found is not None:
         path, why = found
         raise APIError(400, describe(path, why), param=path or None)
+    return data
 
 
 class _DuplicateKeyError(ValueError):

@@ -18,9 +18,10 @@ from radixserve.managers import io_struct
 from radixserve.managers.tokenizer import weight_sync_client
 from radixserve.model_executor.weight_sync import DEFAULT_GROUP
 from radixserve.server.context import get_ctx
+from radixserve.server.parsed_body import ParsedBodyRoute
 from radixserve.server.strict_request import StrictRequest
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)  # parsed_body.py
 
 
 class InitWeightsUpdateGroupRequest(StrictRequest):

@@ -15,15 +15,16 @@ from typing import Any
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 
 from radixserve.server.context import ServerContext
+from radixserve.server.parsed_body import ParsedBodyRoute
 
 _KEPT_HEADERS = ("retry-after",)
 
 
-class OllamaRoute(APIRoute):
-    """An ``APIRoute`` whose errors have Ollama's body."""
+class OllamaRoute(ParsedBodyRoute):
+    """An ``APIRoute`` whose errors have Ollama's body (and whose body the guard parsed:
+    ``parsed_body.py``)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()

@@ -19,13 +19,15 @@ Anything else is a 400 that says why (``rerank_kind``, ``check_classifier``).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from fastapi import Request
 
 from radixserve.managers.tokenizer.generate_request import GenerateReqInput
 from radixserve.server.context import ServerContext
 from radixserve.server.errors import APIError
-from radixserve.server.generations import cancel_on_disconnect, collect_final, merged_choices
+from radixserve.server.generations import cancel_on_disconnect, collect_final, merge_generations
+from radixserve.server.off_loop import run_for_size
 
 # Qwen3-Reranker's prompt (its model card), filled with the query and each document.
 _QWEN3_PREFIX = (
@@ -77,10 +79,34 @@ def check_classifier(ctx: ServerContext) -> None:
                        "XLMRobertaForSequenceClassification")
 
 
+async def check_query(ctx: ServerContext, query: str) -> None:
+    """400 naming ``query`` when it alone is longer than the context: it is joined to every
+    document, so it would be tokenized once per document (2,048 copies of an 8 MB query)
+    only for every pair to be refused (tokenized off the event loop once large)."""
+    length = len(await run_for_size(len(query), ctx.tokenizer.encode, query))
+    if length > ctx.context_len:
+        raise APIError(400, f"query has {length} tokens: more than the context of "
+                       f"{ctx.context_len}", param="query")
+
+
 async def classifier_logits(
     ctx: ServerContext, request: Request, inputs: list[str | tuple[str, str]]
 ) -> tuple[list[list[float]], int]:
-    """Each input's logits (a pair is tokenized as one sequence) and the tokens they took."""
+    """Each input's logits (a pair is tokenized as one sequence) and the tokens they took.
+    The inputs are tokenized and prepared off the event loop once large (``off_loop.py``)."""
+    size = sum(sum(map(len, x)) if isinstance(x, tuple) else len(x) for x in inputs)
+    prepared = await run_for_size(size, _prepare_classifier, ctx, inputs)
+    work = ctx.tokenizer_manager.encode_request(prepared)
+    outputs = await cancel_on_disconnect(request, work)
+    if isinstance(outputs, dict):
+        outputs = [outputs]
+    tokens = sum(out["meta_info"]["prompt_tokens"] for out in outputs)
+    return [out["embedding"] for out in outputs], tokens
+
+
+def _prepare_classifier(ctx: ServerContext, inputs: list[str | tuple[str, str]]) -> Any:
+    """Every input tokenized (a pair as one sequence, with its segment ids for BERT) and
+    prepared for the scheduler (``TokenizerManager.prepare_embedding``)."""
     tokenizer = ctx.tokenizer
     with_types = ctx.tokenizer_manager.model_config.architecture == "BertForSequenceClassification"
     ids, types = [], []
@@ -90,12 +116,7 @@ async def classifier_logits(
         given = enc.get("token_type_ids") if with_types else None
         types.append(list(given) if given is not None else [0] * len(enc["input_ids"]))
     obj = GenerateReqInput(input_ids=ids)
-    work = ctx.tokenizer_manager.encode_request(obj, types if with_types else None)
-    outputs = await cancel_on_disconnect(request, work)
-    if isinstance(outputs, dict):
-        outputs = [outputs]
-    tokens = sum(out["meta_info"]["prompt_tokens"] for out in outputs)
-    return [out["embedding"] for out in outputs], tokens
+    return ctx.tokenizer_manager.prepare_embedding(obj, types if with_types else None)
 
 
 def yes_no_prompt(ctx: ServerContext, query: str, document: str) -> list[int]:
@@ -125,14 +146,18 @@ async def yes_no_scores(
 ) -> tuple[list[float], int]:
     """``p(yes)`` over the two answers after each document's prompt, and the prompt tokens."""
     no_id, yes_id = answer_token_ids(ctx)
-    inputs = [
-        GenerateReqInput(input_ids=yes_no_prompt(ctx, query, doc),
-                         sampling_params={"max_new_tokens": 1, "temperature": 0},
-                         return_logprob=True, token_ids_logprob=[no_id, yes_id])
-        for doc in documents
-    ]
-    merged = merged_choices(ctx.tokenizer_manager, inputs)
-    outputs = await cancel_on_disconnect(request, collect_final(merged, len(inputs)))
+
+    def prepare() -> list[Any]:  # every prompt tokenized and validated before any is sent
+        return [ctx.tokenizer_manager.prepare_generate(GenerateReqInput(
+                    input_ids=yes_no_prompt(ctx, query, doc),
+                    sampling_params={"max_new_tokens": 1, "temperature": 0},
+                    return_logprob=True, token_ids_logprob=[no_id, yes_id]))
+                for doc in documents]
+
+    size = sum(len(query) + len(doc) for doc in documents)
+    prepared = await run_for_size(size, prepare)  # off the event loop once large: off_loop.py
+    merged = merge_generations([ctx.tokenizer_manager.generate_request(p) for p in prepared])
+    outputs = await cancel_on_disconnect(request, collect_final(merged, len(prepared)))
     scores = []
     for out in outputs:
         (by_id,) = out["meta_info"]["output_token_ids_logprobs"][:1]

@@ -27,8 +27,9 @@ from radixserve.server.errors import APIError
 from radixserve.server.openai.batch_protocol import CreateBatchRequest, new_batch
 from radixserve.server.openai.batch_runner import BatchRunner
 from radixserve.server.openai.batch_store import BatchStore, public
+from radixserve.server.parsed_body import ParsedBodyRoute
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)  # parsed_body.py
 
 FILE_PURPOSES = ("batch",)  # what an upload may be for; batch_output files are the server's
 

@@ -54,8 +54,9 @@ from radixserve.server.openai.protocol import (
 )
 from radixserve.server.openai.reasoning import create_reasoning_parser
 from radixserve.server.openai.streaming import Delta, Reply
+from radixserve.server.parsed_body import ParsedBodyRoute
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)  # parsed_body.py
 
 # Arguments of ``apply_chat_template`` (and variables of the template) the server sets itself.
 _TEMPLATE_ARGUMENTS = frozenset({

@@ -23,9 +23,10 @@ from radixserve.server.openai.cross_encoder import (
     sigmoid,
     softmax,
 )
+from radixserve.server.parsed_body import ParsedBodyRoute
 from radixserve.server.strict_request import StrictRequest, non_empty_list
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)  # parsed_body.py
 
 
 class ClassificationRequest(StrictRequest):

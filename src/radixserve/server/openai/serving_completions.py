@@ -30,8 +30,9 @@ from radixserve.server.openai.protocol import (
     matched_stop,
 )
 from radixserve.server.openai.streaming import Delta, Reply
+from radixserve.server.parsed_body import ParsedBodyRoute
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)  # parsed_body.py
 
 
 @router.post("/v1/completions")

@@ -22,9 +22,10 @@ from radixserve.server.context import get_ctx
 from radixserve.server.errors import APIError
 from radixserve.server.generations import cancel_on_disconnect
 from radixserve.server.off_loop import run_sized
+from radixserve.server.parsed_body import ParsedBodyRoute
 from radixserve.server.strict_request import StrictRequest, non_empty_list
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)  # parsed_body.py
 
 
 class EmbeddingRequest(StrictRequest):

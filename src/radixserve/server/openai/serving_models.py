@@ -15,8 +15,9 @@ from fastapi import APIRouter, Request
 
 from radixserve.server.context import ServerContext, get_ctx
 from radixserve.server.openai.protocol import ModelCard, ModelList
+from radixserve.server.parsed_body import ParsedBodyRoute
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)  # parsed_body.py
 
 
 def _card(ctx: ServerContext) -> ModelCard:

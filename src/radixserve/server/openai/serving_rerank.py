@@ -20,14 +20,16 @@ from radixserve.server.admission import admit
 from radixserve.server.context import get_ctx
 from radixserve.server.openai.cross_encoder import (
     CLASSIFIER,
+    check_query,
     classifier_logits,
     rerank_kind,
     sigmoid,
     yes_no_scores,
 )
+from radixserve.server.parsed_body import ParsedBodyRoute
 from radixserve.server.strict_request import StrictRequest, non_empty_list
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)  # parsed_body.py
 
 
 class RerankDocument(BaseModel):
@@ -64,6 +66,7 @@ async def rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
     kind = rerank_kind(ctx)
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
     admit(request, len(texts), prompt_param="documents")
+    await check_query(ctx, body.query)  # before it is joined to every document
     if kind == CLASSIFIER:
         logits, tokens = await classifier_logits(ctx, request, [(body.query, t) for t in texts])
         scores = [sigmoid(row[0]) for row in logits]

@@ -60,9 +60,10 @@ from radixserve.server.openai.responses_protocol import (
 from radixserve.server.openai.responses_store import ResponseStore, StoredResponse
 from radixserve.server.openai.responses_stream import ResponseStream
 from radixserve.server.openai.serving_chat import choice_parser, reasoning_parser_name, render_chat
+from radixserve.server.parsed_body import ParsedBodyRoute
 from radixserve.server.sse import sse_response
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)  # parsed_body.py
 
 
 def response_store(request: Request) -> ResponseStore:

@@ -27,9 +27,10 @@ from radixserve.server.context import ServerContext, get_ctx
 from radixserve.server.errors import APIError
 from radixserve.server.generations import cancel_on_disconnect, collect_final, merged_choices
 from radixserve.server.off_loop import run_for_size
+from radixserve.server.parsed_body import ParsedBodyRoute
 from radixserve.server.strict_request import StrictRequest
 
-router = APIRouter()
+router = APIRouter(route_class=ParsedBodyRoute)  # parsed_body.py
 
 
 class ScoringRequest(StrictRequest):
