@@ -41,7 +41,7 @@ system-deps:
 
 # The whole suite: what CI runs (about 45 minutes on two cores).
 test: $(STAMP) system-deps
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 # The inner loop: the tests that start no process of their own and take seconds, not minutes
 # (the markers are set in tests/conftest.py).

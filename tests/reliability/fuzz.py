@@ -319,8 +319,8 @@ def fuzz_operation(operation: Any, keeper: ServerKeeper, examples: int,
 
 
 def examples_per_operation() -> int:
-    """``RADIXSERVE_FUZZ_EXAMPLES`` (``make fuzz``), else CI's 200."""
-    return int(os.environ.get("RADIXSERVE_FUZZ_EXAMPLES", "200"))
+    """``RADIXSERVE_FUZZ_EXAMPLES`` (``make fuzz``), else CI's 100."""
+    return int(os.environ.get("RADIXSERVE_FUZZ_EXAMPLES", "100"))
 
 
 def fuzz_seed() -> int | None:
