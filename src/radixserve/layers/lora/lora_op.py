@@ -49,6 +49,10 @@ class LoRABatchInfo:
     seg_lens: torch.Tensor | None = None
     seg_slots: torch.Tensor | None = None
     max_seg_len: int = 0
+    # A CUDA graph's decode step (``lora/graph_inputs.py``): one segment per row over static
+    # buffers whose values change between replays (length 0 for base-model and padding rows),
+    # so nothing here may be read on the host; ``groups`` is empty.
+    static: bool = False
     _masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -95,9 +99,18 @@ class LoRABatchInfo:
         return cls(token_slots, groups, present, seg[0], seg[1], seg[2],
                    max((run[1] for run in runs), default=0))
 
+    @classmethod
+    def per_row(cls, token_slots: torch.Tensor, seg_starts: torch.Tensor,
+                seg_lens: torch.Tensor) -> LoRABatchInfo:
+        """One segment per row (a decode step, one token a row): row ``i`` is segment ``i``
+        of slot ``token_slots[i]`` and length ``seg_lens[i]`` (1 with an adapter, else 0).
+        The Triton kernels' grid then depends on the number of rows only, not on which
+        adapters they use, so a captured graph replays for any mix."""
+        return cls(token_slots, [], None, seg_starts, seg_lens, token_slots, 1, static=True)
+
     @property
     def any_adapter(self) -> bool:
-        return bool(self.groups)
+        return self.static or bool(self.groups)
 
 
 # Sums the rank-sized intermediate over the tensor-parallel group (row-parallel layers).
@@ -130,6 +143,8 @@ class LoRADelta(CustomOp):
         self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo,
         reduce: Reduce | None = None,
     ) -> torch.Tensor:
+        if info.static:  # a graph's step replayed eagerly (tests on CPU): rows unknown here
+            return self.forward_native(x, a, b, info, reduce)
         dtype, x = x.dtype, x.to(a.dtype)
         if info.present is not None:
             return self._several_adapters(x, a, b, info, reduce).to(dtype)
