@@ -99,8 +99,9 @@ needs_kernels = pytest.mark.skipif(
 ])
 def test_the_fused_cpu_kernel_adds_the_reference_delta_in_place(dtype, slots):
     """``add_to`` on CPU (one kernel, tiles of rows of one adapter, block-diagonal B) against
-    the reference; widths that are not multiples of a register, and the stacked/transposed
-    copies rebuilt when the pool's version changes."""
+    the reference; widths that are not multiples of a register, and the kernel's copies of the
+    weights rebuilt when the pool's version changes. A bf16 model's copies are bf16: the
+    reference then takes the weights rounded to bf16, and the output is within its rounding."""
     gen = torch.Generator().manual_seed(len(slots))
     rows, k, n, width = len(slots), 37, 70, 6  # two shards of rank 3: ranks 0-2 → cols 0-39
     x = torch.randn(rows, k, generator=gen).to(dtype)
@@ -114,10 +115,11 @@ def test_the_fused_cpu_kernel_adds_the_reference_delta_in_place(dtype, slots):
         op = LoRADelta()
     assert op.impl is OpImpl.CPU
     base = torch.randn(rows, n, generator=gen).to(dtype)
-    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.07, "rtol": 0.01}
     for version in (1, 2):
         info.weights_version = version
-        want = base.float() + _expected(x.float(), a, b, torch.tensor(slots))
+        a_w, b_w = a.to(dtype).float(), b.to(dtype).float()
+        want = base.float() + _expected(x.float(), a_w, b_w, torch.tensor(slots))
         out = base.clone()
         assert op.add_to(out, x, a, b, info, blocks=blocks) is out
         torch.testing.assert_close(out.float(), want, **tol)

@@ -221,6 +221,12 @@ class LoRAManager:
             self._place(name, slot)
         return {name: self.slot_of[name] for name in names}
 
+    def nbytes(self) -> int:
+        """Memory the adapters take, counted before the KV cache is planned: the pool, and on
+        CPU the op's copies of it (the kernel's per-version copies and the stacked weights of
+        the adapters present, each at most the pool's size)."""
+        return self.pool.nbytes() * (3 if self.device.type == "cpu" else 1)
+
     def describe(self) -> list[dict[str, Any]]:
         return [
             {"name": name, "path": e.adapter.path, "rank": e.adapter.rank,

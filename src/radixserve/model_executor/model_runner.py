@@ -303,7 +303,7 @@ class ModelRunner:
             weight_bytes += planned_copy_bytes(
                 weight_bytes, self.device, self.dtype, psutil.virtual_memory().total
             )
-            weight_bytes += self.lora.pool.nbytes() if self.lora is not None else 0
+            weight_bytes += self.lora.nbytes() if self.lora is not None else 0
             per_token = MHATokenToKVPool.bytes_per_token(
                 self.num_kv_heads, cfg.head_dim, self.num_layers, self.kv_cache_dtype
             )

@@ -7,8 +7,9 @@
 // rank-sized intermediate (float32 sums over x's inputs), then the output rows, read once, the
 // delta added in float32 and rounded once to the output's type.
 //
-// a: [slots, R, K] float32 (the pool's layout); bt: [slots, R, N] float32, B transposed (the
-// op keeps that copy per pool version), so the expand is an axpy over contiguous output columns.
+// a: [slots, R, K] (the pool's layout); bt: [slots, R, N], B transposed (the op keeps that copy
+// per pool version), so the expand is an axpy over contiguous output columns. Both float32, or
+// both bf16 (a bf16 model's copies: half the bytes a decode step streams; sums stay float32).
 // blocks [nb, 4]: (r0, r1, c0, c1), ranks [r0, r1) feed columns [c0, c1) only: a fused layer's
 // B is block-diagonal (each shard's ranks feed its own outputs), and the zeros are skipped.
 // Rows whose slot is negative (the base model) are left as they are.
@@ -27,8 +28,8 @@ namespace {
 constexpr int64_t kTile = 4;  // rows of one adapter sharing each load of its weights
 constexpr int64_t kVecs = 4;  // registers of output columns per step of the expand
 
-template <typename T>
-void lora_add_rows(T* out, const T* x, const float* a, const float* bt, const int64_t* slots,
+template <typename T, typename W>
+void lora_add_rows(T* out, const T* x, const W* a, const W* bt, const int64_t* slots,
                    const int64_t* blocks, int64_t nblocks, int64_t m, int64_t k, int64_t r,
                    int64_t n) {
   // Rows with an adapter, grouped by slot (stable), cut into tiles of up to kTile rows.
@@ -54,12 +55,12 @@ void lora_add_rows(T* out, const T* x, const float* a, const float* bt, const in
       const int64_t s = slots[rows[0]];
       // shrink: xa[t, j] = x[row t] . a[s, j]  (a partial tile repeats its last row)
       for (int64_t j = 0; j < r; ++j) {
-        const float* ar = a + (s * r + j) * k;
+        const W* ar = a + (s * r + j) * k;
         __m512 acc[kTile];
         for (int64_t t = 0; t < kTile; ++t) acc[t] = _mm512_setzero_ps();
         for (int64_t c = 0; c < k; c += kLanes) {
           const __mmask16 mk = lanes(k - c);
-          const __m512 w = _mm512_maskz_loadu_ps(mk, ar + c);
+          const __m512 w = load16(ar + c, mk);
           for (int64_t t = 0; t < kTile; ++t) {
             acc[t] = _mm512_fmadd_ps(load16(x + rows[t] * k + c, mk), w, acc[t]);
           }
@@ -67,7 +68,7 @@ void lora_add_rows(T* out, const T* x, const float* a, const float* bt, const in
         for (int64_t t = 0; t < kTile; ++t) xa[t * r + j] = _mm512_reduce_add_ps(acc[t]);
       }
       // expand, block by block: ranks [r0, r1) feed output columns [c0, c1) only
-      const float* bs = bt + s * r * n;
+      const W* bs = bt + s * r * n;
       for (int64_t blk = 0; blk < nblocks; ++blk) {
         const int64_t r0 = blocks[blk * 4], r1 = blocks[blk * 4 + 1];
         const int64_t c0 = blocks[blk * 4 + 2], c1 = blocks[blk * 4 + 3];
@@ -80,9 +81,9 @@ void lora_add_rows(T* out, const T* x, const float* a, const float* bt, const in
             for (int64_t t = 0; t < kTile; ++t) acc[t][v] = _mm512_setzero_ps();
           }
           for (int64_t j = r0; j < r1; ++j) {
-            const float* brow = bs + j * n + col;
+            const W* brow = bs + j * n + col;
             __m512 w[kVecs];
-            for (int64_t v = 0; v < kVecs; ++v) w[v] = _mm512_maskz_loadu_ps(mk[v], brow + v * kLanes);
+            for (int64_t v = 0; v < kVecs; ++v) w[v] = load16(brow + v * kLanes, mk[v]);
             for (int64_t t = 0; t < kTile; ++t) {
               const __m512 h = _mm512_set1_ps(xa[t * r + j]);
               for (int64_t v = 0; v < kVecs; ++v) acc[t][v] = _mm512_fmadd_ps(h, w[v], acc[t][v]);
@@ -109,8 +110,9 @@ void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const a
   TORCH_CHECK(out.is_contiguous() && x.is_contiguous() && a.is_contiguous() &&
                   bt.is_contiguous() && slots.is_contiguous(),
               "lora_add_: contiguous tensors only");
-  TORCH_CHECK(a.scalar_type() == at::kFloat && bt.scalar_type() == at::kFloat,
-              "lora_add_: float32 adapter weights");
+  TORCH_CHECK(a.scalar_type() == bt.scalar_type() &&
+                  (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16),
+              "lora_add_: float32 or bf16 adapter weights, a and bt of one dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == x.size(0),
               "lora_add_: one int64 slot per row");
   TORCH_CHECK(out.scalar_type() == x.scalar_type(), "lora_add_: out and x of one dtype");
@@ -132,14 +134,27 @@ void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const a
                     0 <= bl[4 * i + 2] && bl[4 * i + 2] <= bl[4 * i + 3] && bl[4 * i + 3] <= n,
                 "lora_add_: block ", i, " outside the ranks or the columns");
   }
-  if (out.scalar_type() == at::kBFloat16) {
-    lora_add_rows(reinterpret_cast<uint16_t*>(out.data_ptr()),
-                  reinterpret_cast<const uint16_t*>(x.data_ptr()), a.data_ptr<float>(),
-                  bt.data_ptr<float>(), s, bl, nb, m, k, r, n);
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16,
+              "lora_add_: bf16 or float32 activations");
+  const bool bf16_out = out.scalar_type() == at::kBFloat16;
+  const bool bf16_w = a.scalar_type() == at::kBFloat16;
+  auto run = [&](auto* o, const auto* xp, const auto* ap, const auto* bp) {
+    lora_add_rows(o, xp, ap, bp, s, bl, nb, m, k, r, n);
+  };
+  auto as_u16 = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+  auto as_f32 = [](const at::Tensor& t) { return t.data_ptr<float>(); };
+  if (bf16_out && bf16_w) {
+    run(as_u16(out), static_cast<const uint16_t*>(as_u16(x)), static_cast<const uint16_t*>(as_u16(a)),
+        static_cast<const uint16_t*>(as_u16(bt)));
+  } else if (bf16_out) {
+    run(as_u16(out), static_cast<const uint16_t*>(as_u16(x)), static_cast<const float*>(as_f32(a)),
+        static_cast<const float*>(as_f32(bt)));
+  } else if (bf16_w) {
+    run(as_f32(out), static_cast<const float*>(as_f32(x)), static_cast<const uint16_t*>(as_u16(a)),
+        static_cast<const uint16_t*>(as_u16(bt)));
   } else {
-    TORCH_CHECK(out.scalar_type() == at::kFloat, "lora_add_: bf16 or float32 activations");
-    lora_add_rows(out.data_ptr<float>(), x.data_ptr<float>(), a.data_ptr<float>(),
-                  bt.data_ptr<float>(), s, bl, nb, m, k, r, n);
+    run(as_f32(out), static_cast<const float*>(as_f32(x)), static_cast<const float*>(as_f32(a)),
+        static_cast<const float*>(as_f32(bt)));
   }
 }
 

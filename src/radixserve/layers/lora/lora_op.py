@@ -149,8 +149,9 @@ class LoRADelta(CustomOp):
         # most one stacked copy of each layer's present adapters, so at most the pool's size.
         self._stacked: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._stacked_for: tuple[tuple[int, ...], int] | None = None
-        # CPU kernel: per layer (its ``b``), B transposed ``[slots, R, out]``, per pool version.
-        self._bt: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # CPU kernel: per layer (its ``a``), A and B transposed ``[slots, R, out]`` in the
+        # activations' dtype, per pool version (at most the pool's size again).
+        self._bt: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._bt_version: int | None = None
 
     def add_to(
@@ -168,20 +169,26 @@ class LoRADelta(CustomOp):
                 and out.is_contiguous()):
             if blocks is None:
                 blocks = torch.tensor([[0, a.shape[1], 0, b.shape[1]]], dtype=torch.int64)
-            cpu_kernels.lora_add_(out, x.contiguous(), a, self._transposed_b(b, info),
-                                  info.token_slots, blocks)
+            a_k, bt_k = self._kernel_weights(a, b, info, out.dtype)
+            cpu_kernels.lora_add_(out, x.contiguous(), a_k, bt_k, info.token_slots, blocks)
             return out
         return out.add_(self(x, a, b, info, reduce))
 
-    def _transposed_b(self, b: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
+    def _kernel_weights(
+        self, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's copies of a layer's weights, per pool version: ``a`` in ``dtype`` and B
+        transposed ``[slots, R, out]`` in ``dtype`` (bf16 for a bf16 model: half the bytes a
+        decode step streams; the pool itself stays float32 for the prefill's matmuls)."""
         if self._bt_version != info.weights_version:
             self._bt.clear()
             self._bt_version = info.weights_version
-        entry = self._bt.get(id(b))
-        if entry is None or entry[0] is not b:
-            entry = (b, b.transpose(1, 2).contiguous())  # ``b`` held: its id is not reused
-            self._bt[id(b)] = entry
-        return entry[1]
+        entry = self._bt.get(id(a))
+        if entry is None or entry[0] is not a or entry[1].dtype != dtype:
+            a_k = a if a.dtype == dtype else a.to(dtype)
+            entry = (a, a_k, b.transpose(1, 2).to(dtype).contiguous())  # ``a`` held: its id
+            self._bt[id(a)] = entry  # is not reused while the entry lives
+        return entry[1], entry[2]
 
     def forward_native(
         self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo,
