@@ -82,3 +82,46 @@ def assert_two_ranks_sum_to(impl, x, a, b, info, expected, **tol):
                lambda xa: xa + kept[0])
     assert len(kept) == 1
     torch.testing.assert_close(got, expected, **tol)
+
+
+needs_kernels = pytest.mark.skipif(
+    not __import__("radixserve.layers.cpu_kernels", fromlist=["x"]).load_cpu_kernels(),
+    reason="radixserve's CPU kernels do not load here",
+)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slots", [
+    [1, -1, 0, 1, 2, 0, -1, 1, 1, 1, 1, 2],  # a decode: interleaved, a slot of five rows
+    [0] * 9 + [-1] * 3 + [2] * 3,  # contiguous runs, a partial tile
+    [-1, -1, -1],  # the base model only: nothing changes
+])
+def test_the_fused_cpu_kernel_adds_the_reference_delta_in_place(dtype, slots):
+    """``add_to`` on CPU (one kernel, tiles of rows of one adapter, block-diagonal B) against
+    the reference; widths that are not multiples of a register, and the kernel's copies of the
+    weights rebuilt when the pool's version changes. A bf16 model's copies are bf16: the
+    reference then takes the weights rounded to bf16, and the output is within its rounding."""
+    gen = torch.Generator().manual_seed(len(slots))
+    rows, k, n, width = len(slots), 37, 70, 6  # two shards of rank 3: ranks 0-2 → cols 0-39
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    a = torch.randn(3, width, k, generator=gen)
+    b = torch.zeros(3, n, width)
+    b[:, :40, :3] = torch.randn(3, 40, 3, generator=gen)
+    b[:, 40:, 3:] = torch.randn(3, 30, 3, generator=gen)
+    blocks = torch.tensor([[0, 3, 0, 40], [3, 6, 40, 70]])
+    info = LoRABatchInfo.from_token_slots(torch.tensor(slots), weights_version=1)
+    with build_context("cpu", dtype):
+        op = LoRADelta()
+    assert op.impl is OpImpl.CPU
+    base = torch.randn(rows, n, generator=gen).to(dtype)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.07, "rtol": 0.01}
+    for version in (1, 2):
+        info.weights_version = version
+        a_w, b_w = a.to(dtype).float(), b.to(dtype).float()
+        want = base.float() + _expected(x.float(), a_w, b_w, torch.tensor(slots))
+        out = base.clone()
+        assert op.add_to(out, x, a, b, info, blocks=blocks) is out
+        torch.testing.assert_close(out.float(), want, **tol)
+        assert torch.equal(out[torch.tensor(slots) < 0], base[torch.tensor(slots) < 0])
+        b[0] *= 2  # the pool writes a slot: a new version, the copies are rebuilt

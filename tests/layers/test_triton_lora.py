@@ -69,3 +69,24 @@ def test_triton_delta_sums_the_intermediate_before_the_expand():
 
     assert_two_ranks_sum_to(op.forward_cuda, x, a, b, info, op.forward_native(x, a, b, info),
                             atol=1e-5, rtol=1e-5)
+
+
+def test_one_segment_per_row_as_in_a_cuda_graph_matches_native():
+    """A graph's decode step (``lora/graph_inputs.py``): a segment per row, base and padding
+    rows of length 0 with slot -1; the kernels read nothing else from the slots."""
+    from radixserve.lora.graph_inputs import LoRAGraphInputs
+
+    gen = torch.Generator().manual_seed(9)
+    x, a, b = (torch.randn(8, 40, generator=gen), torch.randn(3, 4, 40, generator=gen),
+               torch.randn(3, 24, 4, generator=gen))
+    inputs = LoRAGraphInputs(8, "cpu")
+    with build_context("cpu", torch.float32):
+        op = LoRADelta()
+    inputs.write([2, -1, 0, 2, 1], bs=5, padded=8)
+    info = inputs.info(8)
+    want = op.forward_native(x, a, b, LoRABatchInfo.from_token_slots(inputs.token_slots))
+    torch.testing.assert_close(op.forward_cuda(x, a, b, info), want, atol=1e-5, rtol=1e-5)
+    assert bool((op.forward_cuda(x, a, b, info)[5:] == 0).all())
+    inputs.write([-1, 1], bs=2, padded=8)  # the same buffers, new values: no new grid
+    want = op.forward_native(x, a, b, LoRABatchInfo.from_token_slots(inputs.token_slots))
+    torch.testing.assert_close(op.forward_cuda(x, a, b, info), want, atol=1e-5, rtol=1e-5)

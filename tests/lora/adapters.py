@@ -5,6 +5,7 @@ A and B (fixed seed) so that every adapted module changes the output."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -34,16 +35,22 @@ def make_adapter(base: Path, out: Path, rank: int, targets: list[str], seed: int
 def peft_greedy(base: Path, adapter: Path | None, prompt_ids: list[int],
                 max_new_tokens: int) -> list[int]:
     """Greedy fp32 continuation by ``transformers`` with ``peft``'s adapter applied (``None``:
-    the base model)."""
+    the base model). Memoised: the tests of the plain and the overlap schedule ask the same."""
+    return list(_peft_greedy(base, adapter, tuple(prompt_ids), max_new_tokens))
+
+
+@functools.lru_cache(maxsize=256)
+def _peft_greedy(base: Path, adapter: Path | None, prompt_ids: tuple[int, ...],
+                 max_new_tokens: int) -> tuple[int, ...]:
     import peft
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     if adapter is not None:
         model = peft.PeftModel.from_pretrained(model, adapter).eval()
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([list(prompt_ids)])
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                              pad_token_id=2)
-    return out[0, len(prompt_ids):].tolist()
+    return tuple(out[0, len(prompt_ids):].tolist())

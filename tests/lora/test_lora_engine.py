@@ -39,7 +39,7 @@ def engine(request, llama_path, adapters, strict_env):
     worker thread while the next is planned)."""
     paths = [f"{name}={adapters[name]}" for name in ("attn", "mlp", "mixed")]
     with Engine(model_path=str(llama_path), dtype="float32", lora_paths=paths,
-                max_loras_per_batch=4, max_lora_rank=8,
+                max_loras_per_batch=4, max_lora_rank=8, enable_streaming_session=True,
                 enable_overlap_schedule=request.param, **ENGINE_KWARGS) as eng:
         yield eng
 
@@ -130,3 +130,51 @@ def test_bad_folders_are_refused_with_the_reason(engine, tmp_path):
         engine.load_lora_adapter("bad", str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="already loaded"):
         engine.load_lora_adapter("attn", str(tmp_path / "empty"))
+
+
+def _turn(engine, session_id, new_ids, lora_path, rid=None):
+    params = {"id": session_id} if rid is None else {"id": session_id, "rid": rid}
+    return engine.generate(input_ids=new_ids, sampling_params=GREEDY, lora_path=lora_path,
+                           session_params=params)
+
+
+def test_a_streaming_session_keeps_its_adapter_kv_apart(engine, adapters, llama_path):
+    """Turns under one adapter continue its KV; a turn under another adapter (or the base
+    model) recomputes the history under its own (docs/lora.md); each turn equals ``peft``."""
+    engine.flush_cache()
+    sid = engine.open_session(4096, streaming=True)
+    history: list[int] = []
+    turns = [("attn", [61, 62, 63, 64, 65, 66, 67]), ("attn", [70, 71, 72]),
+             ("mlp", [80, 81]), (None, [90, 91, 92]), (None, [93])]
+    for i, (name, new) in enumerate(turns):
+        out = _turn(engine, sid, new, name)
+        history += new
+        assert out["output_ids"] == peft_greedy(
+            llama_path, adapters[name] if name else None, history, MAX_NEW), (i, name)
+        cached = out["meta_info"]["cached_tokens"]
+        if i == 0 or name != turns[i - 1][0]:
+            assert cached == 0, (i, name)  # nothing computed under another adapter is reused
+        else:
+            assert cached >= len(history) - len(new) - 1, (i, name)  # the session's own KV
+        history += out["output_ids"]
+    engine.close_session(sid)
+    # a second session of the same prompt under another adapter reuses none of the first's KV
+    other = engine.open_session(4096, streaming=True)
+    out = _turn(engine, other, turns[0][1], "mixed")
+    assert out["meta_info"]["cached_tokens"] == 0
+    engine.close_session(other)
+    _no_leak(engine)
+
+
+def test_a_plain_session_keeps_adapters_apart(engine, adapters, llama_path):
+    engine.flush_cache()
+    sid = engine.open_session(4096)
+    first = _turn(engine, sid, [101, 102, 103, 104, 105, 106, 107, 108], "mixed")
+    prompt = [101, 102, 103, 104, 105, 106, 107, 108] + first["output_ids"] + [110, 111]
+    same = _turn(engine, sid, [110, 111], "mixed", rid=first["meta_info"]["id"])
+    assert same["output_ids"] == peft_greedy(llama_path, adapters["mixed"], prompt, MAX_NEW)
+    assert same["meta_info"]["cached_tokens"] >= 8
+    other = _turn(engine, sid, [110, 111], "attn", rid=first["meta_info"]["id"])
+    assert other["output_ids"] == peft_greedy(llama_path, adapters["attn"], prompt, MAX_NEW)
+    assert other["meta_info"]["cached_tokens"] == 0
+    engine.close_session(sid)

@@ -38,10 +38,12 @@ class SessionDriver(Driver):
     cache: SessionAwareCache
     matched: torch.Tensor  # the prefix the last ``admit_req`` matched
 
-    def admit_req(self, rid: str, prompt: list[int], session_id: str | None = None) -> Req:
+    def admit_req(self, rid: str, prompt: list[int], session_id: str | None = None,
+                  namespace: int = 0) -> Req:
         """Match and lock; take the slot's row or a free one; prefill ``prompt``; hand the
-        prefill to the cache as the output processor does."""
-        req = Req(rid, streaming_session_id=session_id)
+        prefill to the cache as the output processor does. ``namespace``: the LoRA adapter
+        load the request runs under (0: the base model)."""
+        req = Req(rid, streaming_session_id=session_id, lora_namespace=namespace)
         match = self.cache.match_req(req, prompt[:-1])
         self.cache.inc_lock_ref(match.last_node)
         req.prefix_indices, req.last_node = match.device_indices, match.last_node
@@ -67,10 +69,10 @@ class SessionDriver(Driver):
 
     def turn(
         self, session_id: str | None, prompt: list[int], output: list[int],
-        reason: FinishReason | None = LENGTH,
+        reason: FinishReason | None = LENGTH, namespace: int = 0,
     ) -> Req:
         """A whole request: prefill, decode ``output`` (all but its last token get KV), finish."""
-        req = self.admit_req(f"{session_id}-{len(prompt)}", prompt, session_id)
+        req = self.admit_req(f"{session_id}-{len(prompt)}", prompt, session_id, namespace)
         self.decode(req, len(output) - 1)
         self.finish(req, prompt + output, reason)
         return req
@@ -309,6 +311,26 @@ def test_a_slot_that_does_not_lead_the_prompt_is_released_not_reused(d):
     assert len(d.matched) == 0 and not isinstance(other.last_node, SessionNode)
     assert "s" not in d.cache.slots
     d.assert_accounted(other)
+
+
+def test_a_turn_under_another_lora_adapter_recomputes_instead_of_reusing_the_slot(d):
+    """The slot's KV was computed under adapter load 1; a turn under load 2 (another adapter,
+    or the same name reloaded) or the base model matches nothing and the slot goes."""
+    prompt, output = ids(10, 10), ids(100, 5)
+    d.turn("s", prompt, output, namespace=1)
+    assert d.cache.slots["s"].lora_namespace == 1
+    turn = prompt + output + ids(200, 3)
+    for namespace in (2, 0):
+        req = d.admit_req(f"t{namespace}", turn, "s", namespace)
+        assert len(d.matched) == 0 and not isinstance(req.last_node, SessionNode)
+        assert "s" not in d.cache.slots
+        d.assert_accounted(req)
+        d.decode(req, 2)
+        d.finish(req, turn + ids(300, 3), LENGTH)
+        assert d.cache.slots["s"].lora_namespace == namespace
+        d.assert_accounted()
+    same = d.admit_req("t3", turn + ids(300, 3) + [7], "s", 0)
+    assert len(d.matched) == len(turn) + 2 and isinstance(same.last_node, SessionNode)
 
 
 # ---------------------------------------------------------------------- memory pressure

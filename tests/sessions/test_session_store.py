@@ -325,6 +325,20 @@ def test_an_evicted_slot_goes_to_the_store_and_comes_back_with_the_same_kv(tmp_p
     check(d)
 
 
+def test_a_lora_slot_is_stored_without_its_kv(tmp_path):
+    """A namespace names an adapter load of this process only: the history is stored, the
+    KV is not, and the session's next turn re-prefills."""
+    d, _ = store_driver(tmp_path)
+    d.turn("s", ids(10, 10), ids(100, 5), namespace=3)
+    d.cache.evict(KV_TOKENS)
+    entry = d.cache.store.get("s")
+    assert entry is not None and entry.token_ids == ids(10, 10) + ids(100, 5)
+    assert entry.kv_tokens == 0 and d.cache.session_offloaded_tokens() == 0
+    d.cache.load_back([Waiting("s")], KV_TOKENS, ROWS)
+    assert "s" not in d.cache.slots
+    check(d)
+
+
 def test_offloading_an_unchanged_slot_again_writes_nothing(tmp_path):
     d, _ = store_driver(tmp_path)
     d.turn("s", ids(10, 10), ids(100, 5))

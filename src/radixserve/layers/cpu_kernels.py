@@ -12,6 +12,8 @@
   float32, and the greedy argmax of the logits (``csrc/elementwise.cpp``): one kernel each where
   torch runs up to nine, whose start-up costs dominate a decode step's small tensors. They round
   where transformers' modules do;
+- the LoRA deltas of a decode step added to a layer's output in one call (``csrc/lora.cpp``),
+  where torch runs six ops per adapted layer;
 - a grammar's token bitmask applied to the logits (``csrc/token_bitmask.cpp``): masked stores
   of ``-inf``, a word of the bitmask at a time, where xgrammar's CPU apply tests each token;
 - attention straight from the paged KV pool (float32 and bf16, head_dim a multiple of 16 up to
@@ -254,6 +256,18 @@ def small_gemm_amx(
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for up to 32 bf16 rows on AMX (N a multiple of 16, K of 32)."""
     return torch.ops.radixserve_cpu.small_gemm_amx_bf16(x.contiguous(), blocked, bias)
+
+
+def lora_add_(
+    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, slots: torch.Tensor,
+    blocks: torch.Tensor,
+) -> None:
+    """In place: ``out[i] += (x[i] @ a[s].T) @ bt[s]`` for each row ``i`` whose int64 slot
+    ``s = slots[i]`` is not negative (``csrc/lora.cpp``): bf16 or float32 ``out`` ``[M, N]`` and
+    ``x`` ``[M, K]``, float32 ``a`` ``[S, R, K]`` and ``bt`` ``[S, R, N]``, all contiguous;
+    ``blocks`` int64 ``[nb, 4]``: ranks ``[r0, r1)`` feed columns ``[c0, c1)`` only (``bt`` is
+    taken as zero elsewhere)."""
+    torch.ops.radixserve_cpu.lora_add_(out, x, a, bt, slots, blocks)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

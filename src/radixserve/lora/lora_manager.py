@@ -145,17 +145,17 @@ class LoRAManager:
             # A row-parallel layer's rank holds a slice of A: sum the intermediate over ranks.
             row_parallel = self.tp is not None and buf.shards[0] in ROW_PARALLEL
             reduce = self.tp.all_reduce if row_parallel else None
-            module.register_forward_hook(self._hook(buf.a, buf.b, reduce))
+            module.register_forward_hook(self._hook(buf.a, buf.b, reduce, buf.blocks))
 
     def _hook(
         self, a: torch.Tensor, b: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]
-        | None
+        | None, blocks: torch.Tensor | None = None,
     ) -> Callable[..., Any]:
         def add_delta(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> Any:
             info = self.info
             if info is None or not info.any_adapter:
                 return None  # keep the base layer's output
-            return out.add_(self.op(args[0], a, b, info, reduce))
+            return self.op.add_to(out, args[0], a, b, info, reduce, blocks)
 
         return add_delta
 
@@ -221,6 +221,12 @@ class LoRAManager:
             self._place(name, slot)
         return {name: self.slot_of[name] for name in names}
 
+    def nbytes(self) -> int:
+        """Memory the adapters take, counted before the KV cache is planned: the pool, and on
+        CPU the op's copies of it (the kernel's per-version copies and the stacked weights of
+        the adapters present, each at most the pool's size)."""
+        return self.pool.nbytes() * (3 if self.device.type == "cpu" else 1)
+
     def describe(self) -> list[dict[str, Any]]:
         return [
             {"name": name, "path": e.adapter.path, "rank": e.adapter.rank,
@@ -242,7 +248,7 @@ class LoRAManager:
             per_row = per_req.repeat_interleave(counts)
         else:
             per_row = per_req
-        self.info = LoRABatchInfo.from_token_slots(per_row, self.device)
+        self.info = LoRABatchInfo.from_token_slots(per_row, self.device, self.pool.version)
 
 
 def create_lora_manager(

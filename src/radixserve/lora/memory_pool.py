@@ -41,6 +41,9 @@ class LayerBuffers:
     b: torch.Tensor
     shards: tuple[str, ...]
     out_offsets: dict[str, tuple[int, int]]  # shard → (first output row, rows)
+    # int64 [n, 4] on the host: (first rank, end rank, first output, end output) of each shard
+    # that adapters may target: B is zero outside these blocks (the CPU kernel skips the rest)
+    blocks: torch.Tensor | None = None
 
 
 class LoRAMemoryPool:
@@ -62,6 +65,9 @@ class LoRAMemoryPool:
         full_shapes, shapes = shapes, self.shards.local(shapes)
         self.full_shapes = full_shapes
         self.buffers: dict[tuple[int, str], LayerBuffers] = {}
+        # Bumped whenever a slot's weights change: copies of them (the CPU op's stacked
+        # weights, ``layers/lora/lora_op.py``) are rebuilt under a new version.
+        self.version = 0
         for fused, shards in FUSED_SHARDS.items():
             if not any(s in target_modules for s in shards):
                 continue
@@ -72,12 +78,18 @@ class LoRAMemoryPool:
                 offsets[shard] = (row, rows)
                 row += rows
             width = len(shards) * max_rank
+            blocks = torch.tensor(
+                [[i * max_rank, (i + 1) * max_rank, offsets[shard][0], sum(offsets[shard])]
+                 for i, shard in enumerate(shards) if shard in target_modules],
+                dtype=torch.int64,
+            ).reshape(-1, 4)
             for layer in layers:
                 self.buffers[(layer, fused)] = LayerBuffers(
                     torch.zeros(slots, width, fan_in, device=device, dtype=dtype),
                     torch.zeros(slots, row, width, device=device, dtype=dtype),
                     shards,
                     offsets,
+                    blocks,
                 )
 
     def nbytes(self) -> int:
@@ -101,6 +113,7 @@ class LoRAMemoryPool:
             buf.b[slot, first : first + rows, cols] = b.to(buf.b.dtype)
 
     def clear(self, slot: int) -> None:
+        self.version += 1
         for buf in self.buffers.values():
             buf.a[slot].zero_()
             buf.b[slot].zero_()

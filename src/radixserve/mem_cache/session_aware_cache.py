@@ -73,6 +73,9 @@ class SessionSlot:
     lru: int = 0  # least recently used slots are offloaded first
     idle_since: float = 0.0
     stored: bool = False  # the store holds ``history`` and the KV of a prefix of token_ids
+    # The LoRA adapter load the KV was computed under (``req.lora_namespace``; 0: the base
+    # model): a turn under another one must not reuse it.
+    lora_namespace: int = 0
 
 
 @dataclass(eq=False)
@@ -113,6 +116,13 @@ class SessionAwareCache(BasePrefixCache):
         session_id = req.streaming_session_id
         slot = self.slots.get(session_id) if session_id is not None else None
         if slot is None or slot.in_use:
+            return None
+        if slot.lora_namespace != req.lora_namespace:
+            # A turn under another LoRA adapter (or the same name reloaded): the slot's KV is
+            # another model's. The turn recomputes its history through the tree, which keeps
+            # adapters apart; the slot goes.
+            self._release(slot)
+            self._forget_stored(slot.session_id)
             return None
         n = _common_prefix_len(slot.token_ids, key)
         if n == 0 or n < slot.protected_len:
@@ -164,6 +174,7 @@ class SessionAwareCache(BasePrefixCache):
             slot = SessionSlot(
                 session_id, req.req_pool_idx, [], [], tree_node=node,
                 protected_len=self.inner.protected_prefix_len(req),
+                lora_namespace=req.lora_namespace,
             )
             self.slots[session_id] = slot
         slot.token_ids = list(token_ids)
@@ -394,7 +405,13 @@ class SessionAwareCache(BasePrefixCache):
         self._release(slot)
 
     def _save(self, slot: SessionSlot) -> None:
+        """Store the slot's history and KV. KV computed under a LoRA adapter is not stored
+        (a namespace names an adapter load of this process only): its history is, and the
+        session's next turn re-prefills it."""
         assert self.store is not None
+        if slot.lora_namespace:
+            slot.stored = self.store.save(slot.session_id, slot.history, [], _EMPTY)
+            return
         kv = self._row(slot)[: len(slot.token_ids)]
         slot.stored = self.store.save(slot.session_id, slot.history, slot.token_ids, kv)
 

@@ -14,7 +14,9 @@ A graph replays fixed addresses and shapes, so:
 - ``replay`` copies a batch into the buffers, **pads** it to the next captured size (padding rows
   decode token 0 at position 0 of request row 0, with sequence length 1, and write their KV into
   slot 0, the pool's padding page that no request owns), replays, and returns the first
-  ``batch_size`` rows of the captured logits. Sampling stays outside the graph.
+  ``batch_size`` rows of the captured logits. Sampling stays outside the graph;
+- with LoRA, the rows' adapter slots are inputs too (``lora/graph_inputs.py``: one LoRA
+  segment per row, padding rows without an adapter), written before each replay.
 
 Everything but ``torch.cuda.graph`` itself is device independent: on CPU (``use_cuda_graph=False``,
 for tests) a "captured graph" calls the forward on the same static buffers at replay, so the
@@ -27,10 +29,14 @@ import bisect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixserve.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from radixserve.lora.graph_inputs import LoRAGraphInputs
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +111,12 @@ class CudaGraphRunner:
         device: torch.device,
         batch_sizes: list[int],
         use_cuda_graph: bool,
+        lora_inputs: LoRAGraphInputs | None = None,
     ) -> None:
         """``forward``: one decode step of the model (attention metadata and model), returning
         ``[batch_size, vocab]`` logits; ``use_cuda_graph``: capture real CUDA graphs (CUDA only),
-        else replay calls ``forward`` on the static buffers."""
+        else replay calls ``forward`` on the static buffers; ``lora_inputs``: the adapter slots'
+        buffers that ``forward`` reads with LoRA on (sized for the largest batch here)."""
         if use_cuda_graph and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.forward = forward
@@ -116,6 +124,10 @@ class CudaGraphRunner:
         self.batch_sizes = sorted(batch_sizes)
         self.max_bs = self.batch_sizes[-1]
         self.use_cuda_graph = use_cuda_graph
+        if lora_inputs is not None and lora_inputs.max_bs < self.max_bs:
+            raise ValueError(f"LoRA graph inputs for {lora_inputs.max_bs} rows, graphs up to "
+                             f"{self.max_bs}")
+        self.lora_inputs = lora_inputs
         int64 = {"dtype": torch.int64, "device": device}
         self.input_ids = torch.zeros(self.max_bs, **int64)
         self.positions = torch.zeros(self.max_bs, **int64)
@@ -188,6 +200,8 @@ class CudaGraphRunner:
             self.req_pool_indices[bs:padded].fill_(PAD_REQ_POOL_INDEX)
             self.seq_lens[bs:padded].fill_(PAD_SEQ_LEN)
             self.out_cache_loc[bs:padded].fill_(PAD_OUT_CACHE_LOC)
+        if self.lora_inputs is not None:
+            self.lora_inputs.write(forward_batch.lora_slots, bs, padded)
         entry = self.graphs[padded]
         # Host-side lengths for backends that read them (the eager replay on CPU); a CUDA graph
         # reads only the device buffers.

@@ -35,6 +35,7 @@ from radixserve.layers.attention import create_attention_backend, default_attent
 from radixserve.layers.custom_op import build_context
 from radixserve.layers.linear import kv_heads_per_rank
 from radixserve.layers.packed_weight import planned_copy_bytes
+from radixserve.lora.graph_inputs import LoRAGraphInputs
 from radixserve.lora.lora_manager import create_lora_manager, load_initial_adapters
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
@@ -192,6 +193,7 @@ class ModelRunner:
             settings, self.max_running_requests
         )
         self.graph_runner: CudaGraphRunner | None = None
+        self._lora_graph_inputs: LoRAGraphInputs | None = None  # with LoRA, graphs' slots
         self._capture_cuda_graphs()
 
     def _cuda_graph_batch_sizes(
@@ -204,8 +206,6 @@ class ModelRunner:
         reason = None
         if self.model_config.is_encoder:
             reason = "an encoder has no decode steps"
-        elif self.lora is not None:
-            reason = "LoRA adapters' row indices are not graph inputs in this build"
         elif self.attention_backend != "triton":
             reason = f"the {self.attention_backend} attention backend reads host values in decode"
         elif self.parallel.distributed:
@@ -224,8 +224,12 @@ class ModelRunner:
         self.graph_runner = None
         on_cuda = self.device.type == "cuda"  # elsewhere only tests set the batch sizes
         before = torch.cuda.memory_reserved(self.device) if on_cuda else 0
+        self._lora_graph_inputs = None if self.lora is None else LoRAGraphInputs(
+            max(self.cuda_graph_batch_sizes), self.device
+        )
         runner = CudaGraphRunner(
-            self._decode_forward, self.device, self.cuda_graph_batch_sizes, use_cuda_graph=on_cuda
+            self._decode_forward, self.device, self.cuda_graph_batch_sizes,
+            use_cuda_graph=on_cuda, lora_inputs=self._lora_graph_inputs,
         )
         runner.capture()
         self.graph_runner = runner
@@ -244,8 +248,11 @@ class ModelRunner:
                 )
 
     def _decode_forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """One eager step: what a CUDA graph records."""
+        """One eager step: what a CUDA graph records (LoRA reads the graph's slot buffers)."""
         self.attn_backend.init_forward_metadata(forward_batch)
+        if self.lora is not None:
+            assert self._lora_graph_inputs is not None
+            self.lora.info = self._lora_graph_inputs.info(forward_batch.batch_size)
         return self.model(forward_batch, None)
 
     def _load_model(self, config: ModelConfig) -> Any:
@@ -296,7 +303,7 @@ class ModelRunner:
             weight_bytes += planned_copy_bytes(
                 weight_bytes, self.device, self.dtype, psutil.virtual_memory().total
             )
-            weight_bytes += self.lora.pool.nbytes() if self.lora is not None else 0
+            weight_bytes += self.lora.nbytes() if self.lora is not None else 0
             per_token = MHATokenToKVPool.bytes_per_token(
                 self.num_kv_heads, cfg.head_dim, self.num_layers, self.kv_cache_dtype
             )

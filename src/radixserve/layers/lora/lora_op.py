@@ -27,7 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixserve.layers.custom_op import CustomOp
+from radixserve.layers import cpu_kernels
+from radixserve.layers.custom_op import CustomOp, OpImpl
+
+# Rows up to which the CPU path treats a batch as a decode step: one fused kernel per layer
+# (``add_to``), or the masked two-matmul form; above it (prefills) each adapter's rows take
+# their own two matmuls, whose cost is then the arithmetic, not the number of ops.
+SMALL_BATCH_ROWS = 64
 
 
 @dataclass
@@ -49,6 +55,14 @@ class LoRABatchInfo:
     seg_lens: torch.Tensor | None = None
     seg_slots: torch.Tensor | None = None
     max_seg_len: int = 0
+    # A CUDA graph's decode step (``lora/graph_inputs.py``): one segment per row over static
+    # buffers whose values change between replays (length 0 for base-model and padding rows),
+    # so nothing here may be read on the host; ``groups`` is empty.
+    static: bool = False
+    # The slots present on the host, and the version of the pool's weights this step reads:
+    # the CPU path keeps the present adapters' weights stacked across steps under these.
+    present_slots: tuple[int, ...] = ()
+    weights_version: int = 0
     _masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -61,10 +75,12 @@ class LoRABatchInfo:
 
     @classmethod
     def from_token_slots(
-        cls, token_slots: torch.Tensor, device: torch.device | str | None = None
+        cls, token_slots: torch.Tensor, device: torch.device | str | None = None,
+        weights_version: int = 0,
     ) -> LoRABatchInfo:
         """``token_slots`` on the host (read here without a device synchronisation), moved to
-        ``device`` (default: where they are) for the kernels."""
+        ``device`` (default: where they are) for the kernels; ``weights_version``: the pool's
+        (``LoRAMemoryPool.version``), which changes whenever a slot's weights do."""
         slots_cpu = token_slots.tolist()
         token_slots = token_slots.to(device) if device is not None else token_slots
         rows: dict[int, list[int]] = {}
@@ -93,11 +109,22 @@ class LoRABatchInfo:
         seg = torch.tensor(runs, dtype=torch.int64).reshape(-1, 3).T.contiguous()
         seg = seg.to(token_slots.device)
         return cls(token_slots, groups, present, seg[0], seg[1], seg[2],
-                   max((run[1] for run in runs), default=0))
+                   max((run[1] for run in runs), default=0),
+                   present_slots=tuple(slot for slot, _ in groups),
+                   weights_version=weights_version)
+
+    @classmethod
+    def per_row(cls, token_slots: torch.Tensor, seg_starts: torch.Tensor,
+                seg_lens: torch.Tensor) -> LoRABatchInfo:
+        """One segment per row (a decode step, one token a row): row ``i`` is segment ``i``
+        of slot ``token_slots[i]`` and length ``seg_lens[i]`` (1 with an adapter, else 0).
+        The Triton kernels' grid then depends on the number of rows only, not on which
+        adapters they use, so a captured graph replays for any mix."""
+        return cls(token_slots, [], None, seg_starts, seg_lens, token_slots, 1, static=True)
 
     @property
     def any_adapter(self) -> bool:
-        return bool(self.groups)
+        return self.static or bool(self.groups)
 
 
 # Sums the rank-sized intermediate over the tensor-parallel group (row-parallel layers).
@@ -112,6 +139,56 @@ class LoRADelta(CustomOp):
     (``lora/tp_shards.py``)."""
 
     cpu_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+
+    def __init__(self) -> None:
+        super().__init__()
+        # CPU, rows of several adapters: per layer (its ``a``), the A of the adapters present
+        # stacked ``[P*W, in]`` and their B side by side, transposed ``[P*W, out]``, kept while
+        # the same adapters are present and their weights unchanged (a decode step's adapters
+        # are usually the last step's): gathering them took more time than the matmuls. At
+        # most one stacked copy of each layer's present adapters, so at most the pool's size.
+        self._stacked: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._stacked_for: tuple[tuple[int, ...], int] | None = None
+        # CPU kernel: per layer (its ``a``), A and B transposed ``[slots, R, out]`` in the
+        # activations' dtype, per pool version (at most the pool's size again).
+        self._bt: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._bt_version: int | None = None
+
+    def add_to(
+        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+        info: LoRABatchInfo, reduce: Reduce | None = None, blocks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``out += delta`` in place (what the layers' hooks do). On CPU a decode-sized batch
+        in bf16 or float32 takes one kernel (``cpu_kernels.lora_add_``), which adds the delta
+        in float32 and rounds once, where ``out.add_(delta)`` rounds the delta first.
+        ``blocks`` (int64 ``[n, 4]``, ``LayerBuffers.blocks``): the rank and output ranges
+        outside which ``b`` is zero; None: all of it."""
+        if (self.impl is OpImpl.CPU and reduce is None and not info.static
+                and x.shape[0] <= SMALL_BATCH_ROWS and out.dtype == x.dtype
+                and out.dtype in (torch.float32, torch.bfloat16) and a.dtype == torch.float32
+                and out.is_contiguous()):
+            if blocks is None:
+                blocks = torch.tensor([[0, a.shape[1], 0, b.shape[1]]], dtype=torch.int64)
+            a_k, bt_k = self._kernel_weights(a, b, info, out.dtype)
+            cpu_kernels.lora_add_(out, x.contiguous(), a_k, bt_k, info.token_slots, blocks)
+            return out
+        return out.add_(self(x, a, b, info, reduce))
+
+    def _kernel_weights(
+        self, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's copies of a layer's weights, per pool version: ``a`` in ``dtype`` and B
+        transposed ``[slots, R, out]`` in ``dtype`` (bf16 for a bf16 model: half the bytes a
+        decode step streams; the pool itself stays float32 for the prefill's matmuls)."""
+        if self._bt_version != info.weights_version:
+            self._bt.clear()
+            self._bt_version = info.weights_version
+        entry = self._bt.get(id(a))
+        if entry is None or entry[0] is not a or entry[1].dtype != dtype:
+            a_k = a if a.dtype == dtype else a.to(dtype)
+            entry = (a, a_k, b.transpose(1, 2).to(dtype).contiguous())  # ``a`` held: its id
+            self._bt[id(a)] = entry  # is not reused while the entry lives
+        return entry[1], entry[2]
 
     def forward_native(
         self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo,
@@ -130,8 +207,10 @@ class LoRADelta(CustomOp):
         self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo,
         reduce: Reduce | None = None,
     ) -> torch.Tensor:
+        if info.static:  # a graph's step replayed eagerly (tests on CPU): rows unknown here
+            return self.forward_native(x, a, b, info, reduce)
         dtype, x = x.dtype, x.to(a.dtype)
-        if info.present is not None:
+        if info.present is not None and x.shape[0] <= SMALL_BATCH_ROWS:
             return self._several_adapters(x, a, b, info, reduce).to(dtype)
         if reduce is not None:  # shrink every group, sum over the group, then expand
             xa = x.new_zeros(x.shape[0], a.shape[1])
@@ -162,19 +241,38 @@ class LoRADelta(CustomOp):
             x, a, b, info.seg_starts, info.seg_lens, info.seg_slots, info.max_seg_len, reduce
         )
 
-    @staticmethod
     def _several_adapters(
-        x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo,
+        self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo,
         reduce: Reduce | None,
     ) -> torch.Tensor:
         """Rows of several adapters in two matmuls: every row against the A of all adapters
         present, masked to its own adapter's block, then against their B side by side (fewer,
         larger ops than one pair per adapter: on CPU a step's cost is mostly per op)."""
         assert info.present is not None
-        slots, width = len(info.present), a.shape[1]
-        a_p = a.index_select(0, info.present).reshape(slots * width, a.shape[2])
-        xa = (x @ a_p.T).mul_(info.mask(width, a.dtype))
+        a_t, b_t = self._stacked_weights(a, b, info)
+        xa = torch.mm(x, a_t).mul_(info.mask(a.shape[1], a.dtype))
         if reduce is not None:
             xa = reduce(xa)
-        b_p = b.index_select(0, info.present).permute(1, 0, 2).reshape(b.shape[1], -1)
-        return xa @ b_p.T
+        return torch.mm(xa, b_t)
+
+    def _stacked_weights(
+        self, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A_p^T [in, P*W], B_p^T [P*W, out])`` of the adapters present, both contiguous
+        row-major for ``mm``; built once per layer for a set of adapters and pool version."""
+        key = (info.present_slots, info.weights_version)
+        if not info.present_slots or self._stacked_for != key:
+            self._stacked.clear()
+            self._stacked_for = key if info.present_slots else None
+        entry = self._stacked.get(id(a))
+        if entry is not None and entry[0] is a:
+            return entry[1], entry[2]
+        assert info.present is not None
+        slots, width = len(info.present), a.shape[1]
+        present = info.present.to(a.device)
+        a_t = a.index_select(0, present).reshape(slots * width, a.shape[2]).T.contiguous()
+        b_t = b.index_select(0, present).permute(0, 2, 1).reshape(slots * width, -1)
+        b_t = b_t.contiguous()
+        if info.present_slots:
+            self._stacked[id(a)] = (a, a_t, b_t)  # ``a`` held: its id is not reused meanwhile
+        return a_t, b_t

@@ -40,8 +40,6 @@ def bind_lora(req: Req, lora_path: str | None, manager: LoRAManager | None) -> s
     entry = manager.loaded.get(lora_path)
     if entry is None:
         return f"no LoRA adapter named {lora_path!r} is loaded"
-    if req.streaming_session_id is not None:
-        return "LoRA adapters are not supported with streaming sessions yet"
     req.lora_path, req.lora_namespace = lora_path, entry.namespace
     return None
 
