@@ -17,7 +17,10 @@ partial sums of all experts are reduced over the group once per layer, not per e
     cpu      one sort of the (token, choice) pairs by expert and one gather, then each expert's
              MLP as one matmul per layer on its contiguous run of tokens (grouped GEMMs on the
              blocked kernels), the weights applied in one multiply and the results added back
-             with one ``index_add_``.
+             with one ``index_add_``. On AMX CPUs, when every active expert has at most 32
+             rows (decode), the experts run as one grouped AMX GEMM per projection
+             (``grouped_gemm_amx``: one parallel region for all experts, not three per
+             expert) and one silu-and-mul; otherwise one kernel call per expert and projection.
 
 Expert parallelism (``ep_size``, SGLang's ``--ep-size``, a divisor of the tensor-parallel size):
 the tensor-parallel group's ranks are split into ``ep_size`` expert groups of
@@ -39,9 +42,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.distributed import RankGroup
-from radixserve.layers import cpu_kernels
+from radixserve.layers import cpu_kernels, kernel_dispatch
 from radixserve.layers.custom_op import CustomOp
 from radixserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from radixserve.layers.packed_weight import CpuPackedWeight
 from radixserve.layers.quantization import QuantizationConfig
 
 
@@ -109,6 +113,29 @@ class FusedMoE(CustomOp):
             h = act(h)
         return expert.down_proj.packed.linear(h, None)
 
+    def _grouped_amx(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+        """All active experts' MLPs on their sorted ``rows`` in three kernel calls (grouped
+        gate_up GEMM, one silu-and-mul, grouped down GEMM) when every one of them runs the AMX
+        kernel at its row count (bf16 on an AMX CPU, at most 32 rows each, as the kernel
+        dispatch table says); None otherwise (the per-expert loop then runs)."""
+        if rows.dtype != torch.bfloat16:
+            return None
+        gate_up, down, starts = [], [], [0]
+        for e, n in enumerate(counts, self.first_expert):
+            if not n:
+                continue
+            expert = self._modules[str(e)]
+            assert isinstance(expert, ExpertMLP)
+            w13 = _amx_blocked(expert.gate_up_proj.packed, n)
+            w2 = _amx_blocked(expert.down_proj.packed, n)
+            if w13 is None or w2 is None:
+                return None
+            gate_up.append(w13)
+            down.append(w2)
+            starts.append(starts[-1] + n)
+        h = cpu_kernels.grouped_gemm_amx(rows, gate_up, starts)
+        return cpu_kernels.grouped_gemm_amx(cpu_kernels.silu_and_mul(h), down, starts)
+
     def forward_native(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype)
         out = torch.zeros_like(x)
@@ -134,15 +161,31 @@ class FusedMoE(CustomOp):
             return self.tp.all_reduce(out) if self.tp.size > 1 else out
         token = order // self.top_k
         rows = x.index_select(0, token)
-        outs = []
-        start = 0
-        for e, n in enumerate(counts, first):
-            if n:
-                outs.append(self._expert(e, rows[start : start + n], _silu_and_mul))
-            start += n
-        y = torch.cat(outs) * weights.reshape(-1)[order, None]
+        grouped = self._grouped_amx(rows, counts)
+        if grouped is not None:
+            y = grouped
+        else:
+            outs = []
+            start = 0
+            for e, n in enumerate(counts, first):
+                if n:
+                    outs.append(self._expert(e, rows[start : start + n], _silu_and_mul))
+                start += n
+            y = torch.cat(outs)
+        y = y * weights.reshape(-1)[order, None]
         out.index_add_(0, token, y.to(x.dtype))
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
+
+
+_AMX_MAX_ROWS = kernel_dispatch.CANDIDATES[kernel_dispatch.AMX].max_rows or 0
+
+
+def _amx_blocked(packed: object, rows: int) -> torch.Tensor | None:
+    """The blocked weight of ``packed`` when its kernel for ``rows`` rows is the AMX one."""
+    if not isinstance(packed, CpuPackedWeight) or rows > _AMX_MAX_ROWS:
+        return None
+    kernel = packed.table[kernel_dispatch.BUCKET_OF_ROWS[rows]]
+    return packed.blocked if kernel == kernel_dispatch.AMX else None
 
 
 def expert_group(tp: RankGroup, ep_size: int, num_experts: int) -> tuple[int, RankGroup]:
