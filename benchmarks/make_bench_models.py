@@ -6,6 +6,11 @@
   heads, intermediate 4864, vocab 151936, tied embeddings, qkv bias. It shares the small BPE
   tokenizer; the model's vocab stays 151936 (ids past the tokenizer's decode to nothing).
 
+- ``moe``: Qwen3-MoE, hidden 1024, 8 layers, 16 heads / 4 KV heads (head_dim 64), 64 experts
+  of width 512, top-8 with ``norm_topk_prob`` (0.84B parameters, about 0.13B active per token:
+  a Qwen3-30B-A3B shape scaled to a shared 2-core machine's memory, with transformers loaded
+  beside it in the same run).
+
 - ``sweep-*``: the shapes of ``bench_offline_throughput.py --shape-sweep`` (``SWEEP``): head_dim
   32 to 256, hidden 384 to 2048, 1 to 8 query heads per KV head, odd intermediate and vocabulary
   sizes, every architecture; a few layers each, so that a sweep takes minutes.
@@ -51,7 +56,7 @@ SWEEP: dict[str, tuple[str, dict[str, object]]] = {
                                             num_key_value_heads=6, head_dim=32,
                                             intermediate_size=2000, vocab_size=32003)),
 }
-MODELS = ("tiny", "small", *SWEEP)
+MODELS = ("tiny", "small", "moe", *SWEEP)
 
 
 def hf_model(name: str, tokenizer_vocab: int) -> torch.nn.Module:
@@ -91,6 +96,16 @@ def hf_model(name: str, tokenizer_vocab: int) -> torch.nn.Module:
             **special,
         )
         cls = tf.Qwen2ForCausalLM
+    elif name == "moe":
+        config = tf.Qwen3MoeConfig(
+            vocab_size=tokenizer_vocab, hidden_size=1024, intermediate_size=3072,
+            num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+            num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512,
+            norm_topk_prob=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
+            rope_theta=1000000.0, tie_word_embeddings=False, use_sliding_window=False,
+            **special,
+        )
+        cls = tf.Qwen3MoeForCausalLM
     elif name in SWEEP:
         arch, fields = SWEEP[name]
         defaults = dict(vocab_size=tokenizer_vocab, num_hidden_layers=4,

@@ -5,12 +5,16 @@ a GGUF file the way llama.cpp's ``convert_hf_to_gguf.py`` lays one out: llama.cp
 the hyper-parameters as ``{arch}.*`` metadata, and, for Llama, the query and key rows of each
 head reordered (its two rotary halves interleaved). Weights are stored in F32 or, quantised with
 ``gguf.quants.quantize``, in Q8_0 (norms stay F32, as the converter keeps them). The tokenizer
-and chat template go in as llama.cpp's ``tokenizer.*`` metadata.
+and chat template go in as llama.cpp's ``tokenizer.*`` metadata. MoE checkpoints (Mixtral,
+Qwen2-MoE, Qwen3-MoE) get the converter's stacked expert tensors (``blk.N.ffn_up_exps``
+``[experts, rows, cols]``), router (``ffn_gate_inp``), shared expert (``*_shexp``, its gate
+stored 1-D as llama.cpp declares it) and ``{arch}.expert_*`` metadata.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -28,13 +32,30 @@ _LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# an expert's projection (Qwen MoE's names, Mixtral's) → the stacked tensor holding all experts'
+_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+            "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
+)
 _GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-              "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+              "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+              "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
+              "Qwen3MoeForCausalLM": "qwen3moe"}
 
 
 def llama_cpp_name(hf_name: str) -> str:
-    """llama.cpp's name of a Hugging Face decoder tensor."""
+    """llama.cpp's name of a Hugging Face decoder tensor (a stacked expert tensor already has
+    its llama.cpp name)."""
+    if hf_name.startswith("blk."):
+        return hf_name
     globals_ = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
                 "lm_head": "output"}
     stem, suffix = hf_name.rsplit(".", 1)
@@ -71,6 +92,31 @@ def _add_tokenizer(writer, hf_dir: Path) -> None:
         writer.add_chat_template(template)
 
 
+def _stack_experts(tensors: dict[str, np.ndarray], writer, cfg: dict, arch: str,
+                   experts: int) -> dict[str, np.ndarray]:
+    """The MoE metadata, and ``tensors`` with each layer's per-expert projections replaced by
+    one stacked tensor per projection (keyed by its llama.cpp name)."""
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    if arch != "llama":
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    out = {}
+    for name, w in tensors.items():
+        m = _EXPERT.match(name)
+        if m is None:
+            out[name] = w
+            continue
+        layer, expert, proj = m.groups()
+        stacks.setdefault(f"blk.{layer}.{_EXPERTS[proj]}.weight", {})[int(expert)] = w
+    for name, by_expert in stacks.items():
+        assert sorted(by_expert) == list(range(experts)), name
+        out[name] = np.stack([by_expert[e] for e in range(experts)])
+    return out
+
+
 def convert_checkpoint(hf_dir: Path, out: Path, qtype: str = "F32") -> Path:
     """Write ``hf_dir``'s weights and config as the GGUF file ``out``; return ``out``."""
     import gguf
@@ -97,10 +143,15 @@ def convert_checkpoint(hf_dir: Path, out: Path, qtype: str = "F32") -> Path:
     _add_tokenizer(writer, hf_dir)
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"])
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:
+        tensors = _stack_experts(tensors, writer, cfg, arch, experts)
     for name, w in tensors.items():
         if cfg.get("tie_word_embeddings") and name == "lm_head.weight":
             continue
         w = w.astype(np.float32)
+        if name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(-1)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             w = llama_cpp_permute(w, heads if "q_proj" in name else kv_heads)
         if qtype == "F32" or w.ndim == 1:

@@ -66,6 +66,8 @@ HELP: dict[str, str] = {
     "context_length": "Override the context length (at most the model's).",
     "random_seed": "Seed of the sampling random generators.",
     "tp_size": "Tensor-parallel size: ranks that split every layer (a scheduler process each).",
+    "ep_size": "Expert-parallel size of MoE layers, a divisor of --tp-size: each group of "
+    "tp_size/ep_size ranks holds 1/ep_size of the experts (docs/scale-out.md).",
     "pp_size": "Pipeline-parallel size: stages that split the layers (a scheduler process per "
     "rank of each stage).",
     "dp_size": "Data-parallel size: model replicas behind one data-parallel controller.",

@@ -25,7 +25,14 @@ GGUF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# A "llama" file with experts is Mixtral (llama.cpp runs it as Llama with an MoE FFN).
+_MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}
+# Whether the top-k routing weights are renormalised, where the file does not say
+# (``{arch}.expert_weights_norm``): llama.cpp's choice per family (Qwen2-MoE: no).
+_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "llama": True}
 # What llama.cpp fixes in code for these families rather than storing in the file: Gemma 3's
 # sliding layers use RoPE base 10000 and every 6th layer is global; both scale queries by
 # head_dim ** -0.5 (Gemma 2 27B, whose query_pre_attn_scalar differs, is not covered).
@@ -125,11 +132,17 @@ def gguf_hf_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     elif scaling_type != "none":
         raise ValueError(f"GGUF RoPE scaling {scaling_type!r} in {path} is not supported")
     file_type = _field(reader, "general.file_type")
+    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    if arch in ("qwen2moe", "qwen3moe") and not experts:
+        raise ValueError(f"{path} lacks the metadata key {arch}.expert_count")
+    ffn = _field(reader, f"{arch}.feed_forward_length")
+    if ffn is None and experts:  # MoE files may give only the experts' width
+        ffn = need("expert_feed_forward_length")
     hf: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "gguf_architecture": arch,
         "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
+        "intermediate_size": int(ffn if ffn is not None else need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
@@ -145,6 +158,8 @@ def gguf_hf_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     }
     if arch in ("gemma2", "gemma3"):
         hf.update(_gemma_config(reader, arch, need, hf["head_dim"]))
+    if experts:
+        hf.update(_moe_config(reader, arch, need, experts, tensor_names))
     gen: dict[str, Any] = {}
     for key in ("bos_token_id", "eos_token_id"):
         value = _field(reader, f"tokenizer.ggml.{key}")
@@ -167,4 +182,31 @@ def _gemma_config(reader: Any, arch: str, need: Any, head_dim: int) -> dict[str,
     else:
         out["rope_local_base_freq"] = _GEMMA3_LOCAL_ROPE_BASE
         out["sliding_window_pattern"] = _GEMMA3_SLIDING_PATTERN
+    return out
+
+
+def _moe_config(reader: Any, arch: str, need: Any, experts: int,
+                tensor_names: set[str]) -> dict[str, Any]:
+    """The ``config.json`` keys of an MoE file (Mixtral, Qwen2-MoE, Qwen3-MoE): expert count,
+    top-k, the experts' width, the renormalisation, Qwen2-MoE's shared expert."""
+    if arch not in _MOE_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} with experts is not supported")
+    out: dict[str, Any] = {
+        "model_type": _MOE_ARCHITECTURES[arch],
+        "num_experts": experts,
+        "num_local_experts": experts,
+        "num_experts_per_tok": int(need("expert_used_count")),
+        "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm",
+                                      _MOE_NORM_TOPK[arch])),
+    }
+    if arch == "llama":
+        out["architectures"] = ["MixtralForCausalLM"]
+        return out  # Mixtral's experts are intermediate_size wide
+    out["moe_intermediate_size"] = int(need("expert_feed_forward_length"))
+    if "blk.0.ffn_up_shexp.weight" in tensor_names:
+        shared = _field(reader, f"{arch}.expert_shared_feed_forward_length")
+        if shared is None:  # as llama.cpp: the shared expert's width from its tensor
+            up = next(t for t in reader.tensors if t.name == "blk.0.ffn_up_shexp.weight")
+            shared = int(up.shape[-1])
+        out["shared_expert_intermediate_size"] = int(shared)
     return out

@@ -42,6 +42,7 @@ class ServerArgs:
     # parallelism (see distributed/ and managers/data_parallel_controller.py)
     tp_size: int = 1
     pp_size: int = 1
+    ep_size: int = 1  # expert parallelism of MoE layers: a divisor of tp_size (fused_moe.py)
     dp_size: int = 1
     load_balance_method: str = "round_robin"
     nnodes: int = 1
@@ -268,9 +269,14 @@ class ServerArgs:
             raise ValueError("enable_hierarchical_cache runs on a single rank for now")
 
     def _check_parallelism(self) -> None:
-        for name in ("tp_size", "pp_size", "dp_size", "nnodes"):
+        for name in ("tp_size", "pp_size", "ep_size", "dp_size", "nnodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tp_size % self.ep_size:
+            raise ValueError(
+                f"ep_size ({self.ep_size}) must divide tp_size ({self.tp_size}): the experts are "
+                "split over groups of the tensor-parallel ranks"
+            )
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
             raise ValueError(
                 f"load_balance_method must be one of {LOAD_BALANCE_METHODS}, "

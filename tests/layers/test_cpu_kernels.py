@@ -31,6 +31,7 @@ from radixserve.layers.cpu_kernels import (
     apply_token_bitmask,
     attention_kernels_support,
     fused_add_rms_norm,
+    grouped_gemm_amx,
     linear,
     load_cpu_kernels,
     pack_linear_weight,
@@ -197,7 +198,34 @@ def test_amx_kernel_equals_a_float64_reference_up_to_bf16_rounding(n, k, m, bias
 
 
 @needs_amx
+def test_grouped_amx_kernel_equals_one_amx_call_per_group():
+    """MoE experts in one call: each group's rows times its own weight, the same bits as the
+    per-group kernel (1, 16, 17 and 32 rows; 80 outputs: a pass of four blocks and one more)."""
+    require_kernels()
+    torch.manual_seed(0)
+    weights = [torch.randn(80, 128).to(torch.bfloat16) for _ in range(4)]
+    packed = [pack_linear_weight(w) for w in weights]
+    rows = [1, 16, 17, 32]
+    starts = [0, 1, 17, 34, 66]
+    x = torch.randn(sum(rows), 128).to(torch.bfloat16)
+    out = grouped_gemm_amx(x, packed, starts)
+    assert out.shape == (66, 80) and out.dtype == torch.bfloat16
+    for g in range(4):
+        part = x[starts[g] : starts[g + 1]]
+        assert torch.equal(out[starts[g] : starts[g + 1]], small_gemm_amx(part, packed[g], None))
+        bf16_close(out[starts[g] : starts[g + 1]], part.double() @ weights[g].double().T)
+    with pytest.raises(RuntimeError, match="1 to 32"):
+        grouped_gemm_amx(torch.zeros(33, 128, dtype=torch.bfloat16), packed[:1], [0, 33])
+    with pytest.raises(RuntimeError, match="one shape"):
+        other = pack_linear_weight(torch.randn(32, 128).to(torch.bfloat16))
+        grouped_gemm_amx(x[:2], [packed[0], other], [0, 1, 2])
+    with pytest.raises(RuntimeError, match="groups \\+ 1 starts"):
+        grouped_gemm_amx(x[:2], packed[:2], [0, 2])
+
+
+@needs_amx
 def test_amx_kernel_rejects_what_it_cannot_compute_with_a_clear_error():
+    require_kernels()  # loads them when this test runs alone
     packed = pack_linear_weight(torch.randn(32, 64).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="1 <= M <= 32"):
         small_gemm_amx(torch.zeros(33, 64, dtype=torch.bfloat16), packed, None)

@@ -98,8 +98,10 @@ def test_llama_row_order_undoes_llama_cpps_permutation():
     assert np.array_equal(stored[_llama_qk_row_order(heads * head_dim, heads)], w)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_converted_checkpoint_loads_the_same_parameters(arch, checkpoint_factory, tmp_path):
+    """Dense and MoE files (the MoE ones with stacked expert tensors, a router, Qwen2-MoE's
+    shared expert) fill every parameter as the safetensors original does."""
     hf_dir = checkpoint_factory(arch)
     path = convert_checkpoint(hf_dir, tmp_path / f"{arch}.gguf")
     original = ModelConfig.from_path(hf_dir, dtype="float32")
@@ -110,6 +112,10 @@ def test_converted_checkpoint_loads_the_same_parameters(arch, checkpoint_factory
                  "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
                  "tie_word_embeddings", "eos_token_ids", "bos_token_id"):
         assert getattr(config, name) == pytest.approx(getattr(original, name)), name
+    for key in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                "shared_expert_intermediate_size"):
+        if key in original.hf_config:
+            assert config.hf_config[key] == original.hf_config[key], key
     expected = make_runner(hf_dir).model.state_dict()
     loaded = make_runner(path).model.state_dict()
     assert expected.keys() == loaded.keys()
@@ -128,6 +134,21 @@ def test_q8_0_checkpoint_holds_the_dequantised_weights(checkpoint_factory, tmp_p
         assert t.tensor_type.name == "Q8_0"
         expected = gguf.quants.dequantize(t.data, t.tensor_type)
         assert torch.equal(weight, torch.from_numpy(np.asarray(expected)))
+
+
+def test_q8_0_moe_checkpoint_reads_each_experts_matrix(checkpoint_factory, tmp_path):
+    """A stacked, quantised expert tensor: each expert's parameter holds its own slice."""
+    path = convert_checkpoint(checkpoint_factory("qwen3_moe"), tmp_path / "moe.gguf",
+                              qtype="Q8_0")
+    experts = make_runner(path).model.model.layers[1].mlp.experts
+    t = {t.name: t for t in open_gguf(path).tensors}["blk.1.ffn_down_exps.weight"]
+    assert t.tensor_type.name == "Q8_0" and t.data.shape[0] == experts.num_experts
+    stacked = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type))
+    for e in (0, 5, experts.num_experts - 1):
+        weight = experts._modules[str(e)].down_proj.weight
+        assert torch.equal(weight, torch.from_numpy(stacked[e]))
+    assert not torch.equal(experts._modules["0"].down_proj.weight,
+                           experts._modules["5"].down_proj.weight)
 
 
 def test_int8_quantisation_of_a_gguf_checkpoint(checkpoint_factory, tmp_path):

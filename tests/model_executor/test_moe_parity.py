@@ -49,24 +49,36 @@ def test_moe_families_match_transformers(shape, tmp_path, hf_model):
         assert seq.tokens[len(prompt) :] + [final[i]] == ref.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("experts, top_k, renormalize", [(4, 1, True), (8, 2, False),
-                                                         (16, 8, True)])
-def test_fused_moe_cpu_path_equals_the_reference(experts, top_k, renormalize):
+@pytest.mark.parametrize("experts, top_k, renormalize, weights", [
+    (4, 1, True, "float32"), (8, 2, False, "float32"), (16, 8, True, "float32"),
+    (8, 2, False, "bfloat16"), (16, 8, True, "int8"),
+])
+def test_fused_moe_cpu_path_equals_the_reference(experts, top_k, renormalize, weights):
+    """The grouped CPU path (one sort, one matmul per projection per active expert) against the
+    per-expert reference on the same packed weights: fp32 to rounding, bf16 (on AMX CPUs the
+    grouped AMX kernel) and int8 experts (bf16 activations) within bf16's tolerance; experts no
+    token chose are skipped."""
+    from radixserve.layers import cpu_kernels
+    from radixserve.layers.packed_weight import prepack_model
+    from radixserve.layers.quantization.int8 import Int8AtLoad
+
     torch.manual_seed(experts)
-    with build_context("cpu", torch.float32):
-        moe = FusedMoE(experts, top_k, 64, 48, renormalize)
+    dtype = torch.float32 if weights == "float32" else torch.bfloat16
+    quant = Int8AtLoad() if weights == "int8" else None
+    with build_context("cpu", dtype):
+        moe = FusedMoE(experts, top_k, 64, 64, renormalize, quant)  # AMX takes K % 32 == 0
     if moe.impl is not OpImpl.CPU:
         pytest.skip("radixserve's CPU kernels do not run here")
     for p in moe.parameters():
         p.data.normal_(0.0, 0.2)
-    from radixserve.layers.packed_weight import prepack_model
-
     prepack_model(moe, 1 << 34, False, "off")
-    x, logits = torch.randn(37, 64), torch.randn(37, experts)
-    torch.testing.assert_close(moe.forward_cpu(x, logits), moe.forward_native(x, logits),
-                               atol=1e-5, rtol=1e-5)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    x, logits = torch.randn(37, 64, dtype=dtype), torch.randn(37, experts)
+    torch.testing.assert_close(moe.forward_cpu(x, logits), moe.forward_native(x, logits), **tol)
+    if weights == "bfloat16" and cpu_kernels.amx_available():  # ~9 rows per expert: grouped
+        assert moe._grouped_amx(x[:4], [1, 0, 3] + [0] * (experts - 3)) is not None
     # a token routed to no expert at all is impossible; an expert no token chose is skipped
     one = torch.full((5, experts), -10.0)
     one[:, 0] = 10.0
     torch.testing.assert_close(moe.forward_cpu(x[:5], one), moe.forward_native(x[:5], one),
-                               atol=1e-5, rtol=1e-5)
+                               **tol)

@@ -153,6 +153,8 @@ class ParallelState:
     tp: RankGroup
     world: RankGroup
     p2p: comm.PointToPoint | None = None  # between pipeline stages (over the world groups)
+    # --ep-size: MoE experts split over this many groups of the tp ranks (layers/fused_moe.py)
+    ep_size: int = 1
 
     @classmethod
     def single(cls) -> ParallelState:

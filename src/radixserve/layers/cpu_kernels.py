@@ -270,6 +270,14 @@ def lora_add_(
     torch.ops.radixserve_cpu.lora_add_(out, x, a, bt, slots, blocks)
 
 
+def grouped_gemm_amx(
+    x: torch.Tensor, blocked: list[torch.Tensor], starts: list[int]
+) -> torch.Tensor:
+    """``x[starts[g]:starts[g+1]] @ weight_g.T`` for every group ``g`` (1 to 32 bf16 rows each,
+    one shape of blocked weight for all) in one call: MoE experts on AMX."""
+    return torch.ops.radixserve_cpu.grouped_gemm_amx_bf16(x.contiguous(), blocked, starts)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm over the last dimension of ``x`` in one pass per row (torch runs
     eight kernels); a non-contiguous ``x`` (Qwen3's per-head q/k views) is copied first."""

@@ -13,6 +13,8 @@ with each head's rows reordered (the two rotary halves interleaved, for its RoPE
 files store each RMSNorm weight as ``1 + w`` (llama.cpp's norm has no offset) and name the extra
 norms differently;
 ``gguf_weights`` gives the checkpoint's ``w`` back, which ``GemmaRMSNorm`` loads as ``1 + w``.
+MoE files stack each projection of all experts in one 3-D tensor (``blk.N.ffn_up_exps``):
+each expert's matrix is given as its own lazy tensor (only the experts a rank holds are read).
 """
 
 from __future__ import annotations
@@ -44,7 +46,17 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # MoE (qwen2moe, qwen3moe, llama with experts = Mixtral): the router and the shared expert
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# The experts' weights, stacked [experts, rows, cols] in one tensor per projection: one
+# Hugging Face tensor per expert (``mlp.experts.E.up_proj``)
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}
 # Gemma's four norms per layer
 _GEMMA_LAYER_NAMES = {
     **_LAYER_NAMES,
@@ -95,6 +107,20 @@ def gguf_weights(path: str | Path) -> list[tuple[str, Callable[[], GgufTensor]]]
     heads["attn_k"] = heads["attn_q"] if kv is None else kv.contents()
     out: list[tuple[str, Callable[[], GgufTensor]]] = []
     for tensor in reader.tensors:
+        if m := _LAYER_TENSOR.match(tensor.name):
+            layer, kind, suffix = m.groups()
+            if kind in _EXPERT_NAMES:
+                experts = int(tensor.shape[-1])  # ggml: outermost last
+                out.extend(
+                    (f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_NAMES[kind]}.{suffix}",
+                     lambda t=tensor, e=e: GgufTensor(t, expert=e))
+                    for e in range(experts)
+                )
+                continue
+            if kind == "ffn_gate_inp_shexp":  # stored [hidden] by llama.cpp: Linear(hidden, 1)
+                out.append((hf_name(tensor.name, arch) or tensor.name,
+                            lambda t=tensor: GgufTensor(t).load().reshape(1, -1)))
+                continue
         name = hf_name(tensor.name, arch) or tensor.name
         order = None
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None

@@ -33,6 +33,7 @@ from radixserve.distributed import ParallelState
 from radixserve.forward_batch import ForwardBatch, StageActivations
 from radixserve.layers.attention import create_attention_backend, default_attention_backend
 from radixserve.layers.custom_op import build_context
+from radixserve.layers.fused_moe import FusedMoE
 from radixserve.layers.linear import kv_heads_per_rank
 from radixserve.layers.packed_weight import planned_copy_bytes
 from radixserve.lora.graph_inputs import LoRAGraphInputs
@@ -101,6 +102,7 @@ class RunnerSettings:
     disable_cuda_graph: bool = False  # decode eagerly on CUDA
     cuda_graph_max_bs: int | None = None  # None: max_running_requests
     cpu_kernel_autotune: str = "off"  # "on": time the CPU linear kernels (the server's default)
+    ep_size: int = 1  # MoE experts split over ep_size groups of the tensor-parallel ranks
     # LoRA (lora/lora_manager.py): adapters loaded at start and the pool's shape
     enable_lora: bool = False
     lora_paths: list[str] | None = None
@@ -140,6 +142,8 @@ class ModelRunner:
         self.kv_cache_dtype = kv_storage_dtype(settings.kv_cache_dtype, self.dtype)
         self.vocab_size = model_config.vocab_size
         self.parallel = parallel or ParallelState.single()
+        if settings.ep_size > 1 and self.parallel.distributed:  # not a draft model's runner
+            self.parallel = dataclasses.replace(self.parallel, ep_size=settings.ep_size)
         info = self.parallel.info
         self.num_kv_heads = kv_heads_per_rank(model_config.num_key_value_heads, info.tp_size)
         self.num_layers = len(info.stage_layers(model_config.num_hidden_layers))
@@ -260,6 +264,9 @@ class ModelRunner:
             config, self.attn_backend, self.device, self.parallel, self.batch_invariant,
             self.cpu_kernel_autotune,
         )
+        if self.parallel.ep_size > 1 and not any(isinstance(m, FusedMoE) for m in model.modules()):
+            raise ValueError(f"--ep-size {self.parallel.ep_size} splits MoE experts, and "
+                             f"{config.architecture} has none: leave it at 1")
         if self.lora is not None:
             self.lora.attach(model)
         return model

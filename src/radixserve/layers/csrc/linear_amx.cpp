@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "vec_math.h"
 
@@ -216,10 +217,51 @@ at::Tensor small_gemm_amx_bf16(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
+// Grouped (MoE experts): x [T, K] bf16 contiguous, its rows in groups [starts[g], starts[g+1])
+// of 1 to 32 rows; group g is multiplied by weights[g] (blocked, all of one N and K). One
+// parallel region for all groups (a region per expert costs a barrier each, and on a busy
+// machine a barrier can wait a whole scheduler slice); work items are (group, 4 blocks).
+at::Tensor grouped_gemm_amx_bf16(const at::Tensor& x, at::TensorList weights,
+                                 at::IntArrayRef starts) {
+  TORCH_CHECK(amx_permitted(), "AMX is not available to this process");
+  const int64_t groups = static_cast<int64_t>(weights.size());
+  TORCH_CHECK(groups >= 1 && static_cast<int64_t>(starts.size()) == groups + 1,
+              "need one weight per group and groups + 1 starts");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && starts[0] == 0 && starts[groups] == x.size(0),
+              "x must be [T, K] contiguous, the starts covering its T rows");
+  TORCH_CHECK(x.size(1) % kTileK == 0, "K must be a multiple of ", kTileK, ", got ", x.size(1));
+  const int64_t k = x.size(1), blocks = weights[0].size(0), n = blocks * kRows;
+  std::vector<const uint16_t*> ws(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t rows = starts[g + 1] - starts[g];
+    TORCH_CHECK(rows >= 1 && rows <= kAmxMaxRows, "group ", g, " has ", rows,
+                " rows; each must have 1 to ", kAmxMaxRows);
+    check_blocked("grouped_gemm_amx_bf16", x, weights[g], std::nullopt);
+    TORCH_CHECK(weights[g].size(0) == blocks, "the weights must share one shape");
+    ws[g] = reinterpret_cast<const uint16_t*>(weights[g].data_ptr());
+  }
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  auto* y = reinterpret_cast<uint16_t*>(out.data_ptr());
+  constexpr int64_t kPer = 4;  // blocks per work item
+  const int64_t chunks = (blocks + kPer - 1) / kPer;
+  at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t g = i / chunks, first = (i % chunks) * kPer;
+      const int64_t r0 = starts[g], m = starts[g + 1] - r0;
+      amx_blocks(xs + r0 * k, ws[g], nullptr, y + r0 * n, m, k, n, first,
+                 std::min(blocks, first + kPer));
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(radixserve_cpu, m) {
   m.def("amx_permitted() -> bool", &amx_permitted);
   m.def("small_gemm_amx_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("small_gemm_amx_bf16", c10::DispatchKey::CPU, &small_gemm_amx_bf16);
+  m.def("grouped_gemm_amx_bf16(Tensor x, Tensor[] weights, int[] starts) -> Tensor");
+  m.impl("grouped_gemm_amx_bf16", c10::DispatchKey::CPU, &grouped_gemm_amx_bf16);
 }

@@ -60,12 +60,20 @@ class GgufTensor(RangedLazyWeight):
     dequantising, since a row's blocks are only decoded whole.
     """
 
-    def __init__(self, reader_tensor: Any, row_order: np.ndarray | None = None) -> None:
+    def __init__(self, reader_tensor: Any, row_order: np.ndarray | None = None,
+                 expert: int | None = None) -> None:
+        """``expert``: of a stacked MoE tensor ``[experts, rows, cols]`` (``ffn_up_exps``),
+        the ``[rows, cols]`` matrix of that one expert."""
         self.name: str = reader_tensor.name
         self._data: np.ndarray = reader_tensor.data
         self._qtype = reader_tensor.tensor_type
         # ggml lists dimensions innermost first
         shape = tuple(int(n) for n in reversed(reader_tensor.shape.tolist()))
+        if expert is not None:
+            if len(shape) != 3 or not 0 <= expert < shape[0]:
+                raise ValueError(f"GGUF tensor {self.name} {shape} has no expert {expert}")
+            self.name = f"{self.name}[{expert}]"
+            self._data, shape = self._data[expert], shape[1:]
         self._ranges = [(0, n) for n in shape]
         self._row_order = row_order
 

@@ -38,14 +38,14 @@ class SparseMoeBlock(nn.Module):
     """The router (``gate``), the experts and, for Qwen2-MoE, the gated shared expert."""
 
     def __init__(self, spec: LayerSpec, num_experts: int, top_k: int, intermediate_size: int,
-                 renormalize: bool, shared_intermediate_size: int = 0) -> None:
+                 renormalize: bool, shared_intermediate_size: int = 0, ep_size: int = 1) -> None:
         super().__init__()
         config = spec.config
         # replicated on every rank: each computes the same routing
         self.gate = nn.Linear(config.hidden_size, num_experts, bias=False)
         self.gate.weight.requires_grad_(False)
         self.experts = FusedMoE(num_experts, top_k, config.hidden_size, intermediate_size,
-                                renormalize, config.quantization, spec.tp)
+                                renormalize, config.quantization, spec.tp, ep_size)
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate_size:
             self.shared_expert = LlamaMLP(config.hidden_size, shared_intermediate_size, False,
@@ -75,7 +75,23 @@ def _sparse_layer(hf: dict[str, Any], layer_index: int) -> bool:
     return _num_experts(hf) > 0 and (layer_index + 1) % step == 0
 
 
-class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
+class ExpertParallelMixin:
+    """With ``--ep-size``: a rank skips the checkpoint tensors of experts it does not hold
+    (``FusedMoE.expert_range``) as it skips other pipeline stages' layers."""
+
+    parallel: Any
+
+    def holds_weight(self, name: str) -> bool:
+        if not super().holds_weight(name):  # type: ignore[misc]
+            return False  # another pipeline stage's
+        parts = name.split(".")  # model.layers.L.mlp.experts.E....
+        if self.parallel.ep_size > 1 and parts[3:5] == ["mlp", "experts"] and len(parts) > 5:
+            experts = self.model.layers[int(parts[2])].mlp.experts  # type: ignore[attr-defined]
+            return int(parts[5]) in experts.expert_range
+        return True
+
+
+class Qwen2MoeForCausalLM(ExpertParallelMixin, Qwen2ForCausalLM):
     shared_expert = True
 
     def build_mlp(self, spec: LayerSpec, layer_index: int) -> nn.Module | None:
@@ -86,10 +102,11 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
         return SparseMoeBlock(
             spec, _num_experts(hf), int(hf["num_experts_per_tok"]),
             int(hf["moe_intermediate_size"]), bool(hf.get("norm_topk_prob", False)), shared,
+            self.parallel.ep_size,
         )
 
 
-class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+class Qwen3MoeForCausalLM(ExpertParallelMixin, Qwen3ForCausalLM):
     def build_mlp(self, spec: LayerSpec, layer_index: int) -> nn.Module | None:
         hf = spec.config.hf_config
         if not _sparse_layer(hf, layer_index):
@@ -97,10 +114,11 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         return SparseMoeBlock(
             spec, _num_experts(hf), int(hf["num_experts_per_tok"]),
             int(hf["moe_intermediate_size"]), bool(hf.get("norm_topk_prob", False)),
+            ep_size=self.parallel.ep_size,
         )
 
 
-class MixtralForCausalLM(MistralForCausalLM):
+class MixtralForCausalLM(ExpertParallelMixin, MistralForCausalLM):
     packed_modules_mapping = {
         **LlamaForCausalLM.packed_modules_mapping,
         "w1": ("gate_up_proj", 0),
@@ -111,7 +129,7 @@ class MixtralForCausalLM(MistralForCausalLM):
         hf = spec.config.hf_config
         return SparseMoeBlock(
             spec, _num_experts(hf), int(hf["num_experts_per_tok"]),
-            spec.config.intermediate_size, renormalize=True,
+            spec.config.intermediate_size, renormalize=True, ep_size=self.parallel.ep_size,
         )
 
     def split_checkpoint_tensors(self, tensors: TensorList) -> TensorList:
