@@ -198,7 +198,7 @@ def test_amx_kernel_equals_a_float64_reference_up_to_bf16_rounding(n, k, m, bias
 
 
 @needs_amx
-def test_grouped_amx_kernel_equals_one_amx_call_per_group():
+def test_amx_kernel_grouped_equals_one_amx_call_per_group():
     """MoE experts in one call: each group's rows times its own weight, the same bits as the
     per-group kernel (1, 16, 17 and 32 rows; 80 outputs: a pass of four blocks and one more)."""
     require_kernels()
