@@ -39,7 +39,7 @@ system-deps:
 	@command -v chromium >/dev/null 2>&1 || { \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
-# The whole suite: what CI runs (about 45 minutes on two cores).
+# The whole suite: what CI runs (about 42 minutes on two cores, install included).
 test: $(STAMP) system-deps
 	$(PY) -m pytest -q --durations=30 tests
 
