@@ -26,13 +26,7 @@ from pathlib import Path
 
 import torch
 
-from radixserve.mem_cache.kv_file import (
-    KVExpectation,
-    KVFileError,
-    read_kv_header,
-    read_kv_payload,
-    write_kv_file,
-)
+from radixserve.mem_cache.kv_file import KVExpectation, load_kv_file, write_kv_file
 
 logger = logging.getLogger(__name__)
 
@@ -106,20 +100,15 @@ class FileKVStorage:
         """The block's KV bytes, or ``None`` (not stored, or refused: then deleted)."""
         if block_hash not in self._index:
             return None
-        path = self.path(block_hash)
-        try:
-            header, offset = read_kv_header(path)
-            in_file = path.stat().st_size - offset
-        except (OSError, KVFileError) as e:
-            return self._refuse(block_hash, str(e))
-        reason = self.expect.refusal(header, "block", in_file)
-        if reason is None and header.get("block_tokens") != self.block_tokens:
-            reason = "its block size differs"
-        if reason is None and header.get("token_ids") != list(token_ids):
-            reason = "its token ids differ (hash collision or stale file)"
-        if reason is not None:
-            return self._refuse(block_hash, reason)
-        data = read_kv_payload(path, header, offset, self.expect)
+
+        def matches(header: dict) -> str | None:
+            if header.get("block_tokens") != self.block_tokens:
+                return "its block size differs"
+            if header.get("token_ids") != list(token_ids):
+                return "its token ids differ (hash collision or stale file)"
+            return None
+
+        data = load_kv_file(self.path(block_hash), "block", self.expect, matches)
         if isinstance(data, str):
             return self._refuse(block_hash, data)
         return data

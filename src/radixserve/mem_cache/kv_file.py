@@ -31,6 +31,7 @@ import json
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,22 @@ def read_kv_payload(path: Path, header: dict, offset: int, expect: KVExpectation
     if zlib.crc32(payload.numpy()) != header.get("payload_crc32"):
         return "its payload checksum fails"
     return payload.view(-1, expect.bytes_per_token)
+
+
+def load_kv_file(path: Path, kind: str, expect: KVExpectation,
+                 matches: Callable[[dict], str | None]) -> torch.Tensor | str:
+    """The KV of ``path`` when all of it can be used here, else why not: its header readable,
+    ``expect.refusal`` and the caller's own ``matches(header)`` (what it must be the KV of)
+    passed, then the payload read and its checksum held (``read_kv_payload``)."""
+    try:
+        header, offset = read_kv_header(path)
+        refusal = expect.refusal(header, kind, path.stat().st_size - offset)
+    except (OSError, KVFileError) as e:
+        return str(e)
+    refusal = refusal or matches(header)
+    if refusal is not None:
+        return refusal
+    return read_kv_payload(path, header, offset, expect)
 
 
 def _payload_offset(header_length: int) -> int:

@@ -42,9 +42,9 @@ from radixserve.mem_cache.kv_file import (
     HEADER_BYTES,
     KVExpectation,
     KVFileError,
+    load_kv_file,
     model_fingerprint,
     read_kv_header,
-    read_kv_payload,
     write_kv_file,
 )
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
@@ -238,7 +238,8 @@ class DiskSessionStore(SessionStore):
         path = self.path(session_id)
         try:
             header, offset = read_kv_header(path)
-            size, mtime = path.stat().st_size, path.stat().st_mtime
+            stat = path.stat()
+            size, mtime = stat.st_size, stat.st_mtime
         except FileNotFoundError:
             raise SessionStoreError(f"no stored session {session_id!r}") from None
         except (OSError, KVFileError) as e:
@@ -284,23 +285,19 @@ class DiskSessionStore(SessionStore):
             return None
 
     def _read(self, session_id: str) -> torch.Tensor | None:
-        path = self.path(session_id)
         entry = self.entries[session_id]
-        try:
-            header, offset = read_kv_header(path)
-            refusal = self.expect.refusal(header, _KIND, path.stat().st_size - offset)
-        except (OSError, KVFileError) as e:
-            refusal = str(e)
-        if refusal is None and (header.get("session_id") != session_id
-                                or header.get("token_ids") != entry.kv_token_ids):
-            refusal = "the file changed since the session was stored"
-        if refusal is None:
-            data = read_kv_payload(path, header, offset, self.expect)
-            if not isinstance(data, str):
-                return data
-            refusal = data
+
+        def matches(header: dict) -> str | None:
+            if (header.get("session_id") != session_id
+                    or header.get("token_ids") != entry.kv_token_ids):
+                return "the file changed since the session was stored"
+            return None
+
+        data = load_kv_file(self.path(session_id), _KIND, self.expect, matches)
+        if not isinstance(data, str):
+            return data
         logger.warning("stored KV of session %r refused: %s; it re-prefills", session_id,
-                       refusal)
+                       data)
         return None
 
     def discard(self, session_id: str) -> None:
