@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from radixserve.cli import build_parser, server_args_from_namespace
+from radixserve.server.request_guard import MAX_HEAD_BUFFER
 from tests.server.conftest import assert_no_leak, start_server
 
 READ_TIMEOUT_S = 2.0
@@ -114,6 +115,17 @@ def test_a_malformed_content_length_gets_the_error_object(edge, content_length, 
     assert status == 400 and headers["connection"] == "close"
     assert_error_object(body, "invalid_request_error", f"not valid HTTP/1.1: {reason}")
     assert elapsed < READ_TIMEOUT_S  # answered at once, not at the read deadline
+
+
+def test_a_head_that_outgrows_the_buffer_unfinished_gets_431_at_once(edge):
+    # One byte past h11's buffer and no blank line: h11, not the guard, refuses it, and only
+    # once every byte sent has been read (so the close cannot reset an unread tail).
+    start = b"POST /generate HTTP/1.1\r\nHost: x\r\nx-big: "
+    answer, elapsed = exchange(edge, start + b"a" * (MAX_HEAD_BUFFER + 1 - len(start)))
+    status, headers, body = parse(answer)
+    assert status == 431 and headers["connection"] == "close"
+    assert_error_object(body, "request_too_large", f"more than {MAX_HEAD_BUFFER} bytes long")
+    assert elapsed < READ_TIMEOUT_S
 
 
 def test_requests_on_time_are_served_while_a_slow_client_is_held(edge):

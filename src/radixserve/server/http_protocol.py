@@ -6,7 +6,9 @@
   connections and sends a header byte now and then (slowloris) holds each one forever. The
   body is bounded by the same timeout in ``request_guard.RequestGuard``.
 - The OpenAI error object for a request h11 cannot parse (a malformed ``Content-Length``, a bad
-  request line, headers past h11's size limit), instead of uvicorn's plain-text 400.
+  request line), instead of uvicorn's plain-text 400; and 431, not 400, for a head that outgrows
+  h11's buffer before it ends. Whether an oversized head is still arriving when h11 looks at it
+  depends on how TCP splits it, so both paths (this one and ``RequestGuard``'s) must say 431.
 
 The server always runs this protocol (``uvicorn.Config(http=...)``), whether or not ``httptools``
 is installed, so both behaviours hold everywhere.
@@ -37,6 +39,7 @@ class _GuardedH11Protocol(H11Protocol):
         self._head_deadline: asyncio.TimerHandle | None = None
         # uvicorn drops h11's reason when it answers 400: keep it for the error message.
         self._parse_error = ""
+        self._parse_error_status = 400
         next_event = self.conn.next_event
 
         def next_event_keeping_the_reason() -> Any:
@@ -44,6 +47,7 @@ class _GuardedH11Protocol(H11Protocol):
                 return next_event()
             except h11.RemoteProtocolError as e:
                 self._parse_error = str(e)
+                self._parse_error_status = e.error_status_hint
                 raise
 
         self.conn.next_event = next_event_keeping_the_reason  # type: ignore[method-assign]
@@ -66,6 +70,13 @@ class _GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         self._cancel_head_deadline()
+        if self._parse_error_status == 431:  # h11: the head outgrew its buffer unfinished
+            limit = self.config.h11_max_incomplete_event_size
+            self._answer_and_close(
+                431, "Request Header Fields Too Large",
+                f"The request head is more than {limit} bytes long; at most {limit} bytes "
+                "of request line and headers are accepted.")
+            return
         reason = self._parse_error or msg
         self._answer_and_close(400, "Bad Request", f"The request is not valid HTTP/1.1: {reason}.")
 

@@ -48,6 +48,7 @@ from radixserve.server.context import ServerContext, ServerState
 from radixserve.server.generations import first_item
 from radixserve.server.http_protocol import guarded_protocol
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.request_guard import MAX_HEAD_BUFFER
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger("radixserve.server")
@@ -251,6 +252,7 @@ class _Lifecycle:
             lifespan="off",
             timeout_graceful_shutdown=int(ABORT_GRACE_S),
             http=guarded_protocol(args.request_read_timeout),
+            h11_max_incomplete_event_size=MAX_HEAD_BUFFER,
         )
         self.server = _Server(config, self)
         loop = asyncio.get_running_loop()

@@ -42,9 +42,13 @@ from radixserve.server.off_loop import BODY_SIZE_KEY, run_body
 from radixserve.server.parsed_body import PARSED_BODY_KEY
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-# The request head: past these, 431 (h11 bounds only a head still arriving, to 16 KiB).
+# The request head: past these, 431.
 MAX_HEADERS = 100
 MAX_HEADER_BYTES = 16 * 1024
+# h11's bound on a head still arriving (uvicorn's ``h11_max_incomplete_event_size``): room above
+# any head the guard accepts (separators, the request line), so that only heads the guard would
+# refuse anyway can meet it; past it, ``http_protocol`` answers 431 too.
+MAX_HEAD_BUFFER = 2 * MAX_HEADER_BYTES
 # Routes that run the model: they count as in flight (drain) and get an admission ticket.
 GENERATION_PATHS = frozenset(
     {"/generate", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/encode",
