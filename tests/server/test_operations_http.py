@@ -187,6 +187,7 @@ def test_profile_writes_a_chrome_trace(ops, tmp_path):
     assert "no profile" in error(ops.post("/stop_profile"), 400)
     assert "activities" in error(ops.post("/start_profile", json={"activities": ["TPU"]}), 400)
     assert "num_steps" in error(ops.post("/start_profile", json={"num_steps": 0}), 400)
+    assert "num_steps" in error(ops.post("/start_profile", json={"num_steps": 201}), 400)
     assert "bogus" in error(ops.post("/start_profile", json={"bogus": 1}), 400)
 
 

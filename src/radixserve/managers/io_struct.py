@@ -192,10 +192,16 @@ class ResumeMemoryOccupationReqInput(_Msg):
     tags: list[str] | None = None
 
 
+# Steps one profiling session may record (``num_steps``, and an open-ended session's bound):
+# SGLang's profiles take 5-10; 200 steps of a small model write in seconds, a pause every request
+# sees since the trace is written on the scheduler's thread.
+MAX_PROFILE_STEPS = 200
+
+
 class ProfileReq(_Msg):
     action: str  # "start" or "stop"
     output_dir: str | None = None
-    num_steps: int | None = None
+    num_steps: int | None = None  # at most MAX_PROFILE_STEPS
     activities: list[str] | None = None  # "CPU", "GPU"
     record_shapes: bool = False
     with_stack: bool = False

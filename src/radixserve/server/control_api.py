@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from radixserve.managers import io_struct
-from radixserve.managers.io_struct import PauseMode, ProfileReq
+from radixserve.managers.io_struct import MAX_PROFILE_STEPS, PauseMode, ProfileReq
 from radixserve.managers.tokenizer import lora_client
 from radixserve.managers.tokenizer.tokenizer_manager import TokenizerManager
 from radixserve.server.context import get_ctx
@@ -60,7 +60,7 @@ class MemoryRequest(_StrictModel):
 
 class StartProfileRequest(_StrictModel):
     output_dir: str | None = None
-    num_steps: int | None = Field(default=None, ge=1)
+    num_steps: int | None = Field(default=None, ge=1, le=MAX_PROFILE_STEPS)
     activities: list[str] | None = None
     record_shapes: bool = False
     with_stack: bool = False

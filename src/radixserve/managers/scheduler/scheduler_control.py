@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from radixserve import envs
 from radixserve.managers.io_struct import (
+    MAX_PROFILE_STEPS,
     AbortReq,
     ContinueGenerationReqInput,
     ContinueGenerationReqOutput,
@@ -304,7 +305,8 @@ class SchedulerControl:
                     msg.with_stack,
                 )
                 message = "profiling" + (
-                    f" the next {msg.num_steps} steps" if msg.num_steps else " until stop_profile"
+                    f" the next {msg.num_steps} steps" if msg.num_steps
+                    else f" until stop_profile (at most {MAX_PROFILE_STEPS} steps)"
                 )
             elif msg.action == "stop":
                 path, message = self.profiler.stop(), "profile written"
