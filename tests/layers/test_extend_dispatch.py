@@ -185,3 +185,24 @@ def test_decode_steps_and_deterministic_backends_never_take_sdpa():
     b = random_batch(2, ForwardMode.EXTEND, 4, torch.bfloat16, 14, 2, 64)
     backend = create_attention_backend("cpu", b.req_pool, b.pool, batch_invariant=True)
     assert set(backend.choose_extend_kernels(14, "off")) == {xd.NATIVE}
+
+
+def test_attention_timed_under_load_is_timed_again_at_a_quiet_start(tmp_path):
+    from tests.layers.test_kernel_dispatch import FakeLoad
+
+    static = (xd.NATIVE,) * xd.NUM_CELLS
+    measure, calls = timings(sdpa_faster_from_extend=256)
+    busy = FakeLoad(busy_while_measuring=True, quiet_at_start=False)
+    table = xd.tune(SHAPE, static, kd.DispatchCache(tmp_path, IDENTITY), measure_fn=measure,
+                    load=busy)
+    assert len(calls) == 1 and table != static  # the busy timing is used meanwhile
+    assert kd.DispatchCache(tmp_path, IDENTITY).busy_keys() == {SHAPE.key()}
+    again, calls_again = timings(sdpa_faster_from_extend=0)
+    assert xd.tune(SHAPE, static, kd.DispatchCache(tmp_path, IDENTITY), measure_fn=again,
+                   load=FakeLoad(busy_while_measuring=False, quiet_at_start=False)) == table
+    assert calls_again == []  # still busy at this start: kept
+    quiet = FakeLoad(busy_while_measuring=False, quiet_at_start=True)
+    table = xd.tune(SHAPE, static, kd.DispatchCache(tmp_path, IDENTITY), measure_fn=again,
+                    load=quiet)
+    assert calls_again == [list(range(xd.NUM_CELLS))] and table == (xd.SDPA,) * xd.NUM_CELLS
+    assert kd.DispatchCache(tmp_path, IDENTITY).busy_keys() == frozenset()

@@ -248,3 +248,61 @@ def test_prepack_model_restricts_deterministic_models_and_tunes_when_asked(tmp_p
         assert layer.packed.table == static[:6] + (kd.ONEDNN,) * 4
         x = torch.randn(5, layer.weight.shape[1]).to(torch.bfloat16)
         bf16_close(layer(x), F.linear(x.double(), layer.weight.double(), None))
+
+
+class FakeWindow:
+    def __init__(self, busy: bool) -> None:
+        self.busy = busy
+
+    def __enter__(self) -> FakeWindow:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+class FakeLoad:
+    """A ``LoadProbe`` whose machine is busy while measuring or not, quiet at start or not."""
+
+    def __init__(self, busy_while_measuring: bool, quiet_at_start: bool) -> None:
+        self.busy, self.quiet_now = busy_while_measuring, quiet_at_start
+        self.looks = 0
+        self.waits: list[float] = []
+
+    def window(self) -> FakeWindow:
+        return FakeWindow(self.busy)
+
+    def quiet(self) -> bool:
+        self.looks += 1
+        return self.quiet_now
+
+    def wait_until_quiet(self, max_s: float) -> bool:
+        self.waits.append(max_s)
+        return self.quiet_now
+
+
+def test_a_table_timed_under_load_is_used_and_timed_again_once_the_machine_is_quiet(tmp_path):
+    key = "bf16:64x32:blocked+onednn"
+    measure, calls = timings(fast_from=6)
+    load = FakeLoad(busy_while_measuring=True, quiet_at_start=False)
+    weights = [FakeWeight(64, 32)]
+    kd.tune(weights, kd.DispatchCache(tmp_path, IDENTITY), measure_fn=measure, load=load)
+    busy_table = (kd.BLOCKED,) * 6 + (kd.ONEDNN,) * 4
+    assert calls == [key] and weights[0].table == busy_table  # used meanwhile
+    assert load.waits == [kd.SETTLE_S]  # it waited (bounded) for a quiet machine first
+    assert kd.DispatchCache(tmp_path, IDENTITY).busy_keys() == {key}
+    # a later start on a machine still busy: the busy table, not timed again
+    again, calls_again = timings(fast_from=0)
+    still_busy = FakeLoad(busy_while_measuring=True, quiet_at_start=False)
+    weights = [FakeWeight(64, 32)]
+    kd.tune(weights, kd.DispatchCache(tmp_path, IDENTITY), measure_fn=again, load=still_busy)
+    assert calls_again == [] and weights[0].table == busy_table and still_busy.looks == 1
+    # a start on a quiet machine times it again, and the quiet table replaces the busy one
+    quiet = FakeLoad(busy_while_measuring=False, quiet_at_start=True)
+    kd.tune(weights, kd.DispatchCache(tmp_path, IDENTITY), measure_fn=again, load=quiet)
+    assert calls_again == [key] and weights[0].table == (kd.ONEDNN,) * BUCKETS
+    assert kd.DispatchCache(tmp_path, IDENTITY).busy_keys() == frozenset()
+    # from then on no look at the machine and no wait: nothing is stale
+    settled = FakeLoad(busy_while_measuring=False, quiet_at_start=True)
+    kd.tune(weights, kd.DispatchCache(tmp_path, IDENTITY), measure_fn=again, load=settled)
+    assert calls_again == [key] and settled.looks == 0 and settled.waits == []

@@ -25,6 +25,11 @@ on one CPU is wrong on the other.
   slice of at most ``TIMING_MAX_OUT`` output rows (the LM head's vocabulary rows all cost the
   same), interleaving the candidates, and stops measuring after ``budget_s`` (the rest keep the
   static table); the log says how long it took and what it chose.
+- Load (``cpu_contention``): before measuring, ``tune`` waits up to ``SETTLE_S`` for the machine
+  to be quiet (a server's other processes import torch while its scheduler starts). A shape
+  timed while other processes used the CPUs anyway is used, and cached as *busy*: a later
+  start that finds the machine quiet measures it again, so a table measured under load does not
+  outlive the load.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from typing import Protocol
 
 import torch
 
+from radixserve.layers.cpu_contention import LoadProbe, MachineLoad
+
 logger = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -50,6 +57,7 @@ MAX_BUCKET_ROWS = ROW_BUCKETS[-1]
 SWITCH_MARGIN = 0.05  # a candidate replaces the static choice only when this much faster
 TIMING_MAX_OUT = 4096  # output rows of the slice a large weight is timed on
 DEFAULT_BUDGET_S = 5.0
+SETTLE_S = 2.0  # the longest ``tune`` waits for a quiet machine before measuring
 AUTOTUNE_MODES = ("on", "off")
 
 BLOCKED, AMX, ONEDNN = "blocked", "amx", "onednn"
@@ -222,30 +230,42 @@ def default_cache_root() -> Path:
 
 @dataclass
 class DispatchCache:
-    """Measured seconds per shape key, in one JSON file per machine identity."""
+    """Measured seconds per shape key, in one JSON file per machine identity; the keys
+    measured while the machine was busy are listed apart (``busy``)."""
 
     root: Path
     identity: Mapping[str, str]
     _entries: dict[str, dict[str, list[float | None]]] | None = field(default=None, repr=False)
+    _busy: set[str] = field(default_factory=set, repr=False)
 
     @property
     def path(self) -> Path:
         key = hashlib.sha256(json.dumps(dict(self.identity), sort_keys=True).encode())
         return self.root / f"{key.hexdigest()[:16]}.json"
 
-    def _read(self) -> dict[str, dict[str, list[float | None]]]:
+    def _read(self) -> tuple[dict[str, dict[str, list[float | None]]], set[str]]:
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
-            return {}
+            return {}, set()
         if data.get("machine") != dict(self.identity):  # another machine's file: ignore it
-            return {}
-        return data.get("entries", {})
+            return {}, set()
+        return data.get("entries", {}), set(data.get("busy", []))
+
+    def _load(self) -> None:
+        self._entries, self._busy = self._read()
 
     def get(self, key: str) -> dict[str, list[float | None]] | None:
         if self._entries is None:
-            self._entries = self._read()
+            self._load()
+        assert self._entries is not None
         return self._entries.get(key)
+
+    def busy_keys(self) -> frozenset[str]:
+        """The keys whose entries were measured while other processes used the CPUs."""
+        if self._entries is None:
+            self._load()
+        return frozenset(self._busy)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -255,17 +275,34 @@ class DispatchCache:
         with open(self.path.with_suffix(".lock"), "w") as holder:
             fcntl.flock(holder, fcntl.LOCK_EX)
             try:
-                self._entries = self._read()  # what others wrote while we waited
+                self._load()  # what others wrote while we waited
                 yield
             finally:
                 fcntl.flock(holder, fcntl.LOCK_UN)
 
-    def put(self, entries: Mapping[str, dict[str, list[float | None]]]) -> None:
-        merged = {**self._read(), **entries}
-        self._entries = merged
+    def put(self, entries: Mapping[str, dict[str, list[float | None]]],
+            busy: Iterable[str] = ()) -> None:
+        """Merge ``entries`` in; those of ``busy`` are marked as measured under load, the
+        others (re)measured on a quiet machine lose the mark."""
+        stored, stored_busy = self._read()
+        self._entries = {**stored, **entries}
+        self._busy = (stored_busy - set(entries)) | set(busy)
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"machine": dict(self.identity), "entries": merged}))
+        tmp.write_text(json.dumps({"machine": dict(self.identity), "entries": self._entries,
+                                   "busy": sorted(self._busy)}))
         os.replace(tmp, self.path)
+
+
+def stale_keys(keys: Iterable[str], cache: DispatchCache | None,
+               load: LoadProbe) -> set[str]:
+    """The ``keys`` to measure now: those ``cache`` lacks, and its busy ones when the
+    machine is quiet now (one short look, only when there is a busy one)."""
+    if cache is None:
+        return set(keys)
+    keys = list(keys)
+    missing = {k for k in keys if cache.get(k) is None}
+    busy = {k for k in keys if k not in missing} & cache.busy_keys()
+    return missing | busy if busy and load.quiet() else missing
 
 
 def measure(weight: Dispatched, budget_end: float = float("inf")) -> dict[str, list[float | None]]:
@@ -307,11 +344,14 @@ def tune(
     cache: DispatchCache | None,
     budget_s: float = DEFAULT_BUDGET_S,
     measure_fn: Callable[[Dispatched, float], dict[str, list[float | None]]] | None = None,
+    load: LoadProbe | None = None,
 ) -> dict[str, tuple[str, ...]]:
     """Measure (or read from ``cache``) each distinct shape of ``weights`` once and give every
     weight its table; returns the tables by shape key and logs the cost and the choices.
-    ``measure_fn``: the measurement, ``measure`` by default (tests inject timings)."""
+    ``measure_fn``: the measurement, ``measure`` by default; ``load``: the machine's load,
+    ``MachineLoad`` by default (tests inject both)."""
     measure_fn = measure_fn or measure
+    load = load or MachineLoad()
     by_key: dict[str, list[Dispatched]] = {}
     for w in weights:
         if len(w.candidates) > 1:
@@ -320,35 +360,47 @@ def tune(
         return {}
     start = time.perf_counter()
     measured: dict[str, dict[str, list[float | None]]] = {}
+    busy: set[str] = set()
     from_cache = partial = 0
     context = cache.locked() if cache is not None else contextlib.nullcontext()
     with context:
+        stale = stale_keys(by_key, cache, load)
+        if stale:  # the wait counts against the budget
+            load.wait_until_quiet(min(SETTLE_S, budget_s))
         tables = {}
         for key, group in by_key.items():
-            seconds = cache.get(key) if cache is not None else None
-            if seconds is None:
+            static = group[0].static()
+            previous = cache.get(key) if cache is not None else None
+            if key in stale:
                 if time.perf_counter() - start > budget_s:
-                    tables[key] = group[0].static()
+                    tables[key] = choose(previous, static) if previous else static
                     partial += 1
                     continue
-                seconds = measure_fn(group[0], start + budget_s)
+                with load.window() as window:
+                    seconds = measure_fn(group[0], start + budget_s)
                 if any(s[-1] is not None for s in seconds.values()):
                     measured[key] = seconds  # only complete measurements are kept
+                    if window.busy:
+                        busy.add(key)
                 else:
                     partial += 1
+                    seconds = previous or seconds
             else:
+                assert previous is not None
+                seconds = previous
                 from_cache += 1
-            tables[key] = choose(seconds, group[0].static())
+            tables[key] = choose(seconds, static)
         if cache is not None and measured:
-            cache.put(measured)
+            cache.put(measured, busy)
     for key, group in by_key.items():
         for w in group:
             w.set_table(tables[key])
     elapsed = time.perf_counter() - start
     logger.info(
-        "kernel autotune: %d linear shapes, %d measured, %d from cache, %d cut by the %.1f s "
-        "budget (static table where unmeasured), in %.2f s", len(by_key), len(measured),
-        from_cache, partial, budget_s, elapsed,
+        "kernel autotune: %d linear shapes, %d measured (%d while the machine was busy: "
+        "measured again at a quiet start), %d from cache, %d cut by the %.1f s budget (static "
+        "table where unmeasured), in %.2f s", len(by_key), len(measured), len(busy), from_cache,
+        partial, budget_s, elapsed,
     )
     for key, table in tables.items():
         logger.info("kernel dispatch %s: %s", key, describe(table))

@@ -21,6 +21,9 @@ chunk measured 1.10x in one run and 0.86x in another (issue 38).
   one file per CPU model, flags, torch version, threads and kernel sources) under one key per
   (dtype, head_dim, group, candidates), and ``kernel_dispatch.choose`` picks per cell (the static
   choice stays unless another is ``SWITCH_MARGIN`` faster).
+- Load: as for the linears (``kernel_dispatch``), a table timed while other processes used the
+  CPUs is used, marked busy in the cache, and timed again at a start that finds the machine
+  quiet.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.layers import cpu_kernels, kernel_dispatch
+from radixserve.layers.cpu_contention import LoadProbe, MachineLoad
 
 logger = logging.getLogger(__name__)
 
@@ -267,31 +271,45 @@ def tune(
     cache: kernel_dispatch.DispatchCache | None,
     budget_s: float = DEFAULT_BUDGET_S,
     measure_fn: MeasureFn | None = None,
+    load: LoadProbe | None = None,
 ) -> tuple[str, ...]:
-    """The table of ``shape``: cells in ``cache`` are not timed again; the others are measured
-    within ``budget_s`` (``measure_fn``, ``measure`` by default: tests inject timings), merged
-    into the cache, and chosen with ``kernel_dispatch.choose`` against ``static``."""
+    """The table of ``shape``: cells in ``cache`` are not timed again (unless they were timed
+    while the machine was busy and it is quiet now: ``kernel_dispatch``'s rule); the others are
+    measured within ``budget_s`` (``measure_fn``, ``measure`` by default; ``load``,
+    ``MachineLoad`` by default: tests inject both), merged into the cache, and chosen with
+    ``kernel_dispatch.choose`` against ``static``."""
     if len(shape.candidates) < 2:
         return static
     measure_fn = measure_fn or measure
+    load = load or MachineLoad()
     start = time.perf_counter()
+    busy = False
     with cache.locked() if cache is not None else contextlib.nullcontext():
         cached = (cache.get(shape.key()) if cache is not None else None) or {}
         seconds = {n: list(cached.get(n, [None] * NUM_CELLS)) for n in shape.candidates}
         missing = [c for c in range(NUM_CELLS) if any(s[c] is None for s in seconds.values())]
+        if cached and not missing and shape.key() in kernel_dispatch.stale_keys(
+                [shape.key()], cache, load):
+            missing = list(range(NUM_CELLS))  # timed under load, and the machine is quiet now
         if missing:
-            fresh = measure_fn(shape, missing, start + budget_s)
+            load.wait_until_quiet(min(kernel_dispatch.SETTLE_S, budget_s))
+            with load.window() as window:
+                fresh = measure_fn(shape, missing, start + budget_s)
+            # busy: timed under load, or busy cells the budget left unmeasured again
+            busy = window.busy or (shape.key() in (cache.busy_keys() if cache else ()) and any(
+                values[c] is None for values in fresh.values() for c in missing))
             for name, values in fresh.items():
                 for cell in missing:
                     if values[cell] is not None:
                         seconds[name][cell] = values[cell]
             if cache is not None:
-                cache.put({shape.key(): seconds})
+                cache.put({shape.key(): seconds}, [shape.key()] if busy else [])
     table = kernel_dispatch.choose(seconds, static)
     unmeasured = sum(any(s[c] is None for s in seconds.values()) for c in range(NUM_CELLS))
     logger.info(
-        "attention autotune %s: %d cells, %d timed now, %d from cache, %d static (past the "
+        "attention autotune %s: %d cells, %d timed now%s, %d from cache, %d static (past the "
         "%.1f s budget), in %.2f s", shape.key(), NUM_CELLS, len(missing) - unmeasured,
+        " (the machine was busy: measured again at a quiet start)" if busy else "",
         NUM_CELLS - len(missing), unmeasured, budget_s, time.perf_counter() - start,
     )
     logger.info("attention dispatch %s: %s", shape.key(), describe(table))
