@@ -29,6 +29,8 @@ _LAYER = {
     "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections
+    "mlp.gate_up_proj": "ffn_up",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
@@ -48,7 +50,7 @@ _EXPERT = re.compile(
 _GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
               "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
               "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
-              "Qwen3MoeForCausalLM": "qwen3moe"}
+              "Qwen3MoeForCausalLM": "qwen3moe", "Phi3ForCausalLM": "phi3"}
 
 
 def llama_cpp_name(hf_name: str) -> str:
@@ -117,8 +119,12 @@ def _stack_experts(tensors: dict[str, np.ndarray], writer, cfg: dict, arch: str,
     return out
 
 
-def convert_checkpoint(hf_dir: Path, out: Path, qtype: str = "F32") -> Path:
-    """Write ``hf_dir``'s weights and config as the GGUF file ``out``; return ``out``."""
+def convert_checkpoint(hf_dir: Path, out: Path, qtype: str = "F32",
+                       extra_tensors: dict[str, np.ndarray] | None = None,
+                       rope_dims: int | None = None) -> Path:
+    """Write ``hf_dir``'s weights and config as the GGUF file ``out``; return ``out``.
+    ``extra_tensors`` are written as they are; ``rope_dims`` overrides the rotary dimension a
+    Phi-3 file states (its head_dim by default)."""
     import gguf
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -140,6 +146,11 @@ def convert_checkpoint(hf_dir: Path, out: Path, qtype: str = "F32") -> Path:
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
     writer.add_file_type(0 if qtype == "F32" else 7)  # ALL_F32 / MOSTLY_Q8_0
+    if arch == "phi3":
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        writer.add_rope_dimension_count(rope_dims or head_dim)
+        if cfg.get("sliding_window"):
+            writer.add_sliding_window(cfg["sliding_window"])
     _add_tokenizer(writer, hf_dir)
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"])
@@ -159,6 +170,8 @@ def convert_checkpoint(hf_dir: Path, out: Path, qtype: str = "F32") -> Path:
         else:
             q = gguf.GGMLQuantizationType[qtype]
             writer.add_tensor(llama_cpp_name(name), gguf.quants.quantize(w, q), raw_dtype=q)
+    for name, w in (extra_tensors or {}).items():
+        writer.add_tensor(name, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

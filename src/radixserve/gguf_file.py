@@ -27,6 +27,7 @@ GGUF_ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # A "llama" file with experts is Mixtral (llama.cpp runs it as Llama with an MoE FFN).
 _MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}
@@ -158,6 +159,8 @@ def gguf_hf_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     }
     if arch in ("gemma2", "gemma3"):
         hf.update(_gemma_config(reader, arch, need, hf["head_dim"]))
+    if arch == "phi3":
+        hf.update(_phi3_config(reader, path, hf["head_dim"], tensor_names))
     if experts:
         hf.update(_moe_config(reader, arch, need, experts, tensor_names))
     gen: dict[str, Any] = {}
@@ -183,6 +186,28 @@ def _gemma_config(reader: Any, arch: str, need: Any, head_dim: int) -> dict[str,
         out["rope_local_base_freq"] = _GEMMA3_LOCAL_ROPE_BASE
         out["sliding_window_pattern"] = _GEMMA3_SLIDING_PATTERN
     return out
+
+
+def _phi3_config(reader: Any, path: str | Path, head_dim: int,
+                 tensor_names: set[str]) -> dict[str, Any]:
+    """The ``config.json`` keys of a Phi-3 file. Its q/k/v and gate/up projections come fused
+    (``attn_qkv``, ``ffn_up``), as in the Hugging Face checkpoint. The 128k-context variants
+    carry LongRoPE's per-frequency factors (``rope_factors_long``/``_short``) and Phi-3.5/4-mini
+    a partial rotary dimension; neither is supported by the Phi-3 model here, so both are named
+    errors rather than a model that would answer wrongly past 4k tokens."""
+    if {"rope_factors_long.weight", "rope_factors_short.weight"} & tensor_names:
+        raise ValueError(
+            f"{path} stores LongRoPE factors (rope_factors_long/short: a 128k-context Phi-3), "
+            "which the GGUF loader does not support"
+        )
+    rotary = _field(reader, "phi3.rope.dimension_count", head_dim)
+    if int(rotary) != head_dim:
+        raise ValueError(
+            f"{path} rotates {rotary} of each head's {head_dim} dimensions (partial rotary), "
+            "which the Phi-3 model does not support"
+        )
+    window = _field(reader, "phi3.attention.sliding_window")
+    return {"model_type": "phi3", "sliding_window": int(window) if window else None}
 
 
 def _moe_config(reader: Any, arch: str, need: Any, experts: int,

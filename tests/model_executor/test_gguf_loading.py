@@ -98,7 +98,8 @@ def test_llama_row_order_undoes_llama_cpps_permutation():
     assert np.array_equal(stored[_llama_qk_row_order(heads * head_dim, heads)], w)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe",
+                                  "qwen3_moe"])
 def test_converted_checkpoint_loads_the_same_parameters(arch, checkpoint_factory, tmp_path):
     """Dense and MoE files (the MoE ones with stacked expert tensors, a router, Qwen2-MoE's
     shared expert) fill every parameter as the safetensors original does."""
@@ -174,6 +175,34 @@ def test_unsupported_architecture_is_named(tmp_path):
                                                                           np.float32), None)})
     with pytest.raises(ValueError, match="'falcon'.*supported: llama, qwen2, qwen3"):
         ModelConfig.from_path(tmp_path / "m.gguf")
+
+
+def test_phi3_with_longrope_factors_or_a_partial_rotary_dimension_is_refused(
+    checkpoint_factory, tmp_path
+):
+    hf_dir = checkpoint_factory("phi3")
+    factors = np.ones(8, np.float32)
+    longrope = convert_checkpoint(hf_dir, tmp_path / "long.gguf", extra_tensors={
+        "rope_factors_long.weight": factors, "rope_factors_short.weight": factors})
+    with pytest.raises(ValueError, match="LongRoPE factors"):
+        gguf_hf_config(longrope)
+    partial = convert_checkpoint(hf_dir, tmp_path / "partial.gguf", rope_dims=8)
+    with pytest.raises(ValueError, match="rotates 8 of each head's 16 dimensions"):
+        gguf_hf_config(partial)
+
+
+def test_phi3_sliding_window_comes_from_the_metadata(checkpoint_factory, tmp_path):
+    import json
+    import shutil
+
+    windowed = tmp_path / "windowed"
+    shutil.copytree(checkpoint_factory("phi3"), windowed)
+    config = json.loads((windowed / "config.json").read_text())
+    (windowed / "config.json").write_text(json.dumps({**config, "sliding_window": 8}))
+    path = convert_checkpoint(windowed, tmp_path / "w.gguf")
+    assert gguf_hf_config(path)[0]["sliding_window"] == 8
+    assert gguf_hf_config(convert_checkpoint(checkpoint_factory("phi3"), tmp_path / "n.gguf"))[
+        0]["sliding_window"] is None
 
 
 def test_unsupported_quant_type_is_named(tmp_path):

@@ -11,7 +11,8 @@ One layout difference: llama.cpp's converter stores a Llama model's query and ke
 with each head's rows reordered (the two rotary halves interleaved, for its RoPE kernel), which
 ``_llama_qk_row_order`` undoes. Qwen2/Qwen3 files are stored in Hugging Face's order. Gemma 2/3
 files store each RMSNorm weight as ``1 + w`` (llama.cpp's norm has no offset) and name the extra
-norms differently;
+norms differently; Phi-3 files keep the fused ``qkv_proj`` and ``gate_up_proj`` (``attn_qkv``,
+``ffn_up``);
 ``gguf_weights`` gives the checkpoint's ``w`` back, which ``GemmaRMSNorm`` loads as ``1 + w``.
 MoE files stack each projection of all experts in one 3-D tensor (``blk.N.ffn_up_exps``):
 each expert's matrix is given as its own lazy tensor (only the experts a rank holds are read).
@@ -65,13 +66,21 @@ _GEMMA_LAYER_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+# Phi-3 keeps its checkpoint's fused projections (the model splits them, as from safetensors)
+_PHI3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_up": "mlp.gate_up_proj",
+}
+_LAYER_NAMES_BY_ARCH = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES,
+                        "phi3": _PHI3_LAYER_NAMES}
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_TENSOR = re.compile(r"^(\w+)\.(weight|bias)$")
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face checkpoint name of a GGUF tensor, or None for one we do not map."""
-    names = _GEMMA_LAYER_NAMES if arch in _GEMMA_ARCHITECTURES else _LAYER_NAMES
+    names = _LAYER_NAMES_BY_ARCH.get(arch, _LAYER_NAMES)
     if m := _LAYER_TENSOR.match(gguf_name):
         layer, kind, suffix = m.groups()
         if kind in names:
