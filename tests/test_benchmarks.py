@@ -237,6 +237,64 @@ def test_bench_offline_throughput_refuses_a_plot_it_cannot_draw_before_it_runs(l
         assert not done.stdout  # nothing ran
 
 
+def parse_offline_args(monkeypatch, capsys, *argv: str) -> tuple[int | None, str]:
+    """``bench_offline_throughput.parse_args`` on ``argv`` in this process (nothing loads):
+    (exit status or None, stderr)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_offline_throughput
+
+    monkeypatch.setattr(sys, "argv", ["bench_offline_throughput.py", *argv])
+    try:
+        bench_offline_throughput.parse_args()
+    except SystemExit as e:
+        return e.code, capsys.readouterr().err
+    return None, capsys.readouterr().err
+
+
+def test_bench_offline_throughput_refuses_a_llamacpp_backend_it_cannot_run_before_it_runs(
+    llama_path, tmp_path, monkeypatch, capsys
+):
+    """llama.cpp's backends are checked with the arguments: llamacpp-file needs a GGUF --model,
+    the converting ones a checkpoint directory, and without llama-cpp-python (hidden here, as on
+    CI) the error says how to install it, naming the backend the ``llamacpp`` alias became."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")  # only its name is read before the run
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    for model, backends, message in (
+        (llama_path, "radixserve,llamacpp-file", "llamacpp-file runs a GGUF --model as it is"),
+        (gguf, "radixserve,llamacpp-q8_0,llamacpp-bf16",
+         "llamacpp-q8_0, llamacpp-bf16 convert a checkpoint directory"),
+        (gguf, "radixserve,radixserve-int8,llamacpp-file",
+         "llamacpp-file needs the llama_cpp module: pip install llama-cpp-python"),
+        (gguf, "radixserve,llamacpp", "llamacpp-file needs the llama_cpp module"),
+        (llama_path, "radixserve,llamacpp", "llamacpp-q8_0 needs the llama_cpp module"),
+        (gguf, "radixserve,llamacpp-gguf", "unknown backend(s) ['llamacpp-gguf']"),
+    ):
+        code, err = parse_offline_args(monkeypatch, capsys, "--model", str(model),
+                                       "--backends", backends)
+        assert code == 2 and message in err, (backends, err)
+    code, err = parse_offline_args(monkeypatch, capsys, "--model", str(gguf),
+                                   "--backends", "radixserve,transformers")
+    assert code is None and not err  # no llama.cpp backend asked for: nothing needed
+
+
+def test_bench_offline_throughput_runs_a_gguf_file_as_it_is_in_llamacpp(llama_path, tmp_path):
+    """llamacpp-file loads the very GGUF --model and decodes the same token-id prompts greedily:
+    in float32 its outputs equal radixserve's token for token."""
+    pytest.importorskip("llama_cpp")
+    from tests.gguf_checkpoints import convert_checkpoint
+
+    gguf = convert_checkpoint(llama_path, tmp_path / "tiny.gguf")
+    lines = run_benchmark(
+        "bench_offline_throughput.py", "--model", str(gguf), "--batch-sizes", "1,3",
+        "--min-input-len", "4", "--max-input-len", "7", "--output-len", "6",
+        "--prefill-len", "0", "--dtype", "float32", "--backends", "radixserve,llamacpp",
+    )
+    decode = {r["batch_size"]: r for r in lines if r.get("comparison") == "decode"}
+    assert {n: (r["against"], r["identical_outputs"]) for n, r in decode.items()} == {
+        1: ("llamacpp-file", 1), 3: ("llamacpp-file", 3)}
+
+
 def test_bench_kv_cache_quant_times_each_cache_dtype_and_sizes_its_pool(llama_path):
     lines = run_benchmark(
         "bench_kv_cache_quant.py", "--model", str(llama_path), "--dtype", "float32",
