@@ -89,7 +89,10 @@ class LlamaCppGenerator:
                          n_threads_batch=threads, n_batch=512, verbose=False)
 
     def generate(self, prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
+        import llama_cpp
+
         outputs = []
+        llama_cpp.llama_perf_context_reset(self.llm._ctx.ctx)
         start = time.perf_counter()
         for prompt in prompts:
             self.llm.reset()
@@ -100,3 +103,13 @@ class LlamaCppGenerator:
                     break
             outputs.append(tokens)
         return outputs, time.perf_counter() - start
+
+    def perf(self) -> dict[str, float]:
+        """llama.cpp's own timing of the last ``generate``: its prompt and decode calls
+        (``llama_perf_context``), without llama-cpp-python's Python loop and sampling."""
+        import llama_cpp
+
+        data = llama_cpp.llama_perf_context(self.llm._ctx.ctx)
+        return {"prompt_tokens": data.n_p_eval, "prompt_ms": round(data.t_p_eval_ms, 2),
+                "decode_tokens": data.n_eval, "decode_ms": round(data.t_eval_ms, 2),
+                "decode_tokens_per_s": round(1000 * data.n_eval / max(data.t_eval_ms, 1e-9), 1)}

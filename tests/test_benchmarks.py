@@ -4,6 +4,7 @@ still run end to end, on a tiny test checkpoint and a few tokens. Their speed is
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -204,18 +205,30 @@ def test_bench_batched_prefill_times_before_after_and_transformers_on_the_same_p
 
 def test_bench_offline_throughput_runs_a_gguf_file_in_both_engines(llama_path, tmp_path):
     """A GGUF --model: radixserve and transformers' own GGUF loader run the same file, and in
-    float32 greedy they agree token for token."""
+    float32 greedy they agree token for token. Where llama-cpp-python is installed (optional;
+    not on CI) ``llamacpp`` (= llamacpp-file) runs the very file beside them (no second Engine
+    start): the same token-id prompts, the same greedy outputs, and llama.cpp's own count of
+    its decode calls (one per new token after the first)."""
     from tests.gguf_checkpoints import convert_checkpoint
 
+    against = ["transformers"]
+    if importlib.util.find_spec("llama_cpp") is not None:
+        against.append("llamacpp")
     gguf = convert_checkpoint(llama_path, tmp_path / "tiny.gguf")
     lines = run_benchmark(
         "bench_offline_throughput.py", "--model", str(gguf), "--batch-sizes", "1,3",
         "--min-input-len", "4", "--max-input-len", "7", "--output-len", "6",
         "--prefill-len", "0", "--dtype", "float32",
+        "--backends", ",".join(["radixserve", *against]),
     )
     assert lines[0]["model"] == "tiny.gguf" and lines[0]["path"] == str(gguf)
-    decode = {r["batch_size"]: r for r in lines if r.get("comparison") == "decode"}
-    assert {n: r["identical_outputs"] for n, r in decode.items()} == {1: 1, 3: 3}
+    decode = {(r["against"], r["batch_size"]): r["identical_outputs"]
+              for r in lines if r.get("comparison") == "decode"}
+    names = [b.replace("llamacpp", "llamacpp-file") for b in against]
+    assert decode == {(b, n): n for b in names for n in (1, 3)}
+    perf = {r["batch_size"]: r["decode_tokens"] for r in lines if "llamacpp_perf" in r}
+    # the warm-up's two prompts of 4 new tokens, then the scenarios' 6 new tokens per prompt
+    assert perf == ({2: 6, 1: 5, 3: 15} if "llamacpp" in against else {})
 
 
 def test_bench_offline_throughput_refuses_a_plot_it_cannot_draw_before_it_runs(llama_path):
@@ -276,23 +289,6 @@ def test_bench_offline_throughput_refuses_a_llamacpp_backend_it_cannot_run_befor
     code, err = parse_offline_args(monkeypatch, capsys, "--model", str(gguf),
                                    "--backends", "radixserve,transformers")
     assert code is None and not err  # no llama.cpp backend asked for: nothing needed
-
-
-def test_bench_offline_throughput_runs_a_gguf_file_as_it_is_in_llamacpp(llama_path, tmp_path):
-    """llamacpp-file loads the very GGUF --model and decodes the same token-id prompts greedily:
-    in float32 its outputs equal radixserve's token for token."""
-    pytest.importorskip("llama_cpp")
-    from tests.gguf_checkpoints import convert_checkpoint
-
-    gguf = convert_checkpoint(llama_path, tmp_path / "tiny.gguf")
-    lines = run_benchmark(
-        "bench_offline_throughput.py", "--model", str(gguf), "--batch-sizes", "1,3",
-        "--min-input-len", "4", "--max-input-len", "7", "--output-len", "6",
-        "--prefill-len", "0", "--dtype", "float32", "--backends", "radixserve,llamacpp",
-    )
-    decode = {r["batch_size"]: r for r in lines if r.get("comparison") == "decode"}
-    assert {n: (r["against"], r["identical_outputs"]) for n, r in decode.items()} == {
-        1: ("llamacpp-file", 1), 3: ("llamacpp-file", 3)}
 
 
 def test_bench_kv_cache_quant_times_each_cache_dtype_and_sizes_its_pool(llama_path):
