@@ -451,6 +451,9 @@ def llamacpp_backend(args: argparse.Namespace, model_path: str, label: str,
     n_ctx = max(args.max_input_len, args.prefill_len) + args.output_len + 8
     threads = args.threads or len(os.sched_getaffinity(0))
     llm = LlamaCppGenerator(gguf, threads, n_ctx)
+    print(json.dumps({"llamacpp": f"llamacpp-{outtype}", "gguf": str(gguf), "threads": threads,
+                      "extra_bufts": llm.extra_bufts, "system_info": llm.system_info}),
+          flush=True)
 
     def generate(prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
         outputs, wall = llm.generate(prompts, n)
