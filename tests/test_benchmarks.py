@@ -4,6 +4,7 @@ still run end to end, on a tiny test checkpoint and a few tokens. Their speed is
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -204,18 +205,30 @@ def test_bench_batched_prefill_times_before_after_and_transformers_on_the_same_p
 
 def test_bench_offline_throughput_runs_a_gguf_file_in_both_engines(llama_path, tmp_path):
     """A GGUF --model: radixserve and transformers' own GGUF loader run the same file, and in
-    float32 greedy they agree token for token."""
+    float32 greedy they agree token for token. Where llama-cpp-python is installed (optional;
+    not on CI) ``llamacpp`` (= llamacpp-file) runs the very file beside them (no second Engine
+    start): the same token-id prompts, the same greedy outputs, and llama.cpp's own count of
+    its decode calls (one per new token after the first)."""
     from tests.gguf_checkpoints import convert_checkpoint
 
+    against = ["transformers"]
+    if importlib.util.find_spec("llama_cpp") is not None:
+        against.append("llamacpp")
     gguf = convert_checkpoint(llama_path, tmp_path / "tiny.gguf")
     lines = run_benchmark(
         "bench_offline_throughput.py", "--model", str(gguf), "--batch-sizes", "1,3",
         "--min-input-len", "4", "--max-input-len", "7", "--output-len", "6",
         "--prefill-len", "0", "--dtype", "float32",
+        "--backends", ",".join(["radixserve", *against]),
     )
     assert lines[0]["model"] == "tiny.gguf" and lines[0]["path"] == str(gguf)
-    decode = {r["batch_size"]: r for r in lines if r.get("comparison") == "decode"}
-    assert {n: r["identical_outputs"] for n, r in decode.items()} == {1: 1, 3: 3}
+    decode = {(r["against"], r["batch_size"]): r["identical_outputs"]
+              for r in lines if r.get("comparison") == "decode"}
+    names = [b.replace("llamacpp", "llamacpp-file") for b in against]
+    assert decode == {(b, n): n for b in names for n in (1, 3)}
+    perf = {r["batch_size"]: r["decode_tokens"] for r in lines if "llamacpp_perf" in r}
+    # the warm-up's two prompts of 4 new tokens, then the scenarios' 6 new tokens per prompt
+    assert perf == ({2: 6, 1: 5, 3: 15} if "llamacpp" in against else {})
 
 
 def test_bench_offline_throughput_refuses_a_plot_it_cannot_draw_before_it_runs(llama_path):
@@ -235,6 +248,47 @@ def test_bench_offline_throughput_refuses_a_plot_it_cannot_draw_before_it_runs(l
         assert done.returncode == 2, done.stderr[-2000:]
         assert message in done.stderr
         assert not done.stdout  # nothing ran
+
+
+def parse_offline_args(monkeypatch, capsys, *argv: str) -> tuple[int | None, str]:
+    """``bench_offline_throughput.parse_args`` on ``argv`` in this process (nothing loads):
+    (exit status or None, stderr)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_offline_throughput
+
+    monkeypatch.setattr(sys, "argv", ["bench_offline_throughput.py", *argv])
+    try:
+        bench_offline_throughput.parse_args()
+    except SystemExit as e:
+        return e.code, capsys.readouterr().err
+    return None, capsys.readouterr().err
+
+
+def test_bench_offline_throughput_refuses_a_llamacpp_backend_it_cannot_run_before_it_runs(
+    llama_path, tmp_path, monkeypatch, capsys
+):
+    """llama.cpp's backends are checked with the arguments: llamacpp-file needs a GGUF --model,
+    the converting ones a checkpoint directory, and without llama-cpp-python (hidden here, as on
+    CI) the error says how to install it, naming the backend the ``llamacpp`` alias became."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")  # only its name is read before the run
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    for model, backends, message in (
+        (llama_path, "radixserve,llamacpp-file", "llamacpp-file runs a GGUF --model as it is"),
+        (gguf, "radixserve,llamacpp-q8_0,llamacpp-bf16",
+         "llamacpp-q8_0, llamacpp-bf16 convert a checkpoint directory"),
+        (gguf, "radixserve,radixserve-int8,llamacpp-file",
+         "llamacpp-file needs the llama_cpp module: pip install llama-cpp-python"),
+        (gguf, "radixserve,llamacpp", "llamacpp-file needs the llama_cpp module"),
+        (llama_path, "radixserve,llamacpp", "llamacpp-q8_0 needs the llama_cpp module"),
+        (gguf, "radixserve,llamacpp-gguf", "unknown backend(s) ['llamacpp-gguf']"),
+    ):
+        code, err = parse_offline_args(monkeypatch, capsys, "--model", str(model),
+                                       "--backends", backends)
+        assert code == 2 and message in err, (backends, err)
+    code, err = parse_offline_args(monkeypatch, capsys, "--model", str(gguf),
+                                   "--backends", "radixserve,transformers")
+    assert code is None and not err  # no llama.cpp backend asked for: nothing needed
 
 
 def test_bench_kv_cache_quant_times_each_cache_dtype_and_sizes_its_pool(llama_path):
