@@ -125,3 +125,31 @@ def test_the_fused_cpu_kernel_adds_the_reference_delta_in_place(dtype, slots):
         torch.testing.assert_close(out.float(), want, **tol)
         assert torch.equal(out[torch.tensor(slots) < 0], base[torch.tensor(slots) < 0])
         b[0] *= 2  # the pool writes a slot: a new version, the copies are rebuilt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("runs", [True, False], ids=["runs", "interleaved"])
+def test_a_prefill_adds_in_place_the_same_bits_as_adding_the_cpu_delta(dtype, runs):
+    """Past the decode kernel's rows ``add_to`` adds each adapter's delta into ``out`` in
+    place (no zero-filled float32 buffer of the batch): the same bits as
+    ``out.add_(forward_cpu(...))``, rows of no adapter untouched."""
+    from radixserve.layers.lora.lora_op import SMALL_BATCH_ROWS
+
+    gen = torch.Generator().manual_seed(7)
+    rows = SMALL_BATCH_ROWS + 36
+    slots = (torch.arange(rows) * 3 // rows) if runs else torch.arange(rows) % 3
+    slots = torch.where(torch.arange(rows) % 11 == 5, -1, slots) if not runs else slots
+    if runs:
+        slots[40:50] = -1  # a request on the base model between two adapters' runs
+    x = torch.randn(rows, 24, generator=gen).to(dtype)
+    a, b = torch.randn(3, 4, 24, generator=gen), torch.randn(3, 18, 4, generator=gen)
+    info = LoRABatchInfo.from_token_slots(slots)
+    assert any(isinstance(r, slice) for _, r in info.groups) == runs
+    with build_context("cpu", dtype):
+        op = LoRADelta()
+    base = torch.randn(rows, 18, generator=gen).to(dtype)
+    want = base.clone().add_(op.forward_cpu(x, a, b, info))
+    out = base.clone()
+    assert op.add_to(out, x, a, b, info) is out
+    assert torch.equal(out, want)
+    assert torch.equal(out[slots < 0], base[slots < 0])
