@@ -180,11 +180,11 @@ class LoRADelta(CustomOp):
     @staticmethod
     def _add_groups(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                     info: LoRABatchInfo) -> torch.Tensor:
-        """``out[rows] += (x[rows] A^T) B^T`` per adapter's rows, in place: what
-        ``forward_cpu`` computes for a prefill, without its zero-filled float32 buffer of the
-        whole batch and that buffer's cast back (on a 1,024-row prefill of a 0.5B model those
-        were most of LoRA's extra cost). The delta is rounded to ``out``'s dtype and added, as
-        ``out.add_(forward_cpu(...))`` does; rows of no adapter are not touched."""
+        """``out[rows] += (x[rows] A^T) B^T`` per adapter's rows, in place, each delta computed
+        in the weights' dtype and rounded to ``out``'s once; rows of no adapter are not touched.
+        ``add_to`` calls it on the layer's output (a prefill then needs no zero-filled buffer of
+        the whole batch, cast back and added: on a 1,024-row prefill of a 0.5B model those were
+        most of LoRA's extra cost); ``forward_cpu`` on zeros."""
         for slot, rows in info.groups:
             if isinstance(rows, slice):
                 out[rows] += ((x[rows].to(a.dtype) @ a[slot].T) @ b[slot].T).to(out.dtype)
@@ -240,13 +240,7 @@ class LoRADelta(CustomOp):
             for slot, rows in info.groups:
                 out[rows] = xa[rows] @ b[slot].T
             return out.to(dtype)
-        out = x.new_zeros(x.shape[0], b.shape[1])
-        for slot, rows in info.groups:
-            if isinstance(rows, slice):
-                out[rows] = (x[rows] @ a[slot].T) @ b[slot].T
-            else:
-                out.index_copy_(0, rows, (x.index_select(0, rows) @ a[slot].T) @ b[slot].T)
-        return out.to(dtype)
+        return self._add_groups(x.new_zeros(x.shape[0], b.shape[1], dtype=dtype), x, a, b, info)
 
     def forward_cuda(
         self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo,
