@@ -2,8 +2,9 @@
 run, same prompts.
 
 Backends (``--backends``, all loaded at once and taking turns per scenario): ``radixserve`` (the
-checkpoint's or ``--dtype``'s floats), ``radixserve-int8`` (``--quantization int8``),
-``radixserve-deterministic`` (``--enable-deterministic-inference``: its cost), ``transformers``,
+checkpoint's or ``--dtype``'s floats), ``radixserve-int8`` / ``radixserve-int4``
+(``--quantization int8`` / ``int4``), ``radixserve-deterministic``
+(``--enable-deterministic-inference``: its cost), ``transformers``,
 ``llamacpp-q8_0`` / ``llamacpp-bf16`` (the checkpoint converted by llama.cpp's own converter,
 run by llama-cpp-python one prompt at a time; see ``llamacpp_backend.py``), ``llamacpp-file`` (a
 GGUF ``--model`` as it is, no conversion); ``llamacpp`` names ``llamacpp-file`` for a GGUF
@@ -57,6 +58,7 @@ import torch
 RADIXSERVE_VARIANTS: dict[str, dict[str, Any]] = {
     "radixserve": {},
     "radixserve-int8": {"quantization": "int8"},
+    "radixserve-int4": {"quantization": "int4"},
     "radixserve-deterministic": {"enable_deterministic_inference": True},
     # speculative decoding by prompt lookup (--speculative-* below; docs/speculative.md)
     "radixserve-ngram": {"speculative_algorithm": "NGRAM"},
@@ -98,6 +100,7 @@ LLAMACPP_CONVERTED = ("llamacpp-q8_0", "llamacpp-bf16")
 LLAMACPP_INSTALL = ("pip install llama-cpp-python (optional, not a radixserve dependency: it "
                     "builds llama.cpp for this CPU, about 7 minutes)")
 BACKEND_COLORS = {"radixserve": "tab:blue", "radixserve-int8": "tab:cyan",
+                  "radixserve-int4": "tab:pink",
                   "radixserve-deterministic": "tab:purple", "radixserve-ngram": "tab:red",
                   "transformers": "tab:orange", "llamacpp-q8_0": "tab:green",
                   "llamacpp-bf16": "tab:olive", "llamacpp-file": "tab:brown"}
@@ -328,6 +331,7 @@ def print_kernel_dispatch(args: argparse.Namespace, model_path: str,
     from radixserve.layers import kernel_dispatch as kd
     from radixserve.layers.attention import extend_dispatch as xd
     from radixserve.layers.packed_weight import CpuPackedWeight
+    from radixserve.layers.quantization.int4 import CpuInt4Weight
     from radixserve.layers.quantization.int8 import CpuInt8Weight
     from radixserve.model_config import ModelConfig
 
@@ -336,14 +340,19 @@ def print_kernel_dispatch(args: argparse.Namespace, model_path: str,
     config = ModelConfig.from_path(model_path, dtype=args.dtype)
     dtype = config.torch_dtype
     shapes = {**layer_projections(config), "lm_head": (config.vocab_size, config.hidden_size)}
-    int8 = engine_kwargs.get("quantization") == "int8"
+    quantization = engine_kwargs.get("quantization")
     deterministic = engine_kwargs.get("enable_deterministic_inference", False)
     with torch_threads(args.threads or len(os.sched_getaffinity(0))):
         cache = kd.DispatchCache(kd.default_cache_root(),
                                  kd.machine_identity(cpu_kernels.cpu_flags()))
         for layer, (n, k) in shapes.items():
-            if int8:
+            if quantization == "int8" or (quantization == "int4" and layer == "lm_head"):
                 weight = CpuInt8Weight(torch.zeros(n, k, dtype=torch.int8), torch.ones(n, 1))
+            elif quantization == "int4":
+                groups = -(-k // 32)
+                weight = CpuInt4Weight(torch.zeros(n, k, dtype=torch.uint8),
+                                       torch.ones(n, groups, dtype=torch.float16),
+                                       torch.zeros(n, groups, dtype=torch.float16))
             else:
                 weight = CpuPackedWeight(torch.zeros(n, k, dtype=dtype))
             weight.activation_dtype = dtype

@@ -51,7 +51,7 @@ class ServerArgs:
     dist_timeout: float = 600.0
     is_embedding: bool = False
     attention_backend: str | None = None  # None: cpu on CPUs whose kernels take the model
-    quantization: str | None = None  # "int8": quantise a float checkpoint's weights at load
+    quantization: str | None = None  # "int8", "int4": quantise a float checkpoint's weights at load
     cpu_kernel_autotune: str = "on"  # CPU_KERNEL_AUTOTUNE_MODES
     # memory
     mem_fraction_static: float | None = None

@@ -1,7 +1,9 @@
-"""The Engine (real scheduler and detokenizer processes) serves an int8 model when asked with
-``quantization="int8"``: its greedy tokens are the in-process int8 runner's."""
+"""The Engine (real scheduler and detokenizer processes) serves an int8 or 4-bit model when asked
+with ``quantization="int8"`` or ``"int4"``: its greedy tokens are the in-process runner's."""
 
 from __future__ import annotations
+
+import pytest
 
 from radixserve import Engine
 from tests.engine.conftest import ENGINE_KWARGS
@@ -22,10 +24,12 @@ def greedy(runner, prompts: list[list[int]], steps: int) -> list[list[int]]:
     return out
 
 
-def test_engine_serves_with_the_quantization_flag(llama_path, strict_env):
-    with Engine(model_path=llama_path, dtype="bfloat16", quantization="int8",
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_engine_serves_with_the_quantization_flag(llama_path, strict_env, quantization):
+    with Engine(model_path=llama_path, dtype="bfloat16", quantization=quantization,
                 **ENGINE_KWARGS) as engine:
         outs = engine.generate(input_ids=PROMPTS, sampling_params={
             "temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True})
-    expected = greedy(make_runner(llama_path, dtype="bfloat16", quantization="int8"), PROMPTS, 6)
+    runner = make_runner(llama_path, dtype="bfloat16", quantization=quantization)
+    expected = greedy(runner, PROMPTS, 6)
     assert [o["output_ids"] for o in outs] == expected

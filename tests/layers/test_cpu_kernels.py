@@ -104,7 +104,7 @@ def test_kernels_for_avx512_cpus_without_bf16_vnni_or_amx_pass_the_kernel_tests(
     build has no AMX, and every test that runs must run, not skip)."""
     repo = Path(__file__).resolve().parents[2]
     tests = ["test_cpu_kernels.py", "test_packed_weight.py", "test_custom_ops.py",
-             "test_quantization.py"]
+             "test_quantization.py", "test_quantization_int4.py"]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
          "not avx512_cpus_without and not test_amx_kernel",

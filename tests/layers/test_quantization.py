@@ -153,5 +153,6 @@ def test_checkpoint_quantization_other_than_w8a16_is_refused_naming_why(config, 
 
 
 def test_an_unknown_quantization_flag_is_refused():
-    with pytest.raises(ValueError, match=r"quantization must be one of \('int8',\), got 'fp8'"):
+    with pytest.raises(ValueError,
+                       match=r"quantization must be one of \('int8', 'int4'\), got 'fp8'"):
         resolve_quantization("fp8", {})

@@ -7,7 +7,9 @@
   peak, and a row's output does not depend on the batch it is in. On CPUs with AMX, bf16
   batches of up to 32 rows can take an AMX kernel on the same copy (``csrc/linear_amx.cpp``);
   which kernel (or oneDNN's ``F.linear``) runs each batch size is ``layers/kernel_dispatch.py``'s
-  measured choice;
+  measured choice; int8 weights (``csrc/linear_int8.cpp``) and 4-bit ones with a scale and an
+  offset per 32 inputs, GGUF's Q4_1 arithmetic (``csrc/linear_int4.cpp``), multiply int16
+  activations with AVX512-VNNI;
 - fused RMSNorm, residual add + RMSNorm, SiluAndMul and the rotary embedding in bf16 and
   float32, and the greedy argmax of the logits (``csrc/elementwise.cpp``): one kernel each where
   torch runs up to nine, whose start-up costs dominate a decode step's small tensors. They round
@@ -249,6 +251,52 @@ def linear_int8(
     """``x @ (q * scale).T (+ bias)`` for bf16 or float32 ``x`` ``[M, K]`` (rows contiguous)
     and the copies of ``pack_int8_weight``; ``n`` the weight's rows."""
     return torch.ops.radixserve_cpu.linear_int8(x, blocked, blocked_scales, bias, n)
+
+
+INT4_GROUP = 32  # inputs per scale and offset of a 4-bit weight (csrc/linear_int4.cpp)
+
+
+def pack_int4_weight(
+    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The copies of a 4-bit weight (uint8 codes in [0, 15] ``[N, K]``, fp16 scales and offsets
+    ``[N, K/32]``) that ``linear_int4`` reads: codes ``[ceil(N/16), K/4, 32]`` two to a byte
+    (input ``4c + e`` of column ``j`` in the low nibble of byte ``2j + e`` of chunk ``c``, input
+    ``4c + 2 + e`` in its high nibble), scales and offsets ``[ceil(N/16), K/32, 16]``; K is
+    padded to a multiple of 32 with zero codes, N to 16 with zero scales."""
+    n, k = codes.shape
+    groups = scales.shape[1]
+    if groups * INT4_GROUP < k:
+        raise ValueError(f"{groups} groups of {INT4_GROUP} do not cover {k} inputs")
+    blocks, padded_k = -(-n // BLOCK_ROWS), groups * INT4_GROUP
+    padded = torch.zeros(blocks * BLOCK_ROWS, padded_k, dtype=torch.uint8)
+    padded[:n, :k] = codes
+    # [blocks, 16 columns, chunks, 2 halves, 2 parities] -> [blocks, chunks, 16, 2 parities, 2]
+    quads = padded.view(blocks, BLOCK_ROWS, padded_k // 4, 2, 2).permute(0, 2, 1, 4, 3)
+    packed = quads[..., 0] | (quads[..., 1] << 4)
+    blocked = packed.reshape(blocks, padded_k // 4, 2 * BLOCK_ROWS).contiguous()
+
+    def per_block(values: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(blocks * BLOCK_ROWS, groups, dtype=torch.float16)
+        out[:n] = values
+        return out.view(blocks, BLOCK_ROWS, groups).permute(0, 2, 1).contiguous()
+
+    return blocked, per_block(scales), per_block(offsets)
+
+
+def linear_int4(
+    x: torch.Tensor,
+    blocked: torch.Tensor,
+    blocked_scales: torch.Tensor,
+    blocked_offsets: torch.Tensor,
+    bias: torch.Tensor | None,
+    n: int,
+) -> torch.Tensor:
+    """``x @ (q * scale + offset).T (+ bias)`` for bf16 or float32 ``x`` ``[M, K]`` (rows
+    contiguous) and the copies of ``pack_int4_weight``; ``n`` the weight's rows."""
+    return torch.ops.radixserve_cpu.linear_int4(
+        x, blocked, blocked_scales, blocked_offsets, bias, n
+    )
 
 
 def small_gemm_amx(

@@ -11,7 +11,8 @@ on one CPU is wrong on the other.
 - Candidates (``CANDIDATES``): ``blocked`` (``csrc/linear.cpp``), ``amx`` (``csrc/linear_amx.cpp``,
   bf16, up to 32 rows), ``onednn`` (torch's ``F.linear`` on the plain weight); for int8
   weights ``int8_vnni`` (``csrc/linear_int8.cpp``) and ``int8_dequant_onednn`` (the weight
-  dequantised to the activations' dtype, then ``F.linear``). A ``PackedWeight`` lists those
+  dequantised to the activations' dtype, then ``F.linear``), for 4-bit weights ``int4_vnni``
+  (``csrc/linear_int4.cpp``) and ``int4_dequant_onednn`` likewise. A ``PackedWeight`` lists those
   that take its shape and dtype; deterministic inference keeps only batch-invariant ones.
 - Row buckets (``ROW_BUCKETS``): a batch of ``m`` rows runs the choice of the smallest bucket
   holding ``m``; 512 stands for 512 rows and more.
@@ -62,6 +63,7 @@ AUTOTUNE_MODES = ("on", "off")
 
 BLOCKED, AMX, ONEDNN = "blocked", "amx", "onednn"
 INT8_VNNI, INT8_DEQUANT = "int8_vnni", "int8_dequant_onednn"
+INT4_VNNI, INT4_DEQUANT = "int4_vnni", "int4_dequant_onednn"
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,8 @@ CANDIDATES = {
         Candidate(ONEDNN, batch_invariant=False),  # oneDNN picks its kernel by shape
         Candidate(INT8_VNNI, batch_invariant=True),
         Candidate(INT8_DEQUANT, batch_invariant=False),
+        Candidate(INT4_VNNI, batch_invariant=True),
+        Candidate(INT4_DEQUANT, batch_invariant=False),
     )
 }
 
@@ -107,13 +111,16 @@ def allowed_candidates(names: Iterable[str], batch_invariant: bool) -> tuple[str
 
 def static_table(allowed: Sequence[str], amx_cpu: bool, bf16: bool) -> tuple[str, ...]:
     """The choice per bucket without measuring, from the runs in ``benchmarks/RESULTS.md``: int8
-    weights take the VNNI kernel; on a CPU with AMX, bf16 batches up to 32 rows take the AMX
-    kernel (where the shape allows it) and larger ones oneDNN's AMX GEMM; everything else the
-    blocked kernel (the faster one on AVX-512 CPUs without AMX, and for float32)."""
+    and 4-bit weights take their VNNI kernels; on a CPU with AMX, bf16 batches up to 32 rows
+    take the AMX kernel (where the shape allows it) and larger ones oneDNN's AMX GEMM;
+    everything else the blocked kernel (the faster one on AVX-512 CPUs without AMX, and for
+    float32)."""
     table = []
     for b in range(len(ROW_BUCKETS)):
         if INT8_VNNI in allowed:
             table.append(INT8_VNNI)
+        elif INT4_VNNI in allowed:
+            table.append(INT4_VNNI)
         elif AMX in allowed and takes(AMX, b):
             table.append(AMX)
         elif amx_cpu and bf16 and ONEDNN in allowed and ROW_BUCKETS[b] > CANDIDATES[AMX].max_rows:
