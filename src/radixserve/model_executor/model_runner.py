@@ -392,7 +392,7 @@ class ModelRunner:
         if "weights" in self.released:
             raise ValueError("the weights are released (release_memory_occupation)")
         if self.model_config.quantization is not None:
-            raise ValueError("weight sync of quantized (int8) weights is not supported")
+            raise ValueError("weight sync of quantized (int8, int4) weights is not supported")
         if self._checkpoint_shapes is None:
             self._checkpoint_shapes = weight_sync.checkpoint_shapes(self.model_config.model_path)
         weight_sync.check_named_tensors(named_tensors, self._checkpoint_shapes)

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "int16_rows.h"
 #include "vec_math.h"
 
 namespace {
@@ -39,7 +40,6 @@ constexpr int64_t kBlock = 16;
 constexpr int64_t kGroup = 32;                  // inputs per scale and offset
 constexpr int64_t kChunkBytes = 32;             // four inputs of a block's 16 columns
 constexpr int64_t kGroupChunks = kGroup / 4;    // 8 chunks per group
-constexpr float kInt16Max = 32767.0f;
 
 // Row and block tiles: sums and accumulators (2 x rows x blocks registers) plus the broadcast
 // input pairs (2 x rows) stay within the 32 registers.
@@ -53,44 +53,20 @@ struct Large {
   static constexpr int kRows = 4, kPanel = 2;
 };
 
-inline __m512i dot_pairs(__m512i sum, __m512i a, __m512i b) {
-#ifdef __AVX512VNNI__
-  return _mm512_dpwssd_epi32(sum, a, b);
-#else
-  return _mm512_add_epi32(sum, _mm512_madd_epi16(a, b));
-#endif
-}
-
 struct Problem {
   int64_t n, groups;            // output columns; groups of 32 inputs (padded input / 32)
   int64_t x_stride, y_stride;   // int16 inputs between rows of xq; outputs between rows
   int64_t block_bytes;          // bytes of one block's codes (padded input * 8)
 };
 
-// Rows of x -> int16 [rows][padded k], one scale per row, and per row and group the exact sum
-// of the row's int16 values over the group (as float32: at most 32 x 32767, exact).
-template <typename T>
-void quantize_rows(const T* x, int64_t x_stride, int64_t k, int16_t* xq, int64_t xq_stride,
-                   float* row_scale, float* group_sums, int64_t groups, int64_t first,
-                   int64_t last) {
+// Per row and group of 32 inputs, the exact sum of the row's int16 values (as float32: at most
+// 32 x 32767, exact): the offsets' share of the products.
+void group_sums_of(const int16_t* xq, int64_t xq_stride, int64_t groups, float* group_sums,
+                   int64_t first, int64_t last) {
   const __m512i ones = _mm512_set1_epi16(1);
   for (int64_t r = first; r < last; ++r) {
-    const T* xr = x + r * x_stride;
-    __m512 top = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i += kLanes) {
-      top = _mm512_max_ps(top, _mm512_abs_ps(load16(xr + i, lanes(k - i))));
-    }
-    const float max = _mm512_reduce_max_ps(top);
-    row_scale[r] = max > 0 ? max / kInt16Max : 1.0f;
-    const __m512 inv = _mm512_set1_ps(max > 0 ? kInt16Max / max : 0.0f);
-    int16_t* qr = xq + r * xq_stride;
-    for (int64_t i = 0; i < xq_stride; i += kLanes) {  // the padding becomes 0
-      const __m512 v = load16(xr + i, lanes(std::min(k, i + kLanes) - std::min(k, i)));
-      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));  // to nearest, ties to even
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr + i), _mm512_cvtsepi32_epi16(q));
-    }
     for (int64_t g = 0; g < groups; ++g) {
-      const __m512i v = _mm512_loadu_si512(qr + g * kGroup);
+      const __m512i v = _mm512_loadu_si512(xq + r * xq_stride + g * kGroup);
       group_sums[r * groups + g] = float(_mm512_reduce_add_epi32(_mm512_madd_epi16(v, ones)));
     }
   }
@@ -246,8 +222,9 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& codes, const at::T
     T* yp = reinterpret_cast<T*>(y.data_ptr());
     at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
       quantize_rows(xp, x.stride(0), k, xq.data_ptr<int16_t>(), padded_k,
-                    row_scale.data_ptr<float>(), group_sums.data_ptr<float>(), groups, first,
-                    last);
+                    row_scale.data_ptr<float>(), first, last);
+      group_sums_of(xq.data_ptr<int16_t>(), padded_k, groups, group_sums.data_ptr<float>(),
+                    first, last);
     });
     const auto split = [&](auto tiles) {
       using Tiles = decltype(tiles);

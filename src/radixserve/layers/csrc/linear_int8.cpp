@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "int16_rows.h"
 #include "vec_math.h"
 
 namespace {
@@ -44,46 +45,12 @@ struct Large {
   static constexpr int kRows = 4, kPanel = 3;
 };
 constexpr int64_t kChunk = 128;  // input pairs per int32 sum
-constexpr float kInt16Max = 32767.0f;
-
-// sum + a.even * b.even + a.odd * b.odd per int32 lane of int16 pairs: AVX512-VNNI's
-// `vpdpwssd`, or the same exact sum from `vpmaddwd` and an add on CPUs without VNNI
-inline __m512i dot_pairs(__m512i sum, __m512i a, __m512i b) {
-#ifdef __AVX512VNNI__
-  return _mm512_dpwssd_epi32(sum, a, b);
-#else
-  return _mm512_add_epi32(sum, _mm512_madd_epi16(a, b));
-#endif
-}
 
 struct Problem {
   int64_t n, groups, group_steps;  // output columns; groups; input pairs per group
   int64_t x_stride, y_stride;      // int16 inputs between rows of xq; outputs between rows
   int64_t block_bytes;             // bytes of one weight block (pairs * 32)
 };
-
-// Rows of x (bf16 or float32) -> int16 [rows][padded k] and one scale per row.
-template <typename T>
-void quantize_rows(const T* x, int64_t x_stride, int64_t k, int16_t* xq, int64_t xq_stride,
-                   float* row_scale, int64_t first, int64_t last) {
-  for (int64_t r = first; r < last; ++r) {
-    const T* xr = x + r * x_stride;
-    __m512 top = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i += kLanes) {
-      top = _mm512_max_ps(top, _mm512_abs_ps(load16(xr + i, lanes(k - i))));
-    }
-    const float max = _mm512_reduce_max_ps(top);
-    const float scale = max > 0 ? max / kInt16Max : 1.0f;
-    const __m512 inv = _mm512_set1_ps(max > 0 ? kInt16Max / max : 0.0f);
-    int16_t* qr = xq + r * xq_stride;
-    for (int64_t i = 0; i < xq_stride; i += kLanes) {  // the padding becomes 0
-      const __m512 v = load16(xr + i, lanes(std::min(k, i + kLanes) - std::min(k, i)));
-      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));  // to nearest, ties to even
-      _mm256_mask_storeu_epi16(qr + i, lanes(xq_stride - i), _mm512_cvtsepi32_epi16(q));
-    }
-    row_scale[r] = scale;
-  }
-}
 
 template <typename T, int MR, int NB>
 void tile(const int16_t* xq, const float* row_scale, const int8_t* w, const float* scales,
