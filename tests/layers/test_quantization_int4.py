@@ -19,6 +19,7 @@ from radixserve.layers.quantization.int4 import (
     pack_int4,
     quantize_int4,
 )
+from radixserve.layers.quantization.int8 import dequantize_int8, quantize_int8
 from tests.layers.helpers import require_kernels
 from tests.layers.test_quantization import assert_close_to_reference
 
@@ -64,7 +65,8 @@ def test_q4_1_blocks_come_back_as_gguf_stored_them():
 def test_smollm2s_q4_1_tensors_come_back_exactly_at_4_bits():
     """The real file: every Q4_1 tensor of a few layers of SmolLM2-135M-Instruct, dequantised
     as the loader does, then quantised by ``--quantization int4``, in float32 and from its
-    bf16 rounding (a bf16 model's weights): the file's weights, bit for bit."""
+    bf16 rounding (a bf16 model's weights): the file's weights, bit for bit; and its Q8_0 LM
+    head in float32."""
     from gguf import GGUFReader
 
     from radixserve.layers.quantization.gguf import dequantize_rows
@@ -80,6 +82,12 @@ def test_smollm2s_q4_1_tensors_come_back_exactly_at_4_bits():
             assert torch.equal(dequantize_int4(*quantize_int4(loaded)), values), tensor.name
         checked += 1
     assert checked == 14  # q, k, v, output, gate, up, down of two layers
+    # the tied LM head (Q8_0): int4's head is int8 with a scale per 32 inputs, Q8_0's block
+    head = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    assert head.tensor_type.name == "Q8_0"
+    values = torch.from_numpy(dequantize_rows(head.data, head.tensor_type))
+    q, scales = quantize_int8(values, Int4AtLoad().lm_head_group_size())
+    assert torch.equal(dequantize_int8(q, scales), values)
 
 
 def int4_problem(n: int, k: int, m: int, dtype: torch.dtype):

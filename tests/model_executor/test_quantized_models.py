@@ -72,7 +72,9 @@ def test_int4_flag_quantises_every_linear_to_4_bits_and_the_lm_head_to_int8(llam
         assert linear.weight.dtype == torch.uint8 and linear.weight.max() <= 15
         assert linear.weight_scale.dtype == linear.weight_offset.dtype == torch.float16
         assert isinstance(linear.packed, Int4Weight)
-    assert isinstance(runner.model.lm_head.packed, Int8Weight)
+    head = runner.model.lm_head
+    assert isinstance(head.packed, Int8Weight)  # a scale per 32 inputs, Q8_0's block
+    assert head.packed.scales.shape[1] == -(-head.weight.shape[1] // 32)
     quantized, reference = last_logits(runner, PROMPTS), last_logits(float_runner, PROMPTS)
     assert (quantized - reference).abs().max() < 0.15 * reference.abs().max()
 

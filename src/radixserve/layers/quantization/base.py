@@ -24,5 +24,9 @@ class QuantizationConfig(abc.ABC):
     def quantizes_lm_head(self) -> bool:
         """Whether the LM head is quantised when the model is packed."""
 
+    def lm_head_group_size(self) -> int | None:
+        """Inputs per scale of a quantised LM head's int8 weight (None: one scale per row)."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
