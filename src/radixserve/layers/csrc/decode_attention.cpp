@@ -132,6 +132,71 @@ inline float row_scale(const float* scales, const Rows<S>& rows, int64_t t) {
   }
 }
 
+// The sums of four 16-lane vectors, [sum a, sum b, sum c, sum d], in ten instructions where
+// four horizontal sums take about 32: pairs of lanes are added across the vectors first, so
+// every shuffle serves four keys. Each result depends on its own vector only (lanes never mix
+// between vectors), so a key's score is the same bits whatever its neighbours.
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // per 128-bit lane: (a0+a2) (b0+b2) (a1+a3) (b1+b3), and the same of c and d
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  // per 128-bit lane: the lane's sum of a, b, c and d
+  const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd));
+  const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd));
+  const __m512 quads = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  // the four 128-bit lanes added
+  const __m256 half = _mm256_add_ps(
+      _mm512_castps512_ps256(quads),
+      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(quads), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+// The score pass of G heads over keys [t0, t1), four keys at a time (sum4): scores[g][t] =
+// query_g . k_t (times a quantized row's scale). For G heads whose four keys' sums, queries and
+// a key row fit the 32 registers.
+template <typename S, int64_t R, int64_t G>
+void score_pass4(const __m512* query, const Rows<S>& rows, int64_t t0, int64_t t1, int64_t len,
+                 int64_t head_dim, float* scores) {
+  __m512 q[G][R];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = 0; r < R; ++r) q[g][r] = query[g * R + r];
+  for (int64_t t = t0; t < t1; t += 4) {
+    const int64_t n = std::min<int64_t>(4, t1 - t);
+    __m512 dot[4][G];
+    alignas(16) float row_s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t j = 0; j < 4; ++j) {
+      if (j < n) {
+        __m512 row[R];
+        load_row<S, R>(rows.k, rows.k_scale, rows, t + j, len, head_dim, row);
+        row_s[j] = row_scale<S>(rows.k_scale, rows, t + j);
+        for (int64_t g = 0; g < G; ++g) {
+          dot[j][g] = _mm512_mul_ps(q[g][0], row[0]);
+          for (int64_t r = 1; r < R; ++r) dot[j][g] = _mm512_fmadd_ps(q[g][r], row[r], dot[j][g]);
+        }
+      } else {
+        for (int64_t g = 0; g < G; ++g) dot[j][g] = _mm512_setzero_ps();
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      __m128 sums = sum4(dot[0][g], dot[1][g], dot[2][g], dot[3][g]);
+      if constexpr (kQuantizedKV<S>) sums = _mm_mul_ps(sums, _mm_load_ps(row_s));
+      float* dst = scores + g * len + t;
+      if (n == 4) {
+        _mm_storeu_ps(dst, sums);
+      } else {
+        alignas(16) float tail[4];
+        _mm_store_ps(tail, sums);
+        std::copy_n(tail, n, dst);
+      }
+    }
+  }
+}
+
+// Whether score_pass4 keeps G heads' four keys' sums, their queries and a key row in registers.
+constexpr bool fits_four_keys(int64_t regs, int64_t heads) {
+  return 4 * heads + heads * regs + regs <= 32;
+}
+
 // One pass of G heads over keys or values [t0, t1): with kScores, scores[g][t] = query_g . k_t;
 // else acc_g += scores[g][t] v_t. `held` (the G heads' queries, or their sums: R registers
 // each) stays in registers for the pass; score rows are `len` apart.
@@ -261,8 +326,15 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
           const int64_t t1 = std::min(len, t0 + kKeyBlock);
           for (int64_t g = 0; g < group; g += pass) {
             with_constant<pass>(std::min(pass, group - g), [&](auto heads_tag) {
-              run_pass<decltype(scores_tag)::value, S, regs, decltype(heads_tag)::value>(
-                  held + g * regs, rows, t0, t1, len, head_dim, scores.data() + g * len);
+              constexpr int64_t heads_now = decltype(heads_tag)::value;
+              constexpr bool scoring = decltype(scores_tag)::value;
+              if constexpr (scoring && fits_four_keys(regs, heads_now)) {
+                score_pass4<S, regs, heads_now>(held + g * regs, rows, t0, t1, len, head_dim,
+                                                 scores.data() + g * len);
+              } else {
+                run_pass<scoring, S, regs, heads_now>(held + g * regs, rows, t0, t1, len,
+                                                      head_dim, scores.data() + g * len);
+              }
             });
           }
         }
