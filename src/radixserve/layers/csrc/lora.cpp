@@ -7,8 +7,12 @@
 // rank-sized intermediate (float32 sums over x's inputs), then the output rows, read once, the
 // delta added in float32 and rounded once to the output's type.
 //
-// a: [slots, R, K] (the pool's layout); bt: [slots, R, N], B transposed (the op keeps that copy
-// per pool version), so the expand is an axpy over contiguous output columns. Both float32, or
+// a: [slots, R, K] (the pool's layout); bt: [slots, P], per slot each block's part of B
+// transposed, [r1-r0] x [c1-c0], in chunks of 64 output columns: [ceil((c1-c0)/64)][r1-r0][64]
+// (zero-padded), block after block (the op keeps that copy per pool version). The expand of a
+// chunk then reads its ranks' weights as one contiguous stream, and nothing of the zero blocks:
+// rows of [R, N] were R streams at once, which the hardware prefetched at a third of the
+// memory's speed on a decode step. Both float32, or
 // both bf16 (a bf16 model's copies: half the bytes a decode step streams; sums stay float32).
 // blocks [nb, 4]: (r0, r1, c0, c1), ranks [r0, r1) feed columns [c0, c1) only: a fused layer's
 // B is block-diagonal (each shard's ranks feed its own outputs), and the zeros are skipped.
@@ -28,7 +32,13 @@ namespace {
 
 constexpr int64_t kTile = 4;  // rows of one adapter sharing each load of its weights
 constexpr int64_t kVecs = 4;  // registers of output columns per step of the expand
+constexpr int64_t kChunk = kVecs * kLanes;  // output columns per chunk of bt
 constexpr int64_t kAhead = 512;  // elements ahead of the reads to prefetch (1-2 KiB)
+
+// The elements of one block's chunks in bt: its ranks x its columns rounded up to chunks.
+inline int64_t chunked_size(const int64_t* block) {
+  return (block[1] - block[0]) * ((block[3] - block[2] + kChunk - 1) / kChunk) * kChunk;
+}
 
 // acc + the products of 32 bf16 pairs summed in pairs into 16 float32 lanes (`vdpbf16ps`; on
 // AVX-512 F without BF16 the same products as two float32 multiply-adds).
@@ -72,6 +82,13 @@ template <typename T, typename W>
 void lora_add_rows(T* out, const T* x, const W* a, const W* bt, const int64_t* slots,
                    const int64_t* blocks, int64_t nblocks, int64_t m, int64_t k, int64_t r,
                    int64_t n) {
+  // where each block's chunks start in a slot's bt, and a slot's size
+  std::vector<int64_t> offsets(nblocks);
+  int64_t per_slot = 0;
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    offsets[blk] = per_slot;
+    per_slot += chunked_size(blocks + blk * 4);
+  }
   // Rows with an adapter, grouped by slot (stable), cut into tiles of up to kTile rows.
   std::vector<int64_t> order;
   for (int64_t i = 0; i < m; ++i) {
@@ -111,12 +128,15 @@ void lora_add_rows(T* out, const T* x, const W* a, const W* bt, const int64_t* s
         for (int64_t t = 0; t < kTile; ++t) xa[t * r + j] = _mm512_reduce_add_ps(acc[t]);
       }
       }
-      // expand, block by block: ranks [r0, r1) feed output columns [c0, c1) only
-      const W* bs = bt + s * r * n;
+      // expand, block by block: ranks [r0, r1) feed output columns [c0, c1) only; chunk by
+      // chunk of kChunk columns from c0, whose ranks' weights are contiguous in bt
+      const W* bs = bt + s * per_slot;
       for (int64_t blk = 0; blk < nblocks; ++blk) {
         const int64_t r0 = blocks[blk * 4], r1 = blocks[blk * 4 + 1];
         const int64_t c0 = blocks[blk * 4 + 2], c1 = blocks[blk * 4 + 3];
-        for (int64_t col = c0; col < c1; col += kVecs * kLanes) {
+        const W* bb = bs + offsets[blk];
+        for (int64_t ch = 0; c0 + ch * kChunk < c1; ++ch) {
+          const int64_t col = c0 + ch * kChunk;
           __m512 acc[kTile][kVecs];
           __mmask16 mk[kVecs];
           for (int64_t v = 0; v < kVecs; ++v) {
@@ -125,8 +145,8 @@ void lora_add_rows(T* out, const T* x, const W* a, const W* bt, const int64_t* s
             for (int64_t t = 0; t < kTile; ++t) acc[t][v] = _mm512_setzero_ps();
           }
           for (int64_t j = r0; j < r1; ++j) {
-            const W* brow = bs + j * n + col;
-            // each rank's row of B is its own stream: ask for the next chunks' lines ahead
+            const W* brow = bb + (ch * (r1 - r0) + j - r0) * kChunk;
+            // a block's chunks are one stream: ask for its lines ahead
             _mm_prefetch(reinterpret_cast<const char*>(brow + kAhead), _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(brow + kAhead) + 64, _MM_HINT_T0);
             __m512 w[kVecs];
@@ -152,8 +172,8 @@ void lora_add_rows(T* out, const T* x, const W* a, const W* bt, const int64_t* s
 
 void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
                const at::Tensor& slots, const at::Tensor& blocks) {
-  TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && a.dim() == 3 && bt.dim() == 3,
-              "lora_add_: out [M, N], x [M, K], a [S, R, K], bt [S, R, N]");
+  TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && a.dim() == 3 && bt.dim() == 2,
+              "lora_add_: out [M, N], x [M, K], a [S, R, K], bt [S, the blocks' chunks]");
   TORCH_CHECK(out.is_contiguous() && x.is_contiguous() && a.is_contiguous() &&
                   bt.is_contiguous() && slots.is_contiguous(),
               "lora_add_: contiguous tensors only");
@@ -164,8 +184,7 @@ void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const a
               "lora_add_: one int64 slot per row");
   TORCH_CHECK(out.scalar_type() == x.scalar_type(), "lora_add_: out and x of one dtype");
   const int64_t m = x.size(0), k = x.size(1), r = a.size(1), n = out.size(1);
-  TORCH_CHECK(out.size(0) == m && a.size(2) == k && bt.size(1) == r && bt.size(2) == n &&
-                  bt.size(0) == a.size(0),
+  TORCH_CHECK(out.size(0) == m && a.size(2) == k && bt.size(0) == a.size(0),
               "lora_add_: shapes do not match");
   const int64_t* s = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < m; ++i) {
@@ -181,6 +200,10 @@ void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const a
                     0 <= bl[4 * i + 2] && bl[4 * i + 2] <= bl[4 * i + 3] && bl[4 * i + 3] <= n,
                 "lora_add_: block ", i, " outside the ranks or the columns");
   }
+  int64_t per_slot = 0;
+  for (int64_t i = 0; i < nb; ++i) per_slot += chunked_size(bl + 4 * i);
+  TORCH_CHECK(bt.size(1) == per_slot, "lora_add_: bt holds ", bt.size(1), " per slot, the blocks ",
+              per_slot);
   TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16,
               "lora_add_: bf16 or float32 activations");
   const bool bf16_out = out.scalar_type() == at::kBFloat16;

@@ -42,6 +42,8 @@ SMALL_BATCH_ROWS = 64
 # v) cost more as separate ops than their zeros do as arithmetic.
 RUN_ROWS = 16
 WIDE_BLOCK_COLS = 1024
+# Output columns per chunk of the decode kernel's copy of B (``csrc/lora.cpp``'s kChunk).
+LORA_CHUNK = 64
 
 
 @dataclass
@@ -160,9 +162,10 @@ class LoRADelta(CustomOp):
         # most one stacked copy of each layer's present adapters, so at most the pool's size.
         self._stacked: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._stacked_for: tuple[tuple[int, ...], int] | None = None
-        # CPU kernel: per layer (its ``a``), A and B transposed ``[slots, R, out]`` in the
-        # activations' dtype, per pool version (at most the pool's size again).
-        self._bt: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # CPU kernel and bf16 prefills: per layer (its ``a``) and layout, A and B transposed in
+        # the activations' dtype, per pool version (``_kernel_weights``; a bf16 model that
+        # decodes and prefills holds B twice, in bf16: the pool's float32 size again at most).
+        self._bt: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._bt_version: int | None = None
 
     def add_to(
@@ -181,7 +184,7 @@ class LoRADelta(CustomOp):
                 and out.is_contiguous()):
             if blocks is None:
                 blocks = torch.tensor([[0, a.shape[1], 0, b.shape[1]]], dtype=torch.int64)
-            a_k, bt_k = self._kernel_weights(a, b, info, out.dtype)
+            a_k, bt_k = self._kernel_weights(a, b, info, out.dtype, blocks)
             cpu_kernels.lora_add_(out, x.contiguous(), a_k, bt_k, info.token_slots, blocks)
             return out
         if (self.impl is OpImpl.CPU and reduce is None and not info.static
@@ -249,20 +252,41 @@ class LoRADelta(CustomOp):
         return out
 
     def _kernel_weights(
-        self, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo, dtype: torch.dtype
+        self, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo, dtype: torch.dtype,
+        blocks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernel's copies of a layer's weights, per pool version: ``a`` in ``dtype`` and B
-        transposed ``[slots, R, out]`` in ``dtype`` (bf16 for a bf16 model: half the bytes a
-        decode step streams, and the operands of its prefills' bf16 matmuls)."""
+        """Copies of a layer's weights in ``dtype`` (bf16 for a bf16 model: half the bytes a
+        decode step streams), per pool version, each made on first use: ``a``, and B
+        transposed: with ``blocks`` (the decode kernel's layout, ``csrc/lora.cpp``) each
+        block's ranks x columns in chunks of ``LORA_CHUNK`` columns, ``[slots, P]``, so a
+        chunk's weights are one contiguous stream and the zero blocks are left out; without,
+        ``[slots, R, out]`` (a bf16 prefill's ``addmm_`` operand)."""
         if self._bt_version != info.weights_version:
             self._bt.clear()
             self._bt_version = info.weights_version
-        entry = self._bt.get(id(a))
-        if entry is None or entry[0] is not a or entry[1].dtype != dtype:
-            a_k = a if a.dtype == dtype else a.to(dtype)
-            entry = (a, a_k, b.transpose(1, 2).to(dtype).contiguous())  # ``a`` held: its id
-            self._bt[id(a)] = entry  # is not reused while the entry lives
-        return entry[1], entry[2]
+
+        def cached(kind: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+            entry = self._bt.get((id(a), kind))
+            if entry is None or entry[0] is not a or entry[1].dtype != dtype:
+                entry = (a, make().to(dtype).contiguous())  # ``a`` held: its id is not
+                self._bt[(id(a), kind)] = entry  # reused while the entry lives
+            return entry[1]
+
+        def chunks() -> torch.Tensor:
+            assert blocks is not None
+            parts = []
+            for r0, r1, c0, c1 in blocks.tolist():
+                count = -(-(c1 - c0) // LORA_CHUNK)
+                part = torch.nn.functional.pad(b[:, c0:c1, r0:r1].transpose(1, 2),
+                                               (0, count * LORA_CHUNK - (c1 - c0)))
+                part = part.reshape(b.shape[0], r1 - r0, count, LORA_CHUNK).transpose(1, 2)
+                parts.append(part.reshape(b.shape[0], -1))
+            return torch.cat(parts, dim=1)
+
+        a_k = a if a.dtype == dtype else cached("a", lambda: a)
+        if blocks is not None:
+            return a_k, cached("chunks", chunks)
+        return a_k, cached("rows", lambda: b.transpose(1, 2))
 
     def forward_native(
         self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo,
