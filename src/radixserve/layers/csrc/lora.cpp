@@ -33,7 +33,7 @@ namespace {
 constexpr int64_t kTile = 4;  // rows of one adapter sharing each load of its weights
 constexpr int64_t kVecs = 4;  // registers of output columns per step of the expand
 constexpr int64_t kChunk = kVecs * kLanes;  // output columns per chunk of bt
-constexpr int64_t kAhead = 512;  // elements ahead of the reads to prefetch (1-2 KiB)
+constexpr int64_t kAhead = 2048;  // elements ahead of the reads to prefetch (4-8 KiB)
 
 // The elements of one block's chunks in bt: its ranks x its columns rounded up to chunks.
 inline int64_t chunked_size(const int64_t* block) {
