@@ -131,8 +131,10 @@ def test_the_fused_cpu_kernel_adds_the_reference_delta_in_place(dtype, slots):
 @pytest.mark.parametrize("runs", [True, False], ids=["runs", "interleaved"])
 def test_a_prefill_adds_in_place_the_same_bits_as_adding_the_cpu_delta(dtype, runs):
     """Past the decode kernel's rows ``add_to`` adds each adapter's delta into ``out`` in
-    place (no zero-filled float32 buffer of the batch): the same bits as
-    ``out.add_(forward_cpu(...))``, rows of no adapter untouched."""
+    place (no zero-filled float32 buffer of the batch): in float32 the same bits as
+    ``out.add_(forward_cpu(...))``; in bf16 (matmuls per run of rows, or per adapter's
+    gathered rows when interleaved) the reference within bf16's rounding; rows of no adapter
+    untouched."""
     from radixserve.layers.lora.lora_op import SMALL_BATCH_ROWS
 
     gen = torch.Generator().manual_seed(7)
@@ -151,5 +153,42 @@ def test_a_prefill_adds_in_place_the_same_bits_as_adding_the_cpu_delta(dtype, ru
     want = base.clone().add_(op.forward_cpu(x, a, b, info))
     out = base.clone()
     assert op.add_to(out, x, a, b, info) is out
-    assert torch.equal(out, want)
+    if dtype == torch.float32:
+        assert torch.equal(out, want)
+    else:  # bf16: ``_add_bf16`` on the weights rounded to bf16, within bf16's rounding
+        want = base.float() + _expected(x.float(), a.bfloat16().float(), b.bfloat16().float(),
+                                        slots)
+        torch.testing.assert_close(out.float(), want, atol=0.15, rtol=0.02)
     assert torch.equal(out[slots < 0], base[slots < 0])
+
+
+@needs_kernels
+@pytest.mark.parametrize("runs", [True, False], ids=["runs", "interleaved"])
+def test_a_bf16_prefill_skips_the_zero_blocks_of_a_wide_fused_layer(runs):
+    """A fused layer whose shards are at least ``WIDE_BLOCK_COLS`` wide (gate_up): a bf16
+    prefill expands block by block, so B's zero blocks are never read; the result is the
+    reference's within bf16 rounding, and garbage written into the zero blocks of the kernel's
+    copy would show if they were read."""
+    from radixserve.layers.lora.lora_op import SMALL_BATCH_ROWS, WIDE_BLOCK_COLS
+
+    gen = torch.Generator().manual_seed(11)
+    rows, k, n, rank = SMALL_BATCH_ROWS + 40, 32, 2 * WIDE_BLOCK_COLS, 3
+    slots = torch.arange(rows) * 2 // rows if runs else torch.arange(rows) % 2
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    a = torch.randn(2, 2 * rank, k, generator=gen)
+    b = torch.zeros(2, n, 2 * rank)
+    half = WIDE_BLOCK_COLS
+    b[:, :half, :rank] = torch.randn(2, half, rank, generator=gen)
+    b[:, half:, rank:] = torch.randn(2, half, rank, generator=gen)
+    blocks = torch.tensor([[0, rank, 0, half], [rank, 2 * rank, half, n]])
+    info = LoRABatchInfo.from_token_slots(slots, weights_version=1)
+    with build_context("cpu", torch.bfloat16):
+        op = LoRADelta()
+    _, bt_k = op._kernel_weights(a, b, info, torch.bfloat16)
+    bt_k[:, :rank, half:] = 1e4  # the zero blocks: never read on this path
+    bt_k[:, rank:, :half] = 1e4
+    base = torch.randn(rows, n, generator=gen).bfloat16()
+    out = base.clone()
+    assert op.add_to(out, x, a, b, info, blocks=blocks) is out
+    want = base.float() + _expected(x.float(), a.bfloat16().float(), b.bfloat16().float(), slots)
+    torch.testing.assert_close(out.float(), want, atol=0.15, rtol=0.02)

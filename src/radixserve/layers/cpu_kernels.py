@@ -312,7 +312,9 @@ def lora_add_(
 ) -> None:
     """In place: ``out[i] += (x[i] @ a[s].T) @ bt[s]`` for each row ``i`` whose int64 slot
     ``s = slots[i]`` is not negative (``csrc/lora.cpp``): bf16 or float32 ``out`` ``[M, N]`` and
-    ``x`` ``[M, K]``, float32 ``a`` ``[S, R, K]`` and ``bt`` ``[S, R, N]``, all contiguous;
+    ``x`` ``[M, K]``, ``a`` ``[S, R, K]`` and ``bt`` ``[S, P]`` (per slot, each block's B
+    transposed in chunks of 64 output columns, ``LoRADelta._kernel_weights``), float32 or
+    bf16, all contiguous;
     ``blocks`` int64 ``[nb, 4]``: ranks ``[r0, r1)`` feed columns ``[c0, c1)`` only (``bt`` is
     taken as zero elsewhere)."""
     torch.ops.radixserve_cpu.lora_add_(out, x, a, bt, slots, blocks)

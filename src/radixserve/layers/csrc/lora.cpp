@@ -7,8 +7,12 @@
 // rank-sized intermediate (float32 sums over x's inputs), then the output rows, read once, the
 // delta added in float32 and rounded once to the output's type.
 //
-// a: [slots, R, K] (the pool's layout); bt: [slots, R, N], B transposed (the op keeps that copy
-// per pool version), so the expand is an axpy over contiguous output columns. Both float32, or
+// a: [slots, R, K] (the pool's layout); bt: [slots, P], per slot each block's part of B
+// transposed, [r1-r0] x [c1-c0], in chunks of 64 output columns: [ceil((c1-c0)/64)][r1-r0][64]
+// (zero-padded), block after block (the op keeps that copy per pool version). The expand of a
+// chunk then reads its ranks' weights as one contiguous stream, and nothing of the zero blocks:
+// rows of [R, N] were R streams at once, which the hardware prefetched at a third of the
+// memory's speed on a decode step. Both float32, or
 // both bf16 (a bf16 model's copies: half the bytes a decode step streams; sums stay float32).
 // blocks [nb, 4]: (r0, r1, c0, c1), ranks [r0, r1) feed columns [c0, c1) only: a fused layer's
 // B is block-diagonal (each shard's ranks feed its own outputs), and the zeros are skipped.
@@ -17,6 +21,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -27,11 +32,63 @@ namespace {
 
 constexpr int64_t kTile = 4;  // rows of one adapter sharing each load of its weights
 constexpr int64_t kVecs = 4;  // registers of output columns per step of the expand
+constexpr int64_t kChunk = kVecs * kLanes;  // output columns per chunk of bt
+constexpr int64_t kAhead = 2048;  // elements ahead of the reads to prefetch (4-8 KiB)
+
+// The elements of one block's chunks in bt: its ranks x its columns rounded up to chunks.
+inline int64_t chunked_size(const int64_t* block) {
+  return (block[1] - block[0]) * ((block[3] - block[2] + kChunk - 1) / kChunk) * kChunk;
+}
+
+// acc + the products of 32 bf16 pairs summed in pairs into 16 float32 lanes (`vdpbf16ps`; on
+// AVX-512 F without BF16 the same products as two float32 multiply-adds).
+inline __m512 dot_bf16_pairs(__m512 acc, __m512i x, __m512i w) {
+#ifdef __AVX512BF16__
+  return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
+#else
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(x, high)),
+                        _mm512_castsi512_ps(_mm512_and_si512(w, high)), acc);
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
+                         _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), acc);
+#endif
+}
+
+// The shrink of a tile when both x and A are bf16: 32 inputs per step, no conversions to
+// float32 (a bf16 decode's shrink took four times the instructions converting each value).
+inline void shrink_bf16(float* xa, const uint16_t* x, const uint16_t* as, const int64_t* rows,
+                        int64_t k, int64_t r) {
+  for (int64_t j = 0; j < r; ++j) {
+    const uint16_t* ar = as + j * k;
+    __m512 acc[kTile];
+    for (int64_t t = 0; t < kTile; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < k; c += 2 * kLanes) {
+      const int64_t left = k - c;
+      const __mmask32 mk = left >= 2 * kLanes ? __mmask32(0xFFFFFFFFu)
+                                              : __mmask32((uint64_t(1) << left) - 1);
+      // A's rows are one contiguous stream: ask for it ahead (the hardware's prefetch ramps
+      // up too slowly on an adapter's few tens of KiB, which a decode step reads from DRAM)
+      _mm_prefetch(reinterpret_cast<const char*>(ar + c + kAhead), _MM_HINT_T0);
+      const __m512i w = _mm512_maskz_loadu_epi16(mk, ar + c);
+      for (int64_t t = 0; t < kTile; ++t) {
+        acc[t] = dot_bf16_pairs(acc[t], _mm512_maskz_loadu_epi16(mk, x + rows[t] * k + c), w);
+      }
+    }
+    for (int64_t t = 0; t < kTile; ++t) xa[t * r + j] = _mm512_reduce_add_ps(acc[t]);
+  }
+}
 
 template <typename T, typename W>
 void lora_add_rows(T* out, const T* x, const W* a, const W* bt, const int64_t* slots,
                    const int64_t* blocks, int64_t nblocks, int64_t m, int64_t k, int64_t r,
                    int64_t n) {
+  // where each block's chunks start in a slot's bt, and a slot's size
+  std::vector<int64_t> offsets(nblocks);
+  int64_t per_slot = 0;
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    offsets[blk] = per_slot;
+    per_slot += chunked_size(blocks + blk * 4);
+  }
   // Rows with an adapter, grouped by slot (stable), cut into tiles of up to kTile rows.
   std::vector<int64_t> order;
   for (int64_t i = 0; i < m; ++i) {
@@ -54,6 +111,9 @@ void lora_add_rows(T* out, const T* x, const W* a, const W* bt, const int64_t* s
       for (int64_t t = 0; t < kTile; ++t) rows[t] = order[first + std::min(t, count - 1)];
       const int64_t s = slots[rows[0]];
       // shrink: xa[t, j] = x[row t] . a[s, j]  (a partial tile repeats its last row)
+      if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<W, uint16_t>) {
+        shrink_bf16(xa.data(), x, a + s * r * k, rows, k, r);
+      } else {
       for (int64_t j = 0; j < r; ++j) {
         const W* ar = a + (s * r + j) * k;
         __m512 acc[kTile];
@@ -67,12 +127,16 @@ void lora_add_rows(T* out, const T* x, const W* a, const W* bt, const int64_t* s
         }
         for (int64_t t = 0; t < kTile; ++t) xa[t * r + j] = _mm512_reduce_add_ps(acc[t]);
       }
-      // expand, block by block: ranks [r0, r1) feed output columns [c0, c1) only
-      const W* bs = bt + s * r * n;
+      }
+      // expand, block by block: ranks [r0, r1) feed output columns [c0, c1) only; chunk by
+      // chunk of kChunk columns from c0, whose ranks' weights are contiguous in bt
+      const W* bs = bt + s * per_slot;
       for (int64_t blk = 0; blk < nblocks; ++blk) {
         const int64_t r0 = blocks[blk * 4], r1 = blocks[blk * 4 + 1];
         const int64_t c0 = blocks[blk * 4 + 2], c1 = blocks[blk * 4 + 3];
-        for (int64_t col = c0; col < c1; col += kVecs * kLanes) {
+        const W* bb = bs + offsets[blk];
+        for (int64_t ch = 0; c0 + ch * kChunk < c1; ++ch) {
+          const int64_t col = c0 + ch * kChunk;
           __m512 acc[kTile][kVecs];
           __mmask16 mk[kVecs];
           for (int64_t v = 0; v < kVecs; ++v) {
@@ -81,7 +145,10 @@ void lora_add_rows(T* out, const T* x, const W* a, const W* bt, const int64_t* s
             for (int64_t t = 0; t < kTile; ++t) acc[t][v] = _mm512_setzero_ps();
           }
           for (int64_t j = r0; j < r1; ++j) {
-            const W* brow = bs + j * n + col;
+            const W* brow = bb + (ch * (r1 - r0) + j - r0) * kChunk;
+            // a block's chunks are one stream: ask for its lines ahead
+            _mm_prefetch(reinterpret_cast<const char*>(brow + kAhead), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(brow + kAhead) + 64, _MM_HINT_T0);
             __m512 w[kVecs];
             for (int64_t v = 0; v < kVecs; ++v) w[v] = load16(brow + v * kLanes, mk[v]);
             for (int64_t t = 0; t < kTile; ++t) {
@@ -105,8 +172,8 @@ void lora_add_rows(T* out, const T* x, const W* a, const W* bt, const int64_t* s
 
 void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
                const at::Tensor& slots, const at::Tensor& blocks) {
-  TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && a.dim() == 3 && bt.dim() == 3,
-              "lora_add_: out [M, N], x [M, K], a [S, R, K], bt [S, R, N]");
+  TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && a.dim() == 3 && bt.dim() == 2,
+              "lora_add_: out [M, N], x [M, K], a [S, R, K], bt [S, the blocks' chunks]");
   TORCH_CHECK(out.is_contiguous() && x.is_contiguous() && a.is_contiguous() &&
                   bt.is_contiguous() && slots.is_contiguous(),
               "lora_add_: contiguous tensors only");
@@ -117,8 +184,7 @@ void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const a
               "lora_add_: one int64 slot per row");
   TORCH_CHECK(out.scalar_type() == x.scalar_type(), "lora_add_: out and x of one dtype");
   const int64_t m = x.size(0), k = x.size(1), r = a.size(1), n = out.size(1);
-  TORCH_CHECK(out.size(0) == m && a.size(2) == k && bt.size(1) == r && bt.size(2) == n &&
-                  bt.size(0) == a.size(0),
+  TORCH_CHECK(out.size(0) == m && a.size(2) == k && bt.size(0) == a.size(0),
               "lora_add_: shapes do not match");
   const int64_t* s = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < m; ++i) {
@@ -134,6 +200,10 @@ void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const a
                     0 <= bl[4 * i + 2] && bl[4 * i + 2] <= bl[4 * i + 3] && bl[4 * i + 3] <= n,
                 "lora_add_: block ", i, " outside the ranks or the columns");
   }
+  int64_t per_slot = 0;
+  for (int64_t i = 0; i < nb; ++i) per_slot += chunked_size(bl + 4 * i);
+  TORCH_CHECK(bt.size(1) == per_slot, "lora_add_: bt holds ", bt.size(1), " per slot, the blocks ",
+              per_slot);
   TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16,
               "lora_add_: bf16 or float32 activations");
   const bool bf16_out = out.scalar_type() == at::kBFloat16;

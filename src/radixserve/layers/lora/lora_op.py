@@ -17,7 +17,8 @@ The cost follows the adapters present, not the slots. They agree up to float rou
 
 The weights may be held in another dtype than ``x`` (float32 on CPU, where torch's small bf16
 matmuls are several times slower than float32 ones): ``x`` is cast to the weights' dtype and
-the delta back to ``x``'s.
+the delta back to ``x``'s. ``add_to`` (the layers' hooks) keeps bf16 copies of them for a bf16
+model, which its decode kernel and its bf16 prefills read; a float32 model stays in float32.
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ from radixserve.layers.custom_op import CustomOp, OpImpl
 # (``add_to``), or the masked two-matmul form; above it (prefills) each adapter's rows take
 # their own two matmuls, whose cost is then the arithmetic, not the number of ops.
 SMALL_BATCH_ROWS = 64
+# A bf16 prefill takes one matmul pair per run of consecutive rows of one adapter (a request's
+# tokens: slices, no gather or scatter) while its runs average at least this many rows; else one
+# pair per adapter over its gathered rows. The expand skips a fused layer's zero blocks of B
+# when every block is at least ``WIDE_BLOCK_COLS`` wide (gate_up); narrower blocks (qkv's k and
+# v) cost more as separate ops than their zeros do as arithmetic.
+RUN_ROWS = 16
+WIDE_BLOCK_COLS = 1024
+# Output columns per chunk of the decode kernel's copy of B (``csrc/lora.cpp``'s kChunk).
+LORA_CHUNK = 64
 
 
 @dataclass
@@ -63,6 +73,8 @@ class LoRABatchInfo:
     # the CPU path keeps the present adapters' weights stacked across steps under these.
     present_slots: tuple[int, ...] = ()
     weights_version: int = 0
+    # The same runs on the host, ``(start, length, slot)`` each (a bf16 prefill's unit).
+    runs: tuple[tuple[int, int, int], ...] = ()
     _masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -111,7 +123,8 @@ class LoRABatchInfo:
         return cls(token_slots, groups, present, seg[0], seg[1], seg[2],
                    max((run[1] for run in runs), default=0),
                    present_slots=tuple(slot for slot, _ in groups),
-                   weights_version=weights_version)
+                   weights_version=weights_version,
+                   runs=tuple((start, length, slot) for start, length, slot in runs))
 
     @classmethod
     def per_row(cls, token_slots: torch.Tensor, seg_starts: torch.Tensor,
@@ -149,9 +162,10 @@ class LoRADelta(CustomOp):
         # most one stacked copy of each layer's present adapters, so at most the pool's size.
         self._stacked: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._stacked_for: tuple[tuple[int, ...], int] | None = None
-        # CPU kernel: per layer (its ``a``), A and B transposed ``[slots, R, out]`` in the
-        # activations' dtype, per pool version (at most the pool's size again).
-        self._bt: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # CPU kernel and bf16 prefills: per layer (its ``a``) and layout, A and B transposed in
+        # the activations' dtype, per pool version (``_kernel_weights``; a bf16 model that
+        # decodes and prefills holds B twice, in bf16: the pool's float32 size again at most).
+        self._bt: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._bt_version: int | None = None
 
     def add_to(
@@ -161,6 +175,7 @@ class LoRADelta(CustomOp):
         """``out += delta`` in place (what the layers' hooks do). On CPU a decode-sized batch
         in bf16 or float32 takes one kernel (``cpu_kernels.lora_add_``), which adds the delta
         in float32 and rounds once, where ``out.add_(delta)`` rounds the delta first.
+        Larger bf16 batches (prefills) take ``_add_bf16``; float32 ones ``_add_groups``.
         ``blocks`` (int64 ``[n, 4]``, ``LayerBuffers.blocks``): the rank and output ranges
         outside which ``b`` is zero; None: all of it."""
         if (self.impl is OpImpl.CPU and reduce is None and not info.static
@@ -169,9 +184,14 @@ class LoRADelta(CustomOp):
                 and out.is_contiguous()):
             if blocks is None:
                 blocks = torch.tensor([[0, a.shape[1], 0, b.shape[1]]], dtype=torch.int64)
-            a_k, bt_k = self._kernel_weights(a, b, info, out.dtype)
+            a_k, bt_k = self._kernel_weights(a, b, info, out.dtype, blocks)
             cpu_kernels.lora_add_(out, x.contiguous(), a_k, bt_k, info.token_slots, blocks)
             return out
+        if (self.impl is OpImpl.CPU and reduce is None and not info.static
+                and x.shape[0] > SMALL_BATCH_ROWS and out.dtype == x.dtype == torch.bfloat16
+                and a.dtype == torch.float32):
+            a_k, bt_k = self._kernel_weights(a, b, info, out.dtype)
+            return self._add_bf16(out, x, a_k, bt_k, info, blocks)
         if (self.impl is OpImpl.CPU and reduce is None and not info.static
                 and not (info.present is not None and x.shape[0] <= SMALL_BATCH_ROWS)):
             return self._add_groups(out, x, a, b, info)
@@ -193,21 +213,80 @@ class LoRADelta(CustomOp):
                 out.index_add_(0, rows, delta.to(out.dtype))
         return out
 
+    @staticmethod
+    def _add_bf16(out: torch.Tensor, x: torch.Tensor, a_k: torch.Tensor, bt_k: torch.Tensor,
+                  info: LoRABatchInfo, blocks: torch.Tensor | None) -> torch.Tensor:
+        """A bf16 prefill's deltas added into ``out`` in place, in bf16 on the kernel's bf16
+        copies of the weights (``a_k [slots, R, in]``, ``bt_k [slots, R, out]``): the shrink's
+        rank-sized product is rounded to bf16 (as peft's bf16 layers do), the expand is an
+        ``addmm_`` that adds into ``out`` and rounds once. Where the float32 path
+        (``_add_groups``) cast the activations to float32 per adapter and gathered and
+        scattered each adapter's rows of the output (``index_add_`` on a 1,024 x 9,728 bf16
+        output): on ``small``'s 1,024-row prefill that was most of LoRA's extra time."""
+        wide = None
+        if blocks is not None and blocks.shape[0] > 1:
+            spans = blocks.tolist()
+            if all(c1 - c0 >= WIDE_BLOCK_COLS for _, _, c0, c1 in spans):
+                wide = spans
+
+        def expand(o: torch.Tensor, xa: torch.Tensor, bt: torch.Tensor) -> None:
+            if wide is None:
+                o.addmm_(xa, bt)
+                return
+            for r0, r1, c0, c1 in wide:
+                o[:, c0:c1].addmm_(xa[:, r0:r1], bt[r0:r1, c0:c1])
+
+        adapter_rows = sum(length for _, length, _ in info.runs)
+        if info.runs and len(info.runs) * RUN_ROWS <= adapter_rows:
+            for start, length, slot in info.runs:
+                rows = slice(start, start + length)
+                expand(out[rows], x[rows] @ a_k[slot].T, bt_k[slot])
+            return out
+        for slot, rows in info.groups:
+            if isinstance(rows, slice):
+                expand(out[rows], x[rows] @ a_k[slot].T, bt_k[slot])
+            else:
+                xa = x.index_select(0, rows) @ a_k[slot].T
+                for r0, r1, c0, c1 in wide or ((0, xa.shape[1], 0, out.shape[1]),):
+                    out[:, c0:c1].index_add_(0, rows, xa[:, r0:r1] @ bt_k[slot, r0:r1, c0:c1])
+        return out
+
     def _kernel_weights(
-        self, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo, dtype: torch.dtype
+        self, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo, dtype: torch.dtype,
+        blocks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernel's copies of a layer's weights, per pool version: ``a`` in ``dtype`` and B
-        transposed ``[slots, R, out]`` in ``dtype`` (bf16 for a bf16 model: half the bytes a
-        decode step streams; the pool itself stays float32 for the prefill's matmuls)."""
+        """Copies of a layer's weights in ``dtype`` (bf16 for a bf16 model: half the bytes a
+        decode step streams), per pool version, each made on first use: ``a``, and B
+        transposed: with ``blocks`` (the decode kernel's layout, ``csrc/lora.cpp``) each
+        block's ranks x columns in chunks of ``LORA_CHUNK`` columns, ``[slots, P]``, so a
+        chunk's weights are one contiguous stream and the zero blocks are left out; without,
+        ``[slots, R, out]`` (a bf16 prefill's ``addmm_`` operand)."""
         if self._bt_version != info.weights_version:
             self._bt.clear()
             self._bt_version = info.weights_version
-        entry = self._bt.get(id(a))
-        if entry is None or entry[0] is not a or entry[1].dtype != dtype:
-            a_k = a if a.dtype == dtype else a.to(dtype)
-            entry = (a, a_k, b.transpose(1, 2).to(dtype).contiguous())  # ``a`` held: its id
-            self._bt[id(a)] = entry  # is not reused while the entry lives
-        return entry[1], entry[2]
+
+        def cached(kind: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+            entry = self._bt.get((id(a), kind))
+            if entry is None or entry[0] is not a or entry[1].dtype != dtype:
+                entry = (a, make().to(dtype).contiguous())  # ``a`` held: its id is not
+                self._bt[(id(a), kind)] = entry  # reused while the entry lives
+            return entry[1]
+
+        def chunks() -> torch.Tensor:
+            assert blocks is not None
+            parts = []
+            for r0, r1, c0, c1 in blocks.tolist():
+                count = -(-(c1 - c0) // LORA_CHUNK)
+                part = torch.nn.functional.pad(b[:, c0:c1, r0:r1].transpose(1, 2),
+                                               (0, count * LORA_CHUNK - (c1 - c0)))
+                part = part.reshape(b.shape[0], r1 - r0, count, LORA_CHUNK).transpose(1, 2)
+                parts.append(part.reshape(b.shape[0], -1))
+            return torch.cat(parts, dim=1)
+
+        a_k = a if a.dtype == dtype else cached("a", lambda: a)
+        if blocks is not None:
+            return a_k, cached("chunks", chunks)
+        return a_k, cached("rows", lambda: b.transpose(1, 2))
 
     def forward_native(
         self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo,
