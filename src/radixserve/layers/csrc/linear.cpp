@@ -47,17 +47,7 @@ struct Bf16 {
   static constexpr int64_t kStep = 2;  // inputs per step: a pair
   static __m512 madd(__m512 acc, const T* x, __m512i w) {
     const __m512i pair = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x));
-#ifdef __AVX512BF16__
-    return _mm512_dpbf16_ps(acc, (__m512bh)pair, (__m512bh)w);
-#else
-    // What `vdpbf16ps` computes, on AVX-512 F without BF16: the odd element's product, then
-    // the even one's, each a float32 multiply-add (bf16 products are exact in float32)
-    const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(pair, high)),
-                          _mm512_castsi512_ps(_mm512_and_si512(w, high)), acc);
-    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)),
-                           _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), acc);
-#endif
+    return dot_bf16_pairs(acc, pair, w);
   }
   static __m512 load(const T* p, __mmask16 m) { return load_bf16(p, m); }
   static void store(T* p, __m512 v, __mmask16 m) { store_bf16(p, round_to_bf16(v), m); }

@@ -40,20 +40,6 @@ inline int64_t chunked_size(const int64_t* block) {
   return (block[1] - block[0]) * ((block[3] - block[2] + kChunk - 1) / kChunk) * kChunk;
 }
 
-// acc + the products of 32 bf16 pairs summed in pairs into 16 float32 lanes (`vdpbf16ps`; on
-// AVX-512 F without BF16 the same products as two float32 multiply-adds).
-inline __m512 dot_bf16_pairs(__m512 acc, __m512i x, __m512i w) {
-#ifdef __AVX512BF16__
-  return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
-#else
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(x, high)),
-                        _mm512_castsi512_ps(_mm512_and_si512(w, high)), acc);
-  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
-                         _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), acc);
-#endif
-}
-
 // The shrink of a tile when both x and A are bf16: 32 inputs per step, no conversions to
 // float32 (a bf16 decode's shrink took four times the instructions converting each value).
 inline void shrink_bf16(float* xa, const uint16_t* x, const uint16_t* as, const int64_t* rows,
@@ -78,17 +64,39 @@ inline void shrink_bf16(float* xa, const uint16_t* x, const uint16_t* as, const 
   }
 }
 
+// The shrink of a tile in float32, 16 inputs per step (x or A float32, or either converted).
+template <typename T, typename W>
+void shrink_float(float* xa, const T* x, const W* as, const int64_t* rows, int64_t k,
+                  int64_t r) {
+  for (int64_t j = 0; j < r; ++j) {
+    const W* ar = as + j * k;
+    __m512 acc[kTile];
+    for (int64_t t = 0; t < kTile; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < k; c += kLanes) {
+      const __mmask16 mk = lanes(k - c);
+      const __m512 w = load16(ar + c, mk);
+      for (int64_t t = 0; t < kTile; ++t) {
+        acc[t] = _mm512_fmadd_ps(load16(x + rows[t] * k + c, mk), w, acc[t]);
+      }
+    }
+    for (int64_t t = 0; t < kTile; ++t) xa[t * r + j] = _mm512_reduce_add_ps(acc[t]);
+  }
+}
+
+// Where each block's chunks start in a slot's bt (offsets[blk]), and a slot's size (last).
+std::vector<int64_t> chunk_offsets(const int64_t* blocks, int64_t nblocks) {
+  std::vector<int64_t> offsets(nblocks + 1, 0);
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    offsets[blk + 1] = offsets[blk] + chunked_size(blocks + blk * 4);
+  }
+  return offsets;
+}
+
 template <typename T, typename W>
 void lora_add_rows(T* out, const T* x, const W* a, const W* bt, const int64_t* slots,
-                   const int64_t* blocks, int64_t nblocks, int64_t m, int64_t k, int64_t r,
-                   int64_t n) {
-  // where each block's chunks start in a slot's bt, and a slot's size
-  std::vector<int64_t> offsets(nblocks);
-  int64_t per_slot = 0;
-  for (int64_t blk = 0; blk < nblocks; ++blk) {
-    offsets[blk] = per_slot;
-    per_slot += chunked_size(blocks + blk * 4);
-  }
+                   const int64_t* blocks, int64_t nblocks, const std::vector<int64_t>& offsets,
+                   int64_t m, int64_t k, int64_t r, int64_t n) {
+  const int64_t per_slot = offsets[nblocks];
   // Rows with an adapter, grouped by slot (stable), cut into tiles of up to kTile rows.
   std::vector<int64_t> order;
   for (int64_t i = 0; i < m; ++i) {
@@ -114,19 +122,7 @@ void lora_add_rows(T* out, const T* x, const W* a, const W* bt, const int64_t* s
       if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<W, uint16_t>) {
         shrink_bf16(xa.data(), x, a + s * r * k, rows, k, r);
       } else {
-      for (int64_t j = 0; j < r; ++j) {
-        const W* ar = a + (s * r + j) * k;
-        __m512 acc[kTile];
-        for (int64_t t = 0; t < kTile; ++t) acc[t] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < k; c += kLanes) {
-          const __mmask16 mk = lanes(k - c);
-          const __m512 w = load16(ar + c, mk);
-          for (int64_t t = 0; t < kTile; ++t) {
-            acc[t] = _mm512_fmadd_ps(load16(x + rows[t] * k + c, mk), w, acc[t]);
-          }
-        }
-        for (int64_t t = 0; t < kTile; ++t) xa[t * r + j] = _mm512_reduce_add_ps(acc[t]);
-      }
+        shrink_float(xa.data(), x, a + s * r * k, rows, k, r);
       }
       // expand, block by block: ranks [r0, r1) feed output columns [c0, c1) only; chunk by
       // chunk of kChunk columns from c0, whose ranks' weights are contiguous in bt
@@ -200,16 +196,15 @@ void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const a
                     0 <= bl[4 * i + 2] && bl[4 * i + 2] <= bl[4 * i + 3] && bl[4 * i + 3] <= n,
                 "lora_add_: block ", i, " outside the ranks or the columns");
   }
-  int64_t per_slot = 0;
-  for (int64_t i = 0; i < nb; ++i) per_slot += chunked_size(bl + 4 * i);
-  TORCH_CHECK(bt.size(1) == per_slot, "lora_add_: bt holds ", bt.size(1), " per slot, the blocks ",
-              per_slot);
+  const std::vector<int64_t> offsets = chunk_offsets(bl, nb);
+  TORCH_CHECK(bt.size(1) == offsets[nb], "lora_add_: bt holds ", bt.size(1),
+              " per slot, the blocks ", offsets[nb]);
   TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16,
               "lora_add_: bf16 or float32 activations");
   const bool bf16_out = out.scalar_type() == at::kBFloat16;
   const bool bf16_w = a.scalar_type() == at::kBFloat16;
   auto run = [&](auto* o, const auto* xp, const auto* ap, const auto* bp) {
-    lora_add_rows(o, xp, ap, bp, s, bl, nb, m, k, r, n);
+    lora_add_rows(o, xp, ap, bp, s, bl, nb, offsets, m, k, r, n);
   };
   auto as_u16 = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
   auto as_f32 = [](const at::Tensor& t) { return t.data_ptr<float>(); };

@@ -56,6 +56,21 @@ inline __m512 round_to(__m512 v) {
   }
 }
 
+// acc + the products of 32 bf16 pairs, summed in pairs into 16 float32 lanes: AVX512-BF16's
+// `vdpbf16ps`, or on AVX-512 F without BF16 what it computes: the odd element's product, then
+// the even one's, each a float32 multiply-add (bf16 products are exact in float32).
+inline __m512 dot_bf16_pairs(__m512 acc, __m512i x, __m512i w) {
+#ifdef __AVX512BF16__
+  return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
+#else
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(x, high)),
+                        _mm512_castsi512_ps(_mm512_and_si512(w, high)), acc);
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
+                         _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), acc);
+#endif
+}
+
 // e^x within about one float32 ulp: x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor series to
 // r^7 (truncation error under 0.05 ulp), then scaled by 2^n, which also gives inf and 0 (and the
 // denormals between) at the ends of the range.
