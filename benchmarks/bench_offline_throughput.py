@@ -331,7 +331,7 @@ def print_kernel_dispatch(args: argparse.Namespace, model_path: str,
     from radixserve.layers import kernel_dispatch as kd
     from radixserve.layers.attention import extend_dispatch as xd
     from radixserve.layers.packed_weight import CpuPackedWeight
-    from radixserve.layers.quantization.int4 import CpuInt4Weight
+    from radixserve.layers.quantization.int4 import GROUP, CpuInt4Weight
     from radixserve.layers.quantization.int8 import CpuInt8Weight
     from radixserve.model_config import ModelConfig
 
@@ -349,7 +349,7 @@ def print_kernel_dispatch(args: argparse.Namespace, model_path: str,
             if quantization == "int8" or (quantization == "int4" and layer == "lm_head"):
                 weight = CpuInt8Weight(torch.zeros(n, k, dtype=torch.int8), torch.ones(n, 1))
             elif quantization == "int4":
-                groups = -(-k // 32)
+                groups = -(-k // GROUP)
                 weight = CpuInt4Weight(torch.zeros(n, k, dtype=torch.uint8),
                                        torch.ones(n, groups, dtype=torch.float16),
                                        torch.zeros(n, groups, dtype=torch.float16))

@@ -83,14 +83,15 @@ class LMHead(Prepackable):
         quant_config, self.tp = layer_options(options)
         self.shard = VocabShard(vocab_size, self.tp)
         self.weight = _vocab_weight(self.shard, hidden_size)
-        self.quantized = quant_config is not None and quant_config.quantizes_lm_head()
-        self.quant_config = quant_config
+        # the quantisation that covers the LM head, if any
+        self.quant_config = (
+            quant_config if quant_config is not None and quant_config.quantizes_lm_head() else None
+        )
 
     def pack(self, options: PackOptions) -> PackedWeight:
-        if self.quantized:
+        if self.quant_config is not None:
             from radixserve.layers.quantization.int8 import pack_int8, quantize_int8
 
-            assert self.quant_config is not None
             group_size = self.quant_config.lm_head_group_size()
             return pack_int8(*quantize_int8(self.weight, group_size), self.impl)
         return pack_float_weight(self.weight.detach(), self.impl, options)
