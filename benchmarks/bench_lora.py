@@ -67,7 +67,11 @@ def timed(engine: Any, prompts: list[list[int]], params: dict[str, Any],
     thread = threading.Thread(target=lambda: done.update(out=engine.generate(
         input_ids=prompts, sampling_params=params, lora_path=lora)))
     thread.start()
+    deadline = time.monotonic() + 120
     while engine.get_load()[0]["num_waiting_reqs"] < len(prompts):
+        if not thread.is_alive() or time.monotonic() > deadline:
+            engine.continue_generation()
+            raise RuntimeError("the batch never queued whole: generate ended or stalled")
         time.sleep(0.002)
     start = time.perf_counter()
     engine.continue_generation()
