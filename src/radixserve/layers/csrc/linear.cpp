@@ -40,6 +40,10 @@ using namespace radixserve_cpu;
 constexpr int64_t kBlock = 16;  // output columns per block: one register of float32 sums
 constexpr int kMaxRows = 6;     // rows per tile: 6 x 4 sums + 4 weights + 1 input in 32 registers
 constexpr int kPanel = 4;       // blocks per tile
+// Each block of a tile is a stream of its own; the hardware prefetcher does not keep them all
+// ahead, so each step asks for its blocks' weights 1 KiB ahead (one cache line per step and
+// block): from memory, 1.1-1.2x faster at 1 to 16 rows on an AMX Xeon.
+constexpr int64_t kAheadBytes = 1024;
 
 // One step of the input for the bf16 and float32 layouts.
 struct Bf16 {
@@ -80,6 +84,11 @@ void tile(const typename D::T* x, const typename D::T* w, const typename D::T* b
     for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
   for (int64_t s = 0; s < p.steps; ++s) {
     __m512i wv[NB];
+    for (int b = 0; b < NB; ++b) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * p.block_elems + s * kBlock * D::kStep) +
+                       kAheadBytes,
+                   _MM_HINT_T0);
+    }
     for (int b = 0; b < NB; ++b) {
       wv[b] = _mm512_loadu_si512(w + b * p.block_elems + s * kBlock * D::kStep);
     }
