@@ -140,10 +140,10 @@ HELP: dict[str, str] = {
     "429 until a session closes or times out.",
     "session_idle_timeout": "Seconds after which a session opened without a timeout of its own "
     "is closed when idle (no request running); 0: such sessions stay open until closed.",
-    "disable_cuda_graph": "Run decode steps eagerly on CUDA instead of replaying them from CUDA "
-    "graphs.",
-    "cuda_graph_max_bs": "Largest decode batch captured in a CUDA graph (default: "
-    "--max-running-requests); larger batches run eagerly.",
+    "disable_cuda_graph": "Run decode steps eagerly instead of replaying them from graphs: CUDA "
+    "graphs on a GPU, traced TorchScript graphs on a CPU.",
+    "cuda_graph_max_bs": "Largest decode batch captured in a CUDA graph or traced into a CPU graph "
+    "(default: --max-running-requests); larger batches run eagerly.",
     "enable_overlap_schedule": "Run the model on a thread of its own and plan each decode step "
     "while the previous one computes (same greedy outputs; the default on CUDA).",
     "disable_overlap_schedule": "Keep a CUDA device on the plain schedule (the overlap schedule "

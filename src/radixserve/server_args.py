@@ -84,7 +84,7 @@ class ServerArgs:
     session_offload_after: float | None = None
     enable_overlap_schedule: bool = False  # on CPU; on CUDA the overlap schedule is the default
     disable_overlap_schedule: bool = False  # SGLang's flag: keep CUDA on the plain schedule
-    # CUDA graphs of the decode step (CUDA only; see model_executor/cuda_graph_runner.py)
+    # decode-step graphs: CUDA graphs, or traced CPU graphs (model_executor/*_graph_runner.py)
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # None: max_running_requests
     max_sessions: int = 1024

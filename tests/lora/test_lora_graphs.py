@@ -46,7 +46,7 @@ def lora_runner(llama_path, tmp_path_factory):
     runner = make_runner(llama_path, max_total_tokens=1024, enable_lora=True, lora_paths=paths,
                          max_loras_per_batch=2, max_lora_rank=8)
     runner.cuda_graph_batch_sizes = [1, 2, 4, 8]
-    runner._capture_cuda_graphs()
+    runner._capture_graphs()
     return runner
 
 

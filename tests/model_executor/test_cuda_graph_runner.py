@@ -35,7 +35,8 @@ def test_capture_batch_sizes_follow_sglangs_buckets():
 
 def test_cuda_graphs_are_cuda_only(llama_path):
     runner = make_runner(llama_path)
-    assert runner.cuda_graph_batch_sizes is None and runner.graph_runner is None
+    assert runner.cuda_graph_batch_sizes is None  # CPU graphs instead (test_cpu_graph_runner.py)
+    assert not runner.graph_runner.use_cuda_graph
     with pytest.raises(ValueError, match="CUDA device"):
         CudaGraphRunner(runner._decode_forward, torch.device("cpu"), [1], use_cuda_graph=True)
 
@@ -105,7 +106,7 @@ def test_runner_replays_decode_and_recaptures_after_memory_and_weight_changes(ll
     resuming or new weights capture them again (the real graphs hold the old addresses)."""
     runner = make_runner(llama_path, max_total_tokens=1024)
     runner.cuda_graph_batch_sizes = [1, 2, 4]
-    runner._capture_cuda_graphs()
+    runner._capture_graphs()
     graphs = runner.graph_runner
     assert graphs is not None and not graphs.use_cuda_graph
     replays = []

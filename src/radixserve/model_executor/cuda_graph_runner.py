@@ -202,6 +202,12 @@ class CudaGraphRunner:
             self.out_cache_loc[bs:padded].fill_(PAD_OUT_CACHE_LOC)
         if self.lora_inputs is not None:
             self.lora_inputs.write(forward_batch.lora_slots, bs, padded)
+        return self._run(forward_batch, padded)
+
+    def _run(self, forward_batch: ForwardBatch, padded: int) -> torch.Tensor:
+        """The first ``forward_batch.batch_size`` rows of the logits of the graph of size
+        ``padded``, its inputs already in the static buffers."""
+        bs = forward_batch.batch_size
         entry = self.graphs[padded]
         # Host-side lengths for backends that read them (the eager replay on CPU); a CUDA graph
         # reads only the device buffers.

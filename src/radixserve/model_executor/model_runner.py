@@ -15,7 +15,9 @@ On CUDA, once the pools and the model exist, decode steps are captured in CUDA g
 (``cuda_graph_runner.py``) unless ``--disable-cuda-graph``: with the ``triton`` attention backend
 (the only one whose decode reads no host value) on a single rank. The graphs record the weights'
 and the KV pool's addresses, so releasing either drops them and bringing them back (or loading
-new weights) captures them again.
+new weights) captures them again. On CPU the same runner's buckets are traced instead
+(``cpu_graph_runner.py``: TorchScript graphs that skip the Python between the kernels), where
+the forward's Python decisions depend on the batch size alone.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.kv_quant import kv_dtype_name, kv_storage_dtype
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_config import ModelConfig, resolve_device
+from radixserve.model_executor.cpu_graph_runner import CpuGraphRunner
 from radixserve.model_executor.cuda_graph_runner import (
     CudaGraphRunner,
     capture_batch_sizes,
@@ -99,7 +102,7 @@ class RunnerSettings:
     processes_per_node: int = 1  # processes sharing this machine's memory (CPU)
     attention_backend: str | None = None  # None: the device's default
     enable_deterministic_inference: bool = False  # only batch-invariant kernels
-    disable_cuda_graph: bool = False  # decode eagerly on CUDA
+    disable_cuda_graph: bool = False  # decode eagerly (no CUDA graphs, no traced CPU graphs)
     cuda_graph_max_bs: int | None = None  # None: max_running_requests
     cpu_kernel_autotune: str = "off"  # "on": time the CPU linear kernels (the server's default)
     ep_size: int = 1  # MoE experts split over ep_size groups of the tensor-parallel ranks
@@ -196,9 +199,10 @@ class ModelRunner:
         self.cuda_graph_batch_sizes = self._cuda_graph_batch_sizes(
             settings, self.max_running_requests
         )
+        self.cpu_graph_batch_sizes = self._cpu_graph_batch_sizes(settings)
         self.graph_runner: CudaGraphRunner | None = None
         self._lora_graph_inputs: LoRAGraphInputs | None = None  # with LoRA, graphs' slots
-        self._capture_cuda_graphs()
+        self._capture_graphs()
 
     def _cuda_graph_batch_sizes(
         self, settings: RunnerSettings, max_running_requests: int
@@ -221,9 +225,40 @@ class ModelRunner:
             min(settings.cuda_graph_max_bs or max_running_requests, max_running_requests)
         )
 
+    def _cpu_graph_batch_sizes(self, settings: RunnerSettings) -> list[int] | None:
+        """The decode batch sizes traced into CPU graphs (``cpu_graph_runner.py``) as they are
+        first used, or None where this runner decodes eagerly on CPU: a trace freezes the
+        Python decisions of its run, so only a forward whose decisions depend on the batch size
+        alone is traced."""
+        if self.device.type != "cpu" or settings.disable_cuda_graph:
+            return None
+        reason = None
+        if self.model_config.is_encoder:
+            reason = "an encoder has no decode steps"
+        elif self.attention_backend != "cpu":
+            reason = f"the {self.attention_backend} attention backend decides per batch in Python"
+        elif self.parallel.distributed:
+            reason = "tensor, pipeline and expert parallel ranks talk between the ops"
+        elif self.lora is not None:
+            reason = "LoRA's adapter rows change with every batch"
+        elif any(isinstance(module, FusedMoE) for module in self.model.modules()):
+            reason = "MoE layers group the tokens by expert in Python"
+        if reason is not None:
+            logger.info("CPU graphs off: %s", reason)
+            return None
+        return capture_batch_sizes(
+            min(settings.cuda_graph_max_bs or self.max_running_requests, self.max_running_requests)
+        )
+
     @torch.inference_mode()
-    def _capture_cuda_graphs(self) -> None:
+    def _capture_graphs(self) -> None:
+        """(Re)build the decode graphs: CUDA graphs where planned, else CPU graphs where
+        allowed (traced lazily); after new weights or buffers, the old graphs hold stale ones."""
         if self.cuda_graph_batch_sizes is None:
+            if self.cpu_graph_batch_sizes is not None:
+                self.graph_runner = CpuGraphRunner(
+                    self._decode_forward, self.device, self.cpu_graph_batch_sizes
+                )
             return
         self.graph_runner = None
         on_cuda = self.device.type == "cuda"  # elsewhere only tests set the batch sizes
@@ -378,7 +413,7 @@ class ModelRunner:
         config = dataclasses.replace(self.model_config, model_path=new.model_path)
         model = self._load_model(config)
         self.model, self.model_config = model, config
-        self._capture_cuda_graphs()  # the graphs read the old weights' addresses
+        self._capture_graphs()  # the graphs read the old weights' addresses
         logger.info("weights updated from %s", model_path)
 
     def update_weights_from_tensors(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -399,7 +434,7 @@ class ModelRunner:
         weight_sync.load_named_tensors(self.model, named_tensors)
         prepack_model(self.model, psutil.virtual_memory().total, self.batch_invariant,
                       self.cpu_kernel_autotune)
-        self._capture_cuda_graphs()  # the graphs read the old packed layouts
+        self._capture_graphs()  # the graphs read the old packed layouts
 
     def get_weights_by_name(self, name: str, truncate_size: int) -> list[Any]:
         """The first ``truncate_size`` rows (or values) of checkpoint tensor ``name`` as the
@@ -447,7 +482,7 @@ class ModelRunner:
             self.token_to_kv_pool.allocate()
         self.released -= tags
         if not self.released:
-            self._capture_cuda_graphs()
+            self._capture_graphs()
 
     @torch.inference_mode()
     def embed(self, forward_batch: ForwardBatch) -> torch.Tensor:
