@@ -59,6 +59,9 @@ RADIXSERVE_VARIANTS: dict[str, dict[str, Any]] = {
     "radixserve": {},
     "radixserve-int8": {"quantization": "int8"},
     "radixserve-int4": {"quantization": "int4"},
+    # decode steps run eagerly instead of from graphs (CPU graphs, CUDA graphs): what they buy
+    "radixserve-eager": {"disable_cuda_graph": True},
+    "radixserve-int4-eager": {"quantization": "int4", "disable_cuda_graph": True},
     "radixserve-deterministic": {"enable_deterministic_inference": True},
     # speculative decoding by prompt lookup (--speculative-* below; docs/speculative.md)
     "radixserve-ngram": {"speculative_algorithm": "NGRAM"},
@@ -100,7 +103,8 @@ LLAMACPP_CONVERTED = ("llamacpp-q8_0", "llamacpp-bf16")
 LLAMACPP_INSTALL = ("pip install llama-cpp-python (optional, not a radixserve dependency: it "
                     "builds llama.cpp for this CPU, about 7 minutes)")
 BACKEND_COLORS = {"radixserve": "tab:blue", "radixserve-int8": "tab:cyan",
-                  "radixserve-int4": "tab:pink",
+                  "radixserve-int4": "tab:pink", "radixserve-eager": "tab:gray",
+                  "radixserve-int4-eager": "tab:gray",
                   "radixserve-deterministic": "tab:purple", "radixserve-ngram": "tab:red",
                   "transformers": "tab:orange", "llamacpp-q8_0": "tab:green",
                   "llamacpp-bf16": "tab:olive", "llamacpp-file": "tab:brown"}
@@ -389,8 +393,7 @@ def radixserve_backend(args: argparse.Namespace, model_path: str,
                       device=args.device, max_total_tokens=args.max_total_tokens,
                       max_running_requests=max(args.batch_sizes, default=1),
                       enable_overlap_schedule=args.overlap_schedule,
-                      disable_cuda_graph=args.disable_cuda_graph,
-                      **engine_kwargs) as engine:
+                      **{"disable_cuda_graph": args.disable_cuda_graph, **engine_kwargs}) as engine:
         print_kernel_dispatch(args, model_path, engine_kwargs)
 
         def generate(prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:

@@ -152,6 +152,14 @@ def test_q8_0_moe_checkpoint_reads_each_experts_matrix(checkpoint_factory, tmp_p
                            experts._modules["5"].down_proj.weight)
 
 
+def test_fused_gate_up_expert_tensors_are_refused_by_name(checkpoint_factory, tmp_path):
+    fused = np.zeros((8, 64, 32), np.float32)  # [experts, 2 x moe_intermediate, hidden]
+    path = convert_checkpoint(checkpoint_factory("qwen3_moe"), tmp_path / "fused.gguf",
+                              extra_tensors={"blk.0.ffn_gate_up_exps.weight": fused})
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_gate_up_exps\.weight.*not supported"):
+        make_runner(path)
+
+
 def test_int8_quantisation_of_a_gguf_checkpoint(checkpoint_factory, tmp_path):
     path = convert_checkpoint(checkpoint_factory("qwen3"), tmp_path / "q.gguf", qtype="Q8_0")
     runner = make_runner(path, quantization="int8")

@@ -118,6 +118,11 @@ def gguf_weights(path: str | Path) -> list[tuple[str, Callable[[], GgufTensor]]]
     for tensor in reader.tensors:
         if m := _LAYER_TENSOR.match(tensor.name):
             layer, kind, suffix = m.groups()
+            if kind == "ffn_gate_up_exps":
+                # gguf lists this fused form only for architectures we do not load; the order
+                # of its halves is not confirmed here, so it is refused rather than guessed
+                raise ValueError(f"{tensor.name}: fused gate/up expert tensors "
+                                 f"(ffn_gate_up_exps) are not supported in {arch!r} files")
             if kind in _EXPERT_NAMES:
                 experts = int(tensor.shape[-1])  # ggml: outermost last
                 out.extend(
