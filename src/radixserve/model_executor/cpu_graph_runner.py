@@ -78,7 +78,11 @@ class CpuGraphRunner(CudaGraphRunner):
             graph, logits = self._trace(padded)
             self.traced[padded] = graph
             return logits[:bs]
-        return graph(*self._inputs(padded))[:bs]
+        # Unoptimised: TorchScript's profiling executor would spend 2 s rewriting a 30-layer
+        # graph on its second and third runs for no gain (the ops are the kernels either way),
+        # and no pass may change what the ops compute.
+        with torch.jit.optimized_execution(False):
+            return graph(*self._inputs(padded))[:bs]
 
     def _trace(self, padded: int) -> tuple[Graph, torch.Tensor]:
         """The graph of bucket ``padded``, and the logits of the run it was recorded from (the
