@@ -170,3 +170,38 @@ def test_a_backend_refuses_a_dtype_it_cannot_read(monkeypatch):
     pool = MHATokenToKVPool(8, 1, torch.int8, 1, 64, 1, "cpu")
     with pytest.raises(ValueError, match=r"cpu attention backend.*torch\.int8"):
         create_attention_backend("cpu", ReqToTokenPool(2, 8, "cpu"), pool)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (14, 2, 64),
+                                                            (8, 8, 128), (4, 1, 256), (4, 2, 80)])
+@pytest.mark.parametrize(("window", "cap"), [(None, 0.0), (50, 1.5)])
+def test_int8_scores_of_bf16_queries_against_int16_queries(heads, kv_heads, head_dim, window,
+                                                           cap):
+    """``int16_query`` (the backend's choice for bf16 models): int8 keys scored against the
+    query quantised to int16 give what float32 scoring gives, to the int16 rounding (a 2^-16
+    share of the query's largest value per element, far below bf16's 2^-8); a head_dim that is
+    not a multiple of 32 keeps the float32 pass, bit for bit."""
+    gen = torch.Generator().manual_seed(head_dim + heads)
+    batch, ctx = 3, 150  # several key blocks of 64
+    slots = batch * ctx + 1
+    k = torch.randint(-127, 128, (slots, kv_heads, head_dim), dtype=torch.int8, generator=gen)
+    v = torch.randint(-127, 128, (slots, kv_heads, head_dim), dtype=torch.int8, generator=gen)
+    k_scale = torch.rand(slots, kv_heads, generator=gen) * 0.02
+    v_scale = torch.rand(slots, kv_heads, generator=gen) * 0.02
+    table = (1 + torch.randperm(batch * ctx, generator=gen)).view(batch, ctx)
+    q = (torch.randn(batch, heads, head_dim, generator=gen) * 2).bfloat16().float()
+    lens = torch.tensor([ctx, ctx - 37, 1])
+
+    def attend_with(int16_query: bool) -> torch.Tensor:
+        return cpu_kernels.paged_attention_quant(
+            q, k, v, k_scale, v_scale, table, torch.arange(batch), lens, head_dim ** -0.5,
+            window=window, softcap=cap, int16_query=int16_query,
+        )
+
+    exact, fast = attend_with(False), attend_with(True)
+    if head_dim % 32:
+        assert torch.equal(fast, exact)
+    else:
+        assert not torch.equal(fast, exact)  # the integer pass ran
+        torch.testing.assert_close(fast, exact, atol=2e-4 * exact.abs().max().item(), rtol=0)
