@@ -1,4 +1,4 @@
-"""Schemathesis against ``/openapi.json``: every operation the server declares, 100 positive and
+"""Schemathesis against ``/openapi.json``: every operation the server declares, 60 positive and
 negative examples each in CI (``RADIXSERVE_FUZZ_EXAMPLES``: ``make fuzz`` sends 1,000 with a
 fresh random seed). No 5xx, every 4xx the OpenAI error object (Ollama's on ``/api/``), and
 afterwards the server is healthy and holds nothing: no KV, no request state, no session.
