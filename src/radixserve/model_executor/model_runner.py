@@ -211,19 +211,11 @@ class ModelRunner:
         (chosen once, here: CUDA, not disabled, the triton backend, one rank, a decoder)."""
         if self.device.type != "cuda" or settings.disable_cuda_graph:
             return None
-        reason = None
-        if self.model_config.is_encoder:
-            reason = "an encoder has no decode steps"
-        elif self.attention_backend != "triton":
-            reason = f"the {self.attention_backend} attention backend reads host values in decode"
-        elif self.parallel.distributed:
-            reason = "tensor and pipeline parallel ranks decode eagerly in this build"
-        if reason is not None:
-            logger.info("CUDA graphs off: %s", reason)
-            return None
-        return capture_batch_sizes(
-            min(settings.cuda_graph_max_bs or max_running_requests, max_running_requests)
+        reason = self._graph_off_reason(
+            "triton", "reads host values in decode",
+            "tensor and pipeline parallel ranks decode eagerly in this build",
         )
+        return self._graph_sizes("CUDA", reason, settings, max_running_requests)
 
     def _cpu_graph_batch_sizes(self, settings: RunnerSettings) -> list[int] | None:
         """The decode batch sizes traced into CPU graphs (``cpu_graph_runner.py``) as they are
@@ -232,22 +224,39 @@ class ModelRunner:
         alone is traced."""
         if self.device.type != "cpu" or settings.disable_cuda_graph:
             return None
-        reason = None
-        if self.model_config.is_encoder:
-            reason = "an encoder has no decode steps"
-        elif self.attention_backend != "cpu":
-            reason = f"the {self.attention_backend} attention backend decides per batch in Python"
-        elif self.parallel.distributed:
-            reason = "tensor, pipeline and expert parallel ranks talk between the ops"
-        elif self.lora is not None:
+        reason = self._graph_off_reason(
+            "cpu", "decides per batch in Python",
+            "tensor, pipeline and expert parallel ranks talk between the ops",
+        )
+        if reason is None and self.lora is not None:
             reason = "LoRA's adapter rows change with every batch"
-        elif any(isinstance(module, FusedMoE) for module in self.model.modules()):
+        elif reason is None and any(isinstance(m, FusedMoE) for m in self.model.modules()):
             reason = "MoE layers group the tokens by expert in Python"
+        return self._graph_sizes("CPU", reason, settings, self.max_running_requests)
+
+    def _graph_off_reason(self, backend: str, other_backend: str, ranks: str) -> str | None:
+        """Why neither kind of decode graph runs here, for what both need: a decoder, the
+        graphable attention ``backend`` (another one ``other_backend``), one rank (else
+        ``ranks``)."""
+        if self.model_config.is_encoder:
+            return "an encoder has no decode steps"
+        if self.attention_backend != backend:
+            return f"the {self.attention_backend} attention backend {other_backend}"
+        if self.parallel.distributed:
+            return ranks
+        return None
+
+    @staticmethod
+    def _graph_sizes(
+        kind: str, reason: str | None, settings: RunnerSettings, max_running_requests: int
+    ) -> list[int] | None:
+        """SGLang's batch-size buckets up to ``--cuda-graph-max-bs`` (at most the running
+        requests), or None with ``reason`` logged."""
         if reason is not None:
-            logger.info("CPU graphs off: %s", reason)
+            logger.info("%s graphs off: %s", kind, reason)
             return None
         return capture_batch_sizes(
-            min(settings.cuda_graph_max_bs or self.max_running_requests, self.max_running_requests)
+            min(settings.cuda_graph_max_bs or max_running_requests, max_running_requests)
         )
 
     @torch.inference_mode()

@@ -110,12 +110,11 @@ struct Rows {
   int64_t scale_row = 0;
 };
 
-// Row t of a task's keys or values (`base`: rows.k or rows.v) into R float32 registers, as
-// stored (a quantized pool's codes, not yet times their scale); the row kAhead further on, and
-// its scale, are prefetched.
-template <typename S, int64_t R>
-inline void load_row(const S* base, const float* scales, const Rows<S>& rows, int64_t t,
-                     int64_t len, int64_t head_dim, __m512* out) {
+// The row kAhead after row t of a task's keys or values (`base`: rows.k or rows.v), and its
+// scale in a quantized pool, asked for ahead.
+template <typename S>
+inline void prefetch_ahead(const S* base, const float* scales, const Rows<S>& rows, int64_t t,
+                           int64_t len, int64_t head_dim) {
   if (t + kAhead < len) {
     prefetch_row(base + rows.slots[t + kAhead] * rows.kv_row, head_dim);
     if constexpr (kQuantizedKV<S>) {
@@ -123,6 +122,14 @@ inline void load_row(const S* base, const float* scales, const Rows<S>& rows, in
                    _MM_HINT_T0);
     }
   }
+}
+
+// Row t of a task's keys or values into R float32 registers, as stored (a quantized pool's
+// codes, not yet times their scale); the row kAhead further on is prefetched.
+template <typename S, int64_t R>
+inline void load_row(const S* base, const float* scales, const Rows<S>& rows, int64_t t,
+                     int64_t len, int64_t head_dim, __m512* out) {
+  prefetch_ahead(base, scales, rows, t, len, head_dim);
   const S* row = base + rows.slots[t] * rows.kv_row;
   for (int64_t r = 0; r < R; ++r) out[r] = load_kv16(row + r * kLanes);
 }
@@ -156,6 +163,17 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
+// The scores of keys [t, t + n) (n <= 4: the last keys of a block) from sum4's lanes.
+inline void store_scores4(__m128 sums, int64_t n, float* dst) {
+  if (n == 4) {
+    _mm_storeu_ps(dst, sums);
+  } else {
+    alignas(16) float tail[4];
+    _mm_store_ps(tail, sums);
+    std::copy_n(tail, n, dst);
+  }
+}
+
 // The score pass of G heads over keys [t0, t1), four keys at a time (sum4): scores[g][t] =
 // query_g . k_t (times a quantized row's scale). For G heads whose four keys' sums, queries and
 // a key row fit the 32 registers.
@@ -185,14 +203,7 @@ void score_pass4(const __m512* query, const Rows<S>& rows, int64_t t0, int64_t t
     for (int64_t g = 0; g < G; ++g) {
       __m128 sums = sum4(dot[0][g], dot[1][g], dot[2][g], dot[3][g]);
       if constexpr (kQuantizedKV<S>) sums = _mm_mul_ps(sums, _mm_load_ps(row_s));
-      float* dst = scores + g * len + t;
-      if (n == 4) {
-        _mm_storeu_ps(dst, sums);
-      } else {
-        alignas(16) float tail[4];
-        _mm_store_ps(tail, sums);
-        std::copy_n(tail, n, dst);
-      }
+      store_scores4(sums, n, scores + g * len + t);
     }
   }
 }
@@ -225,12 +236,7 @@ void score_pass4_int16(const __m512i* query, const float* query_scale,
     alignas(16) float row_s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int64_t j = 0; j < 4; ++j) {
       if (j < n) {
-        if (t + j + kAhead < len) {
-          prefetch_row(rows.k + rows.slots[t + j + kAhead] * rows.kv_row, head_dim);
-          _mm_prefetch(reinterpret_cast<const char*>(
-                           rows.k_scale + rows.slots[t + j + kAhead] * rows.scale_row),
-                       _MM_HINT_T0);
-        }
+        prefetch_ahead(rows.k, rows.k_scale, rows, t + j, len, head_dim);
         const int8_t* row = rows.k + rows.slots[t + j] * rows.kv_row;
         __m512i key[R2];
         for (int64_t r = 0; r < R2; ++r) {
@@ -250,14 +256,7 @@ void score_pass4_int16(const __m512i* query, const float* query_scale,
     for (int64_t g = 0; g < G; ++g) {
       __m128 sums = sum4(dot[0][g], dot[1][g], dot[2][g], dot[3][g]);
       sums = _mm_mul_ps(_mm_mul_ps(sums, _mm_load_ps(row_s)), _mm_set1_ps(query_scale[g]));
-      float* dst = scores + g * len + t;
-      if (n == 4) {
-        _mm_storeu_ps(dst, sums);
-      } else {
-        alignas(16) float tail[4];
-        _mm_store_ps(tail, sums);
-        std::copy_n(tail, n, dst);
-      }
+      store_scores4(sums, n, scores + g * len + t);
     }
   }
 }
