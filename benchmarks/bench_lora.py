@@ -9,13 +9,15 @@ other's KV):
 - ``base``: ``--batch-size`` random prompts of ``--input-len`` tokens, ``--output-len`` new
   tokens each, greedy, ignore_eos, no adapter;
 - ``lora``: the same prompts, request i under adapter ``i % num_adapters``;
+- ``base_alone``: the same prompts on a second Engine started without LoRA (the base model as
+  it is served without adapters; both engines stay up, the idle one waiting on its sockets);
 - ``load``: ``load_lora_adapter`` + ``unload_lora_adapter`` of one more adapter, idle, then while
   a ``lora`` batch runs (the batch's wall time with and without a load in the middle).
 
 The adapters are made here with ``peft`` (random A and B, rank ``--rank`` on q/k/v/o and
 gate/up/down), so ``peft`` must be installed (the ``test`` extra). Prints JSON lines; the last
-one compares ``lora`` with ``base`` (``ratio``: lora tok/s over base tok/s; issue 34's target is
-0.8 on CPU). See benchmarks/README.md.
+one compares ``lora`` with ``base`` (``ratio``: lora tok/s over base tok/s) and with
+``base_alone`` (``ratio_vs_base_alone``); issue 34's target is 0.8 on CPU. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -104,18 +106,21 @@ def main() -> None:
                  for i in range(args.num_adapters + 1)]
         lora_paths = [f"a{i}={p}" for i, p in enumerate(paths[:-1])]
         names = [f"a{i % args.num_adapters}" for i in range(args.batch_size)]
-        with Engine(model_path=model, dtype=args.dtype, device="cpu", lora_paths=lora_paths,
-                    max_loras_per_batch=args.num_adapters + 1, max_lora_rank=args.rank,
-                    max_running_requests=max(args.batch_size, 16)) as engine:
+        common = {"model_path": model, "dtype": args.dtype, "device": "cpu",
+                  "max_running_requests": max(args.batch_size, 16)}
+        with Engine(**common, lora_paths=lora_paths, max_loras_per_batch=args.num_adapters + 1,
+                    max_lora_rank=args.rank) as engine, \
+                Engine(**common) as plain:
             results: dict[str, float] = {}
-            scenarios = {"base": None, "lora": names}
+            scenarios = {"base": (engine, None), "lora": (engine, names),
+                         "base_alone": (plain, None)}
             runs: dict[str, list[tuple[float, int]]] = {name: [] for name in scenarios}
-            for lora in scenarios.values():
-                timed(engine, prompts, params, lora)  # warm-up
-            for _ in range(args.repeats):  # taking turns: a shared machine's load hits both
-                for scenario, lora in scenarios.items():
-                    runs[scenario].append(timed(engine, prompts, params, lora))
-            for scenario, lora in scenarios.items():
+            for server, lora in scenarios.values():
+                timed(server, prompts, params, lora)  # warm-up
+            for _ in range(args.repeats):  # taking turns: a shared machine's load hits all
+                for scenario, (server, lora) in scenarios.items():
+                    runs[scenario].append(timed(server, prompts, params, lora))
+            for scenario, (_, lora) in scenarios.items():
                 wall = min(r[0] for r in runs[scenario])
                 tokens = runs[scenario][0][1]
                 results[scenario] = tokens / wall
@@ -146,7 +151,9 @@ def main() -> None:
                               "load_while_serving_ms": round(statistics.median(serving) * 1e3,
                                                              2)}), flush=True)
     print(json.dumps({"comparison": "lora_vs_base", "model": args.model,
-                      "ratio": round(results["lora"] / results["base"], 3)}), flush=True)
+                      "ratio": round(results["lora"] / results["base"], 3),
+                      "ratio_vs_base_alone": round(results["lora"] / results["base_alone"], 3)}),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch
 
 from radixserve.forward_batch import ForwardBatch
 from radixserve.lora.graph_inputs import PAD_LORA_SLOT, LoRAGraphInputs
+from radixserve.model_executor.cpu_graph_runner import CpuGraphRunner
 from tests.lora.adapters import make_adapter
 from tests.model_executor.harness import ManualSlots, make_runner
 
@@ -87,3 +88,60 @@ def test_decode_mixing_adapters_replays_the_graphs_as_the_eager_forward(lora_run
         assert differs.tolist() == [s >= 0 for s in mix]
         logits = graphed
     assert replays == [5, 5, 3]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_graphs_trace_lora_for_any_mix_and_adapters_loaded_after(
+    dtype, llama_path, tmp_path_factory
+):
+    """On CPU the decode steps with LoRA run from traced graphs (``CpuGraphRunner``): each
+    replay must compute what the eager step computes, bit for bit, whichever adapters its rows
+    use (not those of the batch it was traced on, nor none), and after an adapter is loaded into
+    a slot or unloaded from one (the kernel's copies of the pool are rewritten in place)."""
+    root = tmp_path_factory.mktemp(f"cpu-graph-adapters-{dtype}")
+    paths = [
+        f"attn={make_adapter(llama_path, root / 'attn', 4, ['q_proj', 'v_proj', 'o_proj'], 21)}",
+        f"mlp={make_adapter(llama_path, root / 'mlp', 8, ['gate_proj', 'down_proj'], 22)}",
+    ]
+    late = make_adapter(llama_path, root / "late", 8, ["q_proj", "k_proj", "up_proj"], 23)
+    runner = make_runner(llama_path, dtype=dtype, max_total_tokens=1024, enable_lora=True,
+                         lora_paths=paths, max_loras_per_batch=3, max_lora_rank=8,
+                         lora_target_modules=["all"])
+    graphs = runner.graph_runner
+    assert isinstance(graphs, CpuGraphRunner) and graphs.lora_inputs is not None
+    manager = runner.lora
+    attn, mlp = manager.slot_of["attn"], manager.slot_of["mlp"]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(6, 500) for _ in range(n)] for n in (7, 3, 12, 5, 9)]
+    slots = ManualSlots(runner)
+    seqs = [slots.new_seq() for _ in prompts]
+    logits = runner.forward(_with_slots(slots.extend(seqs, prompts), [attn, -1, mlp, attn, mlp]))
+    last = logits.argmax(-1).tolist()  # each request's next token
+    plan: list[tuple[str | None, list[int]]] = [
+        (None, [attn, -1, mlp, attn, mlp]),  # traces bucket 8
+        (None, [mlp, mlp, -1, attn, -1]),  # replays it for another mix
+        (None, [-1, -1, -1]),  # traces bucket 4 on base-model rows only
+        ("load", ["late", attn, -1]),  # replays it with adapters, one loaded after its trace
+        (None, ["late", "late", mlp, -1, attn]),
+        ("unload", ["late", attn, -1, "late", attn]),  # mlp's slot zeroed
+    ]
+    for step, (change, names) in enumerate(plan):
+        if change == "load":
+            manager.load("late", str(late))
+        elif change == "unload":
+            manager.unload("mlp")
+        mix = [manager.slot_of[n] if isinstance(n, str) else n for n in names]
+        live = len(mix)
+        fb = _with_slots(slots.decode(seqs[:live], last[:live]), mix)
+        graphed = runner.forward(fb)
+        runner.graph_runner = None
+        try:
+            eager = runner.forward(fb)  # rewrites the same KV slots with the same values
+            base = runner.forward(_with_slots(fb, None))
+        finally:
+            runner.graph_runner = graphs
+        assert torch.equal(graphed, eager), f"step {step}: {(graphed - eager).abs().max()}"
+        differs = (graphed.float() - base.float()).abs().amax(-1) > 1e-4
+        assert differs.tolist() == [s >= 0 for s in mix], f"step {step}"
+        last[:live] = graphed.argmax(-1).tolist()
+    assert sorted(graphs.traced) == [4, 8]

@@ -1,4 +1,5 @@
-"""The adapter slot of each decode row as an input of the CUDA graphs (SGLang does the same).
+"""The adapter slot of each decode row as an input of the decode graphs: CUDA graphs (SGLang
+does the same) and the CPU's traced graphs (``model_executor/cpu_graph_runner.py``).
 
 A captured graph replays fixed kernels on fixed addresses: the eager path's ``LoRABatchInfo``
 (groups of rows per adapter, runs of rows, a grid sized by the longest run) is worked out on the
@@ -14,7 +15,8 @@ The grid depends only on the captured batch size, so one graph per size serves e
 adapters and the base model. ``write`` copies a batch's per-request slots into the buffers
 before a replay, padding to the captured size with -1. The adapter weights stay where the
 ``LoRAMemoryPool`` keeps them (loading writes the slots in place), so loading and unloading
-adapters needs no new capture.
+adapters needs no new capture. On CPU the decode kernel reads copies of them made before the
+trace and rewritten in place when the pool changes (``LoRAManager.ready_for_graphs``).
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ class LoRAGraphInputs:
         self.token_slots.fill_(PAD_LORA_SLOT)
         self.seg_starts = torch.arange(max_bs, **int64)
 
-    def info(self, bs: int) -> LoRABatchInfo:
-        """The LoRA view of a captured batch of ``bs`` rows (the first ``bs`` of each buffer)."""
+    def info(self, bs: int, weights_version: int = 0) -> LoRABatchInfo:
+        """The LoRA view of a captured batch of ``bs`` rows (the first ``bs`` of each buffer),
+        reading the adapter pool at ``weights_version``."""
         return LoRABatchInfo.per_row(self.token_slots[:bs], self.seg_starts[:bs],
-                                     self.seg_lens[:bs])
+                                     self.seg_lens[:bs], weights_version)
 
     def write(self, lora_slots: list[int] | None, bs: int, padded: int) -> None:
         """Set the first ``padded`` rows for a replay: the ``bs`` requests' slots (``None``:

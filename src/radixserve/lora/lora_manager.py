@@ -39,6 +39,7 @@ from radixserve.lora.adapter import (
     load_adapter,
     read_config,
 )
+from radixserve.lora.graph_inputs import LoRAGraphInputs
 from radixserve.lora.memory_pool import LoRAMemoryPool
 from radixserve.lora.tp_shards import ROW_PARALLEL, RankShards
 
@@ -122,6 +123,8 @@ class LoRAManager:
         self._namespaces = itertools.count(1)
         self.info: LoRABatchInfo | None = None
         self.device = device
+        self.dtype = dtype
+        self._graph_version: int | None = None  # the pool version the graphs' copies hold
         with build_context(device, dtype):  # the op picks its implementation for this pair
             self.op = LoRADelta()
         logger.info(
@@ -235,6 +238,21 @@ class LoRAManager:
         ]
 
     # ------------------------------------------------------------------ per step
+    def ready_for_graphs(self) -> None:
+        """Before a decode graph is traced or replayed: the op's copies of every adapted
+        layer's weights made, or rewritten in place if the pool changed since (a traced CPU
+        graph reads the tensors it recorded; ``LoRADelta.kernel_copies``)."""
+        version = self.pool.version
+        if self._graph_version == version:
+            return
+        for buf in self.pool.buffers.values():
+            self.op.kernel_copies(buf.a, buf.b, buf.blocks, version, self.dtype)
+        self._graph_version = version
+
+    def graph_info(self, inputs: LoRAGraphInputs, bs: int) -> None:
+        """Set a graph's decode step's rows: the slots in ``inputs``' buffers."""
+        self.info = inputs.info(bs, self.pool.version)
+
     def prepare(self, forward_batch: ForwardBatch) -> None:
         """Set the rows' adapter slots for the step about to run."""
         slots = forward_batch.lora_slots

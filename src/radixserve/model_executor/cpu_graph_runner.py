@@ -19,9 +19,10 @@ frozen. That is right for what depends on the batch size alone (the kernel chose
 bucket, the decode kernel, the layers' windows), and wrong for anything that reads the batch's
 values in Python. ``ModelRunner`` therefore traces only what it knows to be of the first kind:
 a decoder on the ``cpu`` attention backend, on one rank (no collective between ops), without
-LoRA (adapter rows change per batch) or MoE layers (routing groups tokens in Python). Anything
-else decodes eagerly, with the reason in the log; ``--disable-cuda-graph`` turns graphs off on
-CPU too, as in SGLang.
+MoE layers (routing groups tokens in Python). Anything else decodes eagerly, with the reason in
+the log; ``--disable-cuda-graph`` turns graphs off on CPU too, as in SGLang. LoRA is traced as
+on CUDA: each row's adapter slot sits in a buffer the graph reads (``lora/graph_inputs.py``),
+and the LoRA kernel groups the rows by slot itself, so one graph serves every mix of adapters.
 
 ``torch.jit`` is deprecated (torch 2.13 warns): its successor for this, ``torch.export`` with
 AOTInductor, needs a fake (shape-only) implementation of each radixserve kernel first; a
@@ -39,6 +40,7 @@ from collections.abc import Callable
 import torch
 
 from radixserve.forward_batch import ForwardBatch
+from radixserve.lora.graph_inputs import LoRAGraphInputs
 from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
@@ -55,8 +57,10 @@ class CpuGraphRunner(CudaGraphRunner):
         forward: Callable[[ForwardBatch], torch.Tensor],
         device: torch.device,
         batch_sizes: list[int],
+        lora_inputs: LoRAGraphInputs | None = None,
     ) -> None:
-        super().__init__(forward, device, batch_sizes, use_cuda_graph=False)
+        super().__init__(forward, device, batch_sizes, use_cuda_graph=False,
+                         lora_inputs=lora_inputs)
         self.traced: dict[int, Graph] = {}
 
     def capture(self) -> None:

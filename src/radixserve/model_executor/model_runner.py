@@ -228,9 +228,7 @@ class ModelRunner:
             "cpu", "decides per batch in Python",
             "tensor, pipeline and expert parallel ranks talk between the ops",
         )
-        if reason is None and self.lora is not None:
-            reason = "LoRA's adapter rows change with every batch"
-        elif reason is None and any(isinstance(m, FusedMoE) for m in self.model.modules()):
+        if reason is None and any(isinstance(m, FusedMoE) for m in self.model.modules()):
             reason = "MoE layers group the tokens by expert in Python"
         return self._graph_sizes("CPU", reason, settings, self.max_running_requests)
 
@@ -265,8 +263,12 @@ class ModelRunner:
         allowed (traced lazily); after new weights or buffers, the old graphs hold stale ones."""
         if self.cuda_graph_batch_sizes is None:
             if self.cpu_graph_batch_sizes is not None:
+                self._lora_graph_inputs = None if self.lora is None else LoRAGraphInputs(
+                    max(self.cpu_graph_batch_sizes), self.device
+                )
                 self.graph_runner = CpuGraphRunner(
-                    self._decode_forward, self.device, self.cpu_graph_batch_sizes
+                    self._decode_forward, self.device, self.cpu_graph_batch_sizes,
+                    self._lora_graph_inputs,
                 )
             return
         self.graph_runner = None
@@ -300,7 +302,7 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(forward_batch)
         if self.lora is not None:
             assert self._lora_graph_inputs is not None
-            self.lora.info = self._lora_graph_inputs.info(forward_batch.batch_size)
+            self.lora.graph_info(self._lora_graph_inputs, forward_batch.batch_size)
         return self.model(forward_batch, None)
 
     def _load_model(self, config: ModelConfig) -> Any:
@@ -393,6 +395,8 @@ class ModelRunner:
             return torch.empty((0, self.vocab_size), dtype=self.dtype, device=self.device)
         graphs = self.graph_runner
         if graphs is not None and previous_stage is None and graphs.can_run(forward_batch):
+            if self.lora is not None:
+                self.lora.ready_for_graphs()
             return graphs.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         if self.lora is not None:

@@ -128,12 +128,13 @@ class LoRABatchInfo:
 
     @classmethod
     def per_row(cls, token_slots: torch.Tensor, seg_starts: torch.Tensor,
-                seg_lens: torch.Tensor) -> LoRABatchInfo:
+                seg_lens: torch.Tensor, weights_version: int = 0) -> LoRABatchInfo:
         """One segment per row (a decode step, one token a row): row ``i`` is segment ``i``
         of slot ``token_slots[i]`` and length ``seg_lens[i]`` (1 with an adapter, else 0).
-        The Triton kernels' grid then depends on the number of rows only, not on which
-        adapters they use, so a captured graph replays for any mix."""
-        return cls(token_slots, [], None, seg_starts, seg_lens, token_slots, 1, static=True)
+        The kernels' grid then depends on the number of rows only, not on which adapters
+        they use, so a captured or traced graph replays for any mix."""
+        return cls(token_slots, [], None, seg_starts, seg_lens, token_slots, 1, static=True,
+                   weights_version=weights_version)
 
     @property
     def any_adapter(self) -> bool:
@@ -165,7 +166,9 @@ class LoRADelta(CustomOp):
         # CPU kernel and bf16 prefills: per layer (its ``a``) and layout, A and B transposed in
         # the activations' dtype, per pool version (``_kernel_weights``; a bf16 model that
         # decodes and prefills holds B twice, in bf16: the pool's float32 size again at most).
-        self._bt: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Each entry: (a, the copy, how to make it again from the pool).
+        self._bt: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor,
+                                              Callable[[], torch.Tensor]]] = {}
         self._bt_version: int | None = None
 
     def add_to(
@@ -174,28 +177,45 @@ class LoRADelta(CustomOp):
     ) -> torch.Tensor:
         """``out += delta`` in place (what the layers' hooks do). On CPU a decode-sized batch
         in bf16 or float32 takes one kernel (``cpu_kernels.lora_add_``), which adds the delta
-        in float32 and rounds once, where ``out.add_(delta)`` rounds the delta first.
-        Larger bf16 batches (prefills) take ``_add_bf16``; float32 ones ``_add_groups``.
+        in float32 and rounds once, where ``out.add_(delta)`` rounds the delta first; so does
+        a graph's decode step (``info.static``: the kernel reads the rows' slots from the
+        graph's buffer, whatever the batch size). Larger bf16 batches (prefills) take
+        ``_add_bf16``; float32 ones ``_add_groups``.
         ``blocks`` (int64 ``[n, 4]``, ``LayerBuffers.blocks``): the rank and output ranges
         outside which ``b`` is zero; None: all of it."""
-        if (self.impl is OpImpl.CPU and reduce is None and not info.static
-                and x.shape[0] <= SMALL_BATCH_ROWS and out.dtype == x.dtype
-                and out.dtype in (torch.float32, torch.bfloat16) and a.dtype == torch.float32
+        on_cpu = self.impl is OpImpl.CPU and reduce is None
+        if (on_cpu and (info.static or x.shape[0] <= SMALL_BATCH_ROWS)
+                and self._kernel_fits(out.dtype, a) and out.dtype == x.dtype
                 and out.is_contiguous()):
             if blocks is None:
                 blocks = torch.tensor([[0, a.shape[1], 0, b.shape[1]]], dtype=torch.int64)
-            a_k, bt_k = self._kernel_weights(a, b, info, out.dtype, blocks)
+            a_k, bt_k = self._kernel_weights(a, b, info.weights_version, out.dtype, blocks)
             cpu_kernels.lora_add_(out, x.contiguous(), a_k, bt_k, info.token_slots, blocks)
             return out
-        if (self.impl is OpImpl.CPU and reduce is None and not info.static
-                and x.shape[0] > SMALL_BATCH_ROWS and out.dtype == x.dtype == torch.bfloat16
-                and a.dtype == torch.float32):
-            a_k, bt_k = self._kernel_weights(a, b, info, out.dtype)
+        if (on_cpu and not info.static and x.shape[0] > SMALL_BATCH_ROWS
+                and out.dtype == x.dtype == torch.bfloat16 and a.dtype == torch.float32):
+            a_k, bt_k = self._kernel_weights(a, b, info.weights_version, out.dtype)
             return self._add_bf16(out, x, a_k, bt_k, info, blocks)
-        if (self.impl is OpImpl.CPU and reduce is None and not info.static
+        if (on_cpu and not info.static
                 and not (info.present is not None and x.shape[0] <= SMALL_BATCH_ROWS)):
             return self._add_groups(out, x, a, b, info)
         return out.add_(self(x, a, b, info, reduce))
+
+    @staticmethod
+    def _kernel_fits(dtype: torch.dtype, a: torch.Tensor) -> bool:
+        """Whether the decode kernel serves activations of ``dtype`` over the pool's ``a``."""
+        return dtype in (torch.float32, torch.bfloat16) and a.dtype == torch.float32
+
+    def kernel_copies(self, a: torch.Tensor, b: torch.Tensor, blocks: torch.Tensor | None,
+                      version: int, dtype: torch.dtype) -> None:
+        """Make, or bring up to pool ``version`` in place, the decode kernel's copies of one
+        layer's weights for activations of ``dtype``. Before a CPU graph is traced (a trace
+        records them as constants: made inside it, their making would be recorded and redone
+        at every replay) and before each replay (the graph reads the tensors it recorded)."""
+        if self.impl is OpImpl.CPU and self._kernel_fits(dtype, a):
+            if blocks is None:
+                blocks = torch.tensor([[0, a.shape[1], 0, b.shape[1]]], dtype=torch.int64)
+            self._kernel_weights(a, b, version, dtype, blocks)
 
     @staticmethod
     def _add_groups(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -252,23 +272,25 @@ class LoRADelta(CustomOp):
         return out
 
     def _kernel_weights(
-        self, a: torch.Tensor, b: torch.Tensor, info: LoRABatchInfo, dtype: torch.dtype,
+        self, a: torch.Tensor, b: torch.Tensor, version: int, dtype: torch.dtype,
         blocks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of a layer's weights in ``dtype`` (bf16 for a bf16 model: half the bytes a
-        decode step streams), per pool version, each made on first use: ``a``, and B
-        transposed: with ``blocks`` (the decode kernel's layout, ``csrc/lora.cpp``) each
-        block's ranks x columns in chunks of ``LORA_CHUNK`` columns, ``[slots, P]``, so a
-        chunk's weights are one contiguous stream and the zero blocks are left out; without,
-        ``[slots, R, out]`` (a bf16 prefill's ``addmm_`` operand)."""
-        if self._bt_version != info.weights_version:
-            self._bt.clear()
-            self._bt_version = info.weights_version
+        decode step streams), made on first use and rewritten in place when the pool's
+        ``version`` changes (a traced CPU graph holds them): ``a``, and B transposed: with
+        ``blocks`` (the decode kernel's layout, ``csrc/lora.cpp``) each block's ranks x columns
+        in chunks of ``LORA_CHUNK`` columns, ``[slots, P]``, so a chunk's weights are one
+        contiguous stream and the zero blocks are left out; without, ``[slots, R, out]`` (a
+        bf16 prefill's ``addmm_`` operand)."""
+        if self._bt_version != version:
+            for _, copy, make in self._bt.values():
+                copy.copy_(make())
+            self._bt_version = version
 
         def cached(kind: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
             entry = self._bt.get((id(a), kind))
             if entry is None or entry[0] is not a or entry[1].dtype != dtype:
-                entry = (a, make().to(dtype).contiguous())  # ``a`` held: its id is not
+                entry = (a, make().to(dtype).contiguous(), make)  # ``a`` held: its id is not
                 self._bt[(id(a), kind)] = entry  # reused while the entry lives
             return entry[1]
 

@@ -513,6 +513,11 @@ class ScheduleBatch:
         return copy
 
     # ------------------------------------------------------------------ the seam
+    def lora_slots(self) -> list[int] | None:
+        """Each request's LoRA adapter slot (-1: the base model), or None when none has one."""
+        return ([r.lora_slot for r in self.reqs] if any(r.lora_slot >= 0 for r in self.reqs)
+                else None)
+
     def to_forward_batch(self) -> ForwardBatch:
         resources = self.resources
         return_logprob = any(r.return_logprob for r in self.reqs)
@@ -543,10 +548,7 @@ class ScheduleBatch:
                 [r.token_ids_logprob for r in self.reqs]
                 if any(r.token_ids_logprob for r in self.reqs) else None
             ),
-            lora_slots=(
-                [r.lora_slot for r in self.reqs] if any(r.lora_slot >= 0 for r in self.reqs)
-                else None
-            ),
+            lora_slots=self.lora_slots(),
         )
         if is_extend and any(r.token_type_ids for r in self.reqs):  # encoders: whole inputs
             types = [t for r in self.reqs for t in (r.token_type_ids or [0] * r.extend_input_len)]

@@ -216,6 +216,7 @@ class SpeculativeDecoder:
             # Every position's logits: the last of each request, then the others in order.
             input_logprob_starts=[0] * len(counts),
             input_logprob_counts=counts,
+            lora_slots=batch.lora_slots(),  # each request's drafts judged under its adapter
         )
         gained, logprobs = self._accept(batch, forward_batch, drafts, draft_probs)
         if self.draft_model is not None:
