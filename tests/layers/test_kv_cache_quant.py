@@ -172,36 +172,50 @@ def test_a_backend_refuses_a_dtype_it_cannot_read(monkeypatch):
         create_attention_backend("cpu", ReqToTokenPool(2, 8, "cpu"), pool)
 
 
+def _codes(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Random KV codes of ``dtype``: every int8 value, or fp8 codes of values about as large as
+    int8's (times the same scales: softmax not saturated), with magnitudes spread over 2^10
+    (e4m3's subnormals too), both signs."""
+    if dtype == torch.int8:
+        return torch.randint(-127, 128, shape, dtype=torch.int8, generator=gen)
+    spread = torch.exp2(torch.randint(-10, 1, shape, generator=gen).float())
+    return (torch.randn(shape, generator=gen) * spread * 100).to(dtype)
+
+
 @needs_cpu_kernels
+@pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (14, 2, 64),
                                                             (8, 8, 128), (4, 1, 256), (4, 2, 80)])
 @pytest.mark.parametrize(("window", "cap"), [(None, 0.0), (50, 1.5)])
-def test_int8_scores_of_bf16_queries_against_int16_queries(heads, kv_heads, head_dim, window,
-                                                           cap):
-    """``int16_query`` (the backend's choice for bf16 models): int8 keys scored against the
+def test_scores_of_bf16_queries_in_narrower_forms(codes, heads, kv_heads, head_dim, window,
+                                                  cap):
+    """``bf16_query`` (the backend's choice for bf16 models): int8 keys scored against the
     query quantised to int16 give what float32 scoring gives, to the int16 rounding (a 2^-16
-    share of the query's largest value per element, far below bf16's 2^-8); a head_dim that is
-    not a multiple of 32 keeps the float32 pass, bit for bit."""
+    share of the query's largest value per element, far below bf16's 2^-8); fp8 keys read as
+    bf16 by table and scored with bf16 dot products give it to the order of the sums (the
+    products are exact); a head_dim that is not a multiple of 32 keeps the float32 pass, bit for
+    bit."""
     gen = torch.Generator().manual_seed(head_dim + heads)
     batch, ctx = 3, 150  # several key blocks of 64
     slots = batch * ctx + 1
-    k = torch.randint(-127, 128, (slots, kv_heads, head_dim), dtype=torch.int8, generator=gen)
-    v = torch.randint(-127, 128, (slots, kv_heads, head_dim), dtype=torch.int8, generator=gen)
+    k = _codes(codes, (slots, kv_heads, head_dim), gen)
+    v = _codes(codes, (slots, kv_heads, head_dim), gen)
     k_scale = torch.rand(slots, kv_heads, generator=gen) * 0.02
     v_scale = torch.rand(slots, kv_heads, generator=gen) * 0.02
     table = (1 + torch.randperm(batch * ctx, generator=gen)).view(batch, ctx)
     q = (torch.randn(batch, heads, head_dim, generator=gen) * 2).bfloat16().float()
     lens = torch.tensor([ctx, ctx - 37, 1])
 
-    def attend_with(int16_query: bool) -> torch.Tensor:
+    def attend_with(bf16_query: bool) -> torch.Tensor:
         return cpu_kernels.paged_attention_quant(
             q, k, v, k_scale, v_scale, table, torch.arange(batch), lens, head_dim ** -0.5,
-            window=window, softcap=cap, int16_query=int16_query,
+            window=window, softcap=cap, bf16_query=bf16_query,
         )
 
     exact, fast = attend_with(False), attend_with(True)
     if head_dim % 32:
         assert torch.equal(fast, exact)
     else:
-        assert not torch.equal(fast, exact)  # the integer pass ran
+        assert not torch.equal(fast, exact)  # the narrower pass ran
         torch.testing.assert_close(fast, exact, atol=2e-4 * exact.abs().max().item(), rtol=0)

@@ -444,19 +444,20 @@ def paged_attention_quant(
     extend_lens: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float = 0.0,
-    int16_query: bool = False,
+    bf16_query: bool = False,
 ) -> torch.Tensor:
     """``paged_attention`` over a quantized pool (int8/fp8 codes, float32 scales ``[slots,
     kv_heads]``) whose new tokens' K/V the caller has quantized into it already; ``q`` float32,
     returns float32. ``window`` and ``softcap`` as in ``paged_attention`` (the same kernels).
-    ``int16_query`` (for queries that were bf16): decode scores int8 keys against the query
-    quantised to int16 (finer than bf16), with VNNI's exact integer products."""
+    ``bf16_query`` (``q`` holds bf16 values, a bf16 model's queries): decode scores int8 keys
+    against the query quantised to int16 (finer than bf16), with VNNI's exact integer products,
+    and fp8 keys as bf16 against the bf16 query (exact products, AVX512-BF16 dot products)."""
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     args = (q, k_buffer, v_buffer, k_scale, v_scale, req_to_token, req_pool_indices, seq_lens)
     win = window or 0
     if extend_lens is None:
         torch.ops.radixserve_cpu.decode_attention_quant(
-            *args, scale, win, softcap, out, int16_query
+            *args, scale, win, softcap, out, bf16_query
         )
     else:
         torch.ops.radixserve_cpu.extend_attention_quant(

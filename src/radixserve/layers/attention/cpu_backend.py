@@ -148,7 +148,7 @@ class CpuAttnBackend(AttentionBackend):
                 extend_lens,
                 layer.sliding_window,
                 layer.logit_cap,
-                int16_query=q.dtype == torch.bfloat16,
+                bf16_query=q.dtype == torch.bfloat16,
             )
             return out.view(n, heads * head_dim).to(q.dtype)
         q3 = q.view(n, heads, head_dim).to(pool.dtype)

@@ -131,7 +131,11 @@ inline void load_row(const S* base, const float* scales, const Rows<S>& rows, in
                      int64_t len, int64_t head_dim, __m512* out) {
   prefetch_ahead(base, scales, rows, t, len, head_dim);
   const S* row = base + rows.slots[t] * rows.kv_row;
-  for (int64_t r = 0; r < R; ++r) out[r] = load_kv16(row + r * kLanes);
+  if constexpr (kFp8KV<S> && R % 2 == 0) {
+    for (int64_t r = 0; r < R; r += 2) load_kv32(row + r * kLanes, out + r);
+  } else {
+    for (int64_t r = 0; r < R; ++r) out[r] = load_kv16(row + r * kLanes);
+  }
 }
 
 // The scale row t's codes are multiplied by (1 for an unquantized pool).
@@ -213,7 +217,7 @@ constexpr bool fits_four_keys(int64_t regs, int64_t heads) {
   return 4 * heads + heads * regs + regs <= 32;
 }
 
-// The int8 score pass for a bf16 model's queries (int16_query): each query head is quantised
+// The int8 score pass for a bf16 model's queries (bf16_query): each query head is quantised
 // to int16 once per task (a scale of max |q| / 32767, 2^7 times finer than the bf16 it came
 // from), and a key row's 64 codes are widened to int16 by one instruction per 32 and multiplied
 // with AVX512-VNNI `vpdpwssd` into exact int32 sums, instead of 4 conversions to float32 and 4
@@ -259,6 +263,67 @@ void score_pass4_int16(const __m512i* query, const float* query_scale,
       store_scores4(sums, n, scores + g * len + t);
     }
   }
+}
+
+// The fp8 score pass for a bf16 model's queries (bf16_query): a key row's codes become bf16 lanes
+// (load_fp8_bf16, three instructions per 32) and each head takes one AVX512-BF16 dot product per
+// 32 of them, where the float32 pass took a conversion chain per 16 codes and one FMA per 16
+// products and head; the products of two bf16 values are exact in float32, so the scores differ
+// from the float32 pass's in the order of the sums (and fp8's smallest codes, read as zero: see
+// kv_quant.h). R2 registers of 32 bf16 lanes per head (head_dim a multiple of 32), the query
+// unscaled (the bf16 values it came from, times kBf16QueryFactor): `scale` multiplies the sums.
+constexpr bool fits_four_keys_bf16(int64_t regs2, int64_t heads) {
+  return 4 * heads + heads * regs2 + regs2 <= 32;
+}
+
+// What the bf16 query is multiplied by (exactly: a power of two) so that its products with the
+// codes' bf16 lanes (values times 2^-120 or 2^-112) and their sums stay far above float32's
+// smallest normal (2^-126): sums that fell under it became denormals, whose every add takes a
+// microcode assist.
+constexpr float kBf16QueryFactor = 0x1p96f;
+
+template <typename S, int64_t R2, int64_t G>
+void score_pass4_bf16(const __m512i* query, float scale, const Rows<S>& rows, int64_t t0, int64_t t1, int64_t len, int64_t head_dim,
+                      float* scores) {
+  __m512i q[G][R2];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = 0; r < R2; ++r) q[g][r] = query[g * R2 + r];
+  for (int64_t t = t0; t < t1; t += 4) {
+    const int64_t n = std::min<int64_t>(4, t1 - t);
+    __m512 dot[4][G];
+    alignas(16) float row_s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t j = 0; j < 4; ++j) {
+      if (j < n) {
+        prefetch_ahead(rows.k, rows.k_scale, rows, t + j, len, head_dim);
+        const int64_t slot = rows.slots[t + j];
+        const S* row = rows.k + slot * rows.kv_row;
+        __m512i key[R2];
+        for (int64_t r = 0; r < R2; ++r) key[r] = load_fp8_bf16(row + 32 * r);
+        row_s[j] = rows.k_scale[slot * rows.scale_row];
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 sum = dot_bf16_pairs(_mm512_setzero_ps(), q[g][0], key[0]);
+          for (int64_t r = 1; r < R2; ++r) sum = dot_bf16_pairs(sum, q[g][r], key[r]);
+          dot[j][g] = sum;
+        }
+      } else {
+        for (int64_t g = 0; g < G; ++g) dot[j][g] = _mm512_setzero_ps();
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      __m128 sums = sum4(dot[0][g], dot[1][g], dot[2][g], dot[3][g]);
+      sums = _mm_mul_ps(_mm_mul_ps(sums, _mm_load_ps(row_s)),
+                        _mm_set1_ps(scale * (kBf16CodeFactor<S> / kBf16QueryFactor)));
+      store_scores4(sums, n, scores + g * len + t);
+    }
+  }
+}
+
+// Two float32 registers holding bf16 values -> one register of their 32 bf16 lanes, in order
+// (truncation: exact for bf16 values; AVX-512F only).
+inline __m512i pack_bf16_values(__m512 lo, __m512 hi) {
+  const __m256i l = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(lo), 16));
+  const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(hi), 16));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(l), h, 1);
 }
 
 // Query head g's R float32 registers -> R / 2 registers of 32 int16 lanes (element order kept)
@@ -349,7 +414,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
                            const at::Tensor& v_scale, const at::Tensor& req_to_token,
                            const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
                            double scale, int64_t window, double softcap, at::Tensor& out,
-                           bool int16_query = false) {
+                           bool bf16_query = false) {
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = k_buffer.size(1), group = heads / kv_heads;
   constexpr int64_t regs = kRegs;
@@ -377,11 +442,16 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
     std::vector<float> scores;
     // the group's scaled queries and output sums, head_dim / 16 registers per query head
     std::vector<__m512> query(group * regs), acc(group * regs);
-    // int16_query: the same queries as int16 (regs / 2 registers per head) and their scales
+    // bf16_query: the same queries as int16 (regs / 2 registers per head) and their scales
     constexpr bool kInt16Keys = std::is_same_v<S, int8_t> && regs % 2 == 0;
-    const bool int16_scores = kInt16Keys && int16_query;
+    const bool int16_scores = kInt16Keys && bf16_query;
     std::vector<__m512i> query16(int16_scores ? group * regs / 2 : 0);
     std::vector<float> query16_scale(int16_scores ? group : 0);
+    // bf16_query over fp8 keys: the unscaled queries as bf16 (regs / 2 registers per head)
+    constexpr bool kBf16Keys =
+        (std::is_same_v<S, Fp8E4M3> || std::is_same_v<S, Fp8E5M2>) && regs % 2 == 0;
+    const bool bf16_scores = kBf16Keys && bf16_query;
+    std::vector<__m512i> query_bf16(bf16_scores ? group * regs / 2 : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       // the keys the query sees: positions [first, seq_len)
@@ -404,6 +474,16 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       for (int64_t i = 0; i < group * regs; ++i) {
         query[i] = _mm512_mul_ps(load16(q_group + i * kLanes), scale_v);
         acc[i] = _mm512_setzero_ps();
+      }
+      if constexpr (kBf16Keys) {
+        if (bf16_scores) {
+          const __m512 lift = _mm512_set1_ps(kBf16QueryFactor);
+          for (int64_t i = 0; i < group * regs / 2; ++i) {
+            query_bf16[i] =
+                pack_bf16_values(_mm512_mul_ps(load16(q_group + 2 * i * kLanes), lift),
+                                 _mm512_mul_ps(load16(q_group + (2 * i + 1) * kLanes), lift));
+          }
+        }
       }
       if constexpr (kInt16Keys) {
         if (int16_scores) {
@@ -429,6 +509,14 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
                   score_pass4_int16<regs / 2, heads_now>(
                       query16.data() + g * regs / 2, query16_scale.data() + g, rows, t0, t1,
                       len, head_dim, scores.data() + g * len);
+                  return;
+                }
+              }
+              if constexpr (scoring && kBf16Keys && fits_four_keys_bf16(regs / 2, heads_now)) {
+                if (bf16_scores) {
+                  score_pass4_bf16<S, regs / 2, heads_now>(
+                      query_bf16.data() + g * regs / 2, static_cast<float>(scale), rows,
+                      t0, t1, len, head_dim, scores.data() + g * len);
                   return;
                 }
               }
@@ -512,15 +600,16 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 // decode_attention over a quantized pool: q and out float32 [batch, heads, head_dim]; k_buffer,
 // v_buffer [slots, kv_heads, head_dim] of int8 or fp8 codes; k_scale, v_scale float32 [slots,
 // kv_heads]. The new token's K/V must be in the pool already (the caller quantized it there).
-// int16_query (a bf16 model's queries, where int16 is finer than the bf16 they came from):
-// int8 keys are scored against the query quantised to int16 (score_pass4_int16), head_dim a
-// multiple of 32; otherwise, and for fp8, in float32.
+// bf16_query (q holds bf16 values: a bf16 model's queries), head_dim a multiple of 32: int8
+// keys are scored against the query quantised to int16 (score_pass4_int16, finer than the bf16
+// it came from), fp8 keys as bf16 against the bf16 query (score_pass4_bf16); otherwise in
+// float32.
 void decode_attention_quant(const at::Tensor& q, const at::Tensor& k_buffer,
                             const at::Tensor& v_buffer, const at::Tensor& k_scale,
                             const at::Tensor& v_scale, const at::Tensor& req_to_token,
                             const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
                             double scale, int64_t window, double softcap, at::Tensor out,
-                            bool int16_query) {
+                            bool bf16_query) {
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && out.sizes() == q.sizes() &&
                   k_buffer.sizes() == v_buffer.sizes() && k_buffer.size(2) == q.size(2),
               "decode_attention_quant: q and out must be [batch, heads, head_dim], the KV "
@@ -552,7 +641,7 @@ void decode_attention_quant(const at::Tensor& q, const at::Tensor& k_buffer,
     with_constant<kMaxHeadRegs>(q.size(2) / kLanes, [&](auto regs) {
       decode_attention_impl<float, S, decltype(regs)::value>(
           q, at::Tensor(), at::Tensor(), at::Tensor(), k_buffer, v_buffer, k_scale, v_scale,
-          req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, int16_query);
+          req_to_token, req_pool_indices, seq_lens, scale, window, softcap, out, bf16_query);
     });
   });
 }
@@ -565,6 +654,6 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
   m.def("decode_attention_quant(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor k_scale, "
         "Tensor v_scale, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
-        "float scale, int window, float softcap, Tensor(c!) out, bool int16_query=False) -> ()");
+        "float scale, int window, float softcap, Tensor(c!) out, bool bf16_query=False) -> ()");
   m.impl("decode_attention_quant", c10::DispatchKey::CPU, &decode_attention_quant);
 }

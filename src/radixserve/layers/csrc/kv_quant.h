@@ -49,12 +49,57 @@ inline __m512 load_kv16(const Fp8E5M2* p) {
   return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8));
 }
 inline __m512 load_kv16(const Fp8E4M3* p) {
+  // sign-extended, the sign fills bits 7-15: shifted by 7 it is in fp16's sign bit and in bit
+  // 14, which the mask clears (the exponent's top bit, always 0 for an e4m3 code)
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i w = _mm256_cvtepu8_epi16(raw);
-  const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
-  return _mm512_cvtph_ps(_mm256_or_si256(magnitude, sign));  // times 2^-8: kScaleFactor
+  const __m256i w = _mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 7);
+  const __m256i bits = _mm256_and_si256(w, _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  return _mm512_cvtph_ps(bits);  // times 2^-8: kScaleFactor
 }
+
+// fp8 codes as bf16 lanes, for scoring them with AVX512-BF16 dot products against a bf16
+// model's queries (decode_attention's score_pass4_bf16), three instructions per 32 codes: a code
+// moved to bf16's bit positions reads as its value times 2^-120 (e4m3fn, exponent bias 7) or
+// 2^-112 (e5m2, bias 15), bf16's bias being 127; kBf16CodeFactor undoes that on the sums. Its
+// subnormals become bf16 denormals, which the dot product reads as zero: codes under 2^-6
+// (e4m3fn) or 2^-14 (e5m2), of rows whose largest code is 448 or 57344 (a 2^-15 or 2^-30 share,
+// far under fp8's own rounding of 2^-4 or 2^-3).
+template <typename S>
+constexpr float kBf16CodeFactor = std::is_same_v<S, Fp8E4M3> ? 0x1p120f : 0x1p112f;
+
+template <typename S>
+inline __m512i load_fp8_bf16(const S* p) {
+  static_assert(std::is_same_v<S, Fp8E4M3> || std::is_same_v<S, Fp8E5M2>);
+  // sign-extended: the sign fills bits 7-15, so after the shift it sits in bf16's sign bit and
+  // in the bits above the exponent that the mask clears
+  const __m512i code =
+      _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  constexpr int kShift = std::is_same_v<S, Fp8E4M3> ? 4 : 5;
+  constexpr int16_t kKeep = static_cast<int16_t>(std::is_same_v<S, Fp8E4M3> ? 0x87FF : 0x8FFF);
+  return _mm512_and_si512(_mm512_slli_epi16(code, kShift), _mm512_set1_epi16(kKeep));
+}
+
+// 32 fp8 codes into two registers of 16 float32 lanes, as load_kv16 gives them: one widening,
+// shift and mask for all 32 (the fp16 step at zmm width), then two conversions: a row's codes
+// took five instructions per 16 (e4m3fn) where the conversion is what the value pass waits on.
+template <typename S>
+inline void load_kv32(const S* p, __m512* out) {
+  static_assert(std::is_same_v<S, Fp8E4M3> || std::is_same_v<S, Fp8E5M2>);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  __m512i bits;
+  if constexpr (std::is_same_v<S, Fp8E4M3>) {  // as load_kv16(const Fp8E4M3*)
+    bits = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(raw), 7),
+                            _mm512_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  } else {
+    bits = _mm512_slli_epi16(_mm512_cvtepu8_epi16(raw), 8);
+  }
+  out[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
+  out[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
+}
+
+// Whether a pool of S is read 32 codes at a time (load_kv32).
+template <typename S>
+constexpr bool kFp8KV = std::is_same_v<S, Fp8E4M3> || std::is_same_v<S, Fp8E5M2>;
 
 // Calls fn(S{}) with S the code type of a quantized KV buffer (int8, float8_e4m3fn, float8_e5m2).
 template <typename Fn>
