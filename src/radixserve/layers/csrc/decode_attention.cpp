@@ -217,62 +217,41 @@ constexpr bool fits_four_keys(int64_t regs, int64_t heads) {
   return 4 * heads + heads * regs + regs <= 32;
 }
 
-// The int8 score pass for a bf16 model's queries (bf16_query): each query head is quantised
-// to int16 once per task (a scale of max |q| / 32767, 2^7 times finer than the bf16 it came
-// from), and a key row's 64 codes are widened to int16 by one instruction per 32 and multiplied
-// with AVX512-VNNI `vpdpwssd` into exact int32 sums, instead of 4 conversions to float32 and 4
-// FMAs per 16 codes and head: the score pass's instructions were what bound the int8 kernel.
-// R2 registers of 32 int16 lanes per head (head_dim a multiple of 32); four keys per reduction.
-constexpr bool fits_four_keys_int16(int64_t regs2, int64_t heads) {
-  return 4 * heads + heads * regs2 + regs2 <= 32;
-}
-
-template <int64_t R2, int64_t G>
-void score_pass4_int16(const __m512i* query, const float* query_scale,
-                       const Rows<int8_t>& rows, int64_t t0, int64_t t1, int64_t len,
-                       int64_t head_dim, float* scores) {
-  __m512i q[G][R2];
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t r = 0; r < R2; ++r) q[g][r] = query[g * R2 + r];
-  for (int64_t t = t0; t < t1; t += 4) {
-    const int64_t n = std::min<int64_t>(4, t1 - t);
-    __m512 dot[4][G];
-    alignas(16) float row_s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int64_t j = 0; j < 4; ++j) {
-      if (j < n) {
-        prefetch_ahead(rows.k, rows.k_scale, rows, t + j, len, head_dim);
-        const int8_t* row = rows.k + rows.slots[t + j] * rows.kv_row;
-        __m512i key[R2];
-        for (int64_t r = 0; r < R2; ++r) {
-          key[r] = _mm512_cvtepi8_epi16(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * r)));
-        }
-        row_s[j] = row_scale<int8_t>(rows.k_scale, rows, t + j);
-        for (int64_t g = 0; g < G; ++g) {
-          __m512i sum = dot_pairs(_mm512_setzero_si512(), q[g][0], key[0]);
-          for (int64_t r = 1; r < R2; ++r) sum = dot_pairs(sum, q[g][r], key[r]);
-          dot[j][g] = _mm512_cvtepi32_ps(sum);
-        }
-      } else {
-        for (int64_t g = 0; g < G; ++g) dot[j][g] = _mm512_setzero_ps();
-      }
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      __m128 sums = sum4(dot[0][g], dot[1][g], dot[2][g], dot[3][g]);
-      sums = _mm_mul_ps(_mm_mul_ps(sums, _mm_load_ps(row_s)), _mm_set1_ps(query_scale[g]));
-      store_scores4(sums, n, scores + g * len + t);
-    }
+// The narrow score passes for a bf16 model's queries (bf16_query), head_dim a multiple of 32,
+// four keys per reduction (score_pass4_narrow); where the float32 pass took a conversion chain
+// per 16 codes and one FMA per 16 products and head, a key row's 32 codes are widened once and
+// each head takes one dot-product instruction per 32 of them:
+// - int8 keys (Int16Keys): each query head is quantised to int16 once per task (a scale of
+//   max |q| / 32767, 2^7 times finer than the bf16 it came from), the codes widened to int16 and
+//   multiplied with AVX512-VNNI `vpdpwssd` into exact int32 sums;
+// - fp8 keys (Bf16Keys): the codes moved into bf16's bit positions (load_fp8_bf16) and
+//   multiplied with AVX512-BF16 dot products against the bf16 query, whose products are exact in
+//   float32 (so the scores differ from the float32 pass's in the order of the sums, and fp8's
+//   smallest codes, read as zero: see kv_quant.h); the query times kBf16QueryFactor.
+// R2 registers of 32 lanes per head; `head_factor[g]` multiplies head g's sums (with the row's
+// scale): the int16 query's scale, or the softmax scale over the bf16 lanes' factors.
+struct Int16Keys {
+  using Code = int8_t;
+  using Acc = __m512i;
+  static Acc zero() { return _mm512_setzero_si512(); }
+  static __m512i load(const int8_t* p) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-}
+  static Acc dot(Acc acc, __m512i q, __m512i k) { return dot_pairs(acc, q, k); }
+  static __m512 sums(Acc acc) { return _mm512_cvtepi32_ps(acc); }
+};
 
-// The fp8 score pass for a bf16 model's queries (bf16_query): a key row's codes become bf16 lanes
-// (load_fp8_bf16, three instructions per 32) and each head takes one AVX512-BF16 dot product per
-// 32 of them, where the float32 pass took a conversion chain per 16 codes and one FMA per 16
-// products and head; the products of two bf16 values are exact in float32, so the scores differ
-// from the float32 pass's in the order of the sums (and fp8's smallest codes, read as zero: see
-// kv_quant.h). R2 registers of 32 bf16 lanes per head (head_dim a multiple of 32), the query
-// unscaled (the bf16 values it came from, times kBf16QueryFactor): `scale` multiplies the sums.
-constexpr bool fits_four_keys_bf16(int64_t regs2, int64_t heads) {
+template <typename S>
+struct Bf16Keys {
+  using Code = S;
+  using Acc = __m512;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static __m512i load(const S* p) { return load_fp8_bf16(p); }
+  static Acc dot(Acc acc, __m512i q, __m512i k) { return dot_bf16_pairs(acc, q, k); }
+  static __m512 sums(Acc acc) { return acc; }
+};
+
+constexpr bool fits_four_keys_narrow(int64_t regs2, int64_t heads) {
   return 4 * heads + heads * regs2 + regs2 <= 32;
 }
 
@@ -282,9 +261,10 @@ constexpr bool fits_four_keys_bf16(int64_t regs2, int64_t heads) {
 // microcode assist.
 constexpr float kBf16QueryFactor = 0x1p96f;
 
-template <typename S, int64_t R2, int64_t G>
-void score_pass4_bf16(const __m512i* query, float scale, const Rows<S>& rows, int64_t t0, int64_t t1, int64_t len, int64_t head_dim,
-                      float* scores) {
+template <typename K, int64_t R2, int64_t G>
+void score_pass4_narrow(const __m512i* query, const float* head_factor,
+                        const Rows<typename K::Code>& rows, int64_t t0, int64_t t1, int64_t len,
+                        int64_t head_dim, float* scores) {
   __m512i q[G][R2];
   for (int64_t g = 0; g < G; ++g)
     for (int64_t r = 0; r < R2; ++r) q[g][r] = query[g * R2 + r];
@@ -296,14 +276,14 @@ void score_pass4_bf16(const __m512i* query, float scale, const Rows<S>& rows, in
       if (j < n) {
         prefetch_ahead(rows.k, rows.k_scale, rows, t + j, len, head_dim);
         const int64_t slot = rows.slots[t + j];
-        const S* row = rows.k + slot * rows.kv_row;
+        const typename K::Code* row = rows.k + slot * rows.kv_row;
         __m512i key[R2];
-        for (int64_t r = 0; r < R2; ++r) key[r] = load_fp8_bf16(row + 32 * r);
-        row_s[j] = rows.k_scale[slot * rows.scale_row];
+        for (int64_t r = 0; r < R2; ++r) key[r] = K::load(row + 32 * r);
+        row_s[j] = rows.k_scale[slot * rows.scale_row];  // the lanes are the codes' values
         for (int64_t g = 0; g < G; ++g) {
-          __m512 sum = dot_bf16_pairs(_mm512_setzero_ps(), q[g][0], key[0]);
-          for (int64_t r = 1; r < R2; ++r) sum = dot_bf16_pairs(sum, q[g][r], key[r]);
-          dot[j][g] = sum;
+          typename K::Acc sum = K::dot(K::zero(), q[g][0], key[0]);
+          for (int64_t r = 1; r < R2; ++r) sum = K::dot(sum, q[g][r], key[r]);
+          dot[j][g] = K::sums(sum);
         }
       } else {
         for (int64_t g = 0; g < G; ++g) dot[j][g] = _mm512_setzero_ps();
@@ -311,8 +291,7 @@ void score_pass4_bf16(const __m512i* query, float scale, const Rows<S>& rows, in
     }
     for (int64_t g = 0; g < G; ++g) {
       __m128 sums = sum4(dot[0][g], dot[1][g], dot[2][g], dot[3][g]);
-      sums = _mm_mul_ps(_mm_mul_ps(sums, _mm_load_ps(row_s)),
-                        _mm_set1_ps(scale * (kBf16CodeFactor<S> / kBf16QueryFactor)));
+      sums = _mm_mul_ps(_mm_mul_ps(sums, _mm_load_ps(row_s)), _mm_set1_ps(head_factor[g]));
       store_scores4(sums, n, scores + g * len + t);
     }
   }
@@ -452,6 +431,11 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
         (std::is_same_v<S, Fp8E4M3> || std::is_same_v<S, Fp8E5M2>) && regs % 2 == 0;
     const bool bf16_scores = kBf16Keys && bf16_query;
     std::vector<__m512i> query_bf16(bf16_scores ? group * regs / 2 : 0);
+    std::vector<float> bf16_factor(bf16_scores ? group : 0, 0.0f);
+    if constexpr (kBf16Keys) {
+      std::fill(bf16_factor.begin(), bf16_factor.end(),
+                static_cast<float>(scale) * (kBf16CodeFactor<S> / kBf16QueryFactor));
+    }
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       // the keys the query sees: positions [first, seq_len)
@@ -504,19 +488,20 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
               constexpr int64_t heads_now = decltype(heads_tag)::value;
               constexpr bool scoring = decltype(scores_tag)::value;
               if constexpr (scoring && kInt16Keys &&
-                            fits_four_keys_int16(regs / 2, heads_now)) {
+                            fits_four_keys_narrow(regs / 2, heads_now)) {
                 if (int16_scores) {
-                  score_pass4_int16<regs / 2, heads_now>(
+                  score_pass4_narrow<Int16Keys, regs / 2, heads_now>(
                       query16.data() + g * regs / 2, query16_scale.data() + g, rows, t0, t1,
                       len, head_dim, scores.data() + g * len);
                   return;
                 }
               }
-              if constexpr (scoring && kBf16Keys && fits_four_keys_bf16(regs / 2, heads_now)) {
+              if constexpr (scoring && kBf16Keys &&
+                            fits_four_keys_narrow(regs / 2, heads_now)) {
                 if (bf16_scores) {
-                  score_pass4_bf16<S, regs / 2, heads_now>(
-                      query_bf16.data() + g * regs / 2, static_cast<float>(scale), rows,
-                      t0, t1, len, head_dim, scores.data() + g * len);
+                  score_pass4_narrow<Bf16Keys<S>, regs / 2, heads_now>(
+                      query_bf16.data() + g * regs / 2, bf16_factor.data(), rows, t0, t1, len,
+                      head_dim, scores.data() + g * len);
                   return;
                 }
               }
