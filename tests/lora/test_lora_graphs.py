@@ -55,6 +55,16 @@ def _with_slots(fb: ForwardBatch, slots: list[int]) -> ForwardBatch:
     return dataclasses.replace(fb, lora_slots=slots)
 
 
+def _eager_and_base(runner, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fb``'s logits from the eager forward, with its adapters and on the base model alone
+    (each rewrites the same KV slots with the same values); the graphs are set aside meanwhile."""
+    graphs, runner.graph_runner = runner.graph_runner, None
+    try:
+        return runner.forward(fb), runner.forward(_with_slots(fb, None))
+    finally:
+        runner.graph_runner = graphs
+
+
 def test_decode_mixing_adapters_replays_the_graphs_as_the_eager_forward(lora_runner):
     runner, graphs = lora_runner, lora_runner.graph_runner
     assert graphs is not None and graphs.lora_inputs is not None
@@ -76,12 +86,7 @@ def test_decode_mixing_adapters_replays_the_graphs_as_the_eager_forward(lora_run
         graphed = runner.forward(fb)
         padded = graphs.padded_batch_size(live)
         assert graphs.lora_inputs.token_slots[:padded].tolist() == mix + [-1] * (padded - live)
-        runner.graph_runner = None
-        try:
-            eager = runner.forward(fb)  # rewrites the same KV slots with the same values
-            base = runner.forward(_with_slots(fb, None))
-        finally:
-            runner.graph_runner = graphs
+        eager, base = _eager_and_base(runner, fb)
         torch.testing.assert_close(graphed, eager, atol=1e-5, rtol=0)
         # the adapters change the logits: a graph that ignored its LoRA inputs would fail
         differs = (graphed - base).abs().amax(-1) > 1e-4
@@ -134,12 +139,7 @@ def test_cpu_graphs_trace_lora_for_any_mix_and_adapters_loaded_after(
         live = len(mix)
         fb = _with_slots(slots.decode(seqs[:live], last[:live]), mix)
         graphed = runner.forward(fb)
-        runner.graph_runner = None
-        try:
-            eager = runner.forward(fb)  # rewrites the same KV slots with the same values
-            base = runner.forward(_with_slots(fb, None))
-        finally:
-            runner.graph_runner = graphs
+        eager, base = _eager_and_base(runner, fb)
         assert torch.equal(graphed, eager), f"step {step}: {(graphed - eager).abs().max()}"
         differs = (graphed.float() - base.float()).abs().amax(-1) > 1e-4
         assert differs.tolist() == [s >= 0 for s in mix], f"step {step}"

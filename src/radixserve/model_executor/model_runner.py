@@ -261,11 +261,12 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         """(Re)build the decode graphs: CUDA graphs where planned, else CPU graphs where
         allowed (traced lazily); after new weights or buffers, the old graphs hold stale ones."""
+        sizes = self.cuda_graph_batch_sizes or self.cpu_graph_batch_sizes
+        self._lora_graph_inputs = None if self.lora is None or not sizes else LoRAGraphInputs(
+            max(sizes), self.device
+        )
         if self.cuda_graph_batch_sizes is None:
             if self.cpu_graph_batch_sizes is not None:
-                self._lora_graph_inputs = None if self.lora is None else LoRAGraphInputs(
-                    max(self.cpu_graph_batch_sizes), self.device
-                )
                 self.graph_runner = CpuGraphRunner(
                     self._decode_forward, self.device, self.cpu_graph_batch_sizes,
                     self._lora_graph_inputs,
@@ -274,9 +275,6 @@ class ModelRunner:
         self.graph_runner = None
         on_cuda = self.device.type == "cuda"  # elsewhere only tests set the batch sizes
         before = torch.cuda.memory_reserved(self.device) if on_cuda else 0
-        self._lora_graph_inputs = None if self.lora is None else LoRAGraphInputs(
-            max(self.cuda_graph_batch_sizes), self.device
-        )
         runner = CudaGraphRunner(
             self._decode_forward, self.device, self.cuda_graph_batch_sizes,
             use_cuda_graph=on_cuda, lora_inputs=self._lora_graph_inputs,

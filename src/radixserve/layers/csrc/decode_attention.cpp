@@ -586,8 +586,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 // v_buffer [slots, kv_heads, head_dim] of int8 or fp8 codes; k_scale, v_scale float32 [slots,
 // kv_heads]. The new token's K/V must be in the pool already (the caller quantized it there).
 // bf16_query (q holds bf16 values: a bf16 model's queries), head_dim a multiple of 32: int8
-// keys are scored against the query quantised to int16 (score_pass4_int16, finer than the bf16
-// it came from), fp8 keys as bf16 against the bf16 query (score_pass4_bf16); otherwise in
+// keys are scored against the query quantised to int16 (score_pass4_narrow, finer than the bf16
+// it came from), fp8 keys as bf16 against the bf16 query (score_pass4_narrow); otherwise in
 // float32.
 void decode_attention_quant(const at::Tensor& q, const at::Tensor& k_buffer,
                             const at::Tensor& v_buffer, const at::Tensor& k_scale,

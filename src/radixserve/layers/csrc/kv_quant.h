@@ -58,7 +58,7 @@ inline __m512 load_kv16(const Fp8E4M3* p) {
 }
 
 // fp8 codes as bf16 lanes, for scoring them with AVX512-BF16 dot products against a bf16
-// model's queries (decode_attention's score_pass4_bf16), three instructions per 32 codes: a code
+// model's queries (decode_attention's score_pass4_narrow), three instructions per 32 codes: a code
 // moved to bf16's bit positions reads as its value times 2^-120 (e4m3fn, exponent bias 7) or
 // 2^-112 (e5m2, bias 15), bf16's bias being 127; kBf16CodeFactor undoes that on the sums. Its
 // subnormals become bf16 denormals, which the dot product reads as zero: codes under 2^-6

@@ -187,8 +187,7 @@ class LoRADelta(CustomOp):
         if (on_cpu and (info.static or x.shape[0] <= SMALL_BATCH_ROWS)
                 and self._kernel_fits(out.dtype, a) and out.dtype == x.dtype
                 and out.is_contiguous()):
-            if blocks is None:
-                blocks = torch.tensor([[0, a.shape[1], 0, b.shape[1]]], dtype=torch.int64)
+            blocks = self._all_of(a, b) if blocks is None else blocks
             a_k, bt_k = self._kernel_weights(a, b, info.weights_version, out.dtype, blocks)
             cpu_kernels.lora_add_(out, x.contiguous(), a_k, bt_k, info.token_slots, blocks)
             return out
@@ -213,9 +212,13 @@ class LoRADelta(CustomOp):
         records them as constants: made inside it, their making would be recorded and redone
         at every replay) and before each replay (the graph reads the tensors it recorded)."""
         if self.impl is OpImpl.CPU and self._kernel_fits(dtype, a):
-            if blocks is None:
-                blocks = torch.tensor([[0, a.shape[1], 0, b.shape[1]]], dtype=torch.int64)
+            blocks = self._all_of(a, b) if blocks is None else blocks
             self._kernel_weights(a, b, version, dtype, blocks)
+
+    @staticmethod
+    def _all_of(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The one block of a layer whose ``b`` has no zero blocks: every rank, every column."""
+        return torch.tensor([[0, a.shape[1], 0, b.shape[1]]], dtype=torch.int64)
 
     @staticmethod
     def _add_groups(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
