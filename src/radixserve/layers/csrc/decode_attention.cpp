@@ -40,7 +40,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "int16_rows.h"
+#include "decode_narrow.h"
+#include "decode_rows.h"
 #include "kv_quant.h"
 #include "paged_attention.h"
 #include "vec_math.h"
@@ -71,20 +72,6 @@ using radixserve_cpu::store16;
 inline __m512 load16(const c10::BFloat16* p) {
   return load_bf16(reinterpret_cast<const uint16_t*>(p));
 }
-// Rows prefetched ahead: slots are scattered and a task reads every kv_heads-th line, which the
-// hardware prefetcher does not follow. 64 rows cover the memory's latency at two threads: 8
-// (the old figure) left a 30-layer int8 step 1.5x slower when the pool was out of cache (32
-// rows: 1.4x faster than 8, 64: 1.5x).
-constexpr int64_t kAhead = 64;
-
-template <typename T>
-inline void prefetch_row(const T* row, int64_t head_dim) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < head_dim * static_cast<int64_t>(sizeof(T)); off += 64) {
-    _mm_prefetch(p + off, _MM_HINT_T0);
-  }
-}
-
 inline void store16(c10::BFloat16* p, __m512 v) {
   store_bf16(reinterpret_cast<uint16_t*>(p), round_to_bf16(v));
 }
@@ -94,88 +81,6 @@ inline void store16(c10::BFloat16* p, __m512 v) {
 constexpr int64_t kPassRegs = 16;
 constexpr int64_t heads_per_pass(int64_t regs) {
   return std::max<int64_t>(1, std::min<int64_t>(8, kPassRegs / regs));
-}
-constexpr int64_t kKeyBlock = 64;  // keys per block: a block's rows stay in L1 across the passes
-
-// Where one task's keys and values are: row t of its request at base + slots[t] * kv_row; in a
-// quantized pool (S int8 or fp8) its scale at scale_base[slots[t] * scale_row].
-template <typename S>
-struct Rows {
-  const S* k;
-  const S* v;
-  const int64_t* slots;
-  int64_t kv_row;
-  const float* k_scale = nullptr;
-  const float* v_scale = nullptr;
-  int64_t scale_row = 0;
-};
-
-// The row kAhead after row t of a task's keys or values (`base`: rows.k or rows.v), and its
-// scale in a quantized pool, asked for ahead.
-template <typename S>
-inline void prefetch_ahead(const S* base, const float* scales, const Rows<S>& rows, int64_t t,
-                           int64_t len, int64_t head_dim) {
-  if (t + kAhead < len) {
-    prefetch_row(base + rows.slots[t + kAhead] * rows.kv_row, head_dim);
-    if constexpr (kQuantizedKV<S>) {
-      _mm_prefetch(reinterpret_cast<const char*>(scales + rows.slots[t + kAhead] * rows.scale_row),
-                   _MM_HINT_T0);
-    }
-  }
-}
-
-// Row t of a task's keys or values into R float32 registers, as stored (a quantized pool's
-// codes, not yet times their scale); the row kAhead further on is prefetched.
-template <typename S, int64_t R>
-inline void load_row(const S* base, const float* scales, const Rows<S>& rows, int64_t t,
-                     int64_t len, int64_t head_dim, __m512* out) {
-  prefetch_ahead(base, scales, rows, t, len, head_dim);
-  const S* row = base + rows.slots[t] * rows.kv_row;
-  if constexpr (kFp8KV<S> && R % 2 == 0) {
-    for (int64_t r = 0; r < R; r += 2) load_kv32(row + r * kLanes, out + r);
-  } else {
-    for (int64_t r = 0; r < R; ++r) out[r] = load_kv16(row + r * kLanes);
-  }
-}
-
-// The scale row t's codes are multiplied by (1 for an unquantized pool).
-template <typename S>
-inline float row_scale(const float* scales, const Rows<S>& rows, int64_t t) {
-  if constexpr (kQuantizedKV<S>) {
-    return scales[rows.slots[t] * rows.scale_row] * kScaleFactor<S>;
-  } else {
-    return 1.0f;
-  }
-}
-
-// The sums of four 16-lane vectors, [sum a, sum b, sum c, sum d], in ten instructions where
-// four horizontal sums take about 32: pairs of lanes are added across the vectors first, so
-// every shuffle serves four keys. Each result depends on its own vector only (lanes never mix
-// between vectors), so a key's score is the same bits whatever its neighbours.
-inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  // per 128-bit lane: (a0+a2) (b0+b2) (a1+a3) (b1+b3), and the same of c and d
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  // per 128-bit lane: the lane's sum of a, b, c and d
-  const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd));
-  const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd));
-  const __m512 quads = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-  // the four 128-bit lanes added
-  const __m256 half = _mm256_add_ps(
-      _mm512_castps512_ps256(quads),
-      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(quads), 1)));
-  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
-
-// The scores of keys [t, t + n) (n <= 4: the last keys of a block) from sum4's lanes.
-inline void store_scores4(__m128 sums, int64_t n, float* dst) {
-  if (n == 4) {
-    _mm_storeu_ps(dst, sums);
-  } else {
-    alignas(16) float tail[4];
-    _mm_store_ps(tail, sums);
-    std::copy_n(tail, n, dst);
-  }
 }
 
 // The score pass of G heads over keys [t0, t1), four keys at a time (sum4): scores[g][t] =
@@ -215,111 +120,6 @@ void score_pass4(const __m512* query, const Rows<S>& rows, int64_t t0, int64_t t
 // Whether score_pass4 keeps G heads' four keys' sums, their queries and a key row in registers.
 constexpr bool fits_four_keys(int64_t regs, int64_t heads) {
   return 4 * heads + heads * regs + regs <= 32;
-}
-
-// The narrow score passes for a bf16 model's queries (bf16_query), head_dim a multiple of 32,
-// four keys per reduction (score_pass4_narrow); where the float32 pass took a conversion chain
-// per 16 codes and one FMA per 16 products and head, a key row's 32 codes are widened once and
-// each head takes one dot-product instruction per 32 of them:
-// - int8 keys (Int16Keys): each query head is quantised to int16 once per task (a scale of
-//   max |q| / 32767, 2^7 times finer than the bf16 it came from), the codes widened to int16 and
-//   multiplied with AVX512-VNNI `vpdpwssd` into exact int32 sums;
-// - fp8 keys (Bf16Keys): the codes moved into bf16's bit positions (load_fp8_bf16) and
-//   multiplied with AVX512-BF16 dot products against the bf16 query, whose products are exact in
-//   float32 (so the scores differ from the float32 pass's in the order of the sums, and fp8's
-//   smallest codes, read as zero: see kv_quant.h); the query times kBf16QueryFactor.
-// R2 registers of 32 lanes per head; `head_factor[g]` multiplies head g's sums (with the row's
-// scale): the int16 query's scale, or the softmax scale over the bf16 lanes' factors.
-struct Int16Keys {
-  using Code = int8_t;
-  using Acc = __m512i;
-  static Acc zero() { return _mm512_setzero_si512(); }
-  static __m512i load(const int8_t* p) {
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-  static Acc dot(Acc acc, __m512i q, __m512i k) { return dot_pairs(acc, q, k); }
-  static __m512 sums(Acc acc) { return _mm512_cvtepi32_ps(acc); }
-};
-
-template <typename S>
-struct Bf16Keys {
-  using Code = S;
-  using Acc = __m512;
-  static Acc zero() { return _mm512_setzero_ps(); }
-  static __m512i load(const S* p) { return load_fp8_bf16(p); }
-  static Acc dot(Acc acc, __m512i q, __m512i k) { return dot_bf16_pairs(acc, q, k); }
-  static __m512 sums(Acc acc) { return acc; }
-};
-
-constexpr bool fits_four_keys_narrow(int64_t regs2, int64_t heads) {
-  return 4 * heads + heads * regs2 + regs2 <= 32;
-}
-
-// What the bf16 query is multiplied by (exactly: a power of two) so that its products with the
-// codes' bf16 lanes (values times 2^-120 or 2^-112) and their sums stay far above float32's
-// smallest normal (2^-126): sums that fell under it became denormals, whose every add takes a
-// microcode assist.
-constexpr float kBf16QueryFactor = 0x1p96f;
-
-template <typename K, int64_t R2, int64_t G>
-void score_pass4_narrow(const __m512i* query, const float* head_factor,
-                        const Rows<typename K::Code>& rows, int64_t t0, int64_t t1, int64_t len,
-                        int64_t head_dim, float* scores) {
-  __m512i q[G][R2];
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t r = 0; r < R2; ++r) q[g][r] = query[g * R2 + r];
-  for (int64_t t = t0; t < t1; t += 4) {
-    const int64_t n = std::min<int64_t>(4, t1 - t);
-    __m512 dot[4][G];
-    alignas(16) float row_s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int64_t j = 0; j < 4; ++j) {
-      if (j < n) {
-        prefetch_ahead(rows.k, rows.k_scale, rows, t + j, len, head_dim);
-        const int64_t slot = rows.slots[t + j];
-        const typename K::Code* row = rows.k + slot * rows.kv_row;
-        __m512i key[R2];
-        for (int64_t r = 0; r < R2; ++r) key[r] = K::load(row + 32 * r);
-        row_s[j] = rows.k_scale[slot * rows.scale_row];  // the lanes are the codes' values
-        for (int64_t g = 0; g < G; ++g) {
-          typename K::Acc sum = K::dot(K::zero(), q[g][0], key[0]);
-          for (int64_t r = 1; r < R2; ++r) sum = K::dot(sum, q[g][r], key[r]);
-          dot[j][g] = K::sums(sum);
-        }
-      } else {
-        for (int64_t g = 0; g < G; ++g) dot[j][g] = _mm512_setzero_ps();
-      }
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      __m128 sums = sum4(dot[0][g], dot[1][g], dot[2][g], dot[3][g]);
-      sums = _mm_mul_ps(_mm_mul_ps(sums, _mm_load_ps(row_s)), _mm_set1_ps(head_factor[g]));
-      store_scores4(sums, n, scores + g * len + t);
-    }
-  }
-}
-
-// Two float32 registers holding bf16 values -> one register of their 32 bf16 lanes, in order
-// (truncation: exact for bf16 values; AVX-512F only).
-inline __m512i pack_bf16_values(__m512 lo, __m512 hi) {
-  const __m256i l = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(lo), 16));
-  const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(hi), 16));
-  return _mm512_inserti64x4(_mm512_castsi256_si512(l), h, 1);
-}
-
-// Query head g's R float32 registers -> R / 2 registers of 32 int16 lanes (element order kept)
-// and its scale.
-template <int64_t R>
-void quantize_query(const __m512* query, __m512i* out, float* out_scale) {
-  __m512 top = _mm512_setzero_ps();
-  for (int64_t r = 0; r < R; ++r) top = _mm512_max_ps(top, _mm512_abs_ps(query[r]));
-  const float max = _mm512_reduce_max_ps(top);
-  *out_scale = max > 0 ? max / kInt16Max : 1.0f;
-  const __m512 inv = _mm512_set1_ps(max > 0 ? kInt16Max / max : 0.0f);
-  for (int64_t r = 0; r + 1 < R; r += 2) {
-    const __m256i lo = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(query[r], inv)));
-    const __m256i hi =
-        _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(query[r + 1], inv)));
-    out[r / 2] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  }
 }
 
 // One pass of G heads over keys or values [t0, t1): with kScores, scores[g][t] = query_g . k_t;
