@@ -92,62 +92,80 @@ def test_linear_kernel_equals_a_float64_reference_up_to_rounding(dtype, n, k, m,
         bf16_close(out, reference)
 
 
+@pytest.fixture(scope="session")
+def avx512_base_cache(tmp_path_factory) -> Path:
+    """The XDG cache of the AVX-512 base build: the killed-build test builds that variant into
+    it (a build it needs anyway), and the base variant's own test then loads it instead of
+    compiling the library a third time (minutes of the suite)."""
+    return tmp_path_factory.mktemp("avx512-base-cache")
+
+
+def load_in_a_fresh_process(cache: Path, env: dict[str, str] | None = None) -> None:
+    script = "from radixserve.layers.cpu_kernels import load_cpu_kernels as f; print(f())"
+    # the timeout only turns a regression (a load waiting forever) into a failure
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "XDG_CACHE_HOME": str(cache), **(env or {})},
+                          timeout=900)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True", done.stderr
+
+
+@pytest.mark.skipif(not HAS_KERNELS, reason="the kernels are not built on this CPU")
+def test_what_a_killed_build_leaves_blocks_no_later_load_or_build(tmp_path, avx512_base_cache):
+    """A build killed mid-compile leaves cpp_extension's baton file and a scratch directory;
+    neither may make a later start wait, with the library cached or still to build. (The
+    build from scratch is of the AVX-512 base variant where this CPU has newer instruction
+    sets, into the cache that variant's test loads from.)"""
+    from radixserve.layers import cpu_kernels
+
+    assert load_cpu_kernels()
+    built = cpu_kernels._build_dir(cpu_kernels._cpu_flags())
+    base_flags = cpu_kernels._cpu_flags() - NEWER_ISA.keys()
+    fresh = avx512_base_cache if not any(avx512_base_cache.iterdir()) else tmp_path / "fresh"
+    cases = [(tmp_path / "cached", built, {}),
+             (fresh, cpu_kernels._build_dir(base_flags),
+              {"RADIXSERVE_CPU_KERNELS_AVX512_BASE": "1"})]
+    for cache, build, env in cases:
+        kernels = cache / build.parent.relative_to(build.parents[2])
+        kernels.mkdir(parents=True, exist_ok=True)
+        if cache is cases[0][0]:
+            shutil.copytree(built, kernels / built.name)
+            (kernels / built.name / "lock").touch()
+        (kernels / f"{build.name}.build-killed").mkdir()
+        (kernels / f"{build.name}.build-killed" / "lock").touch()
+        load_in_a_fresh_process(cache, env)
+        assert sorted(p.name for p in kernels.iterdir()) == [build.name, f"{build.name}.lock"]
+        assert (kernels / build.name / f"{cpu_kernels.LIBRARY_NAME}.so").exists()
+
+
 @pytest.mark.skipif(
     not HAS_KERNELS or not NEWER_ISA.keys() & _cpu_flags(),
     reason="this CPU runs the AVX-512 F/BW code itself",
 )
 @pytest.mark.timeout(1500)  # a build of its own (minutes on a loaded machine), then the tests
-def test_kernels_for_avx512_cpus_without_bf16_vnni_or_amx_pass_the_kernel_tests():
+def test_kernels_for_avx512_cpus_without_bf16_vnni_or_amx_pass_the_kernel_tests(
+        avx512_base_cache):
     """Older AVX-512 CPUs run other code for the bf16 and int8 products (and no AMX): built
     here without those instruction sets (the compiler refuses them), it must pass the kernel,
     packed-weight, op and int8 tests as they stand (the AMX kernel's own tests left out: that
-    build has no AMX, and every test that runs must run, not skip)."""
+    build has no AMX, and every test that runs must run, not skip; the killed-build test too,
+    which has nothing of the instruction sets in it and would build the variant again)."""
     repo = Path(__file__).resolve().parents[2]
     tests = ["test_cpu_kernels.py", "test_packed_weight.py", "test_custom_ops.py",
              "test_quantization.py", "test_quantization_int4.py"]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-         "not avx512_cpus_without and not test_amx_kernel",
+         "not avx512_cpus_without and not test_amx_kernel and not killed_build",
          *[f"tests/layers/{name}" for name in tests]],
         cwd=repo,
-        env={**os.environ, "RADIXSERVE_CPU_KERNELS_AVX512_BASE": "1"},
+        env={**os.environ, "RADIXSERVE_CPU_KERNELS_AVX512_BASE": "1",
+             "XDG_CACHE_HOME": str(avx512_base_cache)},
         capture_output=True,
         text=True,
         timeout=1400,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout
-
-
-def load_in_a_fresh_process(cache: Path) -> None:
-    script = "from radixserve.layers.cpu_kernels import load_cpu_kernels as f; print(f())"
-    # the timeout only turns a regression (a load waiting forever) into a failure
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env={**os.environ, "XDG_CACHE_HOME": str(cache)}, timeout=900)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "True", done.stderr
-
-
-@pytest.mark.skipif(not HAS_KERNELS, reason="the kernels are not built on this CPU")
-def test_what_a_killed_build_leaves_blocks_no_later_load_or_build(tmp_path):
-    """A build killed mid-compile leaves cpp_extension's baton file and a scratch directory;
-    neither may make a later start wait, with the library cached or still to build."""
-    from radixserve.layers import cpu_kernels
-
-    assert load_cpu_kernels()
-    built = cpu_kernels._build_dir(cpu_kernels._cpu_flags())
-    cached, fresh = tmp_path / "cached", tmp_path / "fresh"
-    for cache in (cached, fresh):
-        kernels = cache / built.parent.relative_to(built.parents[2])
-        kernels.mkdir(parents=True)
-        if cache is cached:
-            shutil.copytree(built, kernels / built.name)
-            (kernels / built.name / "lock").touch()
-        (kernels / f"{built.name}.build-killed").mkdir()
-        (kernels / f"{built.name}.build-killed" / "lock").touch()
-        load_in_a_fresh_process(cache)
-        assert sorted(p.name for p in kernels.iterdir()) == [built.name, f"{built.name}.lock"]
-        assert (kernels / built.name / f"{cpu_kernels.LIBRARY_NAME}.so").exists()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
