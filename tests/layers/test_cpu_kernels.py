@@ -31,6 +31,7 @@ from radixserve.layers.cpu_kernels import (
     apply_token_bitmask,
     attention_kernels_support,
     fused_add_rms_norm,
+    gemm_amx,
     grouped_gemm_amx,
     linear,
     load_cpu_kernels,
@@ -155,7 +156,7 @@ def test_kernels_for_avx512_cpus_without_bf16_vnni_or_amx_pass_the_kernel_tests(
              "test_quantization.py", "test_quantization_int4.py"]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-         "not avx512_cpus_without and not test_amx_kernel and not killed_build",
+         "not avx512_cpus_without and not test_amx_ and not killed_build",
          *[f"tests/layers/{name}" for name in tests]],
         cwd=repo,
         env={**os.environ, "RADIXSERVE_CPU_KERNELS_AVX512_BASE": "1",
@@ -209,10 +210,31 @@ needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX")
 ])
 @needs_amx
 def test_amx_kernel_equals_a_float64_reference_up_to_bf16_rounding(n, k, m, bias):
+    require_kernels()
     w, x, b, reference = random_problem(n, k, m, bias)
     out = small_gemm_amx(x, pack_linear_weight(w), b)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     bf16_close(out, reference)
+
+
+# rows past the small kernel's 32: one 32-row chunk and a tail of 1, whole chunks, a tail in a
+# later row block (K = 896 takes 128-row blocks), several row blocks; blocks of 16 outputs: an
+# odd count (a last block without its pair), several weight panels (18 blocks each at K = 896,
+# 2 at K = 4,864)
+@pytest.mark.parametrize("n, k, m, bias", [
+    (80, 128, 33, True), (48, 64, 64, False), (1152, 896, 300, True), (896, 4864, 97, False),
+    (16, 96, 40, True),
+])
+@needs_amx
+def test_amx_gemm_equals_a_float64_reference_up_to_bf16_rounding(n, k, m, bias):
+    require_kernels()
+    w, x, b, reference = random_problem(n, k, m, bias)
+    packed = pack_linear_weight(w)
+    out = gemm_amx(x, packed, b)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    bf16_close(out, reference)
+    # up to 32 rows it is the small-batch kernel
+    assert torch.equal(gemm_amx(x[:32], packed, b), small_gemm_amx(x[:32], packed, b))
 
 
 @needs_amx
@@ -257,6 +279,12 @@ def test_amx_kernel_rejects_what_it_cannot_compute_with_a_clear_error():
     with pytest.raises(RuntimeError, match=r"bias must be \[N\]"):
         small_gemm_amx(torch.zeros(2, 64, dtype=torch.bfloat16), packed,
                        torch.zeros(31, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        gemm_amx(torch.zeros(40, 64), packed, None)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        gemm_amx(torch.zeros(40, 70, dtype=torch.bfloat16), odd_k, None)
+    with pytest.raises(RuntimeError, match="features"):
+        gemm_amx(torch.zeros(40, 96, dtype=torch.bfloat16), packed, None)
 
 
 EPS = 1e-6

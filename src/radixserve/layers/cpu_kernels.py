@@ -65,7 +65,7 @@ SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
 LIBRARY_NAME = "radixserve_cpu_kernels"
 BLOCK_ROWS = 16  # output rows per weight block (csrc/linear.cpp)
-AMX_MAX_ROWS = 32  # input rows the AMX kernel takes (two tiles of 16)
+AMX_MAX_ROWS = 32  # input rows small_gemm_amx and grouped_gemm_amx take (two tiles of 16)
 AMX_K_MULTIPLE = 32  # inputs per AMX tile row
 
 
@@ -304,6 +304,12 @@ def small_gemm_amx(
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for up to 32 bf16 rows on AMX (N a multiple of 16, K of 32)."""
     return torch.ops.radixserve_cpu.small_gemm_amx_bf16(x.contiguous(), blocked, bias)
+
+
+def gemm_amx(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for any number of bf16 rows on AMX (N a multiple of 16, K of
+    32): ``small_gemm_amx``'s kernel up to 32 rows, a cache-blocked tile GEMM above."""
+    return torch.ops.radixserve_cpu.gemm_amx_bf16(x.contiguous(), blocked, bias)
 
 
 def lora_add_(

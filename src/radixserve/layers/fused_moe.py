@@ -177,7 +177,7 @@ class FusedMoE(CustomOp):
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
-_AMX_MAX_ROWS = kernel_dispatch.CANDIDATES[kernel_dispatch.AMX].max_rows or 0
+_AMX_MAX_ROWS = cpu_kernels.AMX_MAX_ROWS  # the rows grouped_gemm_amx takes per expert
 
 
 def _amx_blocked(packed: object, rows: int) -> torch.Tensor | None:

@@ -9,7 +9,7 @@ AVX-512 CPU without usable AMX the blocked kernel was the faster one there too. 
 on one CPU is wrong on the other.
 
 - Candidates (``CANDIDATES``): ``blocked`` (``csrc/linear.cpp``), ``amx`` (``csrc/linear_amx.cpp``,
-  bf16, up to 32 rows), ``onednn`` (torch's ``F.linear`` on the plain weight); for int8
+  bf16: a small-batch kernel up to 32 rows, a cache-blocked tile GEMM above), ``onednn`` (torch's ``F.linear`` on the plain weight); for int8
   weights ``int8_vnni`` (``csrc/linear_int8.cpp``) and ``int8_dequant_onednn`` (the weight
   dequantised to the activations' dtype, then ``F.linear``), for 4-bit weights ``int4_vnni``
   (``csrc/linear_int4.cpp``) and ``int4_dequant_onednn`` likewise. A ``PackedWeight`` lists those
@@ -60,6 +60,7 @@ TIMING_MAX_OUT = 4096  # output rows of the slice a large weight is timed on
 DEFAULT_BUDGET_S = 5.0
 SETTLE_S = 2.0  # the longest ``tune`` waits for a quiet machine before measuring
 AUTOTUNE_MODES = ("on", "off")
+STATIC_AMX_ROWS = 32  # the static table's AMX buckets (the small-batch kernel's rows)
 
 BLOCKED, AMX, ONEDNN = "blocked", "amx", "onednn"
 INT8_VNNI, INT8_DEQUANT = "int8_vnni", "int8_dequant_onednn"
@@ -77,7 +78,7 @@ CANDIDATES = {
     c.name: c
     for c in (
         Candidate(BLOCKED, batch_invariant=True),
-        Candidate(AMX, batch_invariant=False, max_rows=32),  # the tiles sum in their own order
+        Candidate(AMX, batch_invariant=False),  # the tiles sum in their own order
         Candidate(ONEDNN, batch_invariant=False),  # oneDNN picks its kernel by shape
         Candidate(INT8_VNNI, batch_invariant=True),
         Candidate(INT8_DEQUANT, batch_invariant=False),
@@ -111,8 +112,10 @@ def allowed_candidates(names: Iterable[str], batch_invariant: bool) -> tuple[str
 
 def static_table(allowed: Sequence[str], amx_cpu: bool, bf16: bool) -> tuple[str, ...]:
     """The choice per bucket without measuring, from the runs in ``benchmarks/RESULTS.md``: int8
-    and 4-bit weights take their VNNI kernels; on a CPU with AMX, bf16 batches up to 32 rows
-    take the AMX kernel (where the shape allows it) and larger ones oneDNN's AMX GEMM;
+    and 4-bit weights take their VNNI kernels; on a CPU with AMX, bf16 batches up to
+    ``STATIC_AMX_ROWS`` rows take the AMX kernel (where the shape allows it) and larger ones
+    oneDNN's AMX GEMM (radixserve's AMX GEMM above 32 rows won on some shapes and lost on others
+    in one run, so only a measurement picks it);
     everything else the blocked kernel (the faster one on AVX-512 CPUs without AMX, and for
     float32)."""
     table = []
@@ -121,9 +124,9 @@ def static_table(allowed: Sequence[str], amx_cpu: bool, bf16: bool) -> tuple[str
             table.append(INT8_VNNI)
         elif INT4_VNNI in allowed:
             table.append(INT4_VNNI)
-        elif AMX in allowed and takes(AMX, b):
+        elif AMX in allowed and ROW_BUCKETS[b] <= STATIC_AMX_ROWS:
             table.append(AMX)
-        elif amx_cpu and bf16 and ONEDNN in allowed and ROW_BUCKETS[b] > CANDIDATES[AMX].max_rows:
+        elif amx_cpu and bf16 and ONEDNN in allowed and ROW_BUCKETS[b] > STATIC_AMX_ROWS:
             table.append(ONEDNN)
         elif BLOCKED in allowed:
             table.append(BLOCKED)

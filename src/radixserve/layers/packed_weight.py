@@ -135,9 +135,9 @@ class MultiKernelWeight(PackedWeight):
 class CpuPackedWeight(MultiKernelWeight):
     """bf16 or float32 on CPU: radixserve's blocked copy (``blocked``: decode batches stream it
     at memory speed where oneDNN reaches about half of it, and a row's result does not depend
-    on its batch), on AMX CPUs the AMX kernel on the same copy for bf16 batches of up to 32
-    rows (``amx``), and oneDNN's ``F.linear`` on the plain weight (``onednn``: on AMX CPUs many
-    times faster than ``blocked`` from 64 rows up). Which runs per batch size is
+    on its batch), on AMX CPUs the AMX kernels on the same copy for bf16 batches (``amx``: the
+    small-batch kernel up to 32 rows, a tile GEMM above), and oneDNN's ``F.linear`` on the plain
+    weight (``onednn``: on AMX CPUs many times faster than ``blocked`` from 64 rows up). Which runs per batch size is
     ``kernel_dispatch``'s choice; ``batch_invariant`` keeps only ``blocked``."""
 
     def __init__(self, weight: torch.Tensor, batch_invariant: bool = False) -> None:
@@ -173,7 +173,7 @@ class CpuPackedWeight(MultiKernelWeight):
         return cpu_kernels.linear(x, self.blocked, bias, self.n)
 
     def linear_amx(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_kernels.small_gemm_amx(x, self.blocked, bias)
+        return cpu_kernels.gemm_amx(x, self.blocked, bias)
 
     def linear_onednn(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, self.weight, bias)

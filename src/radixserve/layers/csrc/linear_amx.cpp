@@ -1,4 +1,5 @@
-// Small-batch bf16 linear layers on AMX (Sapphire Rapids and later).
+// bf16 linear layers on AMX (Sapphire Rapids and later): small batches, and larger ones
+// (gemm_amx_bf16).
 //
 // A decode step with few requests reads every weight once for a handful of input rows. The
 // blocked weight of csrc/linear.cpp, [N/16][K/2][16][2], is exactly a column of AMX B tiles: a
@@ -217,6 +218,116 @@ at::Tensor small_gemm_amx_bf16(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
+// Batches of more than 32 rows (prefill, large decode batches): 32-row chunks of x against pairs
+// of weight blocks, four sum tiles (two row tiles by two weight tiles, so each tile loaded
+// serves two products), over the whole K before the sums leave the tiles. Cache blocking: a
+// thread takes its blocks kBlockPanelBytes of weight at a time and, within them, x kRowBlockBytes
+// at a time, so both stay in L2 while every pair meets every chunk; a last chunk of fewer than 32
+// rows is copied once into zeroed rows. oneDNN's GEMM (`F.linear`) packs the weight on every
+// call; here it is packed once, at load. Which is faster on a CPU and shape is measured
+// (layers/kernel_dispatch.py).
+constexpr int64_t kChunkRows = 32;
+constexpr int64_t kRowBlockBytes = 256 << 10;
+constexpr int64_t kBlockPanelBytes = 512 << 10;
+
+// sums [32][16 * kBlocks] (row stride 32 floats) of one 32-row chunk `xa` against kBlocks (1
+// or 2) weight blocks from `w`: tiles 0-1 the top 16 rows, 2-3 the bottom.
+template <int kBlocks>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_chunk(const uint16_t* xa, int64_t k,
+                                                            const uint16_t* w, float* sums) {
+  const int64_t chunks = k / kTileK, block_elems = k * kRows, stride = k * 2;
+  const uint16_t* xb = xa + 16 * k;
+  _tile_zero(0); _tile_zero(2);
+  if constexpr (kBlocks == 2) { _tile_zero(1); _tile_zero(3); }
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t off = c * kTileK * kRows;
+    _tile_loadd(4, xa + c * kTileK, stride);
+    _tile_loadd(6, w + off, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (kBlocks == 2) {
+      _tile_loadd(7, w + block_elems + off, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_loadd(5, xb + c * kTileK, stride);
+    _tile_dpbf16ps(2, 5, 6);
+    if constexpr (kBlocks == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  constexpr int64_t row_bytes = kChunkRows * 4;
+  _tile_stored(0, sums, row_bytes);
+  _tile_stored(2, sums + 16 * kChunkRows, row_bytes);
+  if constexpr (kBlocks == 2) {
+    _tile_stored(1, sums + kRows, row_bytes);
+    _tile_stored(3, sums + 16 * kChunkRows + kRows, row_bytes);
+  }
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) void amx_gemm_blocks(
+    const uint16_t* x, const uint16_t* weight, const c10::BFloat16* bias, uint16_t* out,
+    int64_t m, int64_t k, int64_t n, int64_t first, int64_t last) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  const int64_t block_elems = k * kRows;
+  const int64_t row_block =
+      std::max<int64_t>(1, kRowBlockBytes / (kChunkRows * k * 2)) * kChunkRows;
+  const int64_t panel = std::max<int64_t>(1, kBlockPanelBytes / (2 * block_elems * 2)) * 2;
+  alignas(64) float sums[kChunkRows * kChunkRows];
+  std::vector<uint16_t> tail;  // the last chunk's rows, zero-padded to 32
+  for (int64_t b0 = first; b0 < last; b0 += panel) {
+    const int64_t b1 = std::min(last, b0 + panel);
+    for (int64_t m0 = 0; m0 < m; m0 += row_block) {
+      const int64_t m1 = std::min(m, m0 + row_block);
+      for (int64_t b = b0; b < b1; b += 2) {
+        const bool pair = b + 1 < b1;
+        for (int64_t r = m0; r < m1; r += kChunkRows) {
+          const int64_t rows = std::min(kChunkRows, m1 - r);
+          const uint16_t* xa = x + r * k;
+          if (rows < kChunkRows) {
+            if (tail.empty()) {
+              tail.assign(kChunkRows * k, 0);
+              std::copy_n(xa, rows * k, tail.data());
+            }
+            xa = tail.data();
+          }
+          const uint16_t* w = weight + b * block_elems;
+          if (pair) {
+            amx_chunk<2>(xa, k, w, sums);
+          } else {
+            amx_chunk<1>(xa, k, w, sums);
+          }
+          store_rows(sums, kChunkRows, rows, pair ? 2 * kRows : kRows, bias, b * kRows,
+                     out + r * n, n);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+// x: [M, K] bf16 contiguous, any M >= 1, K a multiple of 32; weight: blocked [N/16, K/2, 16, 2];
+// bias: [N] bf16 or None. Up to 32 rows: small_gemm_amx_bf16's kernel; more: amx_gemm_blocks.
+at::Tensor gemm_amx_bf16(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.is_contiguous(),
+              "x must be [M, K] with M >= 1, contiguous");
+  if (x.size(0) <= kAmxMaxRows) return small_gemm_amx_bf16(x, weight, bias);
+  TORCH_CHECK(amx_permitted(), "AMX is not available to this process");
+  const c10::BFloat16* bias_ptr = check_blocked("gemm_amx_bf16", x, weight, bias);
+  TORCH_CHECK(x.size(1) % kTileK == 0, "K must be a multiple of ", kTileK, ", got ", x.size(1));
+  const int64_t m = x.size(0), k = x.size(1), blocks = weight.size(0), n = blocks * kRows;
+  at::Tensor out = at::empty({m, n}, x.options());
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  auto* y = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t first, int64_t last) {  // block pairs
+    amx_gemm_blocks(xs, w, bias_ptr, y, m, k, n, 2 * first, std::min(blocks, 2 * last));
+  });
+  return out;
+}
+
 // Grouped (MoE experts): x [T, K] bf16 contiguous, its rows in groups [starts[g], starts[g+1])
 // of 1 to 32 rows; group g is multiplied by weights[g] (blocked, all of one N and K). One
 // parallel region for all groups (a region per expert costs a barrier each, and on a busy
@@ -262,6 +373,8 @@ TORCH_LIBRARY(radixserve_cpu, m) {
   m.def("amx_permitted() -> bool", &amx_permitted);
   m.def("small_gemm_amx_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("small_gemm_amx_bf16", c10::DispatchKey::CPU, &small_gemm_amx_bf16);
+  m.def("gemm_amx_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.impl("gemm_amx_bf16", c10::DispatchKey::CPU, &gemm_amx_bf16);
   m.def("grouped_gemm_amx_bf16(Tensor x, Tensor[] weights, int[] starts) -> Tensor");
   m.impl("grouped_gemm_amx_bf16", c10::DispatchKey::CPU, &grouped_gemm_amx_bf16);
 }
