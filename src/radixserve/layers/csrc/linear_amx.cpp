@@ -232,15 +232,21 @@ constexpr int64_t kBlockPanelBytes = 512 << 10;
 
 // sums [32][16 * kBlocks] (row stride 32 floats) of one 32-row chunk `xa` against kBlocks (1
 // or 2) weight blocks from `w`: tiles 0-1 the top 16 rows, 2-3 the bottom.
+// `ahead`: the blocks come from memory (a row block's first chunk), so their tiles two steps on
+// are asked for (as in amx_blocks); later chunks find them in L2.
 template <int kBlocks>
 __attribute__((target("amx-tile,amx-bf16"))) void amx_chunk(const uint16_t* xa, int64_t k,
-                                                            const uint16_t* w, float* sums) {
+                                                            const uint16_t* w, float* sums,
+                                                            bool ahead) {
   const int64_t chunks = k / kTileK, block_elems = k * kRows, stride = k * 2;
   const uint16_t* xb = xa + 16 * k;
   _tile_zero(0); _tile_zero(2);
   if constexpr (kBlocks == 2) { _tile_zero(1); _tile_zero(3); }
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t off = c * kTileK * kRows;
+    if (ahead) {
+      for (int blk = 0; blk < kBlocks; ++blk) prefetch_tile(w + blk * block_elems + off + kAheadElems);
+    }
     _tile_loadd(4, xa + c * kTileK, stride);
     _tile_loadd(6, w + off, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -294,9 +300,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_gemm_blocks(
           }
           const uint16_t* w = weight + b * block_elems;
           if (pair) {
-            amx_chunk<2>(xa, k, w, sums);
+            amx_chunk<2>(xa, k, w, sums, r == m0);
           } else {
-            amx_chunk<1>(xa, k, w, sums);
+            amx_chunk<1>(xa, k, w, sums, r == m0);
           }
           store_rows(sums, kChunkRows, rows, pair ? 2 * kRows : kRows, bias, b * kRows,
                      out + r * n, n);
