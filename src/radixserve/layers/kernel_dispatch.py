@@ -8,8 +8,9 @@ oneDNN's AMX GEMM is up to 9x faster than the blocked kernel from 64 rows up, wh
 AVX-512 CPU without usable AMX the blocked kernel was the faster one there too. A table written
 on one CPU is wrong on the other.
 
-- Candidates (``CANDIDATES``): ``blocked`` (``csrc/linear.cpp``), ``amx`` (``csrc/linear_amx.cpp``,
-  bf16: a small-batch kernel up to 32 rows, a cache-blocked tile GEMM above), ``onednn`` (torch's ``F.linear`` on the plain weight); for int8
+- Candidates (``CANDIDATES``): ``blocked`` (``csrc/linear.cpp``), ``amx``
+  (``csrc/linear_amx.cpp``, bf16: a small-batch kernel up to 32 rows, a cache-blocked tile GEMM
+  above), ``onednn`` (torch's ``F.linear`` on the plain weight); for int8
   weights ``int8_vnni`` (``csrc/linear_int8.cpp``) and ``int8_dequant_onednn`` (the weight
   dequantised to the activations' dtype, then ``F.linear``), for 4-bit weights ``int4_vnni``
   (``csrc/linear_int4.cpp``) and ``int4_dequant_onednn`` likewise. A ``PackedWeight`` lists those

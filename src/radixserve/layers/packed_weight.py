@@ -137,8 +137,9 @@ class CpuPackedWeight(MultiKernelWeight):
     at memory speed where oneDNN reaches about half of it, and a row's result does not depend
     on its batch), on AMX CPUs the AMX kernels on the same copy for bf16 batches (``amx``: the
     small-batch kernel up to 32 rows, a tile GEMM above), and oneDNN's ``F.linear`` on the plain
-    weight (``onednn``: on AMX CPUs many times faster than ``blocked`` from 64 rows up). Which runs per batch size is
-    ``kernel_dispatch``'s choice; ``batch_invariant`` keeps only ``blocked``."""
+    weight (``onednn``: on AMX CPUs many times faster than ``blocked`` from 64 rows up). Which
+    runs per batch size is ``kernel_dispatch``'s choice; ``batch_invariant`` keeps only
+    ``blocked``."""
 
     def __init__(self, weight: torch.Tensor, batch_invariant: bool = False) -> None:
         super().__init__(weight)
