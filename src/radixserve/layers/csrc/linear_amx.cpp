@@ -200,22 +200,39 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_blocks(
 
 // x: [M, K] bf16 contiguous, 1 <= M <= 32, K a multiple of 32; weight: blocked [N/16, K/2, 16,
 // 2] bf16 (N a multiple of 16); bias: [N] bf16 or None.
+// What small_gemm_amx_bf16 and gemm_amx_bf16 both check and set up, x's shape aside: AMX
+// granted, a blocked bf16 weight matching x, K a multiple of 32, and the [M, N] output.
+struct AmxGemm {
+  const uint16_t* x;
+  const uint16_t* weight;
+  const c10::BFloat16* bias;
+  int64_t m, k, blocks, n;
+  at::Tensor out;
+  uint16_t* y;
+};
+
+AmxGemm amx_gemm_call(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                      const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_permitted(), "AMX is not available to this process");
+  const c10::BFloat16* bias_ptr = check_blocked(op, x, weight, bias);
+  TORCH_CHECK(x.size(1) % kTileK == 0, "K must be a multiple of ", kTileK, ", got ", x.size(1));
+  const int64_t m = x.size(0), blocks = weight.size(0);
+  at::Tensor out = at::empty({m, blocks * kRows}, x.options());
+  return {reinterpret_cast<const uint16_t*>(x.data_ptr()),
+          reinterpret_cast<const uint16_t*>(weight.data_ptr()),
+          bias_ptr, m, x.size(1), blocks, blocks * kRows, out,
+          reinterpret_cast<uint16_t*>(out.data_ptr())};
+}
+
 at::Tensor small_gemm_amx_bf16(const at::Tensor& x, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(amx_permitted(), "AMX is not available to this process");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kAmxMaxRows && x.is_contiguous(),
               "x must be [M, K] with 1 <= M <= ", kAmxMaxRows, ", contiguous");
-  const c10::BFloat16* bias_ptr = check_blocked("small_gemm_amx_bf16", x, weight, bias);
-  TORCH_CHECK(x.size(1) % kTileK == 0, "K must be a multiple of ", kTileK, ", got ", x.size(1));
-  const int64_t m = x.size(0), k = x.size(1), blocks = weight.size(0), n = blocks * kRows;
-  at::Tensor out = at::empty({m, n}, x.options());
-  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  auto* y = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, blocks, 4, [&](int64_t first, int64_t last) {
-    amx_blocks(xs, w, bias_ptr, y, m, k, n, first, last);
+  const AmxGemm g = amx_gemm_call("small_gemm_amx_bf16", x, weight, bias);
+  at::parallel_for(0, g.blocks, 4, [&](int64_t first, int64_t last) {
+    amx_blocks(g.x, g.weight, g.bias, g.y, g.m, g.k, g.n, first, last);
   });
-  return out;
+  return g.out;
 }
 
 // Batches of more than 32 rows (prefill, large decode batches): 32-row chunks of x against pairs
@@ -245,7 +262,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_chunk(const uint16_t* xa, 
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t off = c * kTileK * kRows;
     if (ahead) {
-      for (int blk = 0; blk < kBlocks; ++blk) prefetch_tile(w + blk * block_elems + off + kAheadElems);
+      for (int blk = 0; blk < kBlocks; ++blk) {
+        prefetch_tile(w + blk * block_elems + off + kAheadElems);
+      }
     }
     _tile_loadd(4, xa + c * kTileK, stride);
     _tile_loadd(6, w + off, 64);
@@ -320,18 +339,12 @@ at::Tensor gemm_amx_bf16(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.is_contiguous(),
               "x must be [M, K] with M >= 1, contiguous");
   if (x.size(0) <= kAmxMaxRows) return small_gemm_amx_bf16(x, weight, bias);
-  TORCH_CHECK(amx_permitted(), "AMX is not available to this process");
-  const c10::BFloat16* bias_ptr = check_blocked("gemm_amx_bf16", x, weight, bias);
-  TORCH_CHECK(x.size(1) % kTileK == 0, "K must be a multiple of ", kTileK, ", got ", x.size(1));
-  const int64_t m = x.size(0), k = x.size(1), blocks = weight.size(0), n = blocks * kRows;
-  at::Tensor out = at::empty({m, n}, x.options());
-  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  auto* y = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t first, int64_t last) {  // block pairs
-    amx_gemm_blocks(xs, w, bias_ptr, y, m, k, n, 2 * first, std::min(blocks, 2 * last));
+  const AmxGemm g = amx_gemm_call("gemm_amx_bf16", x, weight, bias);
+  at::parallel_for(0, (g.blocks + 1) / 2, 1, [&](int64_t first, int64_t last) {  // block pairs
+    amx_gemm_blocks(g.x, g.weight, g.bias, g.y, g.m, g.k, g.n, 2 * first,
+                    std::min(g.blocks, 2 * last));
   });
-  return out;
+  return g.out;
 }
 
 // Grouped (MoE experts): x [T, K] bf16 contiguous, its rows in groups [starts[g], starts[g+1])
