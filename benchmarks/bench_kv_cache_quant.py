@@ -4,7 +4,7 @@ the whole model (``ModelRunner.forward``: every layer's attention reads all of i
 keys and values, which at long contexts is most of a step's memory traffic).
 
 Each ``--kv-cache-dtypes`` entry gets its own runner over the same weights; the pools are filled
-with random K/V (codes and scales for a quantized pool) rather than by prefilling, since the
+with random K/V (codes, and an int8 pool's scales) rather than by prefilling, since the
 speed of a decode step does not depend on the values, and the prefill of batch x context tokens
 would take most of the run. The runners take turns (``--rounds`` rounds of ``--steps`` steps
 each), so a machine's changing load falls on all of them alike; a round's first step is a

@@ -83,10 +83,11 @@ HELP: dict[str, str] = {
     "quantised with compressed-tensors W8A16 load as such without it.",
     "is_embedding": "Serve a decoder checkpoint as an embedding model (last-token pooling, "
     "normalised): /encode and /v1/embeddings instead of generation.",
-    "kv_cache_dtype": "What the KV cache stores: auto (the model's dtype), bf16, int8 or fp8 "
-    "(fp8_e4m3, fp8_e5m2): 8-bit codes with a float32 scale per token and KV head, about half "
-    "the bytes of bf16 (so ~1.9x the tokens in the same memory, and less to read per decode "
-    "step), at a small cost in accuracy (docs/kv-cache-quantization.md).",
+    "kv_cache_dtype": "What the KV cache stores: auto (the model's dtype), bf16, int8 (8-bit "
+    "codes with a float32 scale per token and KV head: ~1.9x the tokens of bf16 in the same "
+    "memory) or fp8 (fp8_e4m3, fp8_e5m2: 8-bit codes under one scale per layer, as in SGLang "
+    "and vLLM: 2x the tokens); less to read per decode step, at a small cost in accuracy "
+    "(docs/kv-cache-quantization.md).",
     "attention_backend": "Attention kernels: torch_native (plain torch, the reference), cpu "
     "(radixserve's CPU kernels; the default on CPU where they take the model's shape) or triton "
     "(Triton paged attention; the default on CUDA; on CPU only under TRITON_INTERPRET=1).",

@@ -40,9 +40,12 @@ QUESTIONS = [
     "What are the main causes of the French Revolution?",
     "Describe how a bicycle works.",
 ]
-# Measured 2026-11-26 (benchmarks/RESULTS.md, "KV-cache quantization"):
-#   int8      agreement 0.979, |Δ| 0.028; free-running identical 0.213, |Δ| 0.029
-#   fp8_e4m3  agreement 0.969, |Δ| 0.042; free-running identical 0.082, |Δ| 0.044
+# Measured (benchmarks/RESULTS.md, "KV-cache quantization"):
+#   int8      2026-11-26: agreement 0.979, |Δ| 0.028; free-running identical 0.213, |Δ| 0.029
+#             2026-11-27: agreement 0.978, |Δ| 0.029; free-running identical 0.184, |Δ| 0.031
+#   fp8_e4m3  2026-11-27, one scale per layer (1.0, as now): agreement 0.963, |Δ| 0.052;
+#             free-running identical 0.099, |Δ| 0.051 (per-token scales, the same day: 0.966,
+#             0.043, 0.150, 0.048)
 # The bounds leave a margin for other CPUs (whose bf16 kernels shift the reference itself, and
 # with it where free-running greedy outputs first part): agreement 2 points lower, |Δ| about
 # 1.8x, the identical share at most half. A cache that dequantized wrongly (a lost scale, a
@@ -50,8 +53,8 @@ QUESTIONS = [
 THRESHOLDS = {
     # dtype: (teacher-forced agreement >=, its mean |Δ logprob| <=,
     #         free-running identical share >=, its mean |Δ logprob| <=)
-    "int8": (0.96, 0.05, 0.10, 0.05),
-    "fp8_e4m3": (0.95, 0.075, 0.04, 0.08),
+    "int8": (0.96, 0.05, 0.09, 0.05),
+    "fp8_e4m3": (0.94, 0.09, 0.04, 0.09),
 }
 
 

@@ -39,8 +39,9 @@ def test_kv_cache_dtype_flag():
 
 
 def test_planner_fits_about_twice_the_tokens(llama_path, monkeypatch):
-    """Same memory budget: an int8 or fp8 pool holds bf16's tokens times 2 * head_dim /
-    (head_dim + 4) (codes plus a float32 scale per head against two bytes per element)."""
+    """Same memory budget: an int8 pool holds bf16's tokens times 2 * head_dim / (head_dim + 4)
+    (codes plus a float32 scale per head against two bytes per element), an fp8 pool (one
+    scale per layer) exactly twice them."""
     monkeypatch.setattr(model_runner, "available_memory_bytes", lambda device: 2 << 30)
     tokens = {}
     for name in ("bf16", "int8", "fp8_e4m3"):
@@ -48,6 +49,6 @@ def test_planner_fits_about_twice_the_tokens(llama_path, monkeypatch):
                              max_total_tokens=None, mem_fraction_static=0.01)
         tokens[name] = runner.max_total_num_tokens
     head_dim = runner.token_to_kv_pool.head_dim
-    for name in ("int8", "fp8_e4m3"):
-        ratio = tokens[name] / tokens["bf16"]
-        assert ratio == pytest.approx(2 * head_dim / (head_dim + 4), rel=1e-3)
+    ratio = tokens["int8"] / tokens["bf16"]
+    assert ratio == pytest.approx(2 * head_dim / (head_dim + 4), rel=1e-3)
+    assert tokens["fp8_e4m3"] / tokens["bf16"] == pytest.approx(2, rel=1e-3)

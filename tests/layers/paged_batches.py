@@ -1,10 +1,10 @@
 """Random paged-attention batches for comparing attention backends: a KV pool whose unowned slots
 hold NaN (an unmasked read of one poisons the output), shuffled pages, request rows out of order,
 cached prefixes already in the pool. ``kv_dtype`` makes the pool's storage dtype differ from the
-activations' (a quantized pool: its unowned slots' scales hold NaN); ``reference_attention``
-attends over what the pool holds, dequantized, in plain torch. Shared by the interpreter tests
-(``tests/layers``) and the GPU check (``tests/cuda``); importing it sets nothing up (no
-``TRITON_INTERPRET``)."""
+activations' (an int8 pool: its unowned slots' scales hold NaN; fp8: their codes);
+``reference_attention`` attends over what the pool holds, dequantized, in plain torch. Shared
+by the interpreter tests (``tests/layers``) and the GPU check (``tests/cuda``); importing it sets
+nothing up (no ``TRITON_INTERPRET``)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class PagedBatch:
 def random_batch(seed: int, mode: ForwardMode, page_size: int, dtype: torch.dtype, heads: int,
                  kv_heads: int, head_dim: int, max_extend: int = 12, max_prefix: int = 30,
                  max_bs: int = 3, device: str = "cpu",
-                 kv_dtype: torch.dtype | None = None) -> PagedBatch:
+                 kv_dtype: torch.dtype | None = None, kv_tensor_scale: float = 1.0) -> PagedBatch:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     bs = rng.randint(1, max_bs)
@@ -49,8 +49,9 @@ def random_batch(seed: int, mode: ForwardMode, page_size: int, dtype: torch.dtyp
     num_pages = bs * (-(-context // page_size)) + 2
     rows_total = bs + 3
     pool = MHATokenToKVPool(num_pages * page_size, page_size, kv_dtype or dtype, kv_heads,
-                            head_dim, 1, device)
-    poisoned = pool.k_scale_buffer + pool.v_scale_buffer if pool.quantized else (
+                            head_dim, 1, device, tensor_scale=kv_tensor_scale)
+    # an int8 pool's scales, or else the values (fp8: the codes, whose layer scale is shared)
+    poisoned = pool.k_scale_buffer + pool.v_scale_buffer if pool.row_scaled else (
         pool.k_buffer + pool.v_buffer)
     for buffer in poisoned:
         buffer[page_size:] = float("nan")

@@ -1,9 +1,10 @@
 """Attention over a quantized KV pool (``--kv-cache-dtype int8 / fp8_e4m3 / fp8_e5m2``) in each
 backend that reads one (torch_native, the CPU kernels, the Triton kernels in Triton's
 interpreter), against plain torch over the pool's dequantized contents, on random paged batches:
-the backends must dequantize exactly what the pool holds (codes times their per-(slot, head)
-scales) and attend over it, new tokens included. Unowned slots have NaN scales, so a read of
-one shows. Also the pool's quantization itself and its byte accounting.
+the backends must dequantize exactly what the pool holds (int8: codes times their per-(slot,
+head) scales; fp8: times the layer's one scale, read through a view with strides 0) and attend
+over it, new tokens included. Unowned slots have NaN scales (fp8: NaN codes), so a read of one
+shows. Also the pool's quantization itself and its byte accounting.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def check(backend: str, seed: int, mode: ForwardMode, dtype: torch.dtype, kv_dty
           cap: float = 0.0, **shape) -> None:
     batch = random_batch(seed, mode, page_size, dtype, heads, kv_heads, head_dim,
                          kv_dtype=kv_dtype, **shape)
+    if not batch.pool.row_scaled:
+        assert batch.pool.k_scale_buffer[0].stride() == (0, 0)  # the layer's one scale
     out = attend(backend, batch, window=window, cap=cap)
     assert out.dtype == dtype and not out.isnan().any()
     expected = reference_attention(batch, window, cap)
@@ -117,6 +120,23 @@ def test_triton_reads_a_quantized_pool(dtype, kv_dtype, seed, mode):
     check("triton", seed, mode, dtype, kv_dtype, 4, 2, 64)
 
 
+@pytest.mark.parametrize("backend", [
+    "torch_native",
+    pytest.param("cpu", marks=needs_cpu_kernels),
+    pytest.param("triton", marks=interpreted),
+])
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fp8_pool_under_a_layer_scale_other_than_one(backend, kv_dtype, dtype):
+    """fp8 codes under one scale per layer (a calibrated checkpoint's, here 1/16): every backend
+    multiplies by it (a kernel that ignored the broadcast scale would be 16x off), in decode
+    (the bf16 model's narrower score pass included) and in prefill."""
+    if backend == "triton" and dtype == torch.bfloat16:
+        dtype = torch.float16  # the interpreter computes bf16 wrongly
+    for seed, mode in ((40, DECODE), (41, EXTEND)):
+        check(backend, seed, mode, dtype, kv_dtype, 4, 2, 64, kv_tensor_scale=1 / 16)
+
+
 @interpreted
 @pytest.mark.parametrize(("window", "cap"), WINDOW_CASES)
 def test_triton_quantized_pool_with_sliding_window_and_soft_cap(window, cap):
@@ -141,19 +161,44 @@ def test_quantize_round_trip(kv_dtype):
 
 
 def test_pool_bytes_and_slot_buffers():
-    """A quantized pool counts its codes and scales: about half a bf16 pool's bytes per token
-    (64-dim heads: 68 bytes against 128), so the same budget holds ~1.9x the tokens."""
+    """An int8 pool counts its codes and scales: about half a bf16 pool's bytes per token
+    (64-dim heads: 68 bytes against 128), so the same budget holds ~1.9x the tokens. An fp8
+    pool stores its codes alone (one scale per layer, not per slot): exactly half."""
     bf16 = MHATokenToKVPool.bytes_per_token(3, 64, 30, torch.bfloat16)
     int8 = MHATokenToKVPool.bytes_per_token(3, 64, 30, torch.int8)
     assert bf16 == 2 * 30 * 3 * 64 * 2 and int8 == 2 * 30 * 3 * (64 + 4)
     assert bf16 / int8 > 1.85
-    pool = MHATokenToKVPool(16, 4, torch.float8_e5m2, 3, 64, 2, "cpu")
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        assert MHATokenToKVPool.bytes_per_token(3, 64, 30, fp8) * 2 == bf16
+    pool = MHATokenToKVPool(16, 4, torch.int8, 3, 64, 2, "cpu")
     assert pool.size_bytes() == 20 * MHATokenToKVPool.bytes_per_token(3, 64, 2, pool.dtype)
     buffers = pool.slot_buffers(1)
-    assert [b.dtype for b in buffers] == [torch.float8_e5m2] * 2 + [torch.float32] * 2
+    assert [b.dtype for b in buffers] == [torch.int8] * 2 + [torch.float32] * 2
     assert all(b.shape[0] == 20 for b in buffers)
+    fp8 = MHATokenToKVPool(16, 4, torch.float8_e5m2, 3, 64, 2, "cpu", tensor_scale=0.5)
+    assert fp8.size_bytes() == 20 * 2 * 2 * 3 * 64
+    assert [b.dtype for b in fp8.slot_buffers(1)] == [torch.float8_e5m2] * 2
+    k_scale, v_scale = fp8.get_kv_scale_buffers(1)
+    for scales in (k_scale, v_scale):
+        assert scales.shape == (20, 3) and scales.stride() == (0, 0)
+        assert torch.equal(scales, torch.full((20, 3), 0.5))
     plain = MHATokenToKVPool(16, 4, torch.bfloat16, 3, 64, 2, "cpu")
     assert len(plain.slot_buffers(0)) == 2 and plain.get_kv_scale_buffers(0) is None
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_fp8_pool_saturates_past_its_range(kv_dtype):
+    """A value past the format's largest times the layer's scale is stored as that largest, with
+    its sign (a plain cast would store NaN or inf); the rest round to the format."""
+    pool = MHATokenToKVPool(8, 4, kv_dtype, 1, 16, 1, "cpu", tensor_scale=0.25)
+    k = torch.linspace(-3, 3, 16).reshape(1, 1, 16)
+    k[0, 0, :2] = torch.tensor([1e6, -1e6])
+    pool.set_kv_buffer(0, torch.tensor([5]), k, -k)
+    got_k, got_v = pool.get_dequantized(0, torch.tensor([5]), torch.float32)
+    top = 0.25 * {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[kv_dtype]
+    assert got_k[0, 0, :2].tolist() == [top, -top] and got_v[0, 0, :2].tolist() == [-top, top]
+    rel = {torch.float8_e4m3fn: 1 / 16, torch.float8_e5m2: 1 / 8}[kv_dtype]
+    assert ((got_k[0, 0, 2:] - k[0, 0, 2:]).abs() <= k[0, 0, 2:].abs() * rel).all()
 
 
 def test_kv_cache_dtype_names():

@@ -1,6 +1,7 @@
 """The bytes the hierarchical cache moves between tiers (``read_kv_pages`` /
-``write_kv_pages``) carry everything a slot holds: K and V of every layer and, in a quantized
-pool (``--kv-cache-dtype``), their scales; a page written back reads as it was."""
+``write_kv_pages``) carry everything a slot holds: K and V of every layer and, in an int8 pool
+(``--kv-cache-dtype``), their scales (fp8's one scale per layer is the pool's, not the slot's);
+a page written back reads as it was."""
 
 from __future__ import annotations
 
@@ -25,11 +26,17 @@ def test_pages_round_trip_with_their_scales(kv_dtype):
     assert data.dtype == torch.uint8 and data.shape == (len(src), pool.kv_bytes_per_token())
     dst = torch.arange(20, 28)
     pool.write_kv_pages(dst, data)
-    assert len(pool.slot_buffers(0)) == (4 if pool.quantized else 2)
+    assert len(pool.slot_buffers(0)) == (4 if pool.row_scaled else 2)
     for layer in range(3):
         for buffer in pool.slot_buffers(layer):
             assert torch.equal(buffer[dst].view(torch.uint8), buffer[src].view(torch.uint8))
-    assert ("k_scales" in pool.kv_layout()["token_layout"]) == pool.quantized
+        for was, now in zip(pool.get_dequantized(layer, src, torch.float32),
+                            pool.get_dequantized(layer, dst, torch.float32), strict=True):
+            assert torch.equal(now, was)
+    layout = pool.kv_layout()
+    assert ("k_scales" in layout["token_layout"]) == pool.row_scaled
+    # codes under a per-layer scale are stored with that scale's value in their layout
+    assert (layout["tensor_scale"] is not None) == (pool.quantized and not pool.row_scaled)
 
 
 def test_no_pages_read_and_write_nothing():

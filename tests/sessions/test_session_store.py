@@ -95,7 +95,8 @@ def test_saved_kv_loads_back_bit_for_bit_into_other_slots(tmp_path, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
 def test_a_quantized_pool_saves_and_loads_its_scales_with_its_codes(tmp_path, dtype):
-    """``--kv-cache-dtype``: the payload carries every slot buffer (codes and scales)."""
+    """``--kv-cache-dtype``: the payload carries every slot buffer (codes, and int8's scales;
+    fp8's one scale per layer is the pool's)."""
     pool = MHATokenToKVPool(KV_TOKENS, 1, dtype, HEADS, DIM, LAYERS, "cpu")
     for layer in range(LAYERS):
         slots = torch.arange(KV_TOKENS + 1)
@@ -110,7 +111,7 @@ def test_a_quantized_pool_saves_and_loads_its_scales_with_its_codes(tmp_path, dt
     assert again.load("chat", dst)
     for layer in range(LAYERS):
         loaded = [b[dst] for b in pool.slot_buffers(layer)]
-        assert len(loaded) == 4
+        assert len(loaded) == (4 if dtype == torch.int8 else 2)
         for got, want in zip(loaded, original[layer], strict=True):
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
@@ -144,15 +145,21 @@ def test_kv_of_another_model_or_dtype_is_refused_but_the_history_resumes(tmp_pat
 
 
 def test_kv_of_a_quantized_pool_is_refused_by_another_kv_dtype(tmp_path):
-    """The layout check covers ``--kv-cache-dtype``: int8 codes and scales are not fp8's."""
-    int8 = MHATokenToKVPool(KV_TOKENS, 1, torch.int8, HEADS, DIM, LAYERS, "cpu")
-    DiskSessionStore(tmp_path, int8, layout(int8), None).save(
+    """The layout check covers ``--kv-cache-dtype`` and fp8's per-layer scale: e4m3 codes are
+    not e5m2's, nor codes under another scale, though each takes the same bytes."""
+    def pool(dtype, tensor_scale=1.0):
+        return MHATokenToKVPool(KV_TOKENS, 1, dtype, HEADS, DIM, LAYERS, "cpu",
+                                tensor_scale=tensor_scale)
+
+    e4m3 = pool(torch.float8_e4m3fn)
+    DiskSessionStore(tmp_path, e4m3, layout(e4m3), None).save(
         "chat", [1, 2, 3], [1, 2], torch.tensor([3, 4]))
-    fp8 = MHATokenToKVPool(KV_TOKENS, 1, torch.float8_e4m3fn, HEADS, DIM, LAYERS, "cpu")
-    assert fp8.kv_bytes_per_token() == int8.kv_bytes_per_token(), "same size, other meaning"
-    entry = DiskSessionStore(tmp_path, fp8, layout(fp8), None).open("chat")
-    assert entry.token_ids == [1, 2, 3] and entry.kv_tokens == 0
-    assert DiskSessionStore(tmp_path, int8, layout(int8), None).open("chat").kv_tokens == 2
+    for other in (pool(torch.float8_e5m2), pool(torch.float8_e4m3fn, 0.5), pool(torch.int8)):
+        if other.dtype != torch.int8:
+            assert other.kv_bytes_per_token() == e4m3.kv_bytes_per_token(), "same size"
+        entry = DiskSessionStore(tmp_path, other, layout(other), None).open("chat")
+        assert entry.token_ids == [1, 2, 3] and entry.kv_tokens == 0
+    assert DiskSessionStore(tmp_path, e4m3, layout(e4m3), None).open("chat").kv_tokens == 2
 
 
 def test_one_format_a_storage_block_is_never_read_as_a_session_nor_a_session_as_a_block(

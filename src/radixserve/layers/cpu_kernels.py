@@ -453,8 +453,9 @@ def paged_attention_quant(
     bf16_query: bool = False,
 ) -> torch.Tensor:
     """``paged_attention`` over a quantized pool (int8/fp8 codes, float32 scales ``[slots,
-    kv_heads]``) whose new tokens' K/V the caller has quantized into it already; ``q`` float32,
-    returns float32. ``window`` and ``softcap`` as in ``paged_attention`` (the same kernels).
+    kv_heads]``, contiguous or one value broadcast with strides 0) whose new tokens' K/V the
+    caller has quantized into it already; ``q`` float32, returns float32. ``window`` and
+    ``softcap`` as in ``paged_attention`` (the same kernels).
     ``bf16_query`` (``q`` holds bf16 values, a bf16 model's queries): decode scores int8 keys
     against the query quantised to int16 (finer than bf16), with VNNI's exact integer products,
     and fp8 keys as bf16 against the bf16 query (exact products, AVX512-BF16 dot products)."""

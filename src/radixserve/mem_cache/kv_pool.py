@@ -9,10 +9,12 @@ rest uninitialised keeps a large CPU pool from committing all of its RAM up fron
 still have to be finite (a NaN survives masking), which the zeroed padding page guarantees.
 
 ``dtype`` is the storage dtype (``--kv-cache-dtype``; the model's by default). A quantized one
-(int8, fp8: ``mem_cache/kv_quant.py``) stores 8-bit codes in ``k_buffer``/``v_buffer`` and one
-float32 scale per (slot, head) in ``k_scale_buffer``/``v_scale_buffer`` (``[size + page_size,
-head_num]`` per layer; empty lists otherwise). ``slot_buffers(layer)`` lists every tensor of a
-layer indexed by slot, which is what a copy of slots (to another tier, to disk) must carry.
+(int8, fp8: ``mem_cache/kv_quant.py``) stores 8-bit codes in ``k_buffer``/``v_buffer`` and their
+scales in ``k_scale_buffer``/``v_scale_buffer`` (``[size + page_size, head_num]`` float32 per
+layer; empty lists otherwise): for int8 one scale per (slot, head), for fp8 the layer's one
+scale seen through a view with strides (0, 0). ``slot_buffers(layer)`` lists every tensor of a
+layer that holds something per slot, which is what a copy of slots (to another tier, to disk)
+must carry.
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixserve.mem_cache.kv_quant import SCALE_DTYPE, dequantize, is_quantized, quantize
+from radixserve.mem_cache.kv_quant import (
+    SCALE_DTYPE,
+    TENSOR_SCALE,
+    dequantize,
+    has_row_scales,
+    is_quantized,
+    quantize,
+    quantize_to_scale,
+)
 
 
 @dataclass(eq=False)
@@ -36,9 +46,11 @@ class MHATokenToKVPool:
     head_dim: int
     layer_num: int
     device: torch.device  # a str is accepted and converted
+    # fp8's one scale per layer for K and for V (a calibrated checkpoint's would go here)
+    tensor_scale: float = TENSOR_SCALE
     k_buffer: list[torch.Tensor] = field(init=False, repr=False, default_factory=list)
     v_buffer: list[torch.Tensor] = field(init=False, repr=False, default_factory=list)
-    # per-(slot, head) float32 scales of a quantized pool; empty lists otherwise
+    # a quantized pool's float32 scales, [slots, head_num] per layer; empty lists otherwise
     k_scale_buffer: list[torch.Tensor] = field(init=False, repr=False, default_factory=list)
     v_scale_buffer: list[torch.Tensor] = field(init=False, repr=False, default_factory=list)
 
@@ -58,17 +70,27 @@ class MHATokenToKVPool:
         self.k_scale_buffer, self.v_scale_buffer = [], []
         if self.quantized:
             scale_shape = (self.size + self.page_size, self.head_num)
-            layers = range(self.layer_num)
             kwargs = {"dtype": SCALE_DTYPE, "device": self.device}
-            self.k_scale_buffer = [torch.empty(scale_shape, **kwargs) for _ in layers]
-            self.v_scale_buffer = [torch.empty(scale_shape, **kwargs) for _ in layers]
-        for buffer in self.k_buffer + self.v_buffer + self.k_scale_buffer + self.v_scale_buffer:
-            buffer[: self.page_size].zero_()
+            for scales in (self.k_scale_buffer, self.v_scale_buffer):
+                for _ in range(self.layer_num):
+                    if self.row_scaled:
+                        scales.append(torch.empty(scale_shape, **kwargs))
+                    else:
+                        one = torch.tensor(self.tensor_scale, **kwargs)  # 0-dim: strides 0, 0
+                        scales.append(one.expand(scale_shape))
+        for layer in range(self.layer_num):
+            for buffer in self.slot_buffers(layer):
+                buffer[: self.page_size].zero_()
 
     @property
     def quantized(self) -> bool:
-        """Whether the pool stores 8-bit codes with per-(slot, head) scales."""
+        """Whether the pool stores 8-bit codes (with their scales)."""
         return is_quantized(self.dtype)
+
+    @property
+    def row_scaled(self) -> bool:
+        """Whether the pool stores a scale per (slot, head) beside the codes (int8)."""
+        return has_row_scales(self.dtype)
 
     def release(self) -> None:
         """Free the buffers (``release_memory_occupation``); ``allocate`` brings them back.
@@ -79,9 +101,9 @@ class MHATokenToKVPool:
     @staticmethod
     def bytes_per_token(head_num: int, head_dim: int, layer_num: int, dtype: torch.dtype) -> int:
         """KV bytes one token takes across all layers (K and V, with their scales when ``dtype``
-        is quantized): what the memory budget is divided by."""
+        has a scale per row): what the memory budget is divided by."""
         per_head = head_dim * dtype.itemsize
-        if is_quantized(dtype):
+        if has_row_scales(dtype):
             per_head += SCALE_DTYPE.itemsize
         return 2 * layer_num * head_num * per_head
 
@@ -94,15 +116,16 @@ class MHATokenToKVPool:
         )
 
     def slot_buffers(self, layer_id: int) -> list[torch.Tensor]:
-        """Every tensor of layer ``layer_id`` indexed by KV slot in dimension 0: K and V codes,
-        then (quantized) their scales. Copying a slot means copying its row of each."""
+        """Every tensor of layer ``layer_id`` that holds a row per KV slot: K and V (or their
+        codes), then per-row scales. Copying a slot means copying its row of each."""
         buffers = [self.k_buffer[layer_id], self.v_buffer[layer_id]]
-        if self.quantized:
+        if self.row_scaled:
             buffers += [self.k_scale_buffer[layer_id], self.v_scale_buffer[layer_id]]
         return buffers
 
     def get_kv_scale_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The K and V scales (``[slots, head_num]`` float32) of a quantized pool, else None."""
+        """The K and V scales (``[slots, head_num]`` float32; fp8: one value, strides 0) of a
+        quantized pool, else None."""
         if not self.quantized:
             return None
         return self.k_scale_buffer[layer_id], self.v_scale_buffer[layer_id]
@@ -124,19 +147,22 @@ class MHATokenToKVPool:
             "head_num": self.head_num,
             "head_dim": self.head_dim,
             "kv_bytes_per_token": self.kv_bytes_per_token(),
-            "token_layout": "k_layers,v_layers" + (",k_scales,v_scales" if self.quantized else ""),
+            "token_layout": "k_layers,v_layers" + (",k_scales,v_scales" if self.row_scaled else ""),
+            # codes under a per-layer scale mean nothing under another
+            "tensor_scale": self.tensor_scale if self.quantized and not self.row_scaled else None,
         }
 
     def _tier_buffers(self) -> list[torch.Tensor]:
         """The buffers a token's KV bytes come from, in ``read_kv_pages``'s order: K of every
-        layer, V of every layer, then (quantized) the K scales and the V scales."""
-        return self.k_buffer + self.v_buffer + self.k_scale_buffer + self.v_scale_buffer
+        layer, V of every layer, then (per-row scales) the K scales and the V scales."""
+        scales = self.k_scale_buffer + self.v_scale_buffer if self.row_scaled else []
+        return self.k_buffer + self.v_buffer + scales
 
     def read_kv_pages(self, slots: torch.Tensor) -> torch.Tensor:
         """The KV of ``slots`` (whole pages, in practice) as a CPU ``uint8`` tensor of shape
         ``[len(slots), kv_bytes_per_token()]``: per token, K of every layer then V of every
-        layer, each ``[head_num, head_dim]``, then a quantized pool's scales (``[head_num]``
-        per layer, K then V)."""
+        layer, each ``[head_num, head_dim]``, then an int8 pool's scales (``[head_num]`` per
+        layer, K then V)."""
         n = len(slots)
         if n == 0:
             return torch.empty((0, self.kv_bytes_per_token()), dtype=torch.uint8)
@@ -177,6 +203,10 @@ class MHATokenToKVPool:
         if not self.quantized:
             self.k_buffer[layer_id][loc] = k.to(self.dtype)
             self.v_buffer[layer_id][loc] = v.to(self.dtype)
+            return
+        if not self.row_scaled:
+            self.k_buffer[layer_id][loc] = quantize_to_scale(k, self.dtype, self.tensor_scale)
+            self.v_buffer[layer_id][loc] = quantize_to_scale(v, self.dtype, self.tensor_scale)
             return
         for codes, scales, x in (
             (self.k_buffer[layer_id], self.k_scale_buffer[layer_id], k),

@@ -34,7 +34,8 @@ and fp16 exactly but not bf16.
 
 A quantized pool (``--kv-cache-dtype``, ``mem_cache/kv_quant.py``) is read in the same loads:
 ``KV_FORMAT`` (a constexpr, so each format compiles its own kernel) says how a row's codes become
-float32 before its scale (one float32 per slot and KV head) multiplies them. fp8 codes arrive as
+float32 before its scale (one float32 per slot and KV head for int8; the layer's one scale, read
+with strides 0, for fp8) multiplies them. fp8 codes arrive as
 uint8 and are widened through fp16 bits in integer arithmetic (e5m2: the high byte of the same
 fp16; e4m3fn: its fields moved to fp16's, which reads as the value times 2^-8), which runs the
 same on every GPU and in the interpreter, without fp8 types in the kernel.
@@ -58,8 +59,8 @@ _KV_FORMATS = {torch.int8: KV_INT8, torch.float8_e4m3fn: KV_FP8_E4M3,
 
 
 @triton.jit
-def _load_kv_rows(buf, scales, slots, kv_head, stride_t, stride_h, stride_s, offs_d, kv_mask,
-                  n_mask, dtype, KV_FORMAT: tl.constexpr):
+def _load_kv_rows(buf, scales, slots, kv_head, stride_t, stride_h, stride_s, stride_sh, offs_d,
+                  kv_mask, n_mask, dtype, KV_FORMAT: tl.constexpr):
     """The rows ``slots`` of one KV head of ``buf`` as ``dtype``, dequantized with their scales
     when ``KV_FORMAT`` says the buffer holds codes."""
     raw = tl.load(buf + slots[:, None] * stride_t + kv_head * stride_h + offs_d[None, :],
@@ -75,7 +76,7 @@ def _load_kv_rows(buf, scales, slots, kv_head, stride_t, stride_h, stride_s, off
     else:
         u = raw.to(tl.uint16)
         x = (u << 8).to(tl.float16, bitcast=True).to(tl.float32)
-    scale = tl.load(scales + slots * stride_s + kv_head, mask=n_mask, other=0.0)
+    scale = tl.load(scales + slots * stride_s + kv_head * stride_sh, mask=n_mask, other=0.0)
     return (x * scale[:, None]).to(dtype)
 
 
@@ -83,7 +84,7 @@ def _load_kv_rows(buf, scales, slots, kv_head, stride_t, stride_h, stride_s, off
 def _attend_kv_block(
     q, acc, m_i, l_i, q_pos, pos, end, offs_d, d_mask,
     K_buf, V_buf, K_scale, V_scale, req_to_token, row, kv_head, sm_scale,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_s, stride_r2t,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_s, stride_sh, stride_r2t,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, KV_FORMAT: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
@@ -94,8 +95,8 @@ def _attend_kv_block(
     n_mask = pos < end
     slots = tl.load(req_to_token + row * stride_r2t + pos, mask=n_mask, other=0)
     kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = _load_kv_rows(K_buf, K_scale, slots, kv_head, stride_kt, stride_kh, stride_s, offs_d,
-                      kv_mask, n_mask, q.dtype, KV_FORMAT)
+    k = _load_kv_rows(K_buf, K_scale, slots, kv_head, stride_kt, stride_kh, stride_s, stride_sh,
+                      offs_d, kv_mask, n_mask, q.dtype, KV_FORMAT)
     if IEEE:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -118,8 +119,8 @@ def _attend_kv_block(
     alpha = tl.exp(m_i - m_shift)
     p = tl.exp(qk - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_kv_rows(V_buf, V_scale, slots, kv_head, stride_vt, stride_vh, stride_s, offs_d,
-                      kv_mask, n_mask, q.dtype, KV_FORMAT)
+    v = _load_kv_rows(V_buf, V_scale, slots, kv_head, stride_vt, stride_vh, stride_s, stride_sh,
+                      offs_d, kv_mask, n_mask, q.dtype, KV_FORMAT)
     if IEEE:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -132,7 +133,7 @@ def _decode_stage1(
     Q, K_buf, V_buf, K_scale, V_scale, req_to_token, req_pool_indices, seq_lens, Mid_O, Mid_LSE,
     sm_scale,
     stride_qb, stride_qh,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_s,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_s, stride_sh,
     stride_r2t,
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
@@ -171,7 +172,7 @@ def _decode_stage1(
         acc, m_i, l_i = _attend_kv_block(
             q, acc, m_i, l_i, end, block + offs_n, end, offs_d, d_mask,
             K_buf, V_buf, K_scale, V_scale, req_to_token, row, kv_head, sm_scale,
-            stride_kt, stride_kh, stride_vt, stride_vh, stride_s, stride_r2t,
+            stride_kt, stride_kh, stride_vt, stride_vh, stride_s, stride_sh, stride_r2t,
             CAUSAL=False, IEEE=IEEE, KV_FORMAT=KV_FORMAT,
             WINDOW=WINDOW, SOFTCAP=SOFTCAP,
         )
@@ -230,7 +231,7 @@ def _extend_kernel(
     extend_lens, q_starts,
     sm_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_s,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_s, stride_sh,
     stride_r2t,
     KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, KV_FORMAT: tl.constexpr,
@@ -268,7 +269,7 @@ def _extend_kernel(
             acc, m_i, l_i = _attend_kv_block(
                 q, acc, m_i, l_i, q_pos, block + offs_n, kv_end, offs_d, d_mask,
                 K_buf, V_buf, K_scale, V_scale, req_to_token, row, kv_head, sm_scale,
-                stride_kt, stride_kh, stride_vt, stride_vh, stride_s, stride_r2t,
+                stride_kt, stride_kh, stride_vt, stride_vh, stride_s, stride_sh, stride_r2t,
                 CAUSAL=True, IEEE=IEEE, KV_FORMAT=KV_FORMAT,
                 WINDOW=WINDOW, SOFTCAP=SOFTCAP,
             )
@@ -284,7 +285,7 @@ class PagedKV(NamedTuple):
     """Where both kernels read a batch's KV: the pool's ``k_buffer``/``v_buffer``
     (``[slots, kv_heads, head_dim]``) through the ``req_to_token`` rows of the batch's requests
     (``req_pool_indices``); a quantized pool's codes come with their float32 scales
-    (``[slots, kv_heads]``)."""
+    (``[slots, kv_heads]``, contiguous or one value with strides 0)."""
 
     k_buffer: torch.Tensor
     v_buffer: torch.Tensor
@@ -294,20 +295,22 @@ class PagedKV(NamedTuple):
     v_scale: torch.Tensor | None = None
 
 
-_KVArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]
+_KVArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]
 
 
 def _kv_args(kv: PagedKV) -> _KVArgs:
     """The buffers as the kernels take them (fp8 codes as uint8), the scales (the buffers
-    themselves when there are none: never read), the scales' row stride and ``KV_FORMAT``."""
+    themselves when there are none: never read), the scales' slot and head strides (0 and 0 for
+    a layer's one scale) and ``KV_FORMAT``."""
     fmt = _KV_FORMATS.get(kv.k_buffer.dtype, KV_PLAIN)
     k, v = kv.k_buffer, kv.v_buffer
     if fmt in (KV_FP8_E4M3, KV_FP8_E5M2):
         k, v = k.view(torch.uint8), v.view(torch.uint8)
     if fmt == KV_PLAIN:
-        return k, v, k, v, 0, fmt
+        return k, v, k, v, 0, 0, fmt
     assert kv.k_scale is not None and kv.v_scale is not None, "a quantized pool needs its scales"
-    return k, v, kv.k_scale, kv.v_scale, kv.k_scale.stride(0), fmt
+    assert kv.k_scale.stride() == kv.v_scale.stride(), "K and V scales laid out alike"
+    return k, v, kv.k_scale, kv.v_scale, kv.k_scale.stride(0), kv.k_scale.stride(1), fmt
 
 
 def _block_d(head_dim: int) -> int:
@@ -328,7 +331,7 @@ def decode_attention(
     request's ``seq_lens[i]`` positions of ``kv`` (the last ``window`` of them, with a sliding
     window); written into ``out`` (``[bs, heads, head_dim]``)."""
     req_to_token, req_pool_indices = kv.req_to_token, kv.req_pool_indices
-    k_buffer, v_buffer, k_scale, v_scale, stride_s, kv_format = _kv_args(kv)
+    k_buffer, v_buffer, k_scale, v_scale, stride_s, stride_sh, kv_format = _kv_args(kv)
     bs, heads, head_dim = q.shape
     kv_heads = k_buffer.shape[1]
     group = heads // kv_heads
@@ -342,6 +345,7 @@ def decode_attention(
         sm_scale,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), stride_s,
+        stride_sh,
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
@@ -376,7 +380,7 @@ def extend_attention(
     request ``i``'s ``extend_lens[i]`` rows from ``q_starts[i]``) over its prefix and new tokens,
     all already in ``kv``; written into ``out`` (same shape as ``q``)."""
     req_to_token, req_pool_indices = kv.req_to_token, kv.req_pool_indices
-    k_buffer, v_buffer, k_scale, v_scale, stride_s, kv_format = _kv_args(kv)
+    k_buffer, v_buffer, k_scale, v_scale, stride_s, stride_sh, kv_format = _kv_args(kv)
     _, heads, head_dim = q.shape
     kv_heads = k_buffer.shape[1]
     block_d = _block_d(head_dim)
@@ -389,6 +393,7 @@ def extend_attention(
         sm_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), stride_s,
+        stride_sh,
         req_to_token.stride(0),
         KV_GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=32 if small else 64, IEEE=q.dtype == torch.float32,

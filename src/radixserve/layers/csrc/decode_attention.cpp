@@ -209,6 +209,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   S* v_ptr = static_cast<S*>(v_buffer.data_ptr());
   const float* k_scale_ptr = quantized ? k_scale.data_ptr<float>() : nullptr;
   const float* v_scale_ptr = quantized ? v_scale.data_ptr<float>() : nullptr;
+  const ScaleStrides scale_at = quantized ? scale_strides(k_scale) : ScaleStrides{0, 0};
   const int64_t* loc_ptr = quantized ? nullptr : loc.data_ptr<int64_t>();
   const int64_t* table = req_to_token.data_ptr<int64_t>();
   const int64_t* pool_idx = req_pool_indices.data_ptr<int64_t>();
@@ -245,9 +246,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       Rows<S> rows{k_ptr + head_off, v_ptr + head_off,
                    table + pool_idx[b] * table_stride + first, kv_row};
       if constexpr (quantized) {
-        rows.k_scale = k_scale_ptr + h;
-        rows.v_scale = v_scale_ptr + h;
-        rows.scale_row = kv_heads;
+        rows.k_scale = k_scale_ptr + h * scale_at.head;
+        rows.v_scale = v_scale_ptr + h * scale_at.head;
+        rows.scale_row = scale_at.row;
       } else {
         std::copy_n(k_new + b * k_stride + head_off, head_dim,
                     k_ptr + loc_ptr[b] * kv_row + head_off);
@@ -384,7 +385,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 // decode_attention over a quantized pool: q and out float32 [batch, heads, head_dim]; k_buffer,
 // v_buffer [slots, kv_heads, head_dim] of int8 or fp8 codes; k_scale, v_scale float32 [slots,
-// kv_heads]. The new token's K/V must be in the pool already (the caller quantized it there).
+// kv_heads] (check_kv_scales: per slot, or one per layer with strides 0). The new token's K/V must be in the pool already (the caller quantized it there).
 // bf16_query (q holds bf16 values: a bf16 model's queries), head_dim a multiple of 32: int8
 // keys are scored against the query quantised to int16 (score_pass4_narrow, finer than the bf16
 // it came from), fp8 keys as bf16 against the bf16 query (score_pass4_narrow); otherwise in
@@ -406,11 +407,7 @@ void decode_attention_quant(const at::Tensor& q, const at::Tensor& k_buffer,
   TORCH_CHECK(q.size(1) % k_buffer.size(1) == 0, "heads must be a multiple of kv_heads");
   TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= kLanes * kMaxHeadRegs,
               "head_dim must be a multiple of 16 up to 256, got ", q.size(2));
-  for (const at::Tensor* t : {&k_scale, &v_scale}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
-                    t->size(0) == k_buffer.size(0) && t->size(1) == k_buffer.size(1),
-                "decode_attention_quant: the scales must be contiguous float32 [slots, kv_heads]");
-  }
+  check_kv_scales("decode_attention_quant", k_buffer, k_scale, v_scale);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2),
               "decode_attention_quant: q must have contiguous heads in each row");
   TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous() && out.is_contiguous(),

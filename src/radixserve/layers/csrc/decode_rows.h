@@ -30,7 +30,8 @@ inline void prefetch_row(const T* row, int64_t head_dim) {
 }
 
 // Where one task's keys and values are: row t of its request at base + slots[t] * kv_row; in a
-// quantized pool (S int8 or fp8) its scale at scale_base[slots[t] * scale_row].
+// quantized pool (S int8 or fp8) its scale at scale_base[slots[t] * scale_row] (scale_row 0: one
+// scale for the layer).
 template <typename S>
 struct Rows {
   const S* k;
@@ -50,8 +51,11 @@ inline void prefetch_ahead(const S* base, const float* scales, const Rows<S>& ro
   if (t + kAhead < len) {
     prefetch_row(base + rows.slots[t + kAhead] * rows.kv_row, head_dim);
     if constexpr (kQuantizedKV<S>) {
-      _mm_prefetch(reinterpret_cast<const char*>(scales + rows.slots[t + kAhead] * rows.scale_row),
-                   _MM_HINT_T0);
+      if (rows.scale_row != 0) {  // 0: one scale for every row (fp8's per-layer scale)
+        _mm_prefetch(
+            reinterpret_cast<const char*>(scales + rows.slots[t + kAhead] * rows.scale_row),
+            _MM_HINT_T0);
+      }
     }
   }
 }

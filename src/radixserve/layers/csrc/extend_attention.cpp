@@ -73,13 +73,14 @@ struct Shape {
 };
 
 // Where a task's KV is: codes (or values) of S, and for a quantized pool the float32 scales
-// ([slots, kv_heads]).
+// ([slots, kv_heads], read through their strides: check_kv_scales).
 template <typename S>
 struct PoolKV {
   const S* k;
   const S* v;
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
+  ScaleStrides scale{0, 0};
 };
 
 // 16 elements of a pool row in float32, its scale applied (`scale`: the row's scale times
@@ -210,7 +211,7 @@ void attend_block(const T* q, const PoolKV<S>& kv, const int64_t* slots,
         const S* vr = kv.v + row;
         __m512 v_sc = _mm512_setzero_ps();
         if constexpr (kQuantizedKV<S>) {
-          const int64_t at = slot * s.kv_heads + h;
+          const int64_t at = slot * kv.scale.row + h * kv.scale.head;
           k_sc[i] = _mm512_set1_ps(kv.k_scale[at] * kScaleFactor<S>);
           v_sc = _mm512_set1_ps(kv.v_scale[at] * kScaleFactor<S>);
         }
@@ -330,6 +331,7 @@ void extend_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   if constexpr (kQuantizedKV<S>) {
     kv.k_scale = k_scale.data_ptr<float>();
     kv.v_scale = v_scale.data_ptr<float>();
+    kv.scale = scale_strides(k_scale);
   } else {
     // the new tokens' K/V into the pool
     const int64_t* loc_p = loc.data_ptr<int64_t>();
@@ -440,7 +442,7 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 // extend_attention over a quantized pool: q and out float32 [tokens, heads, head_dim];
 // k_buffer, v_buffer [slots, kv_heads, head_dim] of int8 or fp8 codes; k_scale, v_scale float32
-// [slots, kv_heads]. The new tokens' K/V must be in the pool already.
+// [slots, kv_heads] (check_kv_scales: per slot, or one per layer with strides 0). The new tokens' K/V must be in the pool already.
 void extend_attention_quant(const at::Tensor& q, at::Tensor k_buffer, at::Tensor v_buffer,
                             const at::Tensor& k_scale, const at::Tensor& v_scale,
                             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
@@ -458,11 +460,7 @@ void extend_attention_quant(const at::Tensor& q, at::Tensor k_buffer, at::Tensor
               "extend_attention_quant: heads must be a multiple of kv_heads");
   TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= 256,
               "extend_attention_quant: head_dim must be a multiple of 16 up to 256");
-  for (const at::Tensor* t : {&k_scale, &v_scale}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
-                    t->size(0) == k_buffer.size(0) && t->size(1) == k_buffer.size(1),
-                "extend_attention_quant: the scales must be contiguous float32 [slots, kv_heads]");
-  }
+  check_kv_scales("extend_attention_quant", k_buffer, k_scale, v_scale);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2),
               "extend_attention_quant: q must have contiguous heads in each row");
   TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous() && out.is_contiguous(),

@@ -1,6 +1,8 @@
 // Reading a quantized KV pool (--kv-cache-dtype int8 / fp8_e4m3 / fp8_e5m2, see
 // mem_cache/kv_quant.py) in the paged attention kernels: 16 codes of a row into 16 float32 lanes,
-// which the row's scale (one float32 per slot and KV head) then multiplies.
+// which the row's scale then multiplies. The scales come as a float32 [slots, kv_heads] tensor
+// read through its strides: int8's are contiguous (one per slot and KV head), fp8's are the
+// layer's one scale seen with strides (0, 0) (check_kv_scales).
 //
 // fp8 goes through fp16 (vcvtph2ps), since AVX-512 has no fp8 conversion: an e5m2 code is the
 // high byte of the fp16 of the same value; an e4m3fn code's sign, exponent and mantissa moved to
@@ -14,6 +16,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include "vec_math.h"
@@ -31,6 +34,34 @@ struct Fp8E5M2 {
 template <typename S>
 constexpr bool kQuantizedKV = std::is_same_v<S, int8_t> || std::is_same_v<S, Fp8E4M3> ||
                               std::is_same_v<S, Fp8E5M2>;
+
+// Where a layer's scales are: that of slot s and KV head h at scales[s * row + h * head].
+struct ScaleStrides {
+  int64_t row;
+  int64_t head;
+};
+
+inline ScaleStrides scale_strides(const at::Tensor& scales) {
+  return {scales.stride(0), scales.stride(1)};
+}
+
+// A quantized pool's K and V scales must be float32 [slots, kv_heads] (the codes' first two
+// sizes), each contiguous (a scale per slot and head) or one value broadcast (strides 0, 0), both
+// laid out alike.
+inline void check_kv_scales(const char* op, const at::Tensor& codes,
+                                    const at::Tensor& k_scale, const at::Tensor& v_scale) {
+  for (const at::Tensor* t : {&k_scale, &v_scale}) {
+    const bool shaped = t->scalar_type() == at::kFloat && t->dim() == 2 &&
+                        t->size(0) == codes.size(0) && t->size(1) == codes.size(1);
+    // (a dimension of size 1 may have any stride)
+    const bool one_value = shaped && t->stride(0) == 0 && (t->stride(1) == 0 || t->size(1) == 1);
+    TORCH_CHECK(shaped && (t->is_contiguous() || one_value), op,
+                ": the scales must be float32 [slots, kv_heads], contiguous or one value "
+                "broadcast (strides 0, 0)");
+  }
+  TORCH_CHECK(k_scale.strides() == v_scale.strides(), op,
+              ": the K and V scales must be laid out alike");
+}
 
 // What a row's scale is multiplied by before it multiplies the lanes load_kv16 gives.
 template <typename S>
