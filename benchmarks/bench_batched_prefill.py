@@ -61,7 +61,7 @@ def before_table(weight: MultiKernelWeight) -> tuple[str, ...]:
     above (the int8 VNNI kernel for int8 weights)."""
     return tuple(
         next(n for n in (kd.AMX, kd.INT8_VNNI, kd.BLOCKED)
-             if n in weight.candidates and kd.takes(n, b))
+             if n in weight.candidates and (n != kd.AMX or kd.ROW_BUCKETS[b] <= 32))
         for b in range(len(kd.ROW_BUCKETS))
     )
 

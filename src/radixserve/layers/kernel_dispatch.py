@@ -72,7 +72,6 @@ INT4_VNNI, INT4_DEQUANT = "int4_vnni", "int4_dequant_onednn"
 class Candidate:
     name: str
     batch_invariant: bool  # a row's result is the same bits whatever else is in its batch
-    max_rows: int | None = None  # the most rows it takes (None: any)
 
 
 CANDIDATES = {
@@ -98,12 +97,6 @@ def bucket_index(rows: int) -> int:
 
 
 BUCKET_OF_ROWS = tuple(bucket_index(rows) for rows in range(MAX_BUCKET_ROWS + 1))
-
-
-def takes(name: str, bucket: int) -> bool:
-    """Whether candidate ``name`` runs batches of bucket ``bucket``."""
-    limit = CANDIDATES[name].max_rows
-    return limit is None or ROW_BUCKETS[bucket] <= limit
 
 
 def allowed_candidates(names: Iterable[str], batch_invariant: bool) -> tuple[str, ...]:
@@ -132,7 +125,7 @@ def static_table(allowed: Sequence[str], amx_cpu: bool, bf16: bool) -> tuple[str
         elif BLOCKED in allowed:
             table.append(BLOCKED)
         else:
-            table.append(next(n for n in allowed if takes(n, b)))
+            table.append(allowed[0])
     return tuple(table)
 
 
@@ -317,9 +310,9 @@ def stale_keys(keys: Iterable[str], cache: DispatchCache | None,
 
 
 def measure(weight: Dispatched, budget_end: float = float("inf")) -> dict[str, list[float | None]]:
-    """Seconds per call of each candidate at each bucket's rows (None where it does not take
-    them, or past ``budget_end``), the candidates taking turns call by call; best of at least
-    three calls and 2 ms per candidate and bucket."""
+    """Seconds per call of each candidate at each bucket's rows (None past ``budget_end``), the
+    candidates taking turns call by call; best of at least three calls and 2 ms per candidate
+    and bucket."""
     proxy = weight.timing_proxy(TIMING_MAX_OUT)
     kernels = proxy.kernels()
     k = weight.weight.shape[1]
@@ -330,7 +323,7 @@ def measure(weight: Dispatched, budget_end: float = float("inf")) -> dict[str, l
         if time.perf_counter() > budget_end:
             break
         x = torch.randn(rows, k, generator=gen).to(dtype)
-        names = [n for n in weight.candidates if takes(n, b)]
+        names = list(weight.candidates)
         best = dict.fromkeys(names, float("inf"))
         spent = dict.fromkeys(names, 0.0)
         for name in names:
