@@ -93,8 +93,11 @@ inline __m512 load_kv16(const Fp8E4M3* p) {
 // moved to bf16's bit positions reads as its value times 2^-120 (e4m3fn, exponent bias 7) or
 // 2^-112 (e5m2, bias 15), bf16's bias being 127; kBf16CodeFactor undoes that on the sums. Its
 // subnormals become bf16 denormals, which the dot product reads as zero: codes under 2^-6
-// (e4m3fn) or 2^-14 (e5m2), of rows whose largest code is 448 or 57344 (a 2^-15 or 2^-30 share,
-// far under fp8's own rounding of 2^-4 or 2^-3).
+// (e4m3fn) or 2^-14 (e5m2), i.e. key elements under that times the layer's scale (an fp8 pool
+// has one per layer, mem_cache/kv_quant.py). An element lost so is off by at most 2^-6 of the
+// scale, what e4m3's own rounding (2^-4 relative) costs any element of a quarter of the scale or
+// more; e5m2's 2^-14 is far under its rounding. The float32 passes (the prefill kernel, and
+// decode without bf16_query) read them exactly.
 template <typename S>
 constexpr float kBf16CodeFactor = std::is_same_v<S, Fp8E4M3> ? 0x1p120f : 0x1p112f;
 
