@@ -427,25 +427,29 @@ def test_decode_attention_kernel_writes_the_new_kv_and_equals_a_float64_referenc
 
 def test_decode_attention_gives_a_request_the_same_bits_alone_or_in_a_batch():
     """At head_dim 128 and 8 query heads per KV head the kernel splits each group into passes
-    and the keys into blocks; a request's sums still run in one order whatever surrounds it."""
+    and the keys into blocks; a request's sums still run in one order whatever surrounds it. A
+    batch of at least two requests per thread takes each request's KV heads in one task, a
+    request alone one task per KV head: the same bits."""
     require_kernels()
     gen = torch.Generator().manual_seed(7)
-    heads, kv_heads, head_dim, num_slots = 16, 2, 128, 700
+    n = max(3, 2 * torch.get_num_threads() + 1)
+    heads, kv_heads, head_dim, num_slots = 16, 2, 128, 200 * n + 100
     k_buffer = torch.randn(num_slots, kv_heads, head_dim, generator=gen).bfloat16()
     v_buffer = torch.randn(num_slots, kv_heads, head_dim, generator=gen).bfloat16()
-    req_to_token = (torch.randperm(num_slots - 1, generator=gen)[:600] + 1).view(3, 200)
-    lens = torch.tensor([150, 3, 200])
-    q = torch.randn(3, heads, head_dim, generator=gen).bfloat16()
-    k, v = torch.randn(2, 3, kv_heads, head_dim, generator=gen).bfloat16()
-    loc = req_to_token[torch.arange(3), lens - 1]
+    req_to_token = (torch.randperm(num_slots - 1, generator=gen)[:200 * n] + 1).view(n, 200)
+    lens = torch.randint(1, 201, (n,), generator=gen)
+    lens[:3] = torch.tensor([150, 3, 200])
+    q = torch.randn(n, heads, head_dim, generator=gen).bfloat16()
+    k, v = torch.randn(2, n, kv_heads, head_dim, generator=gen).bfloat16()
+    loc = req_to_token[torch.arange(n), lens - 1]
 
     def run(rows):  # each call writes the new K/V into copies of the pool
         return paged_attention(q[rows], k[rows], v[rows], loc[rows], k_buffer.clone(),
                                v_buffer.clone(), req_to_token, torch.tensor(rows), lens[rows],
                                head_dim**-0.5)
 
-    batch = run([0, 1, 2])
-    for i in range(3):
+    batch = run(list(range(n)))
+    for i in (0, 1, 2, n - 1):
         assert torch.equal(run([i]), batch[i : i + 1])
     assert torch.equal(run([2, 0]), batch[[2, 0]])
 

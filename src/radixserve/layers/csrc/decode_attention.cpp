@@ -4,11 +4,12 @@
 // arbitrary KV slots (its req_to_token row). The torch path writes the new K/V with two
 // index_puts, gathers every request's K/V into a padded batch (two copies per layer), builds a
 // mask and runs SDPA: a handful of kernels whose start-up costs dominate a decode step's small
-// tensors. Here one call does it all. Each (request, KV head) task writes its new K/V row into the
-// pool, then reads the request's slots in place, a block of 64 keys at a time: the query heads
-// that share the KV head take the block in passes of as many heads as keep their sums in
-// registers (all of a group of 4 at head_dim 64), so each key and value row comes from memory
-// once and from L1 for the other passes. (With the sums in memory, one store per multiply-add
+// tensors. Here one call does it all. Each task (a request's KV heads, or a share of them when
+// the threads need more tasks) writes its new K/V rows into the pool, then reads the request's
+// slots in place, a block of 64 keys at a time: for each KV head, the query heads that share it
+// take the block in passes of as many heads as keep their sums in registers (all of a group of
+// 4 at head_dim 64), so each key and value row comes from memory once and from L1 for the other
+// passes. (With the sums in memory, one store per multiply-add
 // had made the value pass store-bound.) Scores, softmax and the weighted sum of values are
 // float32 whatever the storage dtype; every sum runs in the same order whatever the pass sizes,
 // so a request's output does not depend on the batch.
@@ -17,7 +18,7 @@
 // earlier slots are never read. A soft cap C (softcap > 0, Gemma 2) replaces each scaled score s
 // by C * tanh(s / C) before the softmax.
 //
-// Tasks never race: a task writes only its own head of its own request's new slot, and reads
+// Tasks never race: a task writes only its own heads of its own request's new slot, and reads
 // only its own request's slots.
 //
 // decode_attention_quant reads a quantized pool (int8 or fp8 codes with a float32 scale per slot
@@ -218,102 +219,121 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const __m512 scale_v = _mm512_set1_ps(static_cast<float>(scale));
   const float cap = static_cast<float>(softcap);
 
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // A task takes one request's KV heads [h0, h0 + span), every head over a block of keys before
+  // the next block, so the block's rows (each head's side by side, kv_row apart) are one stretch
+  // of memory read in one go. (A task per KV head read one line of every kv_heads over the whole
+  // context, and the other heads' tasks read the lines between later: see RESULTS.md, session
+  // 23.) Requests are split by heads only as far as the threads need work: two tasks a thread.
+  const int64_t want_chunks = (2 * at::get_num_threads() + batch - 1) / batch;
+  const int64_t span = (kv_heads + std::min(kv_heads, want_chunks) - 1) /
+                       std::min(kv_heads, want_chunks);
+  const int64_t chunks = (kv_heads + span - 1) / span;
+  at::parallel_for(0, batch * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    // the group's scaled queries and output sums, head_dim / 16 registers per query head
-    std::vector<__m512> query(group * regs), acc(group * regs);
+    // the task's query heads (span KV heads' groups, in order): their scaled queries and output
+    // sums, head_dim / 16 registers per query head
+    const int64_t q_heads = span * group;
+    std::vector<__m512> query(q_heads * regs), acc(q_heads * regs);
+    std::vector<Rows<S>> rows(span);
     // bf16_query: the same queries as int16 (regs / 2 registers per head) and their scales
     constexpr bool kInt16Keys = std::is_same_v<S, int8_t> && regs % 2 == 0;
     const bool int16_scores = kInt16Keys && bf16_query;
-    std::vector<__m512i> query16(int16_scores ? group * regs / 2 : 0);
-    std::vector<float> query16_scale(int16_scores ? group : 0);
+    std::vector<__m512i> query16(int16_scores ? q_heads * regs / 2 : 0);
+    std::vector<float> query16_scale(int16_scores ? q_heads : 0);
     // bf16_query over fp8 keys: the unscaled queries as bf16 (regs / 2 registers per head)
     constexpr bool kBf16Keys =
         (std::is_same_v<S, Fp8E4M3> || std::is_same_v<S, Fp8E5M2>) && regs % 2 == 0;
     const bool bf16_scores = kBf16Keys && bf16_query;
-    std::vector<__m512i> query_bf16(bf16_scores ? group * regs / 2 : 0);
-    std::vector<float> bf16_factor(bf16_scores ? group : 0, 0.0f);
+    std::vector<__m512i> query_bf16(bf16_scores ? q_heads * regs / 2 : 0);
+    std::vector<float> bf16_factor(bf16_scores ? q_heads : 0, 0.0f);
     if constexpr (kBf16Keys) {
       std::fill(bf16_factor.begin(), bf16_factor.end(),
                 static_cast<float>(scale) * (kBf16CodeFactor<S> / kBf16QueryFactor));
     }
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads;
+      const int64_t b = task / chunks, h0 = task % chunks * span;
+      const int64_t n_kv = std::min(span, kv_heads - h0), n_q = n_kv * group;
       // the keys the query sees: positions [first, seq_len)
       const int64_t first = window > 0 ? std::max<int64_t>(0, len_ptr[b] - window) : 0;
       const int64_t len = len_ptr[b] - first;
-      const int64_t head_off = h * head_dim;
-      Rows<S> rows{k_ptr + head_off, v_ptr + head_off,
-                   table + pool_idx[b] * table_stride + first, kv_row};
-      if constexpr (quantized) {
-        rows.k_scale = k_scale_ptr + h * scale_at.head;
-        rows.v_scale = v_scale_ptr + h * scale_at.head;
-        rows.scale_row = scale_at.row;
-      } else {
-        std::copy_n(k_new + b * k_stride + head_off, head_dim,
-                    k_ptr + loc_ptr[b] * kv_row + head_off);
-        std::copy_n(v_new + b * v_stride + head_off, head_dim,
-                    v_ptr + loc_ptr[b] * kv_row + head_off);
+      for (int64_t i = 0; i < n_kv; ++i) {
+        const int64_t h = h0 + i, head_off = h * head_dim;
+        rows[i] = Rows<S>{k_ptr + head_off, v_ptr + head_off,
+                          table + pool_idx[b] * table_stride + first, kv_row};
+        if constexpr (quantized) {
+          rows[i].k_scale = k_scale_ptr + h * scale_at.head;
+          rows[i].v_scale = v_scale_ptr + h * scale_at.head;
+          rows[i].scale_row = scale_at.row;
+        } else {
+          std::copy_n(k_new + b * k_stride + head_off, head_dim,
+                      k_ptr + loc_ptr[b] * kv_row + head_off);
+          std::copy_n(v_new + b * v_stride + head_off, head_dim,
+                      v_ptr + loc_ptr[b] * kv_row + head_off);
+        }
       }
-      const T* q_group = q_ptr + b * q_stride + h * group * head_dim;
-      for (int64_t i = 0; i < group * regs; ++i) {
-        query[i] = _mm512_mul_ps(load16(q_group + i * kLanes), scale_v);
+      const T* q_task = q_ptr + b * q_stride + h0 * group * head_dim;
+      for (int64_t i = 0; i < n_q * regs; ++i) {
+        query[i] = _mm512_mul_ps(load16(q_task + i * kLanes), scale_v);
         acc[i] = _mm512_setzero_ps();
       }
       if constexpr (kBf16Keys) {
         if (bf16_scores) {
           const __m512 lift = _mm512_set1_ps(kBf16QueryFactor);
-          for (int64_t i = 0; i < group * regs / 2; ++i) {
+          for (int64_t i = 0; i < n_q * regs / 2; ++i) {
             query_bf16[i] =
-                pack_bf16_values(_mm512_mul_ps(load16(q_group + 2 * i * kLanes), lift),
-                                 _mm512_mul_ps(load16(q_group + (2 * i + 1) * kLanes), lift));
+                pack_bf16_values(_mm512_mul_ps(load16(q_task + 2 * i * kLanes), lift),
+                                 _mm512_mul_ps(load16(q_task + (2 * i + 1) * kLanes), lift));
           }
         }
       }
       if constexpr (kInt16Keys) {
         if (int16_scores) {
-          for (int64_t g = 0; g < group; ++g) {
+          for (int64_t g = 0; g < n_q; ++g) {
             quantize_query<regs>(query.data() + g * regs, query16.data() + g * regs / 2,
                                  query16_scale.data() + g);
           }
         }
       }
-      // Keys, then values, a block at a time: each block's rows come from memory once and from
-      // L1 for the group's other passes.
-      scores.resize(group * len);
+      // Keys, then values, a block at a time, every head of the task over the block before the
+      // next: each block's rows come from memory once and from L1 for the other passes.
+      scores.resize(n_q * len);
       const auto over_blocks = [&](auto scores_tag, __m512* held) {
         for (int64_t t0 = 0; t0 < len; t0 += kKeyBlock) {
           const int64_t t1 = std::min(len, t0 + kKeyBlock);
-          for (int64_t g = 0; g < group; g += pass) {
-            with_constant<pass>(std::min(pass, group - g), [&](auto heads_tag) {
-              constexpr int64_t heads_now = decltype(heads_tag)::value;
-              constexpr bool scoring = decltype(scores_tag)::value;
-              if constexpr (scoring && kInt16Keys &&
-                            fits_four_keys_narrow(regs / 2, heads_now)) {
-                if (int16_scores) {
-                  score_pass4_narrow<Int16Keys, regs / 2, heads_now>(
-                      query16.data() + g * regs / 2, query16_scale.data() + g, rows, t0, t1,
-                      len, head_dim, scores.data() + g * len);
-                  return;
+          for (int64_t i = 0; i < n_kv; ++i) {
+            for (int64_t g0 = 0; g0 < group; g0 += pass) {
+              const int64_t g = i * group + g0;  // the pass's first query head in the task
+              float* head_scores = scores.data() + g * len;
+              with_constant<pass>(std::min(pass, group - g0), [&](auto heads_tag) {
+                constexpr int64_t heads_now = decltype(heads_tag)::value;
+                constexpr bool scoring = decltype(scores_tag)::value;
+                if constexpr (scoring && kInt16Keys &&
+                              fits_four_keys_narrow(regs / 2, heads_now)) {
+                  if (int16_scores) {
+                    score_pass4_narrow<Int16Keys, regs / 2, heads_now>(
+                        query16.data() + g * regs / 2, query16_scale.data() + g, rows[i], t0,
+                        t1, len, head_dim, head_scores);
+                    return;
+                  }
                 }
-              }
-              if constexpr (scoring && kBf16Keys &&
-                            fits_four_keys_narrow(regs / 2, heads_now)) {
-                if (bf16_scores) {
-                  score_pass4_narrow<Bf16Keys<S>, regs / 2, heads_now>(
-                      query_bf16.data() + g * regs / 2, bf16_factor.data(), rows, t0, t1, len,
-                      head_dim, scores.data() + g * len);
-                  return;
+                if constexpr (scoring && kBf16Keys &&
+                              fits_four_keys_narrow(regs / 2, heads_now)) {
+                  if (bf16_scores) {
+                    score_pass4_narrow<Bf16Keys<S>, regs / 2, heads_now>(
+                        query_bf16.data() + g * regs / 2, bf16_factor.data(), rows[i], t0, t1,
+                        len, head_dim, head_scores);
+                    return;
+                  }
                 }
-              }
-              if constexpr (scoring && fits_four_keys(regs, heads_now)) {
-                score_pass4<S, regs, heads_now>(held + g * regs, rows, t0, t1, len, head_dim,
-                                                 scores.data() + g * len);
-              } else {
-                run_pass<scoring, S, regs, heads_now>(held + g * regs, rows, t0, t1, len,
-                                                      head_dim, scores.data() + g * len);
-              }
-            });
+                if constexpr (scoring && fits_four_keys(regs, heads_now)) {
+                  score_pass4<S, regs, heads_now>(held + g * regs, rows[i], t0, t1, len,
+                                                   head_dim, head_scores);
+                } else {
+                  run_pass<scoring, S, regs, heads_now>(held + g * regs, rows[i], t0, t1, len,
+                                                        head_dim, head_scores);
+                }
+              });
+            }
           }
         }
       };
@@ -321,10 +341,10 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       if (cap > 0.0f) {
         for (float& x : scores) x = cap * std::tanh(x / cap);
       }
-      softmax_rows(scores.data(), group, len);
+      softmax_rows(scores.data(), n_q, len);
       over_blocks(std::false_type{}, acc.data());
-      T* dst = out_ptr + b * heads * head_dim + h * group * head_dim;
-      for (int64_t i = 0; i < group * regs; ++i) store16(dst + i * kLanes, acc[i]);
+      T* dst = out_ptr + b * heads * head_dim + h0 * group * head_dim;
+      for (int64_t i = 0; i < n_q * regs; ++i) store16(dst + i * kLanes, acc[i]);
     }
   });
 }
