@@ -37,6 +37,7 @@ from radixserve.layers.cpu_kernels import (
     load_cpu_kernels,
     pack_linear_weight,
     paged_attention,
+    paged_attention_quant,
     rms_norm,
     rotary,
     silu_and_mul,
@@ -452,6 +453,23 @@ def test_decode_attention_gives_a_request_the_same_bits_alone_or_in_a_batch():
     for i in (0, 1, 2, n - 1):
         assert torch.equal(run([i]), batch[i : i + 1])
     assert torch.equal(run([2, 0]), batch[[2, 0]])
+
+
+def test_decode_attention_over_no_requests_returns_an_empty_output():
+    """An empty batch (no request decoding in this step) does nothing, in either kernel."""
+    require_kernels()
+    k_buffer = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
+    empty = torch.zeros(0, dtype=torch.int64)
+    table = torch.zeros(1, 8, dtype=torch.int64)
+    q = torch.zeros(0, 4, 64, dtype=torch.bfloat16)
+    kv = torch.zeros(0, 2, 64, dtype=torch.bfloat16)
+    out = paged_attention(q, kv, kv, empty, k_buffer, k_buffer.clone(), table, empty, empty, 0.125)
+    assert out.shape == (0, 4, 64)
+    codes = torch.zeros(8, 2, 64, dtype=torch.int8)
+    scales = torch.ones(8, 2)
+    out = paged_attention_quant(q.float(), codes, codes, scales, scales, table, empty, empty,
+                                0.125)
+    assert out.shape == (0, 4, 64)
 
 
 def test_decode_attention_kernel_rejects_bad_input_with_a_clear_error():

@@ -224,6 +224,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   // of memory read in one go. (A task per KV head read one line of every kv_heads over the whole
   // context, and the other heads' tasks read the lines between later: see RESULTS.md, session
   // 23.) Requests are split by heads only as far as the threads need work: two tasks a thread.
+  if (batch == 0) return;
   const int64_t want_chunks = (2 * at::get_num_threads() + batch - 1) / batch;
   const int64_t span = (kv_heads + std::min(kv_heads, want_chunks) - 1) /
                        std::min(kv_heads, want_chunks);
