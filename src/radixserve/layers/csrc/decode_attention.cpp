@@ -9,10 +9,10 @@
 // slots in place, a block of 64 keys at a time: for each KV head, the query heads that share it
 // take the block in passes of as many heads as keep their sums in registers (all of a group of
 // 4 at head_dim 64), so each key and value row comes from memory once and from L1 for the other
-// passes. (With the sums in memory, one store per multiply-add
-// had made the value pass store-bound.) Scores, softmax and the weighted sum of values are
-// float32 whatever the storage dtype; every sum runs in the same order whatever the pass sizes,
-// so a request's output does not depend on the batch.
+// passes. (With the sums in memory, one store per multiply-add had made the value pass
+// store-bound.) Scores, softmax and the weighted sum of values are float32 whatever the storage
+// dtype; every sum runs in the same order whatever the pass sizes, so a request's output does
+// not depend on the batch.
 //
 // A sliding window W (window > 0) starts each request's keys at position seq_len - W: the
 // earlier slots are never read. A soft cap C (softcap > 0, Gemma 2) replaces each scaled score s
@@ -225,9 +225,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   // context, and the other heads' tasks read the lines between later: see RESULTS.md, session
   // 23.) Requests are split by heads only as far as the threads need work: two tasks a thread.
   if (batch == 0) return;
-  const int64_t want_chunks = (2 * at::get_num_threads() + batch - 1) / batch;
-  const int64_t span = (kv_heads + std::min(kv_heads, want_chunks) - 1) /
-                       std::min(kv_heads, want_chunks);
+  const int64_t want_chunks =
+      std::min(kv_heads, (2 * at::get_num_threads() + batch - 1) / batch);
+  const int64_t span = (kv_heads + want_chunks - 1) / want_chunks;
   const int64_t chunks = (kv_heads + span - 1) / span;
   at::parallel_for(0, batch * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -406,7 +406,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 // decode_attention over a quantized pool: q and out float32 [batch, heads, head_dim]; k_buffer,
 // v_buffer [slots, kv_heads, head_dim] of int8 or fp8 codes; k_scale, v_scale float32 [slots,
-// kv_heads] (check_kv_scales: per slot, or one per layer with strides 0). The new token's K/V must be in the pool already (the caller quantized it there).
+// kv_heads] (check_kv_scales: per slot, or one per layer with strides 0). The new token's K/V
+// must be in the pool already (the caller quantized it there).
 // bf16_query (q holds bf16 values: a bf16 model's queries), head_dim a multiple of 32: int8
 // keys are scored against the query quantised to int16 (score_pass4_narrow, finer than the bf16
 // it came from), fp8 keys as bf16 against the bf16 query (score_pass4_narrow); otherwise in

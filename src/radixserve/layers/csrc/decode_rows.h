@@ -17,9 +17,8 @@ constexpr int64_t kKeyBlock = 64;  // keys per block: a block's rows stay in L1 
 
 // Rows prefetched ahead: slots are scattered (a page's rows are together, the pages anywhere)
 // and each pass reads one head's line of each row, which the hardware prefetcher does not
-// follow. 64 rows cover the memory's latency at two threads: 8
-// (the old figure) left a 30-layer int8 step 1.5x slower when the pool was out of cache (32
-// rows: 1.4x faster than 8, 64: 1.5x).
+// follow. 64 rows cover the memory's latency at two threads: 8 (the old figure) left a 30-layer
+// int8 step 1.5x slower when the pool was out of cache (32 rows: 1.4x faster than 8, 64: 1.5x).
 constexpr int64_t kAhead = 64;
 
 template <typename T>

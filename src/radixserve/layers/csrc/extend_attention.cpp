@@ -442,7 +442,8 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 // extend_attention over a quantized pool: q and out float32 [tokens, heads, head_dim];
 // k_buffer, v_buffer [slots, kv_heads, head_dim] of int8 or fp8 codes; k_scale, v_scale float32
-// [slots, kv_heads] (check_kv_scales: per slot, or one per layer with strides 0). The new tokens' K/V must be in the pool already.
+// [slots, kv_heads] (check_kv_scales: per slot, or one per layer with strides 0). The new
+// tokens' K/V must be in the pool already.
 void extend_attention_quant(const at::Tensor& q, at::Tensor k_buffer, at::Tensor v_buffer,
                             const at::Tensor& k_scale, const at::Tensor& v_scale,
                             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,

@@ -48,8 +48,8 @@ inline ScaleStrides scale_strides(const at::Tensor& scales) {
 // A quantized pool's K and V scales must be float32 [slots, kv_heads] (the codes' first two
 // sizes), each contiguous (a scale per slot and head) or one value broadcast (strides 0, 0), both
 // laid out alike.
-inline void check_kv_scales(const char* op, const at::Tensor& codes,
-                                    const at::Tensor& k_scale, const at::Tensor& v_scale) {
+inline void check_kv_scales(const char* op, const at::Tensor& codes, const at::Tensor& k_scale,
+                            const at::Tensor& v_scale) {
   for (const at::Tensor* t : {&k_scale, &v_scale}) {
     const bool shaped = t->scalar_type() == at::kFloat && t->dim() == 2 &&
                         t->size(0) == codes.size(0) && t->size(1) == codes.size(1);
