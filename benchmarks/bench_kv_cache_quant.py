@@ -87,7 +87,7 @@ def pool_rows(row_len: int, interleave: int) -> int:
 def decode_batch(batch: int, context: int, step: int, slots: torch.Tensor,
                  vocab: int) -> ForwardBatch:
     """Step ``step`` of ``batch`` requests whose first ``context + step`` positions are cached at
-    ``slots`` (slot_table's)."""
+    ``slots`` (their req_to_token rows, slot_table's layout)."""
     pos = context + step
     rows = torch.arange(batch, dtype=torch.int64)
     seq_lens = [pos + 1] * batch
@@ -131,19 +131,19 @@ def main() -> None:
         parser.error("--interleave must be >= 0")
     row_len = args.context + args.steps + 1
     tokens = args.batch * pool_rows(row_len, args.interleave)
-    slots = None
     runners = {}
     for name in args.kv_cache_dtypes.split(","):
         runner = make_runner(model, args.dtype, name, tokens, args.batch, args.attention_backend)
         pool = runner.token_to_kv_pool
         fill_pool(pool, seed=0)
-        slots = slot_table(args.batch, row_len, args.interleave, pool.page_size)
-        runner.req_to_token_pool.req_to_token[: args.batch, :row_len] = slots
+        runner.req_to_token_pool.req_to_token[: args.batch, :row_len] = slot_table(
+            args.batch, row_len, args.interleave, pool.page_size)
         runners[name] = runner
     times: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(args.rounds):
         for name, runner in runners.items():
             vocab = runner.vocab_size
+            slots = runner.req_to_token_pool.req_to_token[: args.batch]
             runner.forward(decode_batch(args.batch, args.context, 0, slots, vocab))
             start = time.perf_counter()
             for step in range(1, args.steps + 1):
