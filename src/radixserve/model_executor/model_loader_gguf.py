@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from radixserve.gguf_file import open_gguf
+from radixserve.gguf_cache import cached_json
+from radixserve.gguf_file import gguf_version, open_gguf
 from radixserve.layers.quantization.gguf import GgufTensor
 
 _GLOBAL_NAMES = {
@@ -148,10 +149,12 @@ def gguf_weights(path: str | Path) -> list[tuple[str, Callable[[], GgufTensor]]]
 
 
 def gguf_weight_bytes(path: str | Path, tied: bool, dtype: torch.dtype) -> int:
-    """Bytes the file's weights take once dequantised to ``dtype`` (from the header only)."""
-    numel = 0
-    for tensor in open_gguf(path).tensors:
-        if tied and tensor.name == "output.weight":
-            continue
-        numel += int(np.prod(tensor.shape.tolist()))
-    return numel * dtype.itemsize
+    """Bytes the file's weights take once dequantised to ``dtype`` (from the header only; the
+    sizes are kept in the GGUF cache, since parsing the header takes seconds)."""
+
+    def sizes() -> dict[str, int]:
+        return {t.name: int(np.prod(t.shape.tolist())) for t in open_gguf(path).tensors}
+
+    numel = cached_json(Path(path), "tensor-sizes", gguf_version(Path(__file__)), sizes)
+    return dtype.itemsize * sum(n for name, n in numel.items()
+                                if not (tied and name == "output.weight"))
