@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from radixserve.model_config import ModelConfig
 from tests.layers.helpers import require_kernels
@@ -332,3 +333,26 @@ def test_bench_kv_cache_quant_lays_slots_out_as_prefill_or_decode_would(interlea
         assert set(steps) == {batch}
     else:  # within a run 1; from one of a request's runs to its next, the other requests' runs
         assert set(steps) == {1, (batch - 1) * interleave + 1}
+
+
+@pytest.mark.parametrize("decode_run", [1, 8])
+def test_bench_kv_cache_quant_takes_the_decode_layout_from_the_allocator(decode_run):
+    """--decode-run: the prompts prefilled back to back, then the allocator's decode slots:
+    the batch size apart without runs, runs of decode_run with them; all inside the pool."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_kv_cache_quant", BENCHMARKS / "bench_kv_cache_quant.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    batch, row_len = 4, bench.PROMPT + 40
+    size = batch * (row_len + decode_run * (1 + bench.PARK_HEADROOM))
+    table = bench.allocator_table(batch, row_len, decode_run, size)
+    slots = table.flatten().tolist()
+    assert len(set(slots)) == len(slots) and 1 <= min(slots) and max(slots) <= size
+    prompt = table[:, : bench.PROMPT]
+    assert torch.equal(prompt.flatten(), torch.arange(1, batch * bench.PROMPT + 1))
+    steps = (table[:, bench.PROMPT + 1 :] - table[:, bench.PROMPT : -1]).tolist()
+    for row in steps:
+        if decode_run == 1:
+            assert set(row) == {batch}
+        else:  # 40 tokens: runs of 8, the next run elsewhere
+            assert row.count(1) == 35

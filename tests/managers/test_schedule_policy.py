@@ -13,9 +13,10 @@ from radixserve.sampling.sampling_params import SamplingParams
 
 
 class Pools:
-    def __init__(self, kv_tokens: int = 64, slots: int = 8, page_size: int = 1) -> None:
+    def __init__(self, kv_tokens: int = 64, slots: int = 8, page_size: int = 1,
+                 decode_run: int = 1) -> None:
         self.req_to_token = ReqToTokenPool(slots, 256, "cpu")
-        self.allocator = TokenToKVPoolAllocator(kv_tokens, page_size, "cpu")
+        self.allocator = TokenToKVPoolAllocator(kv_tokens, page_size, "cpu", decode_run)
         self.cache = RadixCache(self.req_to_token, self.allocator, page_size)
         self.res = BatchResources(self.req_to_token, self.allocator, self.cache,
                                   torch.device("cpu"), 512, [1])
@@ -131,9 +132,20 @@ def _exhaust(allocator: TokenToKVPoolAllocator) -> None:
     allocator.alloc_extend([0], [allocator.available_size()], [-1])
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_retraction_frees_room_for_decode_taking_longest_remaining_first(page_size):
-    pools = Pools(kv_tokens=64, page_size=page_size)
+def test_decode_steps_give_each_request_its_own_run_of_slots():
+    """A host-memory pool (decode runs): the scheduler hands each request's last slot to the
+    allocator, and a request's decoded tokens come in runs, not interleaved with the batch's."""
+    pools = Pools(kv_tokens=512, decode_run=8)
+    batch = _running_batch(pools, [5, 6, 7], [20, 20, 20], decode_steps=12)
+    table = pools.req_to_token.req_to_token
+    for r in batch.reqs:
+        row = table[r.req_pool_idx, r.kv_len - 12 : r.kv_len]  # the decoded tokens' slots
+        assert (row[1:] - row[:-1]).tolist().count(1) == 10  # runs of 8 and 4
+
+
+@pytest.mark.parametrize("page_size,decode_run", [(1, 1), (4, 1), (1, 8)])
+def test_retraction_frees_room_for_decode_taking_longest_remaining_first(page_size, decode_run):
+    pools = Pools(kv_tokens=64, page_size=page_size, decode_run=decode_run)
     batch = _running_batch(pools, [8, 8, 8], [10, 30, 12], decode_steps=4)
     _exhaust(pools.allocator)
     assert batch.decode_tokens_needed() > pools.cache.evictable_size()

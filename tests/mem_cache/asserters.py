@@ -43,7 +43,10 @@ def assert_pages_accounted(
     """
     ps = allocator.page_size
     holders = [torch.unique(s // ps) for s in owned if len(s)]
-    everything = torch.cat([allocator._free_pages, *allocator._released, *holders])
+    parked = allocator._parked.nonzero().squeeze(1)  # free, kept for a decode run
+    assert len(parked) == allocator._num_parked
+    assert bool(allocator._page_is_free[parked].all()), "a parked slot is marked taken"
+    everything = torch.cat([allocator._free_pages, *allocator._released, parked, *holders])
     assert len(torch.unique(everything)) == len(everything), "a page is free and owned, or shared"
     assert sorted(everything.tolist()) == list(range(1, allocator.num_pages + 1)), (
         "pages leaked, or page 0 handed out"

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixserve.mem_cache import TokenToKVPoolAllocator
-from radixserve.mem_cache.allocator import MAX_QUEUED_FREES
+from radixserve.mem_cache.allocator import MAX_QUEUED_FREES, PARK_HEADROOM
 from tests.mem_cache.asserters import assert_no_overlap, assert_pages_accounted
 
 PAGE_SIZES = [1, 16]
@@ -172,6 +172,66 @@ def test_freeing_the_padding_page_is_caught():
         alloc.free(torch.tensor([2]))
 
 
+def _decode_steps(alloc, reqs, steps):
+    """``steps`` decode steps of every request in ``reqs`` (lists of slots, grown in place)."""
+    for _ in range(steps):
+        out = alloc.alloc_decode([len(r) + 1 for r in reqs], [r[-1] for r in reqs])
+        assert out is not None
+        for r, slot in zip(reqs, out.tolist(), strict=True):
+            r.append(slot)
+
+
+def test_decode_runs_keep_a_requests_generated_tokens_together():
+    """Four requests prefilled back to back, then decoded together: with decode runs each
+    request's new tokens lie in runs of consecutive slots, not interleaved with the others'."""
+    alloc = TokenToKVPoolAllocator(size=1024, page_size=1, device="cpu", decode_run=8)
+    reqs = [alloc.alloc_extend([0], [10], [-1]).tolist() for _ in range(4)]
+    _decode_steps(alloc, reqs, 20)
+    for r in reqs:
+        generated = r[10:]
+        breaks = sum(b != a + 1 for a, b in zip(generated[:-1], generated[1:], strict=True))
+        assert breaks == 2  # 20 tokens: runs of 8, 8 and 4
+    # parked slots stay free: the pool counts them, and the rest of the last runs is parked
+    held = sum(len(r) for r in reqs)
+    assert alloc.available_size() == 1024 - held
+    assert alloc._num_parked == 4 * 4
+    assert_pages_accounted(alloc, [torch.tensor(r) for r in reqs])
+
+    plain = TokenToKVPoolAllocator(size=1024, page_size=1, device="cpu")
+    reqs = [plain.alloc_extend([0], [10], [-1]).tolist() for _ in range(4)]
+    _decode_steps(plain, reqs, 20)
+    # without runs: a request's next token is the batch size (4) further on
+    assert all(b == a + 4 for r in reqs for a, b in zip(r[10:-1], r[11:], strict=True))
+
+
+def test_parked_slots_rejoin_the_free_list_when_it_runs_short():
+    run = 8
+    size = PARK_HEADROOM * 2 * run + 2
+    alloc = TokenToKVPoolAllocator(size=size, page_size=1, device="cpu", decode_run=run)
+    reqs = [alloc.alloc_extend([0], [1], [-1]).tolist() for _ in range(2)]
+    _decode_steps(alloc, reqs, 1)  # both start runs: 2 x 7 slots parked
+    assert alloc._num_parked == 2 * (run - 1)
+    free = alloc.available_size()
+    assert free == size - 4
+    assert alloc.alloc_extend([0], [free + 1], [-1]) is None  # all or nothing
+    assert alloc.available_size() == free and alloc._num_parked == 2 * (run - 1)
+    everything = alloc.alloc_extend([0], [free], [-1])  # takes the parked slots too
+    assert everything is not None and alloc.available_size() == 0 and alloc._num_parked == 0
+    assert alloc.alloc_decode([3, 3], [r[-1] for r in reqs]) is None
+    alloc.free(everything)
+    assert_pages_accounted(alloc, [torch.tensor(r) for r in reqs])
+    # a nearly full pool parks nothing: each decode slot is a single slot, as without runs
+    hog = alloc.alloc_extend([0], [alloc.available_size() - 4], [-1])
+    _decode_steps(alloc, reqs, 2)
+    assert alloc._num_parked == 0 and alloc.available_size() == 0
+    assert_pages_accounted(alloc, [torch.tensor(r) for r in reqs] + [hog])
+
+
+def test_decode_runs_need_page_size_one():
+    with pytest.raises(ValueError, match="decode_run"):
+        TokenToKVPoolAllocator(size=64, page_size=16, device="cpu", decode_run=8)
+
+
 def test_clear_frees_everything():
     alloc = TokenToKVPoolAllocator(size=32, page_size=4, device="cpu")
     assert alloc.alloc_extend([0], [30], [-1]) is not None
@@ -183,15 +243,17 @@ def test_clear_frees_everything():
 # No deadline, no speed health check: a loaded machine is slow, not wrong.
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    ps=st.sampled_from([1, 2, 4]),
+    ps_run=st.sampled_from([(1, 1), (2, 1), (4, 1), (1, 2), (1, 3)]),
     ops=st.lists(
         st.tuples(st.sampled_from(["new", "extend", "decode", "free"]), st.integers(0, 9)),
         max_size=40,
     ),
 )
-def test_random_request_traffic_never_shares_a_page(ps, ops):
-    """Requests grow by extend/decode and finish at random; pages stay exclusive and counted."""
-    alloc = TokenToKVPoolAllocator(size=12 * ps, page_size=ps, device="cpu")
+def test_random_request_traffic_never_shares_a_page(ps_run, ops):
+    """Requests grow by extend/decode and finish at random; pages stay exclusive and counted
+    (with decode runs too: parked slots are free, never owned)."""
+    ps, run = ps_run
+    alloc = TokenToKVPoolAllocator(size=12 * ps, page_size=ps, device="cpu", decode_run=run)
     reqs: list[torch.Tensor] = []  # each request's slots, in position order
     for op, n in ops:
         before = alloc.available_size()

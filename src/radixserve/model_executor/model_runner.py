@@ -40,7 +40,7 @@ from radixserve.layers.linear import kv_heads_per_rank
 from radixserve.layers.packed_weight import planned_copy_bytes
 from radixserve.lora.graph_inputs import LoRAGraphInputs
 from radixserve.lora.lora_manager import create_lora_manager, load_initial_adapters
-from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
+from radixserve.mem_cache.allocator import HOST_DECODE_RUN, TokenToKVPoolAllocator
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.kv_quant import kv_dtype_name, kv_storage_dtype
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -172,8 +172,10 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests, model_config.context_len, self.device
         )
+        # a pool in host memory: a request's generated tokens in runs (mem_cache/allocator.py)
+        decode_run = HOST_DECODE_RUN if self.device.type == "cpu" and self.page_size == 1 else 1
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
-            self.max_total_num_tokens, self.page_size, self.device
+            self.max_total_num_tokens, self.page_size, self.device, decode_run
         )
         # An encoder keeps no KV: its allocator only meters the tokens admitted per step.
         self.token_to_kv_pool: MHATokenToKVPool | None = None

@@ -371,10 +371,11 @@ class ScheduleBatch:
     def _last_locs(self, rows: list[int], lens: list[int]) -> list[int]:
         """KV slot of each request's last token already in its row (-1 when none).
 
-        Only a paged allocator reads them (to continue a partly filled page); with page size 1
-        nothing does, and reading the device's table would cost a GPU step a synchronisation."""
+        Only a paged allocator (to continue a partly filled page) or one with decode runs (a
+        pool in host memory) reads them; otherwise nothing does, and reading the device's table
+        would cost a GPU step a synchronisation."""
         out = [-1] * len(lens)
-        if self.resources.allocator.page_size == 1:
+        if not self.resources.allocator.reads_last_locs:
             return out
         table = self.resources.req_to_token_pool.req_to_token
         idx = [i for i, n in enumerate(lens) if n > 0]
