@@ -173,6 +173,8 @@ class TokenToKVPoolAllocator:
         return out
 
     def _alloc_decode_runs(self, last_locs: list[int]) -> torch.Tensor | None:
+        """``alloc_decode`` with decode runs: the parked slot after a request's last one, else
+        the first of a new run; all or nothing."""
         out = torch.tensor(last_locs, dtype=torch.int64, device=self.device) + 1
         out[out > self.num_pages] = 0  # slot 0 (padding) is never parked
         hit = self._parked[out]
@@ -205,6 +207,7 @@ class TokenToKVPoolAllocator:
         return slots[::run]
 
     def _unpark_all(self) -> None:
+        """Every parked slot back on the free list (it ran short)."""
         parked = self._parked.nonzero().squeeze(1)
         self._parked[parked] = False
         self._num_parked = 0
