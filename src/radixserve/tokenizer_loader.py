@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from radixserve.gguf_cache import cached
+from radixserve.gguf_cache import cached, source_digest
 from radixserve.gguf_file import find_gguf
 
 
@@ -26,9 +26,11 @@ def load_tokenizer(path: str | Path) -> Any:
     gguf = find_gguf(path)
     if gguf is None:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    version = (f"transformers {transformers.__version__} tokenizers {tokenizers.__version__} "
+               f"{source_digest(Path(__file__))}")
     return cached(
-        gguf, "tokenizer", f"transformers {transformers.__version__} {tokenizers.__version__}",
+        gguf, "tokenizer", version,
         lambda: AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name),
         lambda tokenizer, directory: tokenizer.save_pretrained(directory),
-        AutoTokenizer.from_pretrained,
+        lambda directory: AutoTokenizer.from_pretrained(directory, local_files_only=True),
     )
