@@ -161,7 +161,7 @@ def main() -> None:
     row_len = args.context + args.steps + 1
     if args.decode_run is None:
         tokens = args.batch * pool_rows(row_len, args.interleave)
-    else:  # room for each request's last run, and the headroom runs are parked with
+    else:  # room for each request's last run, and the free slots decode runs need to park
         tokens = args.batch * (row_len + args.decode_run * (1 + PARK_HEADROOM))
     runners = {}
     for name in args.kv_cache_dtypes.split(","):

@@ -20,6 +20,7 @@ entry that does not load is logged, removed and rebuilt; where the cache cannot 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -48,13 +49,23 @@ def source_digest(*files: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=8)
+def _file_digest(path: str, size: int, mtime_ns: int, ctime_ns: int, inode: int) -> str:
+    """The file's part of every entry's key, read once per process for all its kinds. Any
+    write to the file, or a utime, changes its ctime, so a changed file is read again."""
+    digest = hashlib.sha256(f"{size}\0{mtime_ns}\0".encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(HEAD_BYTES))
+    return digest.hexdigest()
+
+
 def entry_path(gguf: Path, kind: str, version: str) -> Path:
     """Where ``kind``'s entry for this file (in its present state) and ``version`` lives."""
     st = gguf.stat()
-    digest = hashlib.sha256(f"{version}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-    with gguf.open("rb") as f:
-        digest.update(f.read(HEAD_BYTES))
-    return envs.radixserve_cache_dir("gguf", kind, digest.hexdigest()[:32])
+    file_key = _file_digest(str(gguf.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                            st.st_ino)
+    key = hashlib.sha256(f"{version}\0{file_key}".encode()).hexdigest()[:32]
+    return envs.radixserve_cache_dir("gguf", kind, key)
 
 
 def cached(gguf: Path, kind: str, version: str, build: Callable[[], T],
