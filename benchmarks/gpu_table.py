@@ -43,7 +43,7 @@ def table(folder: Path) -> str:
         def step_ms(backend: str, batch: int, records=records) -> float | None:
             for r in records:
                 if (r.get("backend") == backend and r.get("scenario") == "decode"
-                        and r["batch_size"] == batch):
+                        and r["batch_size"] == batch and r["decode_tokens_per_s"]):
                     return 1e3 * batch / r["decode_tokens_per_s"]
             return None
 

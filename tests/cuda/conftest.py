@@ -10,6 +10,7 @@ import torch
 
 from tests.checkpoints import build_checkpoint
 from tests.cuda.helpers import DEVICE, HEAD_DIM_64
+from tests.engine.conftest import strict_env  # noqa: F401 - a fixture
 
 
 @pytest.fixture(scope="session")
