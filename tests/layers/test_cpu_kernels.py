@@ -77,11 +77,13 @@ def kernel_linear(x, w, b):
 
 
 # rows: one, a part of a tile, whole tiles and a remainder, many; columns: whole panels of four
-# blocks, a partial block (a vocabulary off 16), fewer blocks than a panel; odd K (bf16 pads it)
+# blocks, a partial block (a vocabulary off 16), fewer blocks than a panel; odd K (bf16 pads it);
+# several row tiles over a long input (the weight panel read from L2 by all but the first)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n, k, m, bias", [
     (48, 70, 1, True), (1152, 896, 1, True), (896, 4864, 2, False), (1001, 64, 13, True),
     (40, 71, 7, False), (17, 32, 6, True), (80, 128, 64, False), (7, 9, 100, True),
+    (100, 1300, 20, True), (72, 2210, 9, False),
 ])
 def test_linear_kernel_equals_a_float64_reference_up_to_rounding(dtype, n, k, m, bias):
     require_kernels()
@@ -173,13 +175,14 @@ def test_kernels_for_avx512_cpus_without_bf16_vnni_or_amx_pass_the_kernel_tests(
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_linear_kernel_gives_a_row_the_same_bits_in_every_batch(dtype):
     require_kernels()
-    w, x, b, _ = random_problem(1001, 896, 70, True, dtype)
+    k = 2210  # a long input: several row tiles read each weight panel from L2
+    w, x, b, _ = random_problem(1001, k, 70, True, dtype)
     full = kernel_linear(x, w, b)
     for rows in (slice(0, 1), slice(5, 6), slice(3, 16), slice(31, 70)):
         assert torch.equal(kernel_linear(x[rows].contiguous(), w, b), full[rows])
     # a row-strided view of a wider activation, as the model passes slices
     wide = torch.cat([x, x], dim=1)
-    assert torch.equal(kernel_linear(wide[:, :896], w, b), full)
+    assert torch.equal(kernel_linear(wide[:, :k], w, b), full)
 
 
 def test_linear_kernel_rejects_bad_input_with_a_clear_error():
