@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "radixserve.finish_reason": 0,
     "radixserve.version": 0,
     "radixserve.startup_gc": 0,
+    "radixserve.cache_files": 0,  # a lock and a source digest for the on-disk caches
     "radixserve.gguf_cache": 0,  # keeps what a GGUF file's metadata gives (needs only envs)
     "radixserve.server_args": 0,
     "radixserve.sampling": 1,

@@ -7,8 +7,10 @@ build the fast tokenizer from a parse of its own. An engine start needs the conf
 processes and the tokenizer in three: about 40 s of CPU spent on the same few megabytes before
 the first request, on every start. So the first process to build an entry writes it to
 ``~/.cache/radixserve/gguf/<kind>/<key>`` (``$XDG_CACHE_HOME`` is honoured), into a temporary
-directory renamed into place (a concurrent reader sees all of it or none); the other processes,
-and every later start, read it (the tokenizer from its ``tokenizer.json`` in half a second).
+directory renamed into place (a concurrent reader sees all of it or none), holding a lock that
+the engine's other processes, starting at the same moment, wait on rather than build it too;
+they, and every later start, read it (the tokenizer from its ``tokenizer.json`` in half a
+second).
 
 The key covers the file's size, its modification time and a digest of its first 16 MiB (the
 header: its metadata and tensor table, in every file we know of), so a file rewritten in place
@@ -20,6 +22,7 @@ entry that does not load is logged, removed and rebuilt; where the cache cannot 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -32,21 +35,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from radixserve import envs
+from radixserve.cache_files import exclusive
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 HEAD_BYTES = 16 << 20  # the part of the file the key digests
-
-
-def source_digest(*files: Path) -> str:
-    """A digest of these source files' bytes: part of a ``version``, so an entry is rebuilt
-    whenever the code that builds it changes."""
-    digest = hashlib.sha256()
-    for f in files:
-        digest.update(f.read_bytes())
-    return digest.hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=8)
@@ -74,18 +69,44 @@ def cached(gguf: Path, kind: str, version: str, build: Callable[[], T],
     ``build`` makes, ``save``d as the entry for the next process. ``build``'s errors (a file we
     cannot read) propagate and leave no entry."""
     entry = entry_path(gguf, kind, version)
-    if entry.is_dir():
+    found = _load(entry, load)
+    if found is not _MISSING:
+        return found
+    with contextlib.ExitStack() as stack:
         try:
-            return load(entry)
-        except Exception as e:  # a damaged entry: any error of the loader, which we rebuild
-            logger.warning("GGUF cache entry %s does not load (%s): rebuilding it", entry, e)
-            shutil.rmtree(entry, ignore_errors=True)
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(exclusive(entry.parent / f"{entry.name}.lock"))
+        except OSError as e:
+            logger.info("GGUF cache %s is not writable (%s): not keeping %s", entry.parent, e,
+                        kind)
+            return build()
+        # An engine's processes start together: one builds, the others wait and load its entry.
+        found = _load(entry, load)
+        return found if found is not _MISSING else _build_and_save(entry, build, save)
+
+
+_MISSING = object()
+
+
+def _load(entry: Path, load: Callable[[Path], T]) -> Any:
+    """The entry loaded, or ``_MISSING`` when there is none or it does not load (then removed,
+    to be rebuilt)."""
+    if not entry.is_dir():
+        return _MISSING
+    try:
+        return load(entry)
+    except Exception as e:  # a damaged entry: any error of the loader, which we rebuild
+        logger.warning("GGUF cache entry %s does not load (%s): rebuilding it", entry, e)
+        shutil.rmtree(entry, ignore_errors=True)
+        return _MISSING
+
+
+def _build_and_save(entry: Path, build: Callable[[], T], save: Callable[[T, Path], None]) -> T:
     value = build()
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
     except OSError as e:
-        logger.info("GGUF cache %s is not writable (%s): not keeping %s", entry.parent, e, kind)
+        logger.info("GGUF cache %s is not writable (%s)", entry.parent, e)
         return value
     try:
         save(value, scratch)

@@ -17,7 +17,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from radixserve.gguf_cache import cached_json, source_digest
+from radixserve.cache_files import source_digest
+from radixserve.gguf_cache import cached_json
 
 # GGUF ``general.architecture`` → the architecture name our registry builds. Mistral's GGUF
 # files say "llama" (llama.cpp runs them as Llama).

@@ -13,7 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from radixserve.gguf_cache import cached, source_digest
+from radixserve.cache_files import source_digest
+from radixserve.gguf_cache import cached
 from radixserve.gguf_file import find_gguf
 
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 
 import pytest
 import torch
 
 from radixserve import gguf_file
-from radixserve.gguf_cache import entry_path
+from radixserve.cache_files import exclusive
+from radixserve.gguf_cache import cached, entry_path
 from radixserve.gguf_file import gguf_hf_config
 from radixserve.model_executor.model_loader_gguf import gguf_weight_bytes
 from radixserve.tokenizer_loader import load_tokenizer
@@ -33,8 +35,9 @@ def cache_home(tmp_path, monkeypatch):
 
 
 def _entries(home, kind):
+    """The entries of ``kind`` (not the lock files their builders took)."""
     root = home / "radixserve" / "gguf" / kind
-    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    return sorted(p.name for p in root.iterdir() if p.suffix != ".lock") if root.is_dir() else []
 
 
 def _fresh_config(path):
@@ -138,4 +141,32 @@ def test_an_unwritable_cache_still_loads_and_a_refused_file_leaves_no_entry(
     for _ in range(2):
         with pytest.raises(ValueError, match="not a readable GGUF file"):
             gguf_hf_config(bad)
-    assert not entry_path(bad, "config", "any").parent.exists()
+    kind_dir = entry_path(bad, "config", "any").parent  # holds at most the builders' lock
+    assert [p.name for p in kind_dir.glob("*") if p.suffix != ".lock"] == []
+
+
+def test_a_process_starting_while_another_builds_waits_and_loads_its_entry(tmp_path, cache_home):
+    """The engine's processes start together on a cold cache: one builds, the others wait for
+    its entry instead of building it too (here the builder is this test, holding the lock)."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF and whatever follows")
+    entry = entry_path(gguf, "probe", "v1")
+    entry.parent.mkdir(parents=True)
+    built = []
+
+    def build():
+        built.append("waiter")
+        return "built by the waiter"
+
+    def save(value, directory):
+        (directory / "value.txt").write_text(value)
+
+    result = []
+    with exclusive(entry.parent / f"{entry.name}.lock"):
+        waiter = threading.Thread(target=lambda: result.append(
+            cached(gguf, "probe", "v1", build, save, lambda d: (d / "value.txt").read_text())))
+        waiter.start()
+        entry.mkdir()  # what the builder holding the lock saves before releasing it
+        save("built by the lock holder", entry)
+    waiter.join(timeout=60)
+    assert result == ["built by the lock holder"] and built == []

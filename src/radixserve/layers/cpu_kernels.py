@@ -45,7 +45,6 @@ and ops are built with their torch implementations.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import logging
@@ -58,6 +57,7 @@ from pathlib import Path
 import torch
 
 from radixserve import envs
+from radixserve.cache_files import exclusive, source_digest
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +100,7 @@ def cpu_flags() -> set[str]:
 
 
 def _build_dir(flags: set[str]) -> Path:
-    key = hashlib.sha256()
-    for source in (*SOURCES, *HEADERS):
-        key.update(source.read_bytes())
+    key = hashlib.sha256(source_digest(*SOURCES, *HEADERS).encode())
     key.update(torch.__version__.encode())
     key.update(" ".join(sorted(flags)).encode())
     return envs.radixserve_cache_dir("kernels", key.hexdigest()[:16])
@@ -120,18 +118,6 @@ def _ninja_on_path() -> Iterator[None]:
         yield
     finally:
         os.environ["PATH"] = path
-
-
-@contextlib.contextmanager
-def _exclusive(build_dir: Path) -> Iterator[None]:
-    """Hold ``build_dir`` against other processes: an ``fcntl`` lock, which the kernel drops
-    when its holder dies, so a build killed half-way never blocks the next one."""
-    with open(build_dir.with_suffix(".lock"), "w") as holder:
-        fcntl.flock(holder, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(holder, fcntl.LOCK_UN)
 
 
 def _build_and_load(build_dir: Path, library: Path, left_out: list[str]) -> None:
@@ -172,7 +158,7 @@ def load_cpu_kernels() -> bool:
         build_dir = _build_dir(flags)
         build_dir.mkdir(parents=True, exist_ok=True)
         library = build_dir / f"{LIBRARY_NAME}.so"
-        with _exclusive(build_dir):
+        with exclusive(build_dir.with_suffix(".lock")):
             # no other builder is alive: scratch directories are what killed builds left
             for leftover in build_dir.parent.glob(f"{build_dir.name}.build-*"):
                 shutil.rmtree(leftover, ignore_errors=True)

@@ -37,7 +37,6 @@ on one CPU is wrong on the other.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -51,6 +50,7 @@ from typing import Protocol
 import torch
 
 from radixserve import envs
+from radixserve.cache_files import exclusive, source_digest
 from radixserve.layers.cpu_contention import LoadProbe, MachineLoad
 
 logger = logging.getLogger(__name__)
@@ -202,10 +202,7 @@ def cached_or_static(weight: Dispatched, cache: DispatchCache) -> tuple[tuple[st
 
 def _kernel_sources_hash() -> str:
     csrc = Path(__file__).parent / "csrc"
-    digest = hashlib.sha256()
-    for source in sorted(csrc.glob("*.cpp")) + sorted(csrc.glob("*.h")):
-        digest.update(source.read_bytes())
-    return digest.hexdigest()[:16]
+    return source_digest(*sorted(csrc.glob("*.cpp")), *sorted(csrc.glob("*.h")))
 
 
 def _cpu_model() -> str:
@@ -276,13 +273,9 @@ class DispatchCache:
         """Held while measuring and writing: ranks on one machine measure one at a time (not
         against each other) and merge their entries into one file."""
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_suffix(".lock"), "w") as holder:
-            fcntl.flock(holder, fcntl.LOCK_EX)
-            try:
-                self._load()  # what others wrote while we waited
-                yield
-            finally:
-                fcntl.flock(holder, fcntl.LOCK_UN)
+        with exclusive(self.path.with_suffix(".lock")):
+            self._load()  # what others wrote while we waited
+            yield
 
     def put(self, entries: Mapping[str, dict[str, list[float | None]]],
             busy: Iterable[str] = ()) -> None:
