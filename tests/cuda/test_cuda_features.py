@@ -21,6 +21,7 @@ import pytest
 from radixserve import Engine
 from tests.cuda.helpers import DEVICE, DeviceSlots, make_runner, requires_device
 from tests.engine.conftest import wait_idle
+from tests.engine.test_quantized_engine import greedy
 from tests.managers.speculative_helpers import repetitive_prompts
 
 pytestmark = requires_device
@@ -58,18 +59,6 @@ def test_hierarchical_cache_brings_an_evicted_prefix_back_from_host_memory(llama
     assert state["last_leak_check"]["ok"], state["last_leak_check"]
 
 
-def _greedy_in_process(runner, prompts: list[list[int]], steps: int) -> list[list[int]]:
-    slots = DeviceSlots(runner)
-    seqs = [slots.new_seq() for _ in prompts]
-    tokens = runner.forward(slots.extend(seqs, prompts)).argmax(-1).tolist()
-    out = [[t] for t in tokens]
-    for _ in range(steps - 1):
-        tokens = runner.forward(slots.decode(seqs, tokens)).argmax(-1).tolist()
-        for row, t in zip(out, tokens, strict=True):
-            row.append(t)
-    return out
-
-
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
 def test_quantized_kv_cache_in_graphs_matches_torch_native(llama64_path, kv_cache_dtype):
     prompts = [[5, 9, 30, 41, 7, 100, 3], [8, 2, 77], _doc(1, 40)]
@@ -81,7 +70,7 @@ def test_quantized_kv_cache_in_graphs_matches_torch_native(llama64_path, kv_cach
     runner = make_runner(llama64_path, kv_cache_dtype=kv_cache_dtype,
                          attention_backend="torch_native", disable_cuda_graph=True)
     assert runner.token_to_kv_pool.quantized
-    assert outs == _greedy_in_process(runner, prompts, GREEDY["max_new_tokens"])
+    assert outs == greedy(runner, prompts, GREEDY["max_new_tokens"], DeviceSlots)
 
 
 def test_ngram_speculation_gives_the_tokens_of_plain_decoding(llama64_path, strict_env):

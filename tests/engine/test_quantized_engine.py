@@ -12,8 +12,10 @@ from tests.model_executor.harness import ManualSlots, make_runner
 PROMPTS = [[5, 9, 30, 41, 7, 100, 3], [8, 2, 77]]
 
 
-def greedy(runner, prompts: list[list[int]], steps: int) -> list[list[int]]:
-    slots = ManualSlots(runner)
+def greedy(runner, prompts: list[list[int]], steps: int,
+           slots_type: type[ManualSlots] = ManualSlots) -> list[list[int]]:
+    """Greedy tokens of an in-process runner (``slots_type`` puts its batches on its device)."""
+    slots = slots_type(runner)
     seqs = [slots.new_seq() for _ in prompts]
     tokens = runner.forward(slots.extend(seqs, prompts)).argmax(-1).tolist()
     out = [[t] for t in tokens]
