@@ -55,6 +55,15 @@ def test_mem_fraction_sizes_kv_from_available_memory_after_weights(llama_path):
     assert runner.token_to_kv_pool_allocator.size == runner.max_total_num_tokens
 
 
+def test_a_device_without_traits_is_refused_naming_the_known_ones(llama_path):
+    from radixserve.model_config import ModelConfig
+    from radixserve.model_executor.model_runner import ModelRunner, RunnerSettings
+
+    config = ModelConfig.from_path(llama_path, dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match=r"no model runner for device 'meta'; known: \['cpu', "):
+        ModelRunner(config, RunnerSettings(max_total_tokens=64), "meta")
+
+
 def test_kv_cache_smaller_than_a_page_is_rejected(llama_path):
     with pytest.raises(ValueError, match="not enough memory for a KV cache of one page"):
         make_runner(llama_path, max_total_tokens=8, page_size=16)

@@ -51,6 +51,7 @@ from radixserve.model_executor.cuda_graph_runner import (
     capture_batch_sizes,
     graph_memory_bytes,
 )
+from radixserve.model_executor.device_traits import device_traits
 from radixserve.model_executor.model_loader import (
     checkpoint_weight_bytes,
     load_model,
@@ -68,15 +69,12 @@ _GIB = 1 << 30
 _STRUCTURE = ("architecture", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
 MEMORY_TAGS = ("kv_cache", "weights")
-_DEFAULT_MEM_FRACTION = {"cpu": 0.3, "cuda": 0.85}
 _DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
 def available_memory_bytes(device: torch.device) -> int:
-    """Free device memory on CUDA, available RAM on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return psutil.virtual_memory().available
+    """Free device memory on CUDA, available RAM on CPU (the device's traits)."""
+    return device_traits(device).free_memory(device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,11 +133,12 @@ class ModelRunner:
         self.kv_share = kv_share
         self.model_config = model_config
         self.device = resolve_device(device)
+        self.traits = device_traits(self.device)  # every per-device choice below
         self.dtype = model_config.torch_dtype
         # --enable-deterministic-inference: only batch-invariant kernels (checked when packing)
         self.batch_invariant = settings.enable_deterministic_inference
         self.cpu_kernel_autotune = settings.cpu_kernel_autotune
-        if self.batch_invariant and self.device.type != "cpu":
+        if self.batch_invariant and not self.traits.deterministic_kernels:
             raise ValueError("--enable-deterministic-inference runs on CPU only in this build")
         self.page_size = settings.page_size
         self.kv_cache_dtype = kv_storage_dtype(settings.kv_cache_dtype, self.dtype)
@@ -173,7 +172,7 @@ class ModelRunner:
             self.max_running_requests, model_config.context_len, self.device
         )
         # a pool in host memory: a request's generated tokens in runs (mem_cache/allocator.py)
-        decode_run = HOST_DECODE_RUN if self.device.type == "cpu" and self.page_size == 1 else 1
+        decode_run = HOST_DECODE_RUN if self.traits.host_memory and self.page_size == 1 else 1
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
             self.max_total_num_tokens, self.page_size, self.device, decode_run
         )
@@ -211,7 +210,7 @@ class ModelRunner:
     ) -> list[int] | None:
         """The decode batch sizes to capture, or None where this runner uses no CUDA graphs
         (chosen once, here: CUDA, not disabled, the triton backend, one rank, a decoder)."""
-        if self.device.type != "cuda" or settings.disable_cuda_graph:
+        if self.traits.decode_graphs != "cuda" or settings.disable_cuda_graph:
             return None
         reason = self._graph_off_reason(
             "triton", "reads host values in decode",
@@ -224,7 +223,7 @@ class ModelRunner:
         first used, or None where this runner decodes eagerly on CPU: a trace freezes the
         Python decisions of its run, so only a forward whose decisions depend on the batch size
         alone is traced."""
-        if self.device.type != "cpu" or settings.disable_cuda_graph:
+        if self.traits.decode_graphs != "cpu" or settings.disable_cuda_graph:
             return None
         reason = self._graph_off_reason(
             "cpu", "decides per batch in Python",
@@ -275,7 +274,7 @@ class ModelRunner:
                 )
             return
         self.graph_runner = None
-        on_cuda = self.device.type == "cuda"  # elsewhere only tests set the batch sizes
+        on_cuda = self.traits.decode_graphs == "cuda"  # elsewhere only tests set the sizes
         before = torch.cuda.memory_reserved(self.device) if on_cuda else 0
         runner = CudaGraphRunner(
             self._decode_forward, self.device, self.cuda_graph_batch_sizes,
@@ -347,10 +346,8 @@ class ModelRunner:
         if settings.max_total_tokens is not None:
             tokens = settings.max_total_tokens
         else:
-            fraction = settings.mem_fraction_static or _DEFAULT_MEM_FRACTION.get(
-                self.device.type, _DEFAULT_MEM_FRACTION["cuda"]
-            )
-            sharing = settings.processes_per_node if self.device.type == "cpu" else 1
+            fraction = settings.mem_fraction_static or self.traits.mem_fraction_static
+            sharing = settings.processes_per_node if self.traits.host_memory else 1
             world = self.parallel.info.world_size
             weight_bytes = checkpoint_weight_bytes(cfg, self.dtype) * sharing // world
             weight_bytes += planned_copy_bytes(
@@ -482,8 +479,7 @@ class ModelRunner:
         self.graph_runner = None  # its graphs read the released buffers
         self.released |= tags
         gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.traits.empty_cache()
 
     def resume_memory(self, tags: set[str]) -> None:
         """Reallocate the KV pool and/or reload the weights from the checkpoint they came from
