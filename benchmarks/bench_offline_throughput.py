@@ -573,8 +573,9 @@ def comparisons(records: list[dict[str, Any]], reference: str, other: str,
         row: dict[str, Any] = {"comparison": a["scenario"], "batch_size": a["batch_size"],
                                "backend": reference, "against": other}
         for key in ("output_tokens_per_s", "decode_tokens_per_s", "prefill_tokens_per_s"):
-            if key in a:
-                row[f"speedup_{key.removesuffix('_tokens_per_s')}"] = round(a[key] / b[key], 2)
+            if key in a:  # no ratio where either side has no figure (a decode time of zero)
+                row[f"speedup_{key.removesuffix('_tokens_per_s')}"] = (
+                    round(a[key] / b[key], 2) if a[key] and b[key] else None)
         if a["scenario"] == "decode":
             pairs = zip(our_out[a["batch_size"]], their_out[a["batch_size"]], strict=True)
             row["identical_outputs"] = sum(x == y for x, y in pairs)
@@ -590,7 +591,8 @@ def plot(records: list[dict[str, Any]], label: str, path: Path) -> None:
     fig, (ax_dec, ax_pre) = plt.subplots(1, 2, figsize=(10, 4), width_ratios=[3, 1])
     for backend in dict.fromkeys(r["backend"] for r in records if r["scenario"] != "step_overhead"):
         color = BACKEND_COLORS.get(backend)
-        dec = [r for r in records if r["backend"] == backend and r["scenario"] == "decode"]
+        dec = [r for r in records if r["backend"] == backend and r["scenario"] == "decode"
+               and r["decode_tokens_per_s"] is not None]
         if dec:
             ax_dec.plot([r["batch_size"] for r in dec], [r["decode_tokens_per_s"] for r in dec],
                         "o-", color=color, label=backend)
@@ -670,7 +672,12 @@ def shape_sweep(args: argparse.Namespace) -> None:
         reference = speedups.pop(args.model)
         for batch, ref in reference.items():
             shapes = {name: s[batch] for name, s in speedups.items()}
-            worst = min(shapes.values())
+            known = [v for v in shapes.values() if v is not None]
+            if ref is None or len(known) < len(shapes):  # a decode too short to time
+                print(json.dumps({"comparison": "shape_sweep", "dtype": dtype,
+                                  "batch_size": batch, "untimed": True}), flush=True)
+                continue
+            worst = min(known)
             summary = {
                 "comparison": "shape_sweep", "dtype": dtype, "batch_size": batch,
                 "reference": args.model, "reference_speedup": ref, "speedups": shapes,

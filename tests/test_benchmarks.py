@@ -356,3 +356,21 @@ def test_bench_kv_cache_quant_takes_the_decode_layout_from_the_allocator(decode_
             assert set(row) == {batch}
         else:  # 40 tokens: runs of 8, the next run elsewhere
             assert row.count(1) == 35
+
+
+def test_a_decode_too_short_to_time_gives_no_rate_and_no_ratio(monkeypatch):
+    """When the prefill-only run took as long as the whole run (noise, or a first batch that
+    paid a JIT compile), the decode rate is null, not a division by almost nothing, and so is
+    its ratio; the end-to-end figure stays."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_offline_throughput as bench
+
+    short = bench.decode_record("radixserve", [[1, 2]], [[3, 4, 5]], wall_s=0.01,
+                                prefill_wall_s=0.02)
+    other = bench.decode_record("transformers", [[1, 2]], [[3, 4, 5]], wall_s=0.03,
+                                prefill_wall_s=0.01)
+    assert short["decode_tokens_per_s"] is None and other["decode_tokens_per_s"] == 100.0
+    outputs = {"radixserve": {1: [[3, 4, 5]]}, "transformers": {1: [[3, 4, 5]]}}
+    [row] = bench.comparisons([short, other], "radixserve", "transformers", outputs)
+    assert row["speedup_decode"] is None and row["speedup_output"] == 3.0
+    assert row["identical_outputs"] == 1
