@@ -166,7 +166,9 @@ def test_a_process_starting_while_another_builds_waits_and_loads_its_entry(tmp_p
         waiter = threading.Thread(target=lambda: result.append(
             cached(gguf, "probe", "v1", build, save, lambda d: (d / "value.txt").read_text())))
         waiter.start()
-        entry.mkdir()  # what the builder holding the lock saves before releasing it
-        save("built by the lock holder", entry)
+        scratch = entry.parent / "scratch"  # the builder holding the lock saves its entry
+        scratch.mkdir()  # as cached() does: written aside, renamed into place whole
+        save("built by the lock holder", scratch)
+        os.rename(scratch, entry)
     waiter.join(timeout=60)
     assert result == ["built by the lock holder"] and built == []
