@@ -155,8 +155,9 @@ class CudaGraphRunner:
         """Capture every batch size, largest first (the smaller graphs reuse its memory pool).
         The padding rows' inputs are what each capture runs on. All captures and their warm-ups
         run on one side stream: the caching allocator keeps a freed block for the stream that
-        freed it, so a stream per size left each warm-up's blocks idle (0.3-0.5 GiB for 12
-        sizes on an H200, measured); what the warm-ups leave is released at the end."""
+        freed it, so a stream per size left each warm-up's blocks idle (with a stream per size,
+        12 sizes took 0.31-0.52 GiB more than estimated on an H200; how much of that this was
+        is not measured yet); what the warm-ups leave is released at the end."""
         stream = torch.cuda.Stream(self.device) if self.use_cuda_graph else None
         for bs in reversed(self.batch_sizes):
             batch = self._static_batch(bs)
