@@ -165,3 +165,25 @@ def build_checkpoint(out_dir: Path, arch: str = "llama", seed: int = 0,
         kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(out_dir, **kwargs)
     return out_dir
+
+
+def kv_scales_of(layers: int) -> list[tuple[float, float]]:
+    """A (k_scale, v_scale) per layer, each layer its own and far enough from 1 that codes under
+    them differ from codes at unit scale."""
+    return [(0.125 * (layer + 1), 2.0 * (layer + 1)) for layer in range(layers)]
+
+
+def add_kv_scales(checkpoint: Path) -> list[tuple[float, float]]:
+    """Give the checkpoint at ``checkpoint`` (one safetensors file) a k_scale and a v_scale per
+    decoder layer, as an fp8-KV-calibrated checkpoint carries them; returns them."""
+    from safetensors.torch import load_file, save_file
+
+    layers = json.loads((checkpoint / "config.json").read_text())["num_hidden_layers"]
+    (weights,) = checkpoint.glob("*.safetensors")
+    tensors = load_file(weights)
+    scales = kv_scales_of(layers)
+    for layer, (k, v) in enumerate(scales):
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return scales

@@ -16,7 +16,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.checkpoints import ARCHITECTURES, build_checkpoint  # noqa: E402
+import shutil  # noqa: E402
+
+from tests.checkpoints import ARCHITECTURES, add_kv_scales, build_checkpoint  # noqa: E402
 
 torch.set_num_threads(2)
 
@@ -37,6 +39,16 @@ def checkpoint_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_path(checkpoint_factory) -> Path:
     return checkpoint_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def calibrated_path(llama_path, tmp_path_factory) -> Path:
+    """The tiny Llama checkpoint with a k_scale and a v_scale per layer (``kv_scales_of``), as
+    an fp8-KV-calibrated checkpoint carries them."""
+    path = tmp_path_factory.mktemp("ckpt-kv-scales")
+    shutil.copytree(llama_path, path, dirs_exist_ok=True)
+    add_kv_scales(path)
+    return path
 
 
 @pytest.fixture(params=ARCHITECTURES)

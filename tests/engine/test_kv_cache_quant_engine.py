@@ -11,6 +11,7 @@ import pytest
 from radixserve import Engine
 from radixserve.cli import build_parser, server_args_from_namespace
 from radixserve.model_executor import model_runner
+from tests.checkpoints import kv_scales_of
 from tests.engine.conftest import ENGINE_KWARGS
 from tests.engine.test_quantized_engine import PROMPTS, greedy
 from tests.model_executor.harness import make_runner
@@ -28,6 +29,21 @@ def test_engine_with_a_quantized_kv_cache_matches_torch_native(llama_path, stric
     runner = make_runner(llama_path, dtype="float32", kv_cache_dtype=kv_cache_dtype,
                          attention_backend="torch_native")
     assert runner.token_to_kv_pool.quantized
+    assert [o["output_ids"] for o in outs] == greedy(runner, PROMPTS, 12)
+
+
+def test_engine_over_a_calibrated_checkpoint_reads_its_kv_scales(calibrated_path, strict_env):
+    """A checkpoint with a k_scale and v_scale per layer served with an fp8 KV cache: the
+    Engine's cpu kernels (prefill and decode, CPU graphs) read each layer's codes under its
+    scales as the torch_native backend of an in-process runner does, token for token."""
+    with Engine(model_path=calibrated_path, dtype="float32", kv_cache_dtype="fp8_e4m3",
+                attention_backend="cpu", **ENGINE_KWARGS) as engine:
+        outs = engine.generate(input_ids=PROMPTS, sampling_params={
+            "temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True})
+    runner = make_runner(calibrated_path, dtype="float32", kv_cache_dtype="fp8_e4m3",
+                         attention_backend="torch_native")
+    assert runner.token_to_kv_pool.layer_scales == kv_scales_of(
+        len(runner.token_to_kv_pool.k_buffer))
     assert [o["output_ids"] for o in outs] == greedy(runner, PROMPTS, 12)
 
 

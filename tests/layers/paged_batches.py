@@ -49,7 +49,8 @@ def random_batch(seed: int, mode: ForwardMode, page_size: int, dtype: torch.dtyp
     num_pages = bs * (-(-context // page_size)) + 2
     rows_total = bs + 3
     pool = MHATokenToKVPool(num_pages * page_size, page_size, kv_dtype or dtype, kv_heads,
-                            head_dim, 1, device, tensor_scale=kv_tensor_scale)
+                            head_dim, 1, device,
+                            layer_scales=[(kv_tensor_scale, kv_tensor_scale)])
     # an int8 pool's scales, or else the values (fp8: the codes, whose layer scale is shared)
     poisoned = pool.k_scale_buffer + pool.v_scale_buffer if pool.row_scaled else (
         pool.k_buffer + pool.v_buffer)

@@ -175,30 +175,34 @@ def test_pool_bytes_and_slot_buffers():
     buffers = pool.slot_buffers(1)
     assert [b.dtype for b in buffers] == [torch.int8] * 2 + [torch.float32] * 2
     assert all(b.shape[0] == 20 for b in buffers)
-    fp8 = MHATokenToKVPool(16, 4, torch.float8_e5m2, 3, 64, 2, "cpu", tensor_scale=0.5)
+    fp8 = MHATokenToKVPool(16, 4, torch.float8_e5m2, 3, 64, 2, "cpu",
+                           layer_scales=[(0.5, 0.25), (2.0, 4.0)])
     assert fp8.size_bytes() == 20 * 2 * 2 * 3 * 64
     assert [b.dtype for b in fp8.slot_buffers(1)] == [torch.float8_e5m2] * 2
-    k_scale, v_scale = fp8.get_kv_scale_buffers(1)
-    for scales in (k_scale, v_scale):
-        assert scales.shape == (20, 3) and scales.stride() == (0, 0)
-        assert torch.equal(scales, torch.full((20, 3), 0.5))
+    for layer, pair in enumerate([(0.5, 0.25), (2.0, 4.0)]):  # each layer's own K and V scale
+        for scales, value in zip(fp8.get_kv_scale_buffers(layer), pair, strict=True):
+            assert scales.shape == (20, 3) and scales.stride() == (0, 0)
+            assert torch.equal(scales, torch.full((20, 3), value))
     plain = MHATokenToKVPool(16, 4, torch.bfloat16, 3, 64, 2, "cpu")
     assert len(plain.slot_buffers(0)) == 2 and plain.get_kv_scale_buffers(0) is None
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 def test_fp8_pool_saturates_past_its_range(kv_dtype):
-    """A value past the format's largest times the layer's scale is stored as that largest, with
-    its sign (a plain cast would store NaN or inf); the rest round to the format."""
-    pool = MHATokenToKVPool(8, 4, kv_dtype, 1, 16, 1, "cpu", tensor_scale=0.25)
+    """A value past the format's largest times the layer's scale (K's and V's their own) is
+    stored as that largest, with its sign (a plain cast would store NaN or inf); the rest round
+    to the format."""
+    pool = MHATokenToKVPool(8, 4, kv_dtype, 1, 16, 1, "cpu", layer_scales=[(0.25, 0.5)])
     k = torch.linspace(-3, 3, 16).reshape(1, 1, 16)
     k[0, 0, :2] = torch.tensor([1e6, -1e6])
     pool.set_kv_buffer(0, torch.tensor([5]), k, -k)
     got_k, got_v = pool.get_dequantized(0, torch.tensor([5]), torch.float32)
-    top = 0.25 * {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[kv_dtype]
-    assert got_k[0, 0, :2].tolist() == [top, -top] and got_v[0, 0, :2].tolist() == [-top, top]
+    top = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[kv_dtype]
+    assert got_k[0, 0, :2].tolist() == [0.25 * top, -0.25 * top]
+    assert got_v[0, 0, :2].tolist() == [-0.5 * top, 0.5 * top]
     rel = {torch.float8_e4m3fn: 1 / 16, torch.float8_e5m2: 1 / 8}[kv_dtype]
-    assert ((got_k[0, 0, 2:] - k[0, 0, 2:]).abs() <= k[0, 0, 2:].abs() * rel).all()
+    for got, want in ((got_k, k), (got_v, -k)):
+        assert ((got[0, 0, 2:] - want[0, 0, 2:]).abs() <= want[0, 0, 2:].abs() * rel).all()
 
 
 def test_kv_cache_dtype_names():

@@ -36,7 +36,7 @@ def test_pages_round_trip_with_their_scales(kv_dtype):
     layout = pool.kv_layout()
     assert ("k_scales" in layout["token_layout"]) == pool.row_scaled
     # codes under a per-layer scale are stored with that scale's value in their layout
-    assert (layout["tensor_scale"] is not None) == (pool.quantized and not pool.row_scaled)
+    assert (layout["layer_scales"] is not None) == (pool.quantized and not pool.row_scaled)
 
 
 def test_no_pages_read_and_write_nothing():

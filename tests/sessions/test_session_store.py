@@ -147,14 +147,16 @@ def test_kv_of_another_model_or_dtype_is_refused_but_the_history_resumes(tmp_pat
 def test_kv_of_a_quantized_pool_is_refused_by_another_kv_dtype(tmp_path):
     """The layout check covers ``--kv-cache-dtype`` and fp8's per-layer scale: e4m3 codes are
     not e5m2's, nor codes under another scale, though each takes the same bytes."""
-    def pool(dtype, tensor_scale=1.0):
+    def pool(dtype, scales=None):
         return MHATokenToKVPool(KV_TOKENS, 1, dtype, HEADS, DIM, LAYERS, "cpu",
-                                tensor_scale=tensor_scale)
+                                layer_scales=scales)
 
     e4m3 = pool(torch.float8_e4m3fn)
     DiskSessionStore(tmp_path, e4m3, layout(e4m3), None).save(
         "chat", [1, 2, 3], [1, 2], torch.tensor([3, 4]))
-    for other in (pool(torch.float8_e5m2), pool(torch.float8_e4m3fn, 0.5), pool(torch.int8)):
+    last_v_halved = [(1.0, 1.0)] * (LAYERS - 1) + [(1.0, 0.5)]  # one layer's V scale differs
+    for other in (pool(torch.float8_e5m2), pool(torch.float8_e4m3fn, last_v_halved),
+                  pool(torch.int8)):
         if other.dtype != torch.int8:
             assert other.kv_bytes_per_token() == e4m3.kv_bytes_per_token(), "same size"
         entry = DiskSessionStore(tmp_path, other, layout(other), None).open("chat")

@@ -12,7 +12,8 @@ still have to be finite (a NaN survives masking), which the zeroed padding page 
 (int8, fp8: ``mem_cache/kv_quant.py``) stores 8-bit codes in ``k_buffer``/``v_buffer`` and their
 scales in ``k_scale_buffer``/``v_scale_buffer`` (``[size + page_size, head_num]`` float32 per
 layer; empty lists otherwise): for int8 one scale per (slot, head), for fp8 the layer's one
-scale seen through a view with strides (0, 0). ``slot_buffers(layer)`` lists every tensor of a
+scale (``layer_scales``: a calibrated checkpoint's, else 1.0) seen through a view with strides
+(0, 0). ``slot_buffers(layer)`` lists every tensor of a
 layer that holds something per slot, which is what a copy of slots (to another tier, to disk)
 must carry.
 """
@@ -46,8 +47,9 @@ class MHATokenToKVPool:
     head_dim: int
     layer_num: int
     device: torch.device  # a str is accepted and converted
-    # fp8's one scale per layer for K and for V (a calibrated checkpoint's would go here)
-    tensor_scale: float = TENSOR_SCALE
+    # fp8's (K scale, V scale) of each layer: a calibrated checkpoint's (kv_scales.py), or None
+    # for TENSOR_SCALE everywhere; unused by other dtypes
+    layer_scales: list[tuple[float, float]] | None = None
     k_buffer: list[torch.Tensor] = field(init=False, repr=False, default_factory=list)
     v_buffer: list[torch.Tensor] = field(init=False, repr=False, default_factory=list)
     # a quantized pool's float32 scales, [slots, head_num] per layer; empty lists otherwise
@@ -59,6 +61,11 @@ class MHATokenToKVPool:
             f"KV pool size {self.size} is not a multiple of {self.page_size}"
         )
         self.device = torch.device(self.device)
+        if self.layer_scales is None:
+            self.layer_scales = [(TENSOR_SCALE, TENSOR_SCALE)] * self.layer_num
+        assert len(self.layer_scales) == self.layer_num, (
+            f"{len(self.layer_scales)} layers' KV scales for {self.layer_num} layers"
+        )
         self.allocate()
 
     def allocate(self) -> None:
@@ -71,12 +78,12 @@ class MHATokenToKVPool:
         if self.quantized:
             scale_shape = (self.size + self.page_size, self.head_num)
             kwargs = {"dtype": SCALE_DTYPE, "device": self.device}
-            for scales in (self.k_scale_buffer, self.v_scale_buffer):
-                for _ in range(self.layer_num):
+            for part, scales in enumerate((self.k_scale_buffer, self.v_scale_buffer)):
+                for layer in range(self.layer_num):
                     if self.row_scaled:
                         scales.append(torch.empty(scale_shape, **kwargs))
-                    else:
-                        one = torch.tensor(self.tensor_scale, **kwargs)  # 0-dim: strides 0, 0
+                    else:  # a 0-dim tensor expanded: strides 0, 0
+                        one = torch.tensor(self.tensor_scale(layer)[part], **kwargs)
                         scales.append(one.expand(scale_shape))
         for layer in range(self.layer_num):
             for buffer in self.slot_buffers(layer):
@@ -86,6 +93,11 @@ class MHATokenToKVPool:
     def quantized(self) -> bool:
         """Whether the pool stores 8-bit codes (with their scales)."""
         return is_quantized(self.dtype)
+
+    def tensor_scale(self, layer_id: int) -> tuple[float, float]:
+        """The (K, V) scale of layer ``layer_id`` in a pool of one scale per layer (fp8)."""
+        assert self.layer_scales is not None  # __post_init__ fills it
+        return self.layer_scales[layer_id]
 
     @property
     def row_scaled(self) -> bool:
@@ -149,7 +161,10 @@ class MHATokenToKVPool:
             "kv_bytes_per_token": self.kv_bytes_per_token(),
             "token_layout": "k_layers,v_layers" + (",k_scales,v_scales" if self.row_scaled else ""),
             # codes under a per-layer scale mean nothing under another
-            "tensor_scale": self.tensor_scale if self.quantized and not self.row_scaled else None,
+            "layer_scales": (
+                [list(pair) for pair in self.layer_scales or ()]
+                if self.quantized and not self.row_scaled else None
+            ),
         }
 
     def _tier_buffers(self) -> list[torch.Tensor]:
@@ -205,8 +220,9 @@ class MHATokenToKVPool:
             self.v_buffer[layer_id][loc] = v.to(self.dtype)
             return
         if not self.row_scaled:
-            self.k_buffer[layer_id][loc] = quantize_to_scale(k, self.dtype, self.tensor_scale)
-            self.v_buffer[layer_id][loc] = quantize_to_scale(v, self.dtype, self.tensor_scale)
+            k_scale, v_scale = self.tensor_scale(layer_id)
+            self.k_buffer[layer_id][loc] = quantize_to_scale(k, self.dtype, k_scale)
+            self.v_buffer[layer_id][loc] = quantize_to_scale(v, self.dtype, v_scale)
             return
         for codes, scales, x in (
             (self.k_buffer[layer_id], self.k_scale_buffer[layer_id], k),

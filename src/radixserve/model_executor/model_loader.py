@@ -18,7 +18,6 @@ device's kernels read are made from the loaded (per-rank) parameters.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 from collections.abc import Callable
@@ -41,32 +40,16 @@ from radixserve.layers.linear_method import (
 )
 from radixserve.layers.packed_weight import prepack_model
 from radixserve.model_config import ModelConfig
+from radixserve.model_executor.checkpoint_files import checkpoint_files
+from radixserve.model_executor.kv_scales import is_kv_scale_name
 from radixserve.model_executor.model_loader_gguf import gguf_weight_bytes, gguf_weights
 from radixserve.model_executor.models.llama import LlamaForCausalLM
 from radixserve.model_registry import get_model_class
 
 logger = logging.getLogger(__name__)
 
-_INDEX_FILE = "model.safetensors.index.json"
 _LM_HEAD = "lm_head.weight"
 _EMBED = "model.embed_tokens.weight"
-
-
-def checkpoint_files(model_path: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint: the shards its index names, else every file."""
-    model_dir = Path(model_path)
-    index = model_dir / _INDEX_FILE
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ValueError(f"{index} names missing shard files: {', '.join(missing)}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no safetensors weights in {model_dir}")
-    return files
 
 
 class SafetensorsSlice(RangedLazyWeight):
@@ -81,8 +64,11 @@ class SafetensorsSlice(RangedLazyWeight):
 
 
 def _skipped(name: str) -> bool:
-    # Old checkpoints store RoPE frequencies and BERT's position ids: we derive both.
-    return name.endswith(("rotary_emb.inv_freq", "embeddings.position_ids"))
+    # Old checkpoints store RoPE frequencies and BERT's position ids: we derive both. KV-cache
+    # scales are not weights: the model runner reads them for the KV pool (kv_scales.py).
+    return name.endswith(("rotary_emb.inv_freq", "embeddings.position_ids")) or (
+        is_kv_scale_name(name)
+    )
 
 
 def _checkpoint_tensors(files: list[Path]) -> list[tuple[Path, str]]:

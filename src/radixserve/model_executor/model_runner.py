@@ -42,7 +42,7 @@ from radixserve.lora.graph_inputs import LoRAGraphInputs
 from radixserve.lora.lora_manager import create_lora_manager, load_initial_adapters
 from radixserve.mem_cache.allocator import HOST_DECODE_RUN, TokenToKVPoolAllocator
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
-from radixserve.mem_cache.kv_quant import kv_dtype_name, kv_storage_dtype
+from radixserve.mem_cache.kv_quant import TENSOR_SCALE, kv_dtype_name, kv_storage_dtype
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_config import ModelConfig, resolve_device
 from radixserve.model_executor.cpu_graph_runner import CpuGraphRunner
@@ -52,6 +52,7 @@ from radixserve.model_executor.cuda_graph_runner import (
     graph_memory_bytes,
 )
 from radixserve.model_executor.device_traits import device_traits
+from radixserve.model_executor.kv_scales import pool_layer_scales
 from radixserve.model_executor.model_loader import (
     checkpoint_weight_bytes,
     load_model,
@@ -321,6 +322,7 @@ class ModelRunner:
         pool = MHATokenToKVPool(
             self.max_total_num_tokens, self.page_size, self.kv_cache_dtype, self.num_kv_heads,
             cfg.head_dim, self.num_layers, self.device,
+            layer_scales=self._kv_layer_scales(cfg.model_path),
         )
         logger.info(
             "KV cache: %d tokens, %.4g GiB (%s, page size %d); %d request slots",
@@ -331,6 +333,11 @@ class ModelRunner:
             self.max_running_requests,
         )
         return pool
+
+    def _kv_layer_scales(self, model_path: str) -> list[tuple[float, float]] | None:
+        """This stage's layers' calibrated fp8 KV scales in the checkpoint (``kv_scales.py``)."""
+        layers = self.parallel.info.stage_layers(self.model_config.num_hidden_layers)
+        return pool_layer_scales(model_path, self.kv_cache_dtype, layers)
 
     def _plan_kv_tokens(self, settings: RunnerSettings) -> int:
         """KV slots to allocate, rounded down to whole pages; the same on every rank.
@@ -405,8 +412,9 @@ class ModelRunner:
         """Replace the weights with those of the checkpoint at ``model_path``.
 
         The new weights load into a second model first, so any problem (no checkpoint, another
-        architecture or shape, a missing tensor) raises ``ValueError`` and the served weights
-        stay as they were. The caller makes sure no batch runs meanwhile.
+        architecture or shape, a missing tensor, fp8 KV-cache scales other than those the pool
+        stores its codes under) raises ``ValueError`` and the served weights stay as they were.
+        The caller makes sure no batch runs meanwhile.
         """
         from radixserve.model_config import ModelConfig
 
@@ -419,6 +427,15 @@ class ModelRunner:
                     f"the checkpoint at {model_path} does not match the served model: {name} "
                     f"is {getattr(new, name)!r}, the served model's is "
                     f"{getattr(self.model_config, name)!r}"
+                )
+        pool = self.token_to_kv_pool
+        if pool is not None and pool.quantized and not pool.row_scaled:
+            unit = [(TENSOR_SCALE, TENSOR_SCALE)] * pool.layer_num
+            if (self._kv_layer_scales(new.model_path) or unit) != pool.layer_scales:
+                raise ValueError(
+                    f"the checkpoint at {model_path} has other KV-cache scales (k_scale / "
+                    f"v_scale) than the served model's, under which the fp8 KV cache is stored: "
+                    f"restart the server to change them"
                 )
         config = dataclasses.replace(self.model_config, model_path=new.model_path)
         model = self._load_model(config)

@@ -173,7 +173,7 @@ def checkpoint_shapes(model_path: str) -> dict[str, list[int]]:
     from safetensors import safe_open
 
     from radixserve.gguf_file import find_gguf
-    from radixserve.model_executor.model_loader import checkpoint_files
+    from radixserve.model_executor.checkpoint_files import checkpoint_files
 
     if find_gguf(model_path) is not None:
         raise ValueError("weight sync needs a safetensors checkpoint; this model is a GGUF file")
@@ -189,7 +189,12 @@ def check_named_tensors(
     named_tensors: list[tuple[str, torch.Tensor]], checkpoint_shapes: dict[str, list[int]],
 ) -> None:
     """``ValueError`` naming the first tensor the served model cannot take."""
+    from radixserve.model_executor.kv_scales import is_kv_scale_name
+
     for name, tensor in named_tensors:
+        if is_kv_scale_name(name):
+            raise ValueError(f"{name!r} is a KV-cache scale: the KV cache keeps the served "
+                             "checkpoint's while the server runs")
         if name not in checkpoint_shapes:
             raise ValueError(f"{name!r} is not a weight of the served checkpoint")
         if list(tensor.shape) != list(checkpoint_shapes[name]):
