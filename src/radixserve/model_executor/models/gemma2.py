@@ -42,7 +42,12 @@ from radixserve.layers.linear_method import WeightSource, materialize
 from radixserve.layers.rotary_embedding import ApplyRotaryEmbedding, RotaryEmbedding
 from radixserve.layers.vocab_embedding import VocabEmbedding
 from radixserve.model_config import ModelConfig
-from radixserve.model_executor.models.llama import LlamaForCausalLM, MissingLayer, Rope
+from radixserve.model_executor.models.llama import (
+    LlamaForCausalLM,
+    MissingLayer,
+    QKVAttention,
+    Rope,
+)
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -102,7 +107,7 @@ def local_rope_theta(hf: dict[str, Any], global_theta: float) -> float:
     return float(hf.get("rope_local_base_freq") or global_theta)
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(QKVAttention):
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, tp: RankGroup,
                  sliding: bool, qk_norm: bool, kv_layer: int) -> None:
         super().__init__()
@@ -136,21 +141,7 @@ class GemmaAttention(nn.Module):
     def forward(self, ropes: tuple[Rope, Rope], hidden_states: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
         """``ropes``: (global, local) cos/sin; a sliding layer rotates with the local one."""
-        rope = ropes[1] if self.sliding else ropes[0]
-        n = hidden_states.shape[0]
-        heads, head_dim = self.attn.num_heads, self.attn.head_dim
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        qkv = self.qkv_proj(hidden_states)
-        v = qkv[:, q_size + kv_size :]
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(qkv[:, :q_size].reshape(n, heads, head_dim))
-            k = self.k_norm(qkv[:, q_size : q_size + kv_size].reshape(n, -1, head_dim))
-            q, k = self.rotate(q, *rope), self.rotate(k, *rope)
-        else:
-            qk = self.rotate(qkv[:, : q_size + kv_size].view(n, -1, head_dim), *rope)
-            q, k = qk[:, :heads], qk[:, heads:]
-        out = self.attn(q.reshape(n, q_size), k.reshape(n, kv_size), v, forward_batch)
-        return self.o_proj(out)
+        return self.attend(ropes[1] if self.sliding else ropes[0], hidden_states, forward_batch)
 
 
 class GemmaMLP(nn.Module):

@@ -62,7 +62,39 @@ class LayerSpec:
     mlp_factory: Callable[[LayerSpec, int], nn.Module | None] | None = None
 
 
-class LlamaAttention(nn.Module):
+class QKVAttention(nn.Module):
+    """The attention step decoder families share: the fused qkv projection, an optional
+    per-head norm of q and k (Qwen3, Gemma 3), rotary positions, paged attention, the output
+    projection. A subclass builds the six modules ``attend`` uses."""
+
+    qkv_proj: QKVParallelLinear
+    o_proj: RowParallelLinear
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
+    rotate: ApplyRotaryEmbedding
+    attn: Attention
+
+    def attend(
+        self, rope: Rope, hidden_states: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        n = hidden_states.shape[0]
+        heads, head_dim = self.attn.num_heads, self.attn.head_dim
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        qkv = self.qkv_proj(hidden_states)
+        v = qkv[:, q_size + kv_size :]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(qkv[:, :q_size].reshape(n, heads, head_dim))
+            k = self.k_norm(qkv[:, q_size : q_size + kv_size].reshape(n, -1, head_dim))
+            q, k = self.rotate(q, *rope), self.rotate(k, *rope)
+        else:
+            # q and k heads sit side by side in qkv: one rotation for both.
+            qk = self.rotate(qkv[:, : q_size + kv_size].view(n, -1, head_dim), *rope)
+            q, k = qk[:, :heads], qk[:, heads:]
+        out = self.attn(q.reshape(n, q_size), k.reshape(n, kv_size), v, forward_batch)
+        return self.o_proj(out)
+
+
+class LlamaAttention(QKVAttention):
     def __init__(self, spec: LayerSpec, kv_layer: int) -> None:
         super().__init__()
         config, tp = spec.config, spec.tp
@@ -99,21 +131,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self, rope: Rope, hidden_states: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        n = hidden_states.shape[0]
-        heads, head_dim = self.attn.num_heads, self.attn.head_dim
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        qkv = self.qkv_proj(hidden_states)
-        v = qkv[:, q_size + kv_size :]
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(qkv[:, :q_size].reshape(n, heads, head_dim))
-            k = self.k_norm(qkv[:, q_size : q_size + kv_size].reshape(n, -1, head_dim))
-            q, k = self.rotate(q, *rope), self.rotate(k, *rope)
-        else:
-            # q and k heads sit side by side in qkv: one rotation for both.
-            qk = self.rotate(qkv[:, : q_size + kv_size].view(n, -1, head_dim), *rope)
-            q, k = qk[:, :heads], qk[:, heads:]
-        out = self.attn(q.reshape(n, q_size), k.reshape(n, kv_size), v, forward_batch)
-        return self.o_proj(out)
+        return self.attend(rope, hidden_states, forward_batch)
 
 
 class LlamaMLP(nn.Module):
