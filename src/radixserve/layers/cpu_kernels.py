@@ -99,8 +99,15 @@ def cpu_flags() -> set[str]:
     return _cpu_flags()
 
 
+@functools.cache
+def kernel_sources_digest() -> str:
+    """A digest of the kernels' sources: part of their build directory's name and of the
+    kernel dispatch cache's key (``layers/kernel_dispatch.py``), read once per process."""
+    return source_digest(*SOURCES, *HEADERS)
+
+
 def _build_dir(flags: set[str]) -> Path:
-    key = hashlib.sha256(source_digest(*SOURCES, *HEADERS).encode())
+    key = hashlib.sha256(kernel_sources_digest().encode())
     key.update(torch.__version__.encode())
     key.update(" ".join(sorted(flags)).encode())
     return envs.radixserve_cache_dir("kernels", key.hexdigest()[:16])

@@ -50,8 +50,9 @@ from typing import Protocol
 import torch
 
 from radixserve import envs
-from radixserve.cache_files import exclusive, source_digest
+from radixserve.cache_files import exclusive
 from radixserve.layers.cpu_contention import LoadProbe, MachineLoad
+from radixserve.layers.cpu_kernels import kernel_sources_digest
 
 logger = logging.getLogger(__name__)
 
@@ -200,11 +201,6 @@ def cached_or_static(weight: Dispatched, cache: DispatchCache) -> tuple[tuple[st
     return choose(seconds, weight.static()), "measured"
 
 
-def _kernel_sources_hash() -> str:
-    csrc = Path(__file__).parent / "csrc"
-    return source_digest(*sorted(csrc.glob("*.cpp")), *sorted(csrc.glob("*.h")))
-
-
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -221,7 +217,7 @@ def machine_identity(cpu_flags: Iterable[str]) -> dict[str, str]:
         "cpu_flags": hashlib.sha256(" ".join(sorted(cpu_flags)).encode()).hexdigest()[:16],
         "torch": torch.__version__,
         "threads": str(torch.get_num_threads()),
-        "kernels": _kernel_sources_hash(),
+        "kernels": kernel_sources_digest(),
     }
 
 
