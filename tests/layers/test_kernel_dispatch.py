@@ -98,7 +98,7 @@ def timings(fast_from: int):
 
 
 IDENTITY = {"cpu_model": "Xeon", "cpu_flags": "f", "torch": "2.x", "threads": "2",
-            "kernels": "k"}
+            "kernels": "k", "onednn": ""}
 
 
 def test_tune_measures_each_shape_once_and_the_cache_answers_the_next_start(tmp_path):
@@ -121,7 +121,8 @@ def test_tune_measures_each_shape_once_and_the_cache_answers_the_next_start(tmp_
     assert calls_again == [] and fresh[0].table == expected
 
 
-@pytest.mark.parametrize("changed", ["cpu_model", "cpu_flags", "torch", "threads", "kernels"])
+@pytest.mark.parametrize("changed", ["cpu_model", "cpu_flags", "torch", "threads", "kernels",
+                                     "onednn"])
 def test_a_new_cpu_torch_thread_count_or_kernel_build_measures_again(tmp_path, changed):
     measure, _ = timings(fast_from=6)
     kd.tune([FakeWeight(64, 32)], kd.DispatchCache(tmp_path, IDENTITY), measure_fn=measure)
@@ -134,6 +135,20 @@ def test_a_new_cpu_torch_thread_count_or_kernel_build_measures_again(tmp_path, c
     cache = kd.DispatchCache(tmp_path, IDENTITY)
     cache.path.write_text(json.dumps({"machine": other, "entries": {}}))
     assert kd.DispatchCache(tmp_path, IDENTITY).get("bf16:64x32:blocked+onednn") is None
+
+
+def test_onednn_settings_are_part_of_the_machine_identity(monkeypatch):
+    """A cap on oneDNN's instructions (a CPU without AMX emulated, say) or its fp32 math mode
+    changes what ``F.linear`` runs, so timings taken without it are not reused under it."""
+    for name in kd.ONEDNN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    plain = kd.machine_identity({"avx512f"})
+    assert plain["onednn"] == ""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
+    capped = kd.machine_identity({"avx512f"})
+    assert capped["onednn"] == "ONEDNN_MAX_CPU_ISA=AVX512_CORE"
+    assert {k: v for k, v in capped.items() if k != "onednn"} == {
+        k: v for k, v in plain.items() if k != "onednn"}
 
 
 def test_past_the_budget_shapes_keep_the_static_table_and_are_not_cached(tmp_path):

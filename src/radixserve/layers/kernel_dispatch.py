@@ -210,6 +210,12 @@ def _cpu_model() -> str:
     return line.partition(":")[2].strip() or "unknown"
 
 
+# oneDNN's settings that change which GEMM ``F.linear`` runs: a cap on the instructions it may
+# use (``AVX512_CORE`` keeps it off AMX and AVX512-BF16) and its fp32 math mode (``BF16`` runs
+# float32 GEMMs in bf16). Under another value the ``onednn`` timings are another kernel's.
+ONEDNN_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE")
+
+
 def machine_identity(cpu_flags: Iterable[str]) -> dict[str, str]:
     """What a measurement holds for: any change is a different cache file."""
     return {
@@ -218,6 +224,8 @@ def machine_identity(cpu_flags: Iterable[str]) -> dict[str, str]:
         "torch": torch.__version__,
         "threads": str(torch.get_num_threads()),
         "kernels": kernel_sources_digest(),
+        "onednn": " ".join(f"{name}={os.environ[name]}" for name in ONEDNN_ENV
+                           if os.environ.get(name)),
     }
 
 
