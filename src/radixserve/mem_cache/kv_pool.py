@@ -13,9 +13,8 @@ still have to be finite (a NaN survives masking), which the zeroed padding page 
 scales in ``k_scale_buffer``/``v_scale_buffer`` (``[size + page_size, head_num]`` float32 per
 layer; empty lists otherwise): for int8 one scale per (slot, head), for fp8 the layer's one
 scale (``layer_scales``: a calibrated checkpoint's, else 1.0) seen through a view with strides
-(0, 0). ``slot_buffers(layer)`` lists every tensor of a
-layer that holds something per slot, which is what a copy of slots (to another tier, to disk)
-must carry.
+(0, 0). ``slot_buffers(layer)`` lists every tensor of a layer that holds something per slot,
+which is what a copy of slots (to another tier, to disk) must carry.
 """
 
 from __future__ import annotations
