@@ -134,8 +134,9 @@ def read_kv_scales(model_path: str | Path) -> CheckpointKVScales:
 def pool_layer_scales(model_path: str | Path, kv_dtype: torch.dtype,
                       layers: range) -> list[tuple[float, float]] | None:
     """The (K, V) scale of each of ``layers`` for a KV pool of ``kv_dtype`` over the checkpoint
-    at ``model_path``: its calibrated scales for an fp8 pool, None (the pool's unit scales, or
-    no per-layer scales at all) otherwise. Says in the log what it chose."""
+    at ``model_path``: for an fp8 pool its calibrated scales, or ``TENSOR_SCALE`` for every
+    layer when it has none; None for a dtype without per-layer scales. Says in the log what it
+    chose."""
     scales = read_kv_scales(model_path)
     per_layer = is_quantized(kv_dtype) and not has_row_scales(kv_dtype)
     if not per_layer:
@@ -149,7 +150,7 @@ def pool_layer_scales(model_path: str | Path, kv_dtype: torch.dtype,
             "K and V past +-%s are clipped", kv_dtype_name(kv_dtype), TENSOR_SCALE,
             Q_MAX[kv_dtype] * TENSOR_SCALE,
         )
-        return None
+        return [(TENSOR_SCALE, TENSOR_SCALE)] * len(layers)
     chosen = scales.for_layers(layers)
     logger.info("KV cache %s under the checkpoint's scales: K %.4g-%.4g, V %.4g-%.4g",
                 kv_dtype_name(kv_dtype), min(k for k, _ in chosen), max(k for k, _ in chosen),

@@ -42,7 +42,7 @@ from radixserve.lora.graph_inputs import LoRAGraphInputs
 from radixserve.lora.lora_manager import create_lora_manager, load_initial_adapters
 from radixserve.mem_cache.allocator import HOST_DECODE_RUN, TokenToKVPoolAllocator
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
-from radixserve.mem_cache.kv_quant import TENSOR_SCALE, kv_dtype_name, kv_storage_dtype
+from radixserve.mem_cache.kv_quant import kv_dtype_name, kv_storage_dtype
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from radixserve.model_config import ModelConfig, resolve_device
 from radixserve.model_executor.cpu_graph_runner import CpuGraphRunner
@@ -430,8 +430,7 @@ class ModelRunner:
                 )
         pool = self.token_to_kv_pool
         if pool is not None and pool.quantized and not pool.row_scaled:
-            unit = [(TENSOR_SCALE, TENSOR_SCALE)] * pool.layer_num
-            if (self._kv_layer_scales(new.model_path) or unit) != pool.layer_scales:
+            if self._kv_layer_scales(new.model_path) != pool.layer_scales:
                 raise ValueError(
                     f"the checkpoint at {model_path} has other KV-cache scales (k_scale / "
                     f"v_scale) than the served model's, under which the fp8 KV cache is stored: "
