@@ -164,7 +164,9 @@ def test_length_limit_mid_json_is_finish_reason_length(oai, server):
          "needs json_schema.schema"),
         ({"response_format": {"type": "xml"}}, "response_format.type", "json_object"),
         ({"regex": "[0-9"}, None, "invalid regex"),
-        ({"response_format": response_format({"$ref": "#"})}, None, "admits no output"),
+        # xgrammar 0.2.8 compiles this schema and our own check finds no first token; 0.2.9
+        # refuses it itself ("Circular $ref chain"): a 400 naming the schema either way.
+        ({"response_format": response_format({"$ref": "#"})}, None, "invalid json_schema"),
         ({"ebnf": 'root ::= root "a"'}, None, "admits no output"),
         ({"regex": "a", "response_format": {"type": "json_object"}}, None, "at most one of"),
         ({"function_call": "auto"}, "function_call", "deprecated functions API"),

@@ -99,8 +99,9 @@ class XGrammarBackend(GrammarBackend):
         return compiled
 
     def _check_admits_output(self, key: GrammarKey, compiled: xgr.CompiledGrammar) -> None:
-        """Refuse a grammar that admits no first token, not even the end (``{"$ref": "#"}``,
-        ``root ::= root "a"``): decoding under it could only produce text outside it."""
+        """Refuse a grammar that admits no first token, not even the end (``root ::= root "a"``;
+        ``{"$ref": "#"}`` before xgrammar 0.2.9, which refuses it itself): decoding under it could
+        only produce text outside it."""
         matcher = xgr.GrammarMatcher(compiled)
         bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
         matcher.fill_next_token_bitmask(bitmask)
