@@ -88,6 +88,9 @@ HELP: dict[str, str] = {
     "memory) or fp8 (fp8_e4m3, fp8_e5m2: 8-bit codes under one scale per layer, as in SGLang "
     "and vLLM: 2x the tokens); less to read per decode step, at a small cost in accuracy "
     "(docs/kv-cache-quantization.md).",
+    "quantization_param_path": "A JSON file of fp8 KV-cache scales per layer and "
+    "tensor-parallel rank (SGLang's and vLLM's format); they replace the checkpoint's k_scale / "
+    "v_scale (docs/kv-cache-quantization.md).",
     "attention_backend": "Attention kernels: torch_native (plain torch, the reference), cpu "
     "(radixserve's CPU kernels; the default on CPU where they take the model's shape) or triton "
     "(Triton paged attention; the default on CUDA; on CPU only under TRITON_INTERPRET=1).",

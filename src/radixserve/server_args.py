@@ -7,6 +7,7 @@ in ``__post_init__`` so that a bad flag fails before any process starts.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
@@ -59,6 +60,7 @@ class ServerArgs:
     max_running_requests: int | None = None
     page_size: int = 1
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPE_CHOICES; auto: the model's dtype
+    quantization_param_path: str | None = None  # a JSON of fp8 KV scales (model_executor/kv_scales)
     disable_radix_cache: bool = False
     # hierarchical cache (docs/hierarchical-cache.md)
     enable_hierarchical_cache: bool = False
@@ -185,6 +187,15 @@ class ServerArgs:
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, "
                 f"got {self.kv_cache_dtype!r}"
             )
+        if self.quantization_param_path is not None:
+            if not self.kv_cache_dtype.startswith("fp8"):
+                raise ValueError(
+                    "quantization_param_path holds scales for an fp8 KV cache: it needs "
+                    f"--kv-cache-dtype fp8_e4m3 (or fp8_e5m2), got {self.kv_cache_dtype!r}"
+                )
+            if not os.path.isfile(self.quantization_param_path):
+                raise ValueError(f"quantization_param_path {self.quantization_param_path!r} "
+                                 "is not a file")
         self._check_parallelism()
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(

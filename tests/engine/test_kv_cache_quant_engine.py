@@ -15,6 +15,7 @@ from tests.checkpoints import kv_scales_of
 from tests.engine.conftest import ENGINE_KWARGS
 from tests.engine.test_quantized_engine import PROMPTS, greedy
 from tests.model_executor.harness import make_runner
+from tests.model_executor.test_kv_scales import layer_count, scales_file
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
@@ -47,9 +48,35 @@ def test_engine_over_a_calibrated_checkpoint_reads_its_kv_scales(calibrated_path
     assert [o["output_ids"] for o in outs] == greedy(runner, PROMPTS, 12)
 
 
-def test_kv_cache_dtype_flag():
-    ns = build_parser().parse_args(["serve", "--model-path", "m", "--kv-cache-dtype", "fp8_e5m2"])
-    assert server_args_from_namespace(ns).kv_cache_dtype == "fp8_e5m2"
+def test_engine_reads_a_quantization_param_file(llama_path, tmp_path, strict_env):
+    """--quantization-param-path reaches the scheduler's runner: the Engine's cpu kernels over
+    the file's scales generate what a torch_native runner over the same file does. The scales
+    are small enough to clip K and V (at most 448 times the scale), so a server that left the
+    file unread would generate what the unit-scale runner does, which differs."""
+    layers = layer_count(llama_path)
+    scales = [0.0015 * (layer + 1) for layer in range(layers)]
+    path = scales_file(tmp_path / "kv.json", [scales])
+    kwargs = {"dtype": "float32", "kv_cache_dtype": "fp8_e4m3"}
+    runner = make_runner(llama_path, attention_backend="torch_native",
+                         quantization_param_path=str(path), **kwargs)
+    assert runner.token_to_kv_pool.layer_scales == [(s, s) for s in scales]
+    unit = make_runner(llama_path, attention_backend="torch_native", **kwargs)
+    expected = greedy(runner, PROMPTS, 12)
+    assert expected != greedy(unit, PROMPTS, 12)
+    kwargs["quantization_param_path"] = str(path)
+    with Engine(model_path=llama_path, attention_backend="cpu", **kwargs,
+                **ENGINE_KWARGS) as engine:
+        outs = engine.generate(input_ids=PROMPTS, sampling_params={
+            "temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True})
+    assert [o["output_ids"] for o in outs] == expected
+
+
+def test_kv_cache_dtype_flag(tmp_path):
+    path = scales_file(tmp_path / "kv.json", [[1.0]])
+    ns = build_parser().parse_args(["serve", "--model-path", "m", "--kv-cache-dtype", "fp8_e5m2",
+                                    "--quantization-param-path", str(path)])
+    args = server_args_from_namespace(ns)
+    assert (args.kv_cache_dtype, args.quantization_param_path) == ("fp8_e5m2", str(path))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--model-path", "m", "--kv-cache-dtype", "q4_0"])
 

@@ -1,7 +1,8 @@
 """A checkpoint's calibrated KV-cache scales (``kv_scales.py``): which tensor names are read, what
 is refused, and a real ModelRunner over a checkpoint that carries them: its fp8 pool stores
 each layer's K and V under that layer's scales, other KV dtypes leave them unused, and a weight
-update to a checkpoint with other scales is refused."""
+update to a checkpoint with other scales is refused. The same scales from a JSON file
+(``--quantization-param-path``) replace the checkpoint's."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from radixserve.model_executor.kv_scales import (
     is_kv_scale_name,
     kv_scales_from_tensors,
     read_kv_scales,
+    read_kv_scales_file,
 )
 from tests.checkpoints import kv_scales_of
 from tests.engine.test_quantized_engine import PROMPTS
@@ -137,3 +139,77 @@ def test_a_weight_update_keeps_the_pool_scales(llama_path, calibrated_path):
     assert runner.model is not before
     with pytest.raises(ValueError, match="is a KV-cache scale"):  # nor through a weight sync
         runner.update_weights_from_tensors([("model.layers.0.self_attn.k_scale", one(1.0))])
+
+
+def scales_file(path: Path, ranks: list[list[float]], model_type: str | None = "llama",
+                dtype: str = "float8_e4m3fn") -> Path:
+    """A --quantization-param-path file (SGLang's and vLLM's format): rank -> layer -> scale."""
+    data = {"kv_cache": {"dtype": dtype, "scaling_factor": {
+        str(rank): {str(layer): s for layer, s in enumerate(scales)}
+        for rank, scales in enumerate(ranks)}}}
+    if model_type is not None:
+        data["model_type"] = model_type
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_scales_file_gives_each_rank_its_own(tmp_path):
+    path = scales_file(tmp_path / "kv.json", [[0.5, 0.25], [2.0, 4.0]])
+    rank1 = read_kv_scales_file(path, tp_rank=1, tp_size=2, num_layers=2, model_type="llama")
+    assert rank1.for_layers(range(2)) == [(2.0, 2.0), (4.0, 4.0)]  # K and V alike
+    rank0 = read_kv_scales_file(path, tp_rank=0, tp_size=2, num_layers=2, model_type="llama")
+    assert rank0.for_layers(range(1, 2)) == [(0.25, 0.25)]  # a pipeline stage's layers
+    untyped = scales_file(tmp_path / "untyped.json", [[1.5]], model_type=None)
+    assert read_kv_scales_file(untyped, 0, 1, 1, "qwen2").k == {0: 1.5}
+
+
+@pytest.mark.parametrize(("ranks", "kwargs", "message"), [
+    ([[1.0, 1.0]], {"model_type": "qwen2"}, "for a qwen2 model, this one is llama"),
+    ([[1.0, 1.0]], {"dtype": "float8_e5m2"}, "for a float8_e5m2 KV cache"),
+    ([[1.0, 1.0], [1.0, 1.0]], {}, r"ranks \['0', '1'\]; this server runs 1"),
+    ([[1.0]], {}, r"name layers \['0'\]; the model has 2"),
+    ([[1.0, 1.0, 1.0]], {}, "the model has 2"),
+    ([[1.0, 0.0]], {}, "layer 1's scale is 0.0"),
+    ([[1.0, float("inf")]], {}, "layer 1's scale is inf"),
+    ([[True, 1.0]], {}, "layer 0's scale is True"),
+    ([[1.0, "2"]], {}, "layer 1's scale is '2'"),
+])
+def test_scales_files_that_are_refused(tmp_path, ranks, kwargs, message):
+    path = scales_file(tmp_path / "kv.json", ranks, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        read_kv_scales_file(path, 0, 1, 2, "llama")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("{not json", "unreadable"),
+    ("[1, 2]", "no \"kv_cache\""),
+    ('{"kv_cache": {"dtype": "float8_e4m3fn"}}', "no \"kv_cache\""),
+])
+def test_unreadable_scales_files_are_refused(tmp_path, text, message):
+    path = tmp_path / "kv.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f"--quantization-param-path {path}: {message}"):
+        read_kv_scales_file(path, 0, 1, 2, "llama")
+
+
+def test_a_scales_file_replaces_the_checkpoint_scales(calibrated_path, tmp_path, caplog):
+    """The runner's fp8 pool takes the file's scales over the checkpoint's, says so, and stores
+    its codes under them; the other KV dtypes refuse the file rather than leave it unread."""
+    layers = layer_count(calibrated_path)
+    path = scales_file(tmp_path / "kv.json", [[0.5 + layer for layer in range(layers)]])
+    with caplog.at_level(logging.INFO):
+        runner = make_runner(calibrated_path, kv_cache_dtype="fp8_e4m3",
+                             quantization_param_path=str(path))
+    assert "replace the checkpoint's k_scale / v_scale" in caplog.text
+    assert "under the --quantization-param-path scales" in caplog.text
+    expected = [(0.5 + layer, 0.5 + layer) for layer in range(layers)]
+    assert runner.token_to_kv_pool.layer_scales == expected
+    k_buf, v_buf = runner.token_to_kv_pool.get_kv_scale_buffers(layers - 1)
+    assert k_buf[0, 0].item() == v_buf[0, 0].item() == expected[-1][0]
+    runner.update_weights_from_disk(str(calibrated_path), None)  # the file's scales stay
+    assert runner.token_to_kv_pool.layer_scales == expected
+    with pytest.raises(ValueError, match="needs --kv-cache-dtype fp8_e4m3"):
+        make_runner(calibrated_path, kv_cache_dtype="int8", quantization_param_path=str(path))
+    with pytest.raises(ValueError, match="is not a file"):
+        make_runner(calibrated_path, kv_cache_dtype="fp8_e4m3",
+                    quantization_param_path=str(tmp_path / "missing.json"))

@@ -11,6 +11,10 @@ read (``i`` a decoder layer):
 - ``model.layers.i.self_attn.k_proj.output_scale`` and ``v_proj.output_scale``
   (compressed-tensors).
 
+A JSON file (SGLang's and vLLM's ``--quantization-param-path``, ``read_kv_scales_file``) may give
+them instead: one scale per layer for K and V alike, per tensor-parallel rank; it replaces the
+checkpoint's.
+
 They are not weights: the loader skips them (``is_kv_scale_name``) and the model runner hands
 them to the KV pool, which quantizes each layer's K and V under its own scales and tells the
 attention backends. A scale is one positive finite number per layer (per-head or per-channel
@@ -20,6 +24,7 @@ logs; an fp8 cache over a checkpoint without them runs at scale 1.0, as SGLang a
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -131,19 +136,77 @@ def read_kv_scales(model_path: str | Path) -> CheckpointKVScales:
     return kv_scales_from_tensors(tensors)
 
 
-def pool_layer_scales(model_path: str | Path, kv_dtype: torch.dtype,
-                      layers: range) -> list[tuple[float, float]] | None:
+def _file_error(path: str | Path, what: str) -> ValueError:
+    return ValueError(f"--quantization-param-path {path}: {what}")
+
+
+def read_kv_scales_file(path: str | Path, tp_rank: int, tp_size: int, num_layers: int,
+                        model_type: str | None) -> CheckpointKVScales:
+    """Tensor-parallel rank ``tp_rank``'s KV scales in the JSON file at ``path``, the format
+    SGLang and vLLM read for ``--quantization-param-path``::
+
+        {"model_type": "llama",
+         "kv_cache": {"dtype": "float8_e4m3fn",
+                      "scaling_factor": {"0": {"0": 0.0152, "1": 0.0174, ...}}}}
+
+    ``scaling_factor`` maps each of ``tp_size`` ranks to a scale for each of the model's
+    ``num_layers`` layers, used for K and V alike. Anything else (another model type, dtype or
+    rank count, a layer missing, a scale not positive and finite) is refused: SGLang falls back
+    to scale 1.0 with a log line, which would serve a silently clipped cache."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _file_error(path, f"unreadable: {e}") from None
+    kv_cache = data.get("kv_cache") if isinstance(data, dict) else None
+    if not isinstance(kv_cache, dict) or not isinstance(kv_cache.get("scaling_factor"), dict):
+        raise _file_error(path, 'no "kv_cache": {"scaling_factor": ...} object')
+    if data.get("model_type", model_type) != model_type:
+        raise _file_error(path, f"its scales are for a {data['model_type']} model, this one is "
+                                f"{model_type}")
+    if kv_cache.get("dtype", "float8_e4m3fn") != "float8_e4m3fn":
+        raise _file_error(path, f"its scales are for a {kv_cache['dtype']} KV cache; the file "
+                                "format holds float8_e4m3fn scales")
+    ranks = kv_cache["scaling_factor"]
+    if sorted(ranks) != sorted(str(r) for r in range(tp_size)):
+        raise _file_error(path, f"it has scales for tensor-parallel ranks {sorted(ranks)}; this "
+                                f"server runs {tp_size} (--tp-size)")
+    layers = ranks[str(tp_rank)]
+    if not isinstance(layers, dict) or sorted(layers) != sorted(str(i) for i in range(num_layers)):
+        found = sorted(layers) if isinstance(layers, dict) else layers
+        raise _file_error(path, f"rank {tp_rank}'s scales name layers {found}; the model has "
+                                f"{num_layers}")
+    scales: dict[int, float] = {}
+    for key, value in layers.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                math.isfinite(value) and value > 0):
+            raise _file_error(path, f"layer {key}'s scale is {value!r}: it must be a positive, "
+                                    "finite number")
+        scales[int(key)] = float(value)
+    return CheckpointKVScales(dict(scales), dict(scales))
+
+
+def pool_layer_scales(model_path: str | Path, kv_dtype: torch.dtype, layers: range,
+                      file_scales: CheckpointKVScales | None = None,
+                      ) -> list[tuple[float, float]] | None:
     """The (K, V) scale of each of ``layers`` for a KV pool of ``kv_dtype`` over the checkpoint
-    at ``model_path``: for an fp8 pool its calibrated scales, or ``TENSOR_SCALE`` for every
-    layer when it has none; None for a dtype without per-layer scales. Says in the log what it
-    chose."""
+    at ``model_path``: for an fp8 pool ``file_scales`` (``--quantization-param-path``) or the
+    checkpoint's calibrated scales, or ``TENSOR_SCALE`` for every layer when neither has any;
+    None for a dtype without per-layer scales. Says in the log what it chose."""
     scales = read_kv_scales(model_path)
     per_layer = is_quantized(kv_dtype) and not has_row_scales(kv_dtype)
     if not per_layer:
+        if file_scales is not None:
+            raise ValueError(f"--quantization-param-path holds scales for an fp8 KV cache; "
+                             f"this one stores {kv_dtype_name(kv_dtype)} (--kv-cache-dtype)")
         if scales:
             logger.info("the checkpoint's KV-cache scales are unused: the KV cache stores %s",
                         kv_dtype_name(kv_dtype))
         return None
+    if file_scales is not None:
+        if scales:
+            logger.warning("--quantization-param-path's KV-cache scales replace the "
+                           "checkpoint's k_scale / v_scale")
+        scales = file_scales
     if not scales:
         logger.warning(
             "KV cache %s at scale %s: the checkpoint has no calibrated k_scale / v_scale, so "
@@ -152,7 +215,9 @@ def pool_layer_scales(model_path: str | Path, kv_dtype: torch.dtype,
         )
         return [(TENSOR_SCALE, TENSOR_SCALE)] * len(layers)
     chosen = scales.for_layers(layers)
-    logger.info("KV cache %s under the checkpoint's scales: K %.4g-%.4g, V %.4g-%.4g",
-                kv_dtype_name(kv_dtype), min(k for k, _ in chosen), max(k for k, _ in chosen),
+    logger.info("KV cache %s under the %s scales: K %.4g-%.4g, V %.4g-%.4g",
+                kv_dtype_name(kv_dtype),
+                "checkpoint's" if file_scales is None else "--quantization-param-path",
+                min(k for k, _ in chosen), max(k for k, _ in chosen),
                 min(v for _, v in chosen), max(v for _, v in chosen))
     return chosen

@@ -52,7 +52,7 @@ from radixserve.model_executor.cuda_graph_runner import (
     graph_memory_bytes,
 )
 from radixserve.model_executor.device_traits import device_traits
-from radixserve.model_executor.kv_scales import pool_layer_scales
+from radixserve.model_executor.kv_scales import pool_layer_scales, read_kv_scales_file
 from radixserve.model_executor.model_loader import (
     checkpoint_weight_bytes,
     load_model,
@@ -95,6 +95,7 @@ class RunnerSettings:
 
     page_size: int = 1
     kv_cache_dtype: str = "auto"  # the KV pool's storage (mem_cache/kv_quant.py); auto: the model's
+    quantization_param_path: str | None = None  # fp8 KV scales replacing the checkpoint's
     max_running_requests: int | None = None  # None: min(256, KV tokens)
     max_total_tokens: int | None = None  # None: planned from mem_fraction_static
     mem_fraction_static: float | None = None  # None: the device's default
@@ -150,6 +151,10 @@ class ModelRunner:
         info = self.parallel.info
         self.num_kv_heads = kv_heads_per_rank(model_config.num_key_value_heads, info.tp_size)
         self.num_layers = len(info.stage_layers(model_config.num_hidden_layers))
+        self.kv_file_scales = None if settings.quantization_param_path is None else (
+            read_kv_scales_file(settings.quantization_param_path, info.tp_rank, info.tp_size,
+                                model_config.num_hidden_layers,
+                                model_config.hf_config.get("model_type")))
 
         self.lora = create_lora_manager(settings, model_config, self.device, self.parallel)
         if not model_config.is_encoder:
@@ -335,9 +340,10 @@ class ModelRunner:
         return pool
 
     def _kv_layer_scales(self, model_path: str) -> list[tuple[float, float]] | None:
-        """This stage's layers' calibrated fp8 KV scales in the checkpoint (``kv_scales.py``)."""
+        """This stage's layers' calibrated fp8 KV scales: --quantization-param-path's or the
+        checkpoint's (``kv_scales.py``)."""
         layers = self.parallel.info.stage_layers(self.model_config.num_hidden_layers)
-        return pool_layer_scales(model_path, self.kv_cache_dtype, layers)
+        return pool_layer_scales(model_path, self.kv_cache_dtype, layers, self.kv_file_scales)
 
     def _plan_kv_tokens(self, settings: RunnerSettings) -> int:
         """KV slots to allocate, rounded down to whole pages; the same on every rank.

@@ -97,7 +97,8 @@ def build_draft_runner(
     config: ModelConfig, settings: RunnerSettings, target: ModelRunner
 ) -> ModelRunner:
     """The draft's runner: as many KV slots and request rows as the target, page size 1 (its
-    rejected drafts are freed token by token), no LoRA."""
+    rejected drafts are freed token by token), no LoRA; an fp8 KV cache under the draft
+    checkpoint's own scales (``--quantization-param-path`` is the target's)."""
     draft_settings = dataclasses.replace(
         settings,
         page_size=1,
@@ -105,6 +106,7 @@ def build_draft_runner(
         max_running_requests=target.max_running_requests,
         enable_lora=False,
         lora_paths=None,
+        quantization_param_path=None,  # the target's layers' scales
     )
     return ModelRunner(config, draft_settings, target.device)
 
