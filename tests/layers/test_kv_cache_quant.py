@@ -268,3 +268,39 @@ def test_scores_of_bf16_queries_in_narrower_forms(codes, heads, kv_heads, head_d
     else:
         assert not torch.equal(fast, exact)  # the narrower pass ran
         torch.testing.assert_close(fast, exact, atol=2e-4 * exact.abs().max().item(), rtol=0)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("codes", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 8, 128), (4, 2, 80)])
+def test_values_of_an_fp8_pool_summed_in_fp16(codes, heads, kv_heads, head_dim):
+    """An fp8 pool under one scale per layer, read for a bf16 model (``bf16_query``): on a CPU
+    with AVX512-FP16 the value pass sums 16 rows' probabilities times codes in fp16 lanes
+    before float32 (decode_fp16.h), elsewhere all in float32. Either way the output is the
+    float32 pass's to within 2^-11 of the values' largest magnitude (a bf16 output is itself
+    rounded to 2^-9 of its own); a head_dim that is not a multiple of 32 keeps the float32
+    passes, bit for bit."""
+    gen = torch.Generator().manual_seed(head_dim + heads + 1)
+    batch, ctx = 3, 300  # several key blocks of 64
+    slots = batch * ctx + 1
+    k = _codes(codes, (slots, kv_heads, head_dim), gen)
+    v = _codes(codes, (slots, kv_heads, head_dim), gen)
+    layer_scale = torch.full((1, 1), 0.013).expand(slots, kv_heads)  # strides (0, 0)
+    table = (1 + torch.randperm(batch * ctx, generator=gen)).view(batch, ctx)
+    q = (torch.randn(batch, heads, head_dim, generator=gen) * 2).bfloat16().float()
+    lens = torch.tensor([ctx, ctx - 37, 1])
+
+    def attend_with(bf16_query: bool) -> torch.Tensor:
+        return cpu_kernels.paged_attention_quant(
+            q, k, v, layer_scale, layer_scale, table, torch.arange(batch), lens,
+            head_dim ** -0.5, bf16_query=bf16_query,
+        )
+
+    exact, fast = attend_with(False), attend_with(True)
+    if head_dim % 32:
+        assert torch.equal(fast, exact)
+        return
+    largest = (v.float().abs().max() * 0.013).item()
+    error = (fast - exact).abs().max().item()
+    assert 0 < error <= largest * 2 ** -11

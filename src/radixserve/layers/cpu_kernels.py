@@ -28,8 +28,8 @@ Nothing asks on every call whether they run: each op picks them once, when the m
 (``layers/custom_op.py``), weights are packed for them once, after loading
 (``layers/packed_weight.py``), and the ``cpu`` attention backend calls the attention kernel.
 
-They need AVX-512 F and BW. BF16, VNNI (int8 weights) and AMX instructions are used where the CPU
-has them and replaced by AVX-512 F/BW sequences of the same sums where it does not, so older AVX-512
+They need AVX-512 F and BW. BF16, FP16 (fp8 KV values), VNNI (int8 weights) and AMX
+instructions are used where the CPU has them and replaced by AVX-512 F/BW sequences of the same sums where it does not, so older AVX-512
 CPUs (Skylake, Cascade Lake) run every kernel, float32 models included;
 ``RADIXSERVE_CPU_KERNELS_AVX512_BASE=1`` builds that code on a newer CPU. The build goes through
 ``torch.utils.cpp_extension`` (ninja and g++, about 20 s) into
@@ -73,6 +73,7 @@ AMX_K_MULTIPLE = 32  # inputs per AMX tile row
 # g++ option that leaves it out of a RADIXSERVE_CPU_KERNELS_AVX512_BASE build
 NEWER_ISA = {
     "avx512_bf16": "-mno-avx512bf16",
+    "avx512_fp16": "-mno-avx512fp16",
     "avx512_vnni": "-mno-avx512vnni",
     "avx_vnni": "-mno-avxvnni",
     "amx_tile": "-mno-amx-tile",

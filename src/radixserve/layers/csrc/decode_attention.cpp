@@ -11,8 +11,9 @@
 // 4 at head_dim 64), so each key and value row comes from memory once and from L1 for the other
 // passes. (With the sums in memory, one store per multiply-add had made the value pass
 // store-bound.) Scores, softmax and the weighted sum of values are float32 whatever the storage
-// dtype; every sum runs in the same order whatever the pass sizes, so a request's output does
-// not depend on the batch.
+// dtype (but for an fp8 pool's values on CPUs with AVX512-FP16, whose sums of 16 rows run in
+// fp16 first: decode_fp16.h); every sum runs in the same order whatever the pass sizes, so a
+// request's output does not depend on the batch.
 //
 // A sliding window W (window > 0) starts each request's keys at position seq_len - W: the
 // earlier slots are never read. A soft cap C (softcap > 0, Gemma 2) replaces each scaled score s
@@ -41,6 +42,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "decode_fp16.h"
 #include "decode_narrow.h"
 #include "decode_rows.h"
 #include "kv_quant.h"
@@ -323,6 +325,14 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
                     score_pass4_narrow<Bf16Keys<S>, regs / 2, heads_now>(
                         query_bf16.data() + g * regs / 2, bf16_factor.data(), rows[i], t0, t1,
                         len, head_dim, head_scores);
+                    return;
+                  }
+                }
+                if constexpr (!scoring && kFp16Values && kBf16Keys) {
+                  if (bf16_scores && rows[i].scale_row == 0) {  // fp8's scale per layer
+                    value_pass_fp16<S, regs / 2, heads_now>(
+                        held + g * regs, rows[i], t0, t1, len, head_dim, head_scores,
+                        rows[i].v_scale[0] * kScaleFactor<S>);
                     return;
                   }
                 }
