@@ -28,10 +28,11 @@ Nothing asks on every call whether they run: each op picks them once, when the m
 (``layers/custom_op.py``), weights are packed for them once, after loading
 (``layers/packed_weight.py``), and the ``cpu`` attention backend calls the attention kernel.
 
-They need AVX-512 F and BW. BF16, FP16 (fp8 KV values), VNNI (int8 weights) and AMX
-instructions are used where the CPU has them and replaced by AVX-512 F/BW sequences of the same sums where it does not, so older AVX-512
-CPUs (Skylake, Cascade Lake) run every kernel, float32 models included;
-``RADIXSERVE_CPU_KERNELS_AVX512_BASE=1`` builds that code on a newer CPU. The build goes through
+They need AVX-512 F and BW. BF16, FP16 (an fp8 KV cache's values), VNNI (int8 weights) and AMX
+instructions are used where the CPU has them and replaced by AVX-512 F/BW sequences where it
+does not (the same sums, or float32 ones for FP16's), so older AVX-512 CPUs (Skylake, Cascade
+Lake) run every kernel, float32 models included; ``RADIXSERVE_CPU_KERNELS_AVX512_BASE=1``
+builds that code on a newer CPU. The build goes through
 ``torch.utils.cpp_extension`` (ninja and g++, about 20 s) into
 ``~/.cache/radixserve/kernels/<key>``; the key covers the sources, the torch version and this CPU's
 flags (the code is built for the CPU it runs on), so later starts load the cached library at once.
