@@ -12,12 +12,13 @@
 // rounding to fp16's 11 bits touches only a few rows' partial sums: the output stays within
 // 3-5e-5 (about 2^-15) of the values' largest magnitude of the float32 pass's (tests/layers/
 // test_kv_cache_quant.py), where e4m3's codes are 2^-4 apart relatively and a bf16 output is
-// rounded to 2^-9. (Sums of 64 rows: 5-8e-5, and SmolLM2's free-running greedy outputs parted
-// from the bf16 cache's earlier; RESULTS.md, session 28.) The layer's scale multiplies the partial sums once, in float32, so an
-// fp16 sum holds probabilities times codes, never the values' own magnitudes: the softmax is
-// over the whole context, so a sum of probabilities is at most 1 and a sum at most the largest
-// code, 1.75 (e4m3, read as its value times 2^-8) or 57344 (e5m2), under fp16's 65504. fp16
-// arithmetic keeps subnormal inputs and results at full speed (DAZ and FTZ do not apply to it).
+// rounded to 2^-9. (Sums of 64 rows: 5-8e-5; RESULTS.md, session 28.)
+//
+// The layer's scale multiplies the partial sums once, in float32, so an fp16 sum holds
+// probabilities times codes, never the values' own magnitudes: the softmax is over the whole
+// context, so a sum of probabilities is at most 1 and a sum at most the largest code, 1.75
+// (e4m3, read as its value times 2^-8) or 57344 (e5m2), under fp16's 65504. fp16 arithmetic
+// keeps subnormal inputs and results at full speed (DAZ and FTZ do not apply to it).
 #pragma once
 
 #include <immintrin.h>
