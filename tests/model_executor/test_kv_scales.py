@@ -127,15 +127,19 @@ def test_an_fp8_pool_without_scales_says_it_runs_at_one(llama_path, caplog):
     assert runner.token_to_kv_pool.layer_scales == [(1.0, 1.0)] * layer_count(llama_path)
 
 
-def test_a_weight_update_keeps_the_pool_scales(llama_path, calibrated_path):
+def test_a_weight_update_keeps_the_pool_scales(llama_path, calibrated_path, caplog):
     """The fp8 pool's codes are stored under the served checkpoint's scales: new weights with
-    other scales are refused (and the old ones kept), the same scales are taken."""
+    other scales are refused (and the old ones kept), the same scales are taken, without
+    logging the start's choice of scales again."""
     runner = make_runner(calibrated_path, kv_cache_dtype="fp8_e4m3")
     before = runner.model
     with pytest.raises(ValueError, match="other KV-cache scales"):
         runner.update_weights_from_disk(str(llama_path), None)
     assert runner.model is before
-    runner.update_weights_from_disk(str(calibrated_path), None)
+    with caplog.at_level(logging.INFO):
+        runner.update_weights_from_disk(str(calibrated_path), None)
+    assert "weights updated from" in caplog.text
+    assert "under the checkpoint's scales" not in caplog.text
     assert runner.model is not before
     with pytest.raises(ValueError, match="is a KV-cache scale"):  # nor through a weight sync
         runner.update_weights_from_tensors([("model.layers.0.self_attn.k_scale", one(1.0))])

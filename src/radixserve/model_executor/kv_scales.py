@@ -186,12 +186,18 @@ def read_kv_scales_file(path: str | Path, tp_rank: int, tp_size: int, num_layers
 
 
 def pool_layer_scales(model_path: str | Path, kv_dtype: torch.dtype, layers: range,
-                      file_scales: CheckpointKVScales | None = None,
+                      file_scales: CheckpointKVScales | None = None, quiet: bool = False,
                       ) -> list[tuple[float, float]] | None:
     """The (K, V) scale of each of ``layers`` for a KV pool of ``kv_dtype`` over the checkpoint
     at ``model_path``: for an fp8 pool ``file_scales`` (``--quantization-param-path``) or the
     checkpoint's calibrated scales, or ``TENSOR_SCALE`` for every layer when neither has any;
-    None for a dtype without per-layer scales. Says in the log what it chose."""
+    None for a dtype without per-layer scales. Says in the log what it chose, unless ``quiet``
+    (a weight update checking that its checkpoint keeps the served scales)."""
+
+    def say(level: int, message: str, *args: object) -> None:
+        if not quiet:
+            logger.log(level, message, *args)
+
     scales = read_kv_scales(model_path)
     per_layer = is_quantized(kv_dtype) and not has_row_scales(kv_dtype)
     if not per_layer:
@@ -199,25 +205,23 @@ def pool_layer_scales(model_path: str | Path, kv_dtype: torch.dtype, layers: ran
             raise ValueError(f"--quantization-param-path holds scales for an fp8 KV cache; "
                              f"this one stores {kv_dtype_name(kv_dtype)} (--kv-cache-dtype)")
         if scales:
-            logger.info("the checkpoint's KV-cache scales are unused: the KV cache stores %s",
-                        kv_dtype_name(kv_dtype))
+            say(logging.INFO, "the checkpoint's KV-cache scales are unused: the KV cache "
+                "stores %s", kv_dtype_name(kv_dtype))
         return None
     if file_scales is not None:
         if scales:
-            logger.warning("--quantization-param-path's KV-cache scales replace the "
-                           "checkpoint's k_scale / v_scale")
+            say(logging.WARNING, "--quantization-param-path's KV-cache scales replace the "
+                "checkpoint's k_scale / v_scale")
         scales = file_scales
     if not scales:
-        logger.warning(
-            "KV cache %s at scale %s: the checkpoint has no calibrated k_scale / v_scale, so "
-            "K and V past +-%s are clipped", kv_dtype_name(kv_dtype), TENSOR_SCALE,
-            Q_MAX[kv_dtype] * TENSOR_SCALE,
-        )
+        say(logging.WARNING, "KV cache %s at scale %s: the checkpoint has no calibrated "
+            "k_scale / v_scale, so K and V past +-%s are clipped", kv_dtype_name(kv_dtype),
+            TENSOR_SCALE, Q_MAX[kv_dtype] * TENSOR_SCALE)
         return [(TENSOR_SCALE, TENSOR_SCALE)] * len(layers)
     chosen = scales.for_layers(layers)
-    logger.info("KV cache %s under the %s scales: K %.4g-%.4g, V %.4g-%.4g",
-                kv_dtype_name(kv_dtype),
-                "checkpoint's" if file_scales is None else "--quantization-param-path",
-                min(k for k, _ in chosen), max(k for k, _ in chosen),
-                min(v for _, v in chosen), max(v for _, v in chosen))
+    say(logging.INFO, "KV cache %s under the %s scales: K %.4g-%.4g, V %.4g-%.4g",
+        kv_dtype_name(kv_dtype),
+        "checkpoint's" if file_scales is None else "--quantization-param-path",
+        min(k for k, _ in chosen), max(k for k, _ in chosen),
+        min(v for _, v in chosen), max(v for _, v in chosen))
     return chosen

@@ -339,11 +339,13 @@ class ModelRunner:
         )
         return pool
 
-    def _kv_layer_scales(self, model_path: str) -> list[tuple[float, float]] | None:
+    def _kv_layer_scales(self, model_path: str,
+                         quiet: bool = False) -> list[tuple[float, float]] | None:
         """This stage's layers' calibrated fp8 KV scales: --quantization-param-path's or the
         checkpoint's (``kv_scales.py``)."""
         layers = self.parallel.info.stage_layers(self.model_config.num_hidden_layers)
-        return pool_layer_scales(model_path, self.kv_cache_dtype, layers, self.kv_file_scales)
+        return pool_layer_scales(model_path, self.kv_cache_dtype, layers, self.kv_file_scales,
+                                 quiet)
 
     def _plan_kv_tokens(self, settings: RunnerSettings) -> int:
         """KV slots to allocate, rounded down to whole pages; the same on every rank.
@@ -436,7 +438,7 @@ class ModelRunner:
                 )
         pool = self.token_to_kv_pool
         if pool is not None and pool.quantized and not pool.row_scaled:
-            if self._kv_layer_scales(new.model_path) != pool.layer_scales:
+            if self._kv_layer_scales(new.model_path, quiet=True) != pool.layer_scales:
                 raise ValueError(
                     f"the checkpoint at {model_path} has other KV-cache scales (k_scale / "
                     f"v_scale) than the served model's, under which the fp8 KV cache is stored: "
