@@ -149,12 +149,12 @@ def test_what_a_killed_build_leaves_blocks_no_later_load_or_build(tmp_path, avx5
 @pytest.mark.timeout(1500)  # a build of its own (minutes on a loaded machine), then the tests
 def test_kernels_for_avx512_cpus_without_bf16_vnni_or_amx_pass_the_kernel_tests(
         avx512_base_cache):
-    """Older AVX-512 CPUs run other code for the bf16 and int8 products, fp8 values in float32
-    (no FP16) and no AMX: built here without those instruction sets (the compiler refuses
-    them), it must pass the kernel, packed-weight, op, int8 and KV-cache quantization tests as
-    they stand (the AMX kernel's own tests left out: that
-    build has no AMX, and every test that runs must run, not skip; the killed-build test too,
-    which has nothing of the instruction sets in it and would build the variant again)."""
+    """Older AVX-512 CPUs run other code for the bf16 and int8 products, sum fp8 values in
+    float32 (no FP16) and have no AMX: built here without those instruction sets (the compiler
+    refuses them), it must pass the kernel, packed-weight, op, int8 and KV-cache quantization
+    tests as they stand (the AMX kernel's own tests left out: that build has no AMX, and every
+    test that runs must run, not skip; the killed-build test too, which has nothing of the
+    instruction sets in it and would build the variant again)."""
     repo = Path(__file__).resolve().parents[2]
     tests = ["test_cpu_kernels.py", "test_packed_weight.py", "test_custom_ops.py",
              "test_quantization.py", "test_quantization_int4.py", "test_kv_cache_quant.py"]
