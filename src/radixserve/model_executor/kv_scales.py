@@ -191,7 +191,8 @@ def pool_layer_scales(model_path: str | Path, kv_dtype: torch.dtype, layers: ran
     """The (K, V) scale of each of ``layers`` for a KV pool of ``kv_dtype`` over the checkpoint
     at ``model_path``: for an fp8 pool ``file_scales`` (``--quantization-param-path``) or the
     checkpoint's calibrated scales, or ``TENSOR_SCALE`` for every layer when neither has any;
-    None for a dtype without per-layer scales. Says in the log what it chose, unless ``quiet``
+    None for a dtype without per-layer scales (``ServerArgs`` gives ``file_scales`` to fp8 pools
+    only). Says in the log what it chose, unless ``quiet``
     (a weight update checking that its checkpoint keeps the served scales)."""
 
     def say(level: int, message: str, *args: object) -> None:
@@ -201,9 +202,6 @@ def pool_layer_scales(model_path: str | Path, kv_dtype: torch.dtype, layers: ran
     scales = read_kv_scales(model_path)
     per_layer = is_quantized(kv_dtype) and not has_row_scales(kv_dtype)
     if not per_layer:
-        if file_scales is not None:
-            raise ValueError(f"--quantization-param-path holds scales for an fp8 KV cache; "
-                             f"this one stores {kv_dtype_name(kv_dtype)} (--kv-cache-dtype)")
         if scales:
             say(logging.INFO, "the checkpoint's KV-cache scales are unused: the KV cache "
                 "stores %s", kv_dtype_name(kv_dtype))

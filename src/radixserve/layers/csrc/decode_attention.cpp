@@ -332,7 +332,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
                   if (bf16_scores && rows[i].scale_row == 0) {  // fp8's scale per layer
                     value_pass_fp16<S, regs / 2, heads_now>(
                         held + g * regs, rows[i], t0, t1, len, head_dim, head_scores,
-                        rows[i].v_scale[0] * kScaleFactor<S>);
+                        row_scale<S>(rows[i].v_scale, rows[i], t0));
                     return;
                   }
                 }

@@ -37,18 +37,6 @@ namespace radixserve_cpu {
 constexpr bool kFp16Values = true;
 constexpr int64_t kFp16Rows = 16;  // rows summed in fp16 before their sums go to float32
 
-// 32 fp8 codes as 32 fp16 lanes (kv_quant.h's fp16 step, at zmm width).
-template <typename S>
-inline __m512h load_fp8_fp16(const S* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  if constexpr (std::is_same_v<S, Fp8E4M3>) {
-    return _mm512_castsi512_ph(_mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(raw), 7),
-                                                _mm512_set1_epi16(static_cast<int16_t>(0xBFFF))));
-  } else {
-    return _mm512_castsi512_ph(_mm512_slli_epi16(_mm512_cvtepu8_epi16(raw), 8));
-  }
-}
-
 // acc_g += sum over keys [t0, t1) (at most kKeyBlock) of p_g[t] v_t, for G heads: `held` holds
 // their float32 sums (R2 * 2 registers each, in element order), `scores` their probabilities
 // (`len` apart) and `layer_scale` the codes' scale (times kScaleFactor).
@@ -76,7 +64,9 @@ void value_pass_fp16(__m512* held, const Rows<S>& rows, int64_t t0, int64_t t1, 
       prefetch_ahead(rows.v, rows.v_scale, rows, t, len, head_dim);
       const S* row = rows.v + rows.slots[t] * rows.kv_row;
       __m512h value[R2];
-      for (int64_t r = 0; r < R2; ++r) value[r] = load_fp8_fp16(row + 32 * r);
+      for (int64_t r = 0; r < R2; ++r) {
+        value[r] = _mm512_castsi512_ph(fp8_fp16_bits32(row + 32 * r));
+      }
       for (int64_t g = 0; g < G; ++g) {
         const __m512h p = _mm512_set1_ph(weight[g][t - t0]);
         for (int64_t r = 0; r < R2; ++r) acc[g][r] = _mm512_fmadd_ph(p, value[r], acc[g][r]);

@@ -113,20 +113,26 @@ inline __m512i load_fp8_bf16(const S* p) {
   return _mm512_and_si512(_mm512_slli_epi16(code, kShift), _mm512_set1_epi16(kKeep));
 }
 
-// 32 fp8 codes into two registers of 16 float32 lanes, as load_kv16 gives them: one widening,
-// shift and mask for all 32 (the fp16 step at zmm width), then two conversions: a row's codes
-// took five instructions per 16 (e4m3fn) where the conversion is what the value pass waits on.
+// 32 fp8 codes as the fp16 bit patterns of 32 lanes (load_kv16's fp16 step at zmm width): one
+// widening, shift (and mask, e4m3fn) for all 32.
 template <typename S>
-inline void load_kv32(const S* p, __m512* out) {
+inline __m512i fp8_fp16_bits32(const S* p) {
   static_assert(std::is_same_v<S, Fp8E4M3> || std::is_same_v<S, Fp8E5M2>);
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  __m512i bits;
   if constexpr (std::is_same_v<S, Fp8E4M3>) {  // as load_kv16(const Fp8E4M3*)
-    bits = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(raw), 7),
+    return _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(raw), 7),
                             _mm512_set1_epi16(static_cast<int16_t>(0xBFFF)));
   } else {
-    bits = _mm512_slli_epi16(_mm512_cvtepu8_epi16(raw), 8);
+    return _mm512_slli_epi16(_mm512_cvtepu8_epi16(raw), 8);
   }
+}
+
+// 32 fp8 codes into two registers of 16 float32 lanes, as load_kv16 gives them: their fp16 bits
+// at once, then two conversions: a row's codes took five instructions per 16 (e4m3fn) where the
+// conversion is what the value pass waits on.
+template <typename S>
+inline void load_kv32(const S* p, __m512* out) {
+  const __m512i bits = fp8_fp16_bits32(p);
   out[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(bits));
   out[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(bits, 1));
 }
