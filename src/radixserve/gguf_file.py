@@ -5,17 +5,23 @@ as (often block-quantised) tensors. ``find_gguf`` says whether ``--model-path`` 
 file itself, or a directory holding exactly one ``.gguf`` and no ``config.json``);
 ``gguf_hf_config`` translates the metadata into the ``config.json`` / ``generation_config.json``
 dicts ``ModelConfig`` reads, so the rest of the engine sees a GGUF model as any other checkpoint.
-The tensors are read by ``model_executor/model_loader_gguf.py``; their quantisation types by
-``layers/quantization/gguf.py``. Everything here uses the ``gguf`` package (ggml's own reader).
+``gguf_tensors`` lists the file's tensors from its header (memory-mapped, read when touched),
+which ``model_executor/model_loader_gguf.py`` names for our models; their quantisation types are
+checked by ``layers/quantization/gguf.py``. Everything here parses with the ``gguf`` package
+(ggml's own reader), once per file: what a parse gives is kept in the GGUF cache.
 
 Like ``model_config``, this imports nothing above it and builds no model.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from radixserve.cache_files import source_digest
 from radixserve.gguf_cache import cached_json
@@ -87,6 +93,64 @@ def open_gguf(path: str | Path) -> Any:
         return GGUFReader(str(path))
     except (ValueError, OSError) as e:
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+@dataclass(frozen=True)
+class GgufTensorEntry:
+    """One tensor of a GGUF file: what ``gguf.ReaderTensor`` gives (``name``, ``tensor_type``,
+    ``shape`` in ggml's order, innermost first, and ``data``, the file's bytes memory-mapped
+    in the reader's array type and shape), without a parse of the file."""
+
+    name: str
+    tensor_type: Any
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+# The element types ``GGUFReader`` reads unquantised tensors as; every other type (quantised,
+# BF16) it gives as the rows' bytes.
+_ELEMENT_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
+                  "I16": np.int16, "I32": np.int32, "I64": np.int64}
+
+
+def gguf_tensors(path: str | Path) -> list[GgufTensorEntry]:
+    """Every tensor of the file, in the file's order, memory-mapped (read when touched).
+
+    The header's tensor table (names, types, shapes, offsets) is kept in the GGUF cache: the
+    ``gguf`` reader parses all the metadata to give it, the tokenizer's strings included, which
+    takes 4 s for SmolLM2's 49,152-token vocabulary in every process that loads the weights.
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    table = cached_json(Path(path), "tensor-table", gguf_version(),
+                        lambda: _read_tensor_table(path))
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    out = []
+    for name, type_value, dims, offset in table["tensors"]:
+        qtype = GGMLQuantizationType(type_value)
+        shape = tuple(reversed(dims))  # numpy's order, outermost first
+        element = _ELEMENT_TYPES.get(qtype.name)
+        if element is None:
+            block, type_bytes = GGML_QUANT_SIZES[qtype]
+            count = math.prod(dims) // block * type_bytes
+            element, shape = np.uint8, quant_shape_to_byte_shape(shape, qtype)
+        else:
+            count = math.prod(dims) * np.dtype(element).itemsize
+        dtype = np.dtype(element).newbyteorder("S" if table["swapped"] else "=")
+        data = file[offset:offset + count].view(dtype).reshape(shape)
+        out.append(GgufTensorEntry(name, qtype, tuple(dims), data))
+    return out
+
+
+def _read_tensor_table(path: str | Path) -> dict[str, Any]:
+    """``gguf_tensors``' table from a parse of the file."""
+    reader = open_gguf(path)
+    return {
+        "swapped": reader.byte_order == "S",  # a file of the other endianness than ours
+        "tensors": [[t.name, int(t.tensor_type), [int(n) for n in t.shape.tolist()],
+                     int(t.data_offset)] for t in reader.tensors],
+    }
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:

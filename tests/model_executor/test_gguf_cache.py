@@ -16,7 +16,7 @@ from radixserve import gguf_file
 from radixserve.cache_files import exclusive
 from radixserve.gguf_cache import cached, entry_path
 from radixserve.gguf_file import gguf_hf_config
-from radixserve.model_executor.model_loader_gguf import gguf_weight_bytes
+from radixserve.model_executor.model_loader_gguf import gguf_weight_bytes, gguf_weights
 from radixserve.tokenizer_loader import load_tokenizer
 from tests.gguf_checkpoints import convert_checkpoint
 
@@ -68,9 +68,10 @@ def test_later_processes_read_the_config_and_tokenizer_a_parse_gives(
     tokenizer = load_tokenizer(path)
     _same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf"))
     sizes = gguf_weight_bytes(path, tied=False, dtype=torch.float32)
+    weights = {name: get().load() for name, get in gguf_weights(path)}
     assert len(_entries(cache_home, "config")) == 1
     assert len(_entries(cache_home, "tokenizer")) == 1
-    assert len(_entries(cache_home, "tensor-sizes")) == 1
+    assert len(_entries(cache_home, "tensor-table")) == 1
 
     # a later process: nothing parses the file (a parse would fail now)
     def no_parse(*args, **kwargs):
@@ -78,12 +79,14 @@ def test_later_processes_read_the_config_and_tokenizer_a_parse_gives(
 
     monkeypatch.setattr(gguf_file, "_read_hf_config", no_parse)
     monkeypatch.setattr(gguf_file, "open_gguf", no_parse)
-    monkeypatch.setattr("radixserve.model_executor.model_loader_gguf.open_gguf", no_parse)
     monkeypatch.setattr(AutoTokenizer, "from_pretrained",
                         _refusing_gguf(AutoTokenizer.from_pretrained))
     assert list(gguf_hf_config(path)) == list(built)
     _same_tokenizer(load_tokenizer(path), tokenizer)
     assert gguf_weight_bytes(path, tied=False, dtype=torch.float32) == sizes
+    later = {name: get().load() for name, get in gguf_weights(path)}
+    assert later.keys() == weights.keys()
+    assert all(torch.equal(later[name], weights[name]) for name in weights)
 
 
 def _refusing_gguf(load):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from radixserve.gguf_file import find_gguf, gguf_hf_config, open_gguf
+from radixserve.gguf_file import find_gguf, gguf_hf_config, gguf_tensors, open_gguf
 from radixserve.layers.quantization.gguf import SUPPORTED_GGUF_TYPES, GgufTensor
 from radixserve.model_config import ModelConfig
 from radixserve.model_executor.model_loader_gguf import _llama_qk_row_order
@@ -59,12 +59,12 @@ def typed_file(tmp_path_factory):
     writer.write_tensors_to_file()
     writer.close()
     tensors = {t.name: t for t in open_gguf(path).tensors}
-    return tensors, stored
+    return tensors, stored, path
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED_GGUF_TYPES)
 def test_each_type_dequantises_as_ggufs_reference(typed_file, qtype):
-    tensors, stored = typed_file
+    tensors, stored, _ = typed_file
     reader_tensor = tensors[f"t.{qtype}"]
     assert reader_tensor.tensor_type.name == qtype
     expected = gguf.quants.dequantize(stored[qtype], gguf.GGMLQuantizationType[qtype])
@@ -84,8 +84,27 @@ def test_each_type_dequantises_as_ggufs_reference(typed_file, qtype):
     assert torch.equal(permuted.load(), expected[torch.from_numpy(order[2:7])])
 
 
+def test_the_tensor_table_gives_what_the_reader_gives(typed_file, tmp_path, monkeypatch):
+    """``gguf_tensors`` (the cached header table, memory-mapped without a parse) gives every
+    tensor as ``GGUFReader`` does: name, type, shape, and the same array of the same bytes."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    tensors, _, path = typed_file
+    for _ in range(2):  # built from a parse, then read from the cache entry
+        entries = gguf_tensors(path)
+        assert [t.name for t in entries] == list(tensors)
+        for entry in entries:
+            ref = tensors[entry.name]
+            assert entry.tensor_type == ref.tensor_type
+            assert entry.shape == tuple(ref.shape.tolist())
+            assert entry.data.dtype == ref.data.dtype and entry.data.shape == ref.data.shape
+            assert np.array_equal(entry.data.view(np.uint8), ref.data.view(np.uint8))
+            assert torch.equal(GgufTensor(entry).load(), GgufTensor(ref).load())
+    table_dir = tmp_path / "radixserve" / "gguf" / "tensor-table"
+    assert len([p for p in table_dir.iterdir() if p.suffix != ".lock"]) == 1
+
+
 def test_narrowing_out_of_range_names_the_tensor(typed_file):
-    tensors, _ = typed_file
+    tensors, _, _ = typed_file
     with pytest.raises(ValueError, match="t.Q4_K"):
         GgufTensor(tensors["t.Q4_K"]).narrow(0, 8, 5)
 

@@ -20,6 +20,7 @@ each expert's matrix is given as its own lazy tensor (only the experts a rank ho
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -27,8 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from radixserve.gguf_cache import cached_json
-from radixserve.gguf_file import gguf_version, open_gguf
+from radixserve.gguf_file import gguf_hf_config, gguf_tensors
 from radixserve.layers.quantization.gguf import GgufTensor
 
 _GLOBAL_NAMES = {
@@ -108,15 +108,11 @@ def _llama_qk_row_order(rows: int, num_heads: int) -> np.ndarray:
 def gguf_weights(path: str | Path) -> list[tuple[str, Callable[[], GgufTensor]]]:
     """(Hugging Face name, a function giving the lazy tensor) for every tensor of the file;
     tensors we do not map keep their GGUF name (the loader reports them as unexpected)."""
-    reader = open_gguf(path)
-    arch = reader.fields["general.architecture"].contents()
-    heads = {
-        "attn_q": reader.fields[f"{arch}.attention.head_count"].contents(),
-    }
-    kv = reader.fields.get(f"{arch}.attention.head_count_kv")
-    heads["attn_k"] = heads["attn_q"] if kv is None else kv.contents()
+    config, _ = gguf_hf_config(path)
+    arch = config["gguf_architecture"]
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     out: list[tuple[str, Callable[[], GgufTensor]]] = []
-    for tensor in reader.tensors:
+    for tensor in gguf_tensors(path):
         if m := _LAYER_TENSOR.match(tensor.name):
             layer, kind, suffix = m.groups()
             if kind == "ffn_gate_up_exps":
@@ -149,12 +145,6 @@ def gguf_weights(path: str | Path) -> list[tuple[str, Callable[[], GgufTensor]]]
 
 
 def gguf_weight_bytes(path: str | Path, tied: bool, dtype: torch.dtype) -> int:
-    """Bytes the file's weights take once dequantised to ``dtype`` (from the header only; the
-    sizes are kept in the GGUF cache, since parsing the header takes seconds)."""
-
-    def sizes() -> dict[str, int]:
-        return {t.name: int(np.prod(t.shape.tolist())) for t in open_gguf(path).tensors}
-
-    numel = cached_json(Path(path), "tensor-sizes", gguf_version(Path(__file__)), sizes)
-    return dtype.itemsize * sum(n for name, n in numel.items()
-                                if not (tied and name == "output.weight"))
+    """Bytes the file's weights take once dequantised to ``dtype`` (from the header only)."""
+    return dtype.itemsize * sum(math.prod(t.shape) for t in gguf_tensors(path)
+                                if not (tied and t.name == "output.weight"))

@@ -68,7 +68,7 @@ class GgufTensor(RangedLazyWeight):
         self._data: np.ndarray = reader_tensor.data
         self._qtype = reader_tensor.tensor_type
         # ggml lists dimensions innermost first
-        shape = tuple(int(n) for n in reversed(reader_tensor.shape.tolist()))
+        shape = tuple(int(n) for n in reversed(list(reader_tensor.shape)))
         if expert is not None:
             if len(shape) != 3 or not 0 <= expert < shape[0]:
                 raise ValueError(f"GGUF tensor {self.name} {shape} has no expert {expert}")
