@@ -190,7 +190,7 @@ def test_linear_kernel_rejects_bad_input_with_a_clear_error():
     require_kernels()
     blocked = pack_linear_weight(torch.zeros(40, 64, dtype=torch.bfloat16))
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="linear takes bfloat16 or float32, got Half"):
+    with pytest.raises(RuntimeError, match="linear takes bfloat16 or float32 activations, got Ha"):
         linear(x.half(), blocked, None, 40)
     with pytest.raises(RuntimeError, match="linear: x is Float, the weight BFloat16"):
         linear(x.float(), blocked, None, 40)

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "linear_args.h"
 #include "vec_math.h"
 
 namespace {
@@ -142,15 +143,13 @@ void panels(const typename D::T* x, int64_t m, const typename D::T* w, const typ
 }
 
 template <typename D>
-void run(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-         at::Tensor& y, int64_t n) {
+void run(const at::Tensor& x, const at::Tensor& w, const void* bias, at::Tensor& y, int64_t n) {
   const int64_t m = x.size(0), blocks = w.size(0);
   const Problem p{n, w.size(1), x.stride(0), w.stride(0), n};
   using T = typename D::T;
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   const T* wp = reinterpret_cast<const T*>(w.data_ptr());
-  const T* bp = bias.has_value() && bias->defined() ? reinterpret_cast<const T*>(bias->data_ptr())
-                                                    : nullptr;
+  const T* bp = static_cast<const T*>(bias);
   T* yp = reinterpret_cast<T*>(y.data_ptr());
   // Threads split the output columns, whole panels each; a small layer stays on one thread.
   const int64_t panels_total = (blocks + kPanel - 1) / kPanel;
@@ -164,9 +163,8 @@ void run(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tenso
 // weight.size(1) steps; bias: [N] of x's dtype or None. Returns [M, n].
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias, int64_t n) {
+  check_activations("linear", x);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "linear takes bfloat16 or float32, got ",
-              x.scalar_type());
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "linear: x is ", x.scalar_type(),
               ", the weight ", weight.scalar_type());
   const int64_t step = bf16 ? 2 : 1;
@@ -178,17 +176,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
               " (the weight's padded input size), got ", x.sizes());
   TORCH_CHECK(n > (weight.size(0) - 1) * kBlock && n <= weight.size(0) * kBlock, "n = ", n,
               " does not fit the weight's ", weight.size(0), " blocks");
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->dim() == 1 &&
-                    bias->size(0) == n && bias->is_contiguous(),
-                "bias must be a contiguous [", n, "] tensor of x's dtype");
-  }
+  const void* bp = checked_bias("linear", x, bias, n);
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return y;
   if (bf16) {
-    run<Bf16>(x, weight, bias, y, n);
+    run<Bf16>(x, weight, bp, y, n);
   } else {
-    run<F32>(x, weight, bias, y, n);
+    run<F32>(x, weight, bp, y, n);
   }
   return y;
 }

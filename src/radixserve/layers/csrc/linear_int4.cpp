@@ -30,6 +30,7 @@
 #include <optional>
 
 #include "int16_rows.h"
+#include "linear_args.h"
 #include "vec_math.h"
 
 namespace {
@@ -188,9 +189,7 @@ void blocks_from(const Rows& rows, const uint8_t* w, const uint16_t* scales,
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& offsets, const std::optional<at::Tensor>& bias,
                        int64_t n) {
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat,
-              "linear_int4 takes bfloat16 or float32 activations, got ", x.scalar_type());
+  check_activations("linear_int4", x);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 &&
                   codes.size(2) == kChunkBytes && codes.size(1) % kGroupChunks == 0 &&
                   codes.is_contiguous(),
@@ -207,11 +206,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& codes, const at::T
   }
   TORCH_CHECK(n > (blocks - 1) * kBlock && n <= blocks * kBlock, "linear_int4: n = ", n,
               " does not fit the weight's ", blocks, " blocks");
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->dim() == 1 &&
-                    bias->size(0) == n && bias->is_contiguous(),
-                "linear_int4: bias must be a contiguous [", n, "] tensor of x's dtype");
-  }
+  const void* bias_data = checked_bias("linear_int4", x, bias, n);
   const int64_t m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
@@ -225,12 +220,10 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& codes, const at::T
   const Rows rows{xq.data_ptr<int16_t>(), row_scale.data_ptr<float>(),
                   group_sums.data_ptr<float>(), m};
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, m * p.block_bytes));
-  const auto run = [&](auto tag) {
+  with_element_type(x, [&](auto tag) {
     using T = decltype(tag);
     const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-    const T* bp = bias.has_value() && bias->defined()
-                      ? reinterpret_cast<const T*>(bias->data_ptr())
-                      : nullptr;
+    const T* bp = static_cast<const T*>(bias_data);
     T* yp = reinterpret_cast<T*>(y.data_ptr());
     at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
       quantize_rows(xp, x.stride(0), k, xq.data_ptr<int16_t>(), padded_k,
@@ -252,12 +245,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& codes, const at::T
     } else {
       split(Large{});
     }
-  };
-  if (bf16) {
-    run(uint16_t{});
-  } else {
-    run(float{});
-  }
+  });
   return y;
 }
 

@@ -28,6 +28,7 @@
 #include <optional>
 
 #include "int16_rows.h"
+#include "linear_args.h"
 #include "vec_math.h"
 
 namespace {
@@ -155,9 +156,7 @@ void panels(const int16_t* xq, const float* row_scale, int64_t m, const int8_t* 
 // None. Returns [M, n] in x's dtype.
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias, int64_t n) {
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat,
-              "linear_int8 takes bfloat16 or float32 activations, got ", x.scalar_type());
+  check_activations("linear_int8", x);
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 4 && weight.size(2) == kBlock &&
                   weight.size(3) == 2 && weight.is_contiguous(),
               "linear_int8: the weight must be int8 blocked [N/16, K/2, 16, 2]");
@@ -172,11 +171,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::
               "the input, got ", scales.sizes());
   TORCH_CHECK(n > (blocks - 1) * kBlock && n <= blocks * kBlock, "linear_int8: n = ", n,
               " does not fit the weight's ", blocks, " blocks");
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->dim() == 1 &&
-                    bias->size(0) == n && bias->is_contiguous(),
-                "linear_int8: bias must be a contiguous [", n, "] tensor of x's dtype");
-  }
+  const void* bias_data = checked_bias("linear_int8", x, bias, n);
   const int64_t m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
@@ -189,12 +184,10 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::
   int16_t* xqp = xq.data_ptr<int16_t>();
   float* rsp = row_scale.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, m * p.block_bytes));
-  const auto run = [&](auto tag) {
+  with_element_type(x, [&](auto tag) {
     using T = decltype(tag);
     const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-    const T* bp = bias.has_value() && bias->defined()
-                      ? reinterpret_cast<const T*>(bias->data_ptr())
-                      : nullptr;
+    const T* bp = static_cast<const T*>(bias_data);
     T* yp = reinterpret_cast<T*>(y.data_ptr());
     at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
       quantize_rows(xp, x.stride(0), k, xqp, 2 * pairs, rsp, first, last);
@@ -212,12 +205,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::
     } else {
       split(Large{});
     }
-  };
-  if (bf16) {
-    run(uint16_t{});
-  } else {
-    run(float{});
-  }
+  });
   return y;
 }
 
