@@ -189,7 +189,7 @@ def _read_hf_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
             f"GGUF architecture {arch!r} in {path} is not supported; supported: "
             f"{', '.join(GGUF_ARCHITECTURES)}"
         )
-    check_tensor_types(reader.tensors, path)
+    check_tensor_types(reader.tensors, path, big_endian=reader.byte_order == "S")
     tensor_names = {t.name for t in reader.tensors}
 
     def need(key: str) -> Any:

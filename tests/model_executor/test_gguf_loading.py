@@ -103,6 +103,41 @@ def test_the_tensor_table_gives_what_the_reader_gives(typed_file, tmp_path, monk
     assert len([p for p in table_dir.iterdir() if p.suffix != ".lock"]) == 1
 
 
+def _big_endian_file(path, tensors):
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.BIG)
+    for name, (values, raw_dtype) in tensors.items():
+        writer.add_tensor(name, values, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_big_endian_files_float_tensors_load_and_its_quantised_ones_are_refused(
+        tmp_path, monkeypatch):
+    """Big-endian GGUF files (llama.cpp writes them for s390x) hold their floats byte-swapped:
+    they load as the values written. Their quantised blocks' scales are big-endian too, which
+    ``gguf``'s dequantisation does not read: such a file is refused, naming the tensor."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    values = np.random.default_rng(2).standard_normal((4, 32)).astype(np.float32)
+    path = _big_endian_file(tmp_path / "big.gguf", {"t.F32": (values, None),
+                                                     "t.F16": (values.astype(np.float16), None)})
+    reader = {t.name: t for t in open_gguf(path).tensors}
+    for _ in range(2):
+        for entry in gguf_tensors(path):
+            assert entry.data.dtype == reader[entry.name].data.dtype  # big-endian floats
+            assert np.array_equal(entry.data, reader[entry.name].data)
+            expected = values if entry.name == "t.F32" else values.astype(np.float16)
+            assert torch.equal(GgufTensor(entry).load(), torch.from_numpy(
+                expected.astype(np.float32)))
+    blocks = _random_rows("Q8_0", np.random.default_rng(3))
+    quantised = _big_endian_file(tmp_path / "q.gguf",
+                                 {"t.Q8_0": (blocks, gguf.GGMLQuantizationType.Q8_0)})
+    with pytest.raises(ValueError, match="t.Q8_0 .* Q8_0 in a big-endian file"):
+        gguf_hf_config(quantised)
+
+
 def test_narrowing_out_of_range_names_the_tensor(typed_file):
     tensors, _, _ = typed_file
     with pytest.raises(ValueError, match="t.Q4_K"):

@@ -34,10 +34,17 @@ SUPPORTED_GGUF_TYPES = (
 )
 
 
-def check_tensor_types(tensors: Iterable[Any], path: str | Path) -> None:
-    """Raise ``ValueError`` naming the first tensor stored in a type we do not dequantise."""
+def check_tensor_types(tensors: Iterable[Any], path: str | Path, big_endian: bool = False) -> None:
+    """Raise ``ValueError`` naming the first tensor stored in a type we do not dequantise. In a
+    big-endian file only F32 and F16 are read: ``gguf``'s dequantisation takes the scales inside
+    quantised blocks (and BF16 values) as little-endian."""
     for tensor in tensors:
         name = tensor.tensor_type.name
+        if big_endian and name not in ("F32", "F16"):
+            raise ValueError(
+                f"GGUF tensor {tensor.name} in {path} is stored as {name} in a big-endian file; "
+                "only F32 and F16 tensors are supported in big-endian files"
+            )
         if name not in SUPPORTED_GGUF_TYPES:
             raise ValueError(
                 f"GGUF tensor {tensor.name} in {path} is stored as {name}, which is not "
@@ -49,6 +56,8 @@ def dequantize_rows(data: np.ndarray, qtype: Any) -> np.ndarray:
     """Packed GGUF rows (as ``GGUFReader`` gives them) → float32 values, one row per row."""
     from gguf import quants
 
+    if data.dtype.byteorder in "<>":  # the floats of a file of the other endianness
+        data = data.astype(data.dtype.newbyteorder("="))
     return np.asarray(quants.dequantize(data, qtype), dtype=np.float32)
 
 
