@@ -95,29 +95,16 @@ void score_pass4(const __m512* query, const Rows<S>& rows, int64_t t0, int64_t t
   __m512 q[G][R];
   for (int64_t g = 0; g < G; ++g)
     for (int64_t r = 0; r < R; ++r) q[g][r] = query[g * R + r];
-  for (int64_t t = t0; t < t1; t += 4) {
-    const int64_t n = std::min<int64_t>(4, t1 - t);
-    __m512 dot[4][G];
-    alignas(16) float row_s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int64_t j = 0; j < 4; ++j) {
-      if (j < n) {
+  four_keys_at_a_time<G, kQuantizedKV<S>, false>(
+      t0, t1, len, nullptr, scores, [&](int64_t t, __m512* dot) __attribute__((always_inline)) {
         __m512 row[R];
-        load_row<S, R>(rows.k, rows.k_scale, rows, t + j, len, head_dim, row);
-        row_s[j] = row_scale<S>(rows.k_scale, rows, t + j);
+        load_row<S, R>(rows.k, rows.k_scale, rows, t, len, head_dim, row);
         for (int64_t g = 0; g < G; ++g) {
-          dot[j][g] = _mm512_mul_ps(q[g][0], row[0]);
-          for (int64_t r = 1; r < R; ++r) dot[j][g] = _mm512_fmadd_ps(q[g][r], row[r], dot[j][g]);
+          dot[g] = _mm512_mul_ps(q[g][0], row[0]);
+          for (int64_t r = 1; r < R; ++r) dot[g] = _mm512_fmadd_ps(q[g][r], row[r], dot[g]);
         }
-      } else {
-        for (int64_t g = 0; g < G; ++g) dot[j][g] = _mm512_setzero_ps();
-      }
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      __m128 sums = sum4(dot[0][g], dot[1][g], dot[2][g], dot[3][g]);
-      if constexpr (kQuantizedKV<S>) sums = _mm_mul_ps(sums, _mm_load_ps(row_s));
-      store_scores4(sums, n, scores + g * len + t);
-    }
-  }
+        return row_scale<S>(rows.k_scale, rows, t);
+      });
 }
 
 // Whether score_pass4 keeps G heads' four keys' sums, their queries and a key row in registers.

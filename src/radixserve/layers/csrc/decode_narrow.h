@@ -66,33 +66,21 @@ void score_pass4_narrow(const __m512i* query, const float* head_factor,
   __m512i q[G][R2];
   for (int64_t g = 0; g < G; ++g)
     for (int64_t r = 0; r < R2; ++r) q[g][r] = query[g * R2 + r];
-  for (int64_t t = t0; t < t1; t += 4) {
-    const int64_t n = std::min<int64_t>(4, t1 - t);
-    __m512 dot[4][G];
-    alignas(16) float row_s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int64_t j = 0; j < 4; ++j) {
-      if (j < n) {
-        prefetch_ahead(rows.k, rows.k_scale, rows, t + j, len, head_dim);
-        const int64_t slot = rows.slots[t + j];
+  four_keys_at_a_time<G, true, true>(
+      t0, t1, len, head_factor, scores,
+      [&](int64_t t, __m512* dot) __attribute__((always_inline)) {
+        prefetch_ahead(rows.k, rows.k_scale, rows, t, len, head_dim);
+        const int64_t slot = rows.slots[t];
         const typename K::Code* row = rows.k + slot * rows.kv_row;
         __m512i key[R2];
         for (int64_t r = 0; r < R2; ++r) key[r] = K::load(row + 32 * r);
-        row_s[j] = rows.k_scale[slot * rows.scale_row];  // the lanes are the codes' values
         for (int64_t g = 0; g < G; ++g) {
           typename K::Acc sum = K::dot(K::zero(), q[g][0], key[0]);
           for (int64_t r = 1; r < R2; ++r) sum = K::dot(sum, q[g][r], key[r]);
-          dot[j][g] = K::sums(sum);
+          dot[g] = K::sums(sum);
         }
-      } else {
-        for (int64_t g = 0; g < G; ++g) dot[j][g] = _mm512_setzero_ps();
-      }
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      __m128 sums = sum4(dot[0][g], dot[1][g], dot[2][g], dot[3][g]);
-      sums = _mm_mul_ps(_mm_mul_ps(sums, _mm_load_ps(row_s)), _mm_set1_ps(head_factor[g]));
-      store_scores4(sums, n, scores + g * len + t);
-    }
-  }
+        return rows.k_scale[slot * rows.scale_row];  // the lanes are the codes' values
+      });
 }
 
 // Two float32 registers holding bf16 values -> one register of their 32 bf16 lanes, in order

@@ -114,4 +114,32 @@ inline void store_scores4(__m128 sums, int64_t n, float* dst) {
   }
 }
 
+// The loop both score passes share (decode_attention.cpp's float32 one, decode_narrow.h's over
+// integer and bf16 lanes): keys [t0, t1) four at a time. `dots(t, dot)` sets dot[g] to a register
+// whose lanes sum to head g's product with key t and returns the key row's scale; four keys' sums
+// are reduced together (sum4), times their rows' scales (kScaled) and then head g's `factor[g]`
+// (kFactor), and stored as scores[g * len + t].
+template <int64_t G, bool kScaled, bool kFactor, typename Dots>
+inline void four_keys_at_a_time(int64_t t0, int64_t t1, int64_t len, const float* factor,
+                                float* scores, Dots&& dots) {
+  for (int64_t t = t0; t < t1; t += 4) {
+    const int64_t n = std::min<int64_t>(4, t1 - t);
+    __m512 dot[4][G];
+    alignas(16) float row_s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t j = 0; j < 4; ++j) {
+      if (j < n) {
+        row_s[j] = dots(t + j, dot[j]);
+      } else {
+        for (int64_t g = 0; g < G; ++g) dot[j][g] = _mm512_setzero_ps();
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      __m128 sums = sum4(dot[0][g], dot[1][g], dot[2][g], dot[3][g]);
+      if constexpr (kScaled) sums = _mm_mul_ps(sums, _mm_load_ps(row_s));
+      if constexpr (kFactor) sums = _mm_mul_ps(sums, _mm_set1_ps(factor[g]));
+      store_scores4(sums, n, scores + g * len + t);
+    }
+  }
+}
+
 }  // namespace radixserve_cpu
