@@ -1,11 +1,13 @@
-"""What a GGUF file's metadata gives (its config dicts, its tokenizer), kept on disk.
+"""What a GGUF file's metadata gives (its config dicts, its tokenizer, its tensor table), kept
+on disk.
 
 A GGUF file holds its hyper-parameters and its whole tokenizer (vocabulary, merges, chat
 template) as metadata, which ``gguf.GGUFReader`` parses in Python, string by string: 3.5 s for
 SmolLM2-135M's 49,152-token vocabulary on a 2-core guest, and ``transformers`` takes 9 s to
 build the fast tokenizer from a parse of its own. An engine start needs the config in two
 processes and the tokenizer in three: about 40 s of CPU spent on the same few megabytes before
-the first request, on every start. So the first process to build an entry writes it to
+the first request, on every start (and the tensor table, in each process that loads weights).
+So the first process to build an entry writes it to
 ``~/.cache/radixserve/gguf/<kind>/<key>`` (``$XDG_CACHE_HOME`` is honoured), into a temporary
 directory renamed into place (a concurrent reader sees all of it or none), holding a lock that
 the engine's other processes, starting at the same moment, wait on rather than build it too;
