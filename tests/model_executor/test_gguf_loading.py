@@ -43,21 +43,28 @@ def _random_rows(qtype: str, rng: np.random.Generator) -> np.ndarray:
     return blocks.reshape(ROWS, -1)
 
 
+def _write_gguf(path, tensors, endianess=gguf.GGUFEndian.LITTLE):
+    """A GGUF file (architecture "llama") of ``tensors``: name -> (values, raw_dtype or None)."""
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=endianess)
+    for name, (values, raw_dtype) in tensors.items():
+        writer.add_tensor(name, values, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 @pytest.fixture(scope="module")
 def typed_file(tmp_path_factory):
     """One GGUF file holding a random tensor of every supported type, and those tensors."""
     rng = np.random.default_rng(0)
     path = tmp_path_factory.mktemp("gguf") / "types.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    stored = {}
-    for qtype in SUPPORTED_GGUF_TYPES:
-        stored[qtype] = _random_rows(qtype, rng)
-        raw_dtype = None if qtype in ("F32", "F16") else gguf.GGMLQuantizationType[qtype]
-        writer.add_tensor(f"t.{qtype}", stored[qtype], raw_dtype=raw_dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    stored = {qtype: _random_rows(qtype, rng) for qtype in SUPPORTED_GGUF_TYPES}
+    _write_gguf(path, {
+        f"t.{qtype}": (rows, None if qtype in ("F32", "F16") else gguf.GGMLQuantizationType[qtype])
+        for qtype, rows in stored.items()
+    })
     tensors = {t.name: t for t in open_gguf(path).tensors}
     return tensors, stored, path
 
@@ -103,17 +110,6 @@ def test_the_tensor_table_gives_what_the_reader_gives(typed_file, tmp_path, monk
     assert len([p for p in table_dir.iterdir() if p.suffix != ".lock"]) == 1
 
 
-def _big_endian_file(path, tensors):
-    writer = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.BIG)
-    for name, (values, raw_dtype) in tensors.items():
-        writer.add_tensor(name, values, raw_dtype=raw_dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 def test_a_big_endian_files_float_tensors_load_and_its_quantised_ones_are_refused(
         tmp_path, monkeypatch):
     """Big-endian GGUF files (llama.cpp writes them for s390x) hold their floats byte-swapped:
@@ -121,8 +117,9 @@ def test_a_big_endian_files_float_tensors_load_and_its_quantised_ones_are_refuse
     ``gguf``'s dequantisation does not read: such a file is refused, naming the tensor."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     values = np.random.default_rng(2).standard_normal((4, 32)).astype(np.float32)
-    path = _big_endian_file(tmp_path / "big.gguf", {"t.F32": (values, None),
-                                                     "t.F16": (values.astype(np.float16), None)})
+    path = _write_gguf(tmp_path / "big.gguf", {"t.F32": (values, None),
+                                               "t.F16": (values.astype(np.float16), None)},
+                       gguf.GGUFEndian.BIG)
     reader = {t.name: t for t in open_gguf(path).tensors}
     for _ in range(2):
         for entry in gguf_tensors(path):
@@ -132,8 +129,9 @@ def test_a_big_endian_files_float_tensors_load_and_its_quantised_ones_are_refuse
             assert torch.equal(GgufTensor(entry).load(), torch.from_numpy(
                 expected.astype(np.float32)))
     blocks = _random_rows("Q8_0", np.random.default_rng(3))
-    quantised = _big_endian_file(tmp_path / "q.gguf",
-                                 {"t.Q8_0": (blocks, gguf.GGMLQuantizationType.Q8_0)})
+    quantised = _write_gguf(tmp_path / "q.gguf",
+                            {"t.Q8_0": (blocks, gguf.GGMLQuantizationType.Q8_0)},
+                            gguf.GGUFEndian.BIG)
     with pytest.raises(ValueError, match="t.Q8_0 .* Q8_0 in a big-endian file"):
         gguf_hf_config(quantised)
 
