@@ -79,6 +79,18 @@ def test_generate_batch_keeps_input_order(engine):
     assert [o["output_ids"] for o in outs] == [s["output_ids"] for s in singles]
 
 
+def test_a_batch_reaches_the_scheduler_whole_and_is_prefilled_in_one_step(engine):
+    """The prompts of one call travel as one message, so the scheduler never starts a prefill
+    on the first few while the rest are still on the wire (which single sends allowed). As
+    many prompts as the engine's ``max_running_requests``."""
+    before = engine_state(engine)["num_prefill_steps"]
+    n = ENGINE_KWARGS["max_running_requests"]
+    prompts = [[6 + i, 20 + i, 40 + i, 60 + i] for i in range(n)]
+    outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 1})
+    assert [len(o["output_ids"]) for o in outs] == [1] * n
+    assert engine_state(engine)["num_prefill_steps"] == before + 1
+
+
 def test_stream_chunks_are_cumulative_and_end_equal_to_non_stream(engine):
     params = {**GREEDY, "max_new_tokens": 16}
     chunks = list(engine.generate(PROMPT, params, stream=True))

@@ -222,8 +222,11 @@ class TokenizerManager:
         """The only way a request's state enters ``_states``. The requests come encoded (a
         value the wire cannot carry was refused while preparing, so a batch is sent whole or
         not at all); one state per request (sharing one notify event) is registered and the
-        requests are sent; however the block ends (finished, an error, a cancelled or closed
-        caller), the requests that have not finished are aborted and their states dropped."""
+        requests are sent as one multipart message, whose parts ZMQ delivers together: the
+        scheduler reads a batch in one drain and can prefill it in one step (SGLang sends a
+        ``BatchTokenizedGenerateReqInput``), where single sends let it start on the first few.
+        However the block ends (finished, an error, a cancelled or closed caller), the
+        requests that have not finished are aborted and their states dropped."""
         reqs, frames, logprobs = prepared.reqs, prepared.frames, prepared.logprobs
         for req in reqs:
             if req.rid in self._states:
@@ -244,9 +247,8 @@ class TokenizerManager:
             for i, req in enumerate(reqs)
         ]
         try:
-            for state, frame in zip(states, frames, strict=True):
-                self._states[state.rid] = state
-                self._send_sock.send(frame, copy=False)
+            self._states.update((state.rid, state) for state in states)
+            self._send_sock.send_multipart(frames, copy=False)
             yield states
         finally:
             self._abort_unfinished(states)
