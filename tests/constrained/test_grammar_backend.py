@@ -122,6 +122,58 @@ def test_enforced_neighbours_of_refused_keywords_still_compile(backend):
         backend.compile(GrammarKey("json_schema", json.dumps(schema)))
 
 
+@pytest.mark.parametrize(
+    ("schema", "named"),
+    [
+        ({"anyOf": []}, "'anyOf' is an empty list"),
+        ({"oneOf": []}, "'oneOf' is an empty list"),
+        ({"type": []}, "'type' is an empty list"),
+        ({"type": "object", "required": ["a"], "additionalProperties": False},
+         "property 'a' is required"),
+        ({"type": "object", "properties": {"o": {"type": "object", "properties": {},
+                                                 "required": ["z"],
+                                                 "additionalProperties": False}}},
+         "#/properties/o: property 'z'"),
+    ],
+)
+def test_schemas_no_value_can_match_are_refused(backend, schema, named):
+    with pytest.raises(GrammarError, match="no value matches it") as err:
+        backend.compile(GrammarKey("json_schema", json.dumps(schema)))
+    assert named in str(err.value)
+
+
+NESTED_EMPTY_REPEAT = "(([a-z]{0,30}){0,29}){0,31}"  # a second per token by its tenth (0.2.x)
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "where"),
+    [
+        ("regex", NESTED_EMPTY_REPEAT, "regex: the repetition {0,31}"),
+        ("regex", "([a-z]{0,2}){0,2000}", "regex: the repetition {0,2000}"),
+        ("regex", "((a{0,3}){0,3}){0,3}", "regex: the repetition {0,3}"),
+        ("json_schema", json.dumps({"type": "string", "pattern": NESTED_EMPTY_REPEAT}),
+         "JSON schema at #: 'pattern': the repetition"),
+        ("structural_tag", json.dumps({"type": "structural_tag", "format": {
+            "type": "tag", "begin": "<r>", "end": "</r>",
+            "content": {"type": "regex", "pattern": NESTED_EMPTY_REPEAT}}}),
+         "structural_tag regex: the repetition"),
+    ],
+)
+def test_bounded_repeats_of_what_can_be_empty_are_refused_before_compiling(backend, kind, spec,
+                                                                            where):
+    with pytest.raises(GrammarError, match="can match the empty string") as err:
+        backend.compile(GrammarKey(kind, spec))
+    assert str(err.value).startswith(where)
+
+
+@pytest.mark.parametrize("regex", [
+    "([a-z]{1,30}){1,29}", r"(\d{1,3}\.){3}\d{1,3}", "([a-z]*)*", "(a?){2,}", "(x|){3}",
+    "[a-z]{0,1000}", "(?<name>a)",  # the last is not Python's syntax: left to xgrammar
+])
+def test_repeats_that_stay_fast_still_compile(backend, regex):
+    backend.compile(GrammarKey("regex", regex))
+
+
 def test_length_bounded_strings_reject_raw_control_characters(backend, tokenizer):
     """xgrammar 0.2.8 lets U+0000-U+001F into strings with minLength/maxLength (invalid JSON);
     the backend narrows that character class."""

@@ -164,6 +164,9 @@ def test_length_limit_mid_json_is_finish_reason_length(oai, server):
          "needs json_schema.schema"),
         ({"response_format": {"type": "xml"}}, "response_format.type", "json_object"),
         ({"regex": "[0-9"}, None, "invalid regex"),
+        # a bound on a repeated part that can be empty: a second per token by the tenth
+        ({"regex": "(([a-z]{0,30}){0,29}){0,31}"}, None, "can match the empty string"),
+        ({"response_format": response_format({"anyOf": []})}, None, "no value matches it"),
         # xgrammar 0.2.8 compiles this schema and our own check finds no first token; 0.2.9
         # refuses it itself ("Circular $ref chain"): a 400 naming the schema either way.
         ({"response_format": response_format({"$ref": "#"})}, None, "invalid json_schema"),

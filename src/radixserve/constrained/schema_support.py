@@ -8,6 +8,11 @@ xgrammar 0.2.8: a grammar with any of these accepted an instance the schema reje
 with such a schema would get output that does not validate, so it is rejected with a 400 that
 names the keyword and where it is. ``oneOf`` is enforced as ``anyOf`` (at least one branch
 matches), which is exact for the mutually exclusive branches that schema generators emit.
+
+Also refused: a schema no value can match that xgrammar would compile into a grammar admitting
+something else (an empty ``anyOf``/``oneOf`` or ``type`` list, a ``required`` property that
+``additionalProperties: false`` forbids; xgrammar 0.2.8 produced an empty answer or ``{}`` for
+them), and a ``pattern`` that would make decoding slow down without bound (``regex_support.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from radixserve.constrained.base import GrammarError
+from radixserve.constrained.regex_support import check_regex
 
 # Keywords whose constraint the grammar drops.
 _UNENFORCED = (
@@ -46,6 +52,11 @@ def check_json_schema(schema: Any) -> None:
                 f"JSON schema at {pointer}: {problem}, which constrained decoding cannot "
                 "enforce (the output could violate the schema)"
             )
+        problem = _unsatisfiable(node)
+        if problem:
+            raise GrammarError(f"JSON schema at {pointer}: {problem}, so no value matches it")
+        if isinstance(node.get("pattern"), str):
+            check_regex(node["pattern"], f"JSON schema at {pointer}: 'pattern'")
 
 
 def _unenforced(node: dict[str, Any]) -> str | None:
@@ -67,6 +78,20 @@ def _unenforced(node: dict[str, Any]) -> str | None:
         if lengths and ("pattern" in node or fmt is not None):
             other = "pattern" if "pattern" in node else "format"
             return f"'{other}' together with 'minLength'/'maxLength'"
+    return None
+
+
+def _unsatisfiable(node: dict[str, Any]) -> str | None:
+    for key in ("anyOf", "oneOf", "type"):
+        if node.get(key) == []:
+            return f"'{key}' is an empty list"
+    required = node.get("required")
+    if node.get("additionalProperties") is False and isinstance(required, list):
+        listed = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        missing = [r for r in required if r not in listed]
+        if missing and not node.get("patternProperties"):
+            return (f"property {missing[0]!r} is required but 'additionalProperties' is false "
+                    "and 'properties' does not list it")
     return None
 
 

@@ -27,6 +27,7 @@ import torch
 import xgrammar as xgr
 
 from radixserve.constrained.base import GrammarBackend, GrammarError, GrammarKey, GrammarMatcher
+from radixserve.constrained.regex_support import check_regex
 from radixserve.constrained.schema_support import check_json_schema
 
 # The character classes of JSON strings in xgrammar's EBNF, length-bounded and not (see the
@@ -86,6 +87,7 @@ class XGrammarBackend(GrammarBackend):
             if key.kind == "json_schema":
                 compiled = self._compile_json_schema(key.spec)
             elif key.kind == "regex":
+                check_regex(key.spec, "regex")
                 compiled = self._compiler.compile_regex(key.spec)
             elif key.kind == "ebnf":
                 compiled = self._compiler.compile_grammar(key.spec)
@@ -124,8 +126,10 @@ class XGrammarBackend(GrammarBackend):
             raise GrammarError("invalid structural_tag: it must be a JSON object")
         if "structures" in tag:
             tag = _from_legacy_structural_tag(tag)
-        for schema in _tag_schemas(tag):
+        for schema in _tagged(tag, "json_schema", "json_schema"):
             check_json_schema(schema)
+        for pattern in _tagged(tag, "regex", "pattern"):
+            check_regex(pattern, "structural_tag regex")
         return self._compiler.compile_structural_tag(json.dumps(tag))
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
@@ -179,11 +183,12 @@ def _from_legacy_structural_tag(tag: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _tag_schemas(node: Any) -> list[Any]:
-    """Every ``json_schema`` inside a structural tag."""
+def _tagged(node: Any, kind: str, field: str) -> list[Any]:
+    """The ``field`` of every ``{"type": kind}`` format inside a structural tag (its JSON
+    schemas, its regexes' patterns)."""
     if isinstance(node, list):
-        return [s for item in node for s in _tag_schemas(item)]
+        return [s for item in node for s in _tagged(item, kind, field)]
     if not isinstance(node, dict):
         return []
-    found = [node["json_schema"]] if node.get("type") == "json_schema" else []
-    return found + [s for value in node.values() for s in _tag_schemas(value)]
+    found = [node[field]] if node.get("type") == kind and field in node else []
+    return found + [s for value in node.values() for s in _tagged(value, kind, field)]
