@@ -117,6 +117,13 @@ def test_filters_never_sample_a_filtered_token(params, allowed):
     assert set(tokens.tolist()) == allowed
 
 
+def test_a_top_p_that_rounds_to_zero_in_float32_keeps_the_most_likely_token():
+    """1e-300 is in (0, 1] but 0 in float32: the nucleus is the top token, not nothing (which
+    drew token 0, whatever its probability)."""
+    tokens = draw(SamplingParams(top_p=1e-300), PROBS.flip(0).log(), 200)
+    assert set(tokens.tolist()) == {3}
+
+
 @pytest.mark.parametrize(
     "params",
     [

@@ -24,6 +24,7 @@ BAD_VALUES = [
     ("presence_penalty", 3.0),
     ("presence_penalty", -3.0),
     ("repetition_penalty", 0.0),
+    ("repetition_penalty", 1e-40),  # a float32 denormal: positive logits / it overflow
     ("repetition_penalty", 2.5),
     ("max_new_tokens", -1),
     ("min_new_tokens", -1),
@@ -68,8 +69,9 @@ def test_min_new_tokens_above_max_new_tokens_is_rejected():
         SamplingParams.from_dict({"min_new_tokens": 10, "max_new_tokens": 5})
 
 
-@pytest.mark.parametrize("bias", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("bias", [math.nan, math.inf, -math.inf, 1e39, -1e31])
 def test_non_finite_logit_bias_is_rejected(bias):
+    """Also finite values that float32 logits cannot hold once divided by a temperature."""
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams.from_dict({"logit_bias": {"3": bias}})
 

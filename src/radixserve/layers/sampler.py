@@ -275,7 +275,8 @@ def _filter_top_k_top_p(
     """Zero tokens outside the top_k, then outside the top_p nucleus of what top_k kept.
 
     A token survives top_p if the mass strictly before it (in descending order) is below
-    ``top_p`` of the kept mass, so the most likely token always survives.
+    ``top_p`` of the kept mass, and the most likely token always survives (also a ``top_p``
+    too small for float32, which rounds to 0 and would otherwise drop every token).
     """
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     ranks = torch.arange(probs.shape[-1], device=probs.device)
@@ -284,7 +285,7 @@ def _filter_top_k_top_p(
     kept_mass = cumulative[:, -1:]
     top_ps = top_ps.unsqueeze(-1)
     # top_p == 1 must keep everything even when rounding pushes the running sum past 1.
-    beyond_p = (cumulative - sorted_probs >= top_ps * kept_mass) & (top_ps < 1.0)
+    beyond_p = (cumulative - sorted_probs >= top_ps * kept_mass) & (top_ps < 1.0) & (ranks > 0)
     sorted_probs = sorted_probs.masked_fill(beyond_p, 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 

@@ -23,6 +23,10 @@ _EPS = 1e-6
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 # Every generated token is checked against every stop string: bound the work one request buys.
 MAX_STOP_STRINGS = 128
+# Bounds that keep float32 logits finite after a bias, a repetition penalty (a divisor of
+# positive logits) and a temperature down to _EPS: past them the sampler would see inf and NaN.
+MAX_LOGIT_BIAS = 1e30
+MIN_REPETITION_PENALTY = 1e-20
 MAX_STOP_STRING_CHARS = 4096
 # SGLang's sampling keys radixserve does not implement, with the values that mean "unused".
 UNSUPPORTED_KEYS: dict[str, tuple[Any, ...]] = {
@@ -126,9 +130,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             )
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0:
             raise ValueError(
-                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
+                f"repetition_penalty must be in (0, 2] and at least {MIN_REPETITION_PENALTY} "
+                f"(a smaller divisor overflows float32 logits), got {self.repetition_penalty}"
             )
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be non-negative, got {self.max_new_tokens}")
@@ -146,8 +151,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                              f"{len(self.stop)}")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
             raise ValueError(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters")
-        if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
-            raise ValueError("logit_bias values must be finite numbers")
+        biases = (self.logit_bias or {}).values()
+        if not all(abs(v) <= MAX_LOGIT_BIAS for v in biases):  # NaN fails too
+            raise ValueError(
+                f"logit_bias values must be finite numbers within +-{MAX_LOGIT_BIAS:g} (larger "
+                "ones overflow float32 logits once divided by a temperature)"
+            )
         if self.stream_interval is not None and self.stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
         validate_stop_regex(self.stop_regex)  # RE2: linear-time search (stop_regex.py)
