@@ -149,6 +149,19 @@ def test_abort_of_a_running_stream_finishes_it_as_abort(engine):
     wait_idle(engine)
 
 
+def test_aborting_the_rid_of_n_samples_aborts_every_sample(engine):
+    """The samples of n > 1 run as rid_0, rid_1: the rid the caller gave reaches them all."""
+    params = {"temperature": 0.0, "max_new_tokens": UNTIL_ABORTED, "ignore_eos": True, "n": 2}
+    stream = engine.generate(input_ids=[5, 6, 7], sampling_params=params, stream=True,
+                             rid="family")
+    first = next(stream)
+    engine.abort("family")
+    last = {chunk["index"]: chunk["meta_info"] for chunk in [first, *stream]}
+    assert sorted(last) == [0, 1]
+    assert [m["finish_reason"]["type"] for m in last.values()] == ["abort", "abort"]
+    assert all(m["completion_tokens"] < UNTIL_ABORTED for m in last.values())
+
+
 def test_closing_a_stream_early_aborts_its_request(engine):
     stream = long_stream(engine, "disconnect")
     next(stream)

@@ -15,6 +15,7 @@ request identifies nobody (it is not authenticated).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextvars import ContextVar
 
 ADMIN = "admin"  # authenticated with --admin-api-key
@@ -34,3 +35,13 @@ def may_manage(caller: str | None, owner: str | None) -> bool:
     """``may_act_for``, and the admin key too: who may see and manage a Batch API file or batch
     (OpenAI's organisation admin sees every batch; anyone else gets a 404 for ids not theirs)."""
     return caller == ADMIN or may_act_for(caller, owner)
+
+
+def abort_targets(rid: str, owners: Mapping[str, str | None], caller: str | None) -> list[str]:
+    """The requests an abort of ``rid`` by ``caller`` reaches, given the in-flight requests'
+    ``owners`` (rid -> owner): ``rid`` itself when in flight, else every generation a call
+    named ``rid`` started (SGLang names them ``rid_0``, ``rid_1``, ...: a batch's prompts, the
+    samples of n > 1), as SGLang's abort reaches them; of those, only the caller's own. A rid
+    not in flight is passed on (aborting it does nothing)."""
+    family = [rid] if rid in owners else [r for r in owners if r.startswith(f"{rid}_")]
+    return [r for r in family or [rid] if r not in owners or may_act_for(caller, owners[r])]

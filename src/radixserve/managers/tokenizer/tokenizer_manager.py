@@ -39,7 +39,7 @@ import zmq.asyncio
 
 from radixserve.finish_reason import FinishAbort, FinishReason
 from radixserve.managers import io_struct, ipc
-from radixserve.managers.caller import current_caller, may_act_for
+from radixserve.managers.caller import abort_targets, current_caller
 from radixserve.managers.tokenizer.control_client import ControlClient
 from radixserve.managers.tokenizer.generate_request import GenerateReqInput
 from radixserve.managers.tokenizer.logprob_meta import LogprobMeta
@@ -451,15 +451,15 @@ class TokenizerManager:
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """Ask the scheduler to abort ``rid`` (or everything); the request finishes as abort.
 
-        A rid is aborted only for the caller that sent it (``managers/caller.py``): for anyone
-        else it is unknown, and aborting an unknown rid does nothing. ``abort_all`` is the
-        HTTP edge's to allow (an admin route when an admin key is configured)."""
+        A rid is aborted only for the caller that sent it, and the rid of a batch or of n > 1
+        aborts all their generations (``caller.abort_targets``); aborting an unknown rid does
+        nothing. ``abort_all`` is the HTTP edge's to allow (an admin route when an admin key is
+        configured)."""
         self._check_alive()
-        if rid and not abort_all:
-            state = self._states.get(rid)
-            if state is not None and not may_act_for(current_caller.get(), state.owner):
-                return
-        self._send_msg(io_struct.AbortReq(rid=rid, abort_all=abort_all))
+        owners = {r: state.owner for r, state in self._states.items()}
+        one_rid = rid and not abort_all
+        for one in abort_targets(rid, owners, current_caller.get()) if one_rid else [rid]:
+            self._send_msg(io_struct.AbortReq(rid=one, abort_all=abort_all))
 
     def evict_for_priority(self, priority: int | None, needed: int) -> bool:
         """Evict waiting requests less important than ``priority`` so that ``needed`` more
