@@ -11,6 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from radixserve.constrained import GrammarCache, GrammarError, GrammarKey, create_grammar_backend
+from radixserve.server.openai.tool_parsers.enforced import required_schema
 
 EOS = 1
 
@@ -172,6 +173,22 @@ def test_bounded_repeats_of_what_can_be_empty_are_refused_before_compiling(backe
 ])
 def test_repeats_that_stay_fast_still_compile(backend, regex):
     backend.compile(GrammarKey("regex", regex))
+
+
+def test_required_tool_calls_of_a_recursive_function_follow_its_schema(backend, tokenizer):
+    """``tool_choice: "required"`` nests the parameters in an array; their ``$ref: "#"`` must
+    still mean the parameters (it meant the array, and the array's items were admitted)."""
+    tree = {"type": "object", "properties": {"child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+            "required": ["child"], "additionalProperties": False}
+    spec = json.dumps(required_schema([{"name": "f", "parameters": tree}], parallel=True))
+    compiled = backend.compile(GrammarKey("json_schema", spec))
+
+    def call(arguments):
+        return json.dumps([{"name": "f", "parameters": arguments}])
+
+    assert walk(backend, backend.new_matcher(compiled), tokenizer, call({"child": {"child": None}}))
+    assert not walk(backend, backend.new_matcher(compiled), tokenizer,
+                    call({"child": [{"name": "f", "parameters": {"child": None}}]}))
 
 
 def test_length_bounded_strings_reject_raw_control_characters(backend, tokenizer):

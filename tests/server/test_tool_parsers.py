@@ -8,6 +8,7 @@ import json
 import random
 
 import pytest
+from jsonschema import Draft202012Validator
 
 from radixserve.server.openai.tool_parsers import (
     TOOL_CALL_PARSERS,
@@ -208,3 +209,25 @@ def test_required_schema_lifts_definitions_and_refuses_clashes():
     with pytest.raises(ValueError, match=r"\$defs/P differently"):
         required_schema([{"name": "a", "parameters": ref}, {"name": "b", "parameters": clash}],
                         parallel=True)
+
+
+RECURSIVE = {"type": "object",
+             "properties": {"child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+             "required": ["child"], "additionalProperties": False}
+SIBLING = {"type": "object", "properties": {"a": {"$ref": "#/properties/b"},
+                                            "b": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(("parameters", "good", "bad"), [
+    (RECURSIVE, {"child": {"child": None}},
+     {"child": [{"name": "f", "parameters": {"child": None}}]}),  # '#' read as the array
+    (SIBLING, {"a": 3}, {"a": "x"}),
+])
+def test_required_schema_keeps_refs_into_the_parameters_pointing_there(parameters, good, bad):
+    """A ``$ref`` to ``#`` or ``#/properties/...`` means the function's parameters: nested in
+    the array, they move to the root's ``$defs`` with those refs rewritten."""
+    schema = required_schema([{"name": "f", "parameters": parameters}], parallel=True)
+    assert schema["$defs"]["parameters_of_f"]["properties"] != parameters["properties"]
+    validator = Draft202012Validator(schema)
+    assert validator.is_valid([{"name": "f", "parameters": good}])
+    assert not validator.is_valid([{"name": "f", "parameters": bad}])

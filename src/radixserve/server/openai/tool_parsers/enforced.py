@@ -41,7 +41,10 @@ def required_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str
 
     Definitions of every function move to the root, where their ``$ref`` paths point once the
     parameters are nested in the array; two functions defining one name differently are a
-    ``ValueError``.
+    ``ValueError``. A function whose ``$ref``s point elsewhere in its parameters (``#`` for
+    a recursive object, ``#/properties/b``) has its parameters moved to the root's ``$defs``
+    too, as ``parameters_of_<name>``, and those refs rewritten to start there: at the
+    array's root they would resolve against the array, and its arguments would not validate.
     """
     definitions: dict[str, dict[str, Any]] = {key: {} for key in _DEFINITION_KEYS}
     variants = []
@@ -54,6 +57,11 @@ def required_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str
                         f"functions {function['name']!r} and another define {key}/{name} "
                         "differently; give the definitions distinct names"
                     )
+        home = f"parameters_of_{function['name']}"
+        moved = _refs_rebased(parameters, f"#/$defs/{home}")
+        if moved != parameters:
+            definitions["$defs"][home] = moved
+            parameters = {"$ref": f"#/$defs/{home}"}
         variants.append({
             "type": "object",
             "properties": {"name": {"const": function["name"]}, "parameters": parameters},
@@ -65,6 +73,21 @@ def required_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str
         schema["maxItems"] = 1
     schema.update({key: defs for key, defs in definitions.items() if defs})
     return schema
+
+
+def _refs_rebased(node: Any, home: str) -> Any:
+    """``node`` with each ``$ref`` into itself (``#``, ``#/...`` other than the definitions,
+    which move to the root unchanged) rewritten to start at ``home``."""
+    if isinstance(node, list):
+        return [_refs_rebased(item, home) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _refs_rebased(value, home) for key, value in node.items()}
+    ref = node.get("$ref")
+    inside = isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
+    if inside and not ref.startswith(tuple(f"#/{key}/" for key in _DEFINITION_KEYS)):
+        out["$ref"] = home + ref[1:]
+    return out
 
 
 def grammar_for(functions: list[dict[str, Any]], named: str | None, parallel: bool) -> str:
