@@ -235,6 +235,8 @@ def test_format_json_schema_and_json_go_through_the_grammar(olm, server):
     ({"tools": [WEATHER_TOOL]}, "--tool-call-parser"),
     ({"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, "images"),
     ({"messages": [{"role": "user", "content": "hi", "thinking": "hm"}]}, "thinking"),
+    ({"keep_alive": "xyz"}, "keep_alive"),  # Ollama: "time: invalid duration"
+    ({"keep_alive": "300"}, "keep_alive"),  # a string needs its unit, as in Go
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_it(olm, server, kwargs, needle):
     args = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], **kwargs}

@@ -16,9 +16,10 @@ no top-p, top-k or penalty), not the defaults of an Ollama Modelfile.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from radixserve.server.errors import APIError
 from radixserve.server.openai.structured_outputs import ANY_JSON_OBJECT, json_schema_params
@@ -59,12 +60,25 @@ class Options(SamplingFields):
     repeat_penalty: float | None = None
 
 
+# Go's time.ParseDuration, which Ollama reads a string keep_alive with: signed, a unit per number.
+_GO_DURATION = re.compile(r"[-+]?(0|((\d+(\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h))+)")
+
+
 class OllamaRequest(StrictRequest):
     """What every Ollama model request names: the model, and how long to keep it loaded."""
 
     model: str = Field(min_length=1)
-    # The one model stays loaded for the server's life: any duration is honoured by that.
+    # The one model stays loaded for the server's life: any duration is honoured by that, but
+    # what Ollama could not read as one (Go's duration syntax, or seconds) is its 400 here too.
     keep_alive: float | str | None = None
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _a_duration(cls, value: float | str | None) -> float | str | None:
+        if isinstance(value, str) and not _GO_DURATION.fullmatch(value):
+            raise ValueError(f"keep_alive must be a duration such as \"5m\" or \"1h30m\", or "
+                             f"a number of seconds; got {value!r}")
+        return value
 
 
 class GenerationRequest(OllamaRequest):
