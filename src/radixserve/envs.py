@@ -60,6 +60,9 @@ RADIXSERVE_STRICT_MEM_CHECK = EnvStr("RADIXSERVE_STRICT_MEM_CHECK")
 # request ends with a 503 ("request waiting timeout reached"). Unset or <= 0: no limit.
 # SGLang's SGLANG_REQ_WAITING_TIMEOUT (docs/priority.md).
 RADIXSERVE_REQ_WAITING_TIMEOUT = EnvStr("RADIXSERVE_REQ_WAITING_TIMEOUT")
+# Seconds one step of a request's grammar (its mask, or its advance by a token) may take before
+# the request ends with a 400 (constrained/step_budget.py). Default 0.5.
+RADIXSERVE_GRAMMAR_STEP_BUDGET = EnvStr("RADIXSERVE_GRAMMAR_STEP_BUDGET")
 
 
 def radixserve_cache_dir(*parts: str) -> Path:

@@ -160,6 +160,28 @@ def test_invalid_grammar_fails_with_400_before_anything_is_scheduled(llama_path,
     assert driver.generate({"next": prompts[1]}, max_new_tokens=3)["next"].completion_tokens == 3
 
 
+def test_a_grammar_step_over_the_budget_ends_its_request_alone(llama_path, prompts,
+                                                                monkeypatch):
+    """With a budget of 0 s every grammar step is over it (the guard against matchers whose cost
+    grows with the output, constrained/step_budget.py): the constrained request ends with a 400
+    after its first token, its unconstrained neighbour runs to its end, and nothing leaks."""
+    monkeypatch.setenv("RADIXSERVE_GRAMMAR_STEP_BUDGET", "0")
+    driver = new_driver(llama_path)
+    driver.submit("slow", prompts[0], regex="[a-z]{1,40}", max_new_tokens=16)
+    driver.submit("free", prompts[1], max_new_tokens=16, ignore_eos=True)
+    driver.run()
+    results = driver.results()
+    reason = results["slow"].finished_reason
+    assert reason["type"] == "abort" and reason["status_code"] == 400, reason
+    assert "RADIXSERVE_GRAMMAR_STEP_BUDGET" in reason["message"]
+    assert results["slow"].completion_tokens == 1
+    assert results["free"].completion_tokens == 16
+    monkeypatch.setenv("RADIXSERVE_GRAMMAR_STEP_BUDGET", "0.5")  # the default: it completes
+    ok = new_driver(llama_path).generate({"ok": prompts[0]}, regex="[a-z]{1,40}",
+                                         max_new_tokens=16)["ok"]
+    assert ok.finished_reason["type"] in ("stop", "length"), ok.finished_reason
+
+
 def test_retraction_under_kv_pressure_keeps_every_output_valid(llama_path, tokenizer, prompts):
     driver = new_driver(llama_path, max_total_tokens=192, schedule_conservativeness=0.01,
                         **CONSTRAINED)

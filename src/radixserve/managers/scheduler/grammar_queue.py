@@ -16,6 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
 from radixserve.constrained import GrammarCache, GrammarError, GrammarKey
+from radixserve.constrained.step_budget import TimedMatcher
 from radixserve.finish_reason import FinishAbort
 from radixserve.managers.scheduler.schedule_batch import Req
 
@@ -60,7 +61,7 @@ class GrammarQueue:
                 continue
             req.grammar_future = None
             try:
-                req.grammar = self.cache.backend.new_matcher(future.result())
+                req.grammar = TimedMatcher(self.cache.backend.new_matcher(future.result()))
             except GrammarError as e:
                 out.failed.append((req, FinishAbort(message=str(e), status_code=400)))
             except Exception as e:  # the backend itself failed: a server problem, not the user's

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from radixserve import envs
+from radixserve.constrained.step_budget import over_budget_message, step_budget_s
 from radixserve.finish_reason import FinishAbort, FinishLength, FinishReason
 from radixserve.layers.sampler import InputLogprobs
 from radixserve.managers.io_struct import (
@@ -128,6 +129,7 @@ class OutputProcessor:
         self.send_to_detokenizer = send_to_detokenizer
         self.send_to_tokenizer = send_to_tokenizer
         self.inject_faults = envs.RADIXSERVE_TEST_INJECT_FAULTS.get()
+        self.grammar_step_budget_s = step_budget_s()
 
     def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
         """``result`` is the runner's ``SampleOutput`` for ``batch``."""
@@ -186,6 +188,13 @@ class OutputProcessor:
                 message=f"the grammar admits no continuation of the output after "
                 f"{len(req.output_ids)} tokens (it has a dead end)", status_code=400,
             )
+            return
+        if req.grammar is not None and req.grammar.slowest_s >= self.grammar_step_budget_s:
+            # Its next steps would stall the whole batch longer still (constrained/step_budget)
+            logger.warning("request %r: a grammar step took %.3f s; stopped", req.rid,
+                           req.grammar.slowest_s)
+            message = over_budget_message(req.grammar.slowest_s, self.grammar_step_budget_s)
+            req.finished_reason = FinishAbort(message=message, status_code=400)
             return
         req.check_finished(self.eos_token_ids, self.tokenizer)
 

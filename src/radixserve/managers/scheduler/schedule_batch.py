@@ -60,7 +60,8 @@ from radixserve.sampling.sampling_batch_info import GrammarMask, SamplingBatchIn
 from radixserve.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from radixserve.constrained import GrammarCache, GrammarMatcher
+    from radixserve.constrained import GrammarCache
+    from radixserve.constrained.step_budget import TimedMatcher
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 # Every ``Req`` alive in this process, for the internal state's ``num_live_reqs``: once no
@@ -132,7 +133,7 @@ class Req:
         # Constrained decoding: the grammar's compile future while the request waits in the
         # grammar queue, then its matcher (which has accepted exactly ``output_ids``).
         self.grammar_future: Any = None
-        self.grammar: GrammarMatcher | None = None
+        self.grammar: TimedMatcher | None = None
 
         # Reporting.
         self.cached_tokens = 0

@@ -1,0 +1,73 @@
+"""A time budget per grammar step, so that one constrained request cannot stall the others.
+
+A matcher's work per token is usually microseconds, but an ambiguous grammar (a bounded
+repetition of a part that can be empty, written as a regex or in EBNF) keeps every way of
+splitting the text alive, and each token then costs more than the one before: measured with
+xgrammar 0.2.x, ``root ::= (([a-z]{0,30}){0,29}){0,31}`` took 1.7 s for one token within 30.
+The matching runs on the scheduler's thread, so every other request waits for it. Regexes of that
+shape are refused before compiling (``regex_support.py``); this budget catches what a static check
+cannot see: ``TimedMatcher`` remembers a request's slowest step (mask or advance), and the
+scheduler ends the request with a 400 once a step took longer than
+``RADIXSERVE_GRAMMAR_STEP_BUDGET`` seconds (default 0.5, a hundred times what a usual step
+takes; 0 ends every constrained request after its first token, which is how tests see it act).
+Steps are timed in the scheduler thread's CPU time, so a thread descheduled by a busy machine
+never looks like a slow grammar.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from radixserve import envs
+from radixserve.constrained.base import GrammarMatcher
+
+DEFAULT_STEP_BUDGET_S = 0.5
+
+
+def step_budget_s() -> float:
+    """``RADIXSERVE_GRAMMAR_STEP_BUDGET`` in seconds (a number >= 0)."""
+    value = envs.RADIXSERVE_GRAMMAR_STEP_BUDGET.get(str(DEFAULT_STEP_BUDGET_S))
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0.0:  # NaN too
+        raise ValueError(f"RADIXSERVE_GRAMMAR_STEP_BUDGET must be seconds >= 0, got {value!r}")
+    return seconds
+
+
+class TimedMatcher(GrammarMatcher):
+    """``inner`` with the CPU time of its slowest step so far (``slowest_s``)."""
+
+    def __init__(self, inner: GrammarMatcher) -> None:
+        self.inner = inner
+        self.slowest_s = 0.0
+
+    def _took(self, start: float) -> None:
+        self.slowest_s = max(self.slowest_s, time.thread_time() - start)
+
+    def accept_token(self, token_id: int) -> bool:
+        start = time.thread_time()
+        try:
+            return self.inner.accept_token(token_id)
+        finally:
+            self._took(start)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        start = time.thread_time()
+        try:
+            self.inner.fill_bitmask(bitmask, row)
+        finally:
+            self._took(start)
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_terminated()
+
+
+def over_budget_message(slowest_s: float, budget_s: float) -> str:
+    return (f"constrained decoding stopped: one step of this request's grammar took "
+            f"{slowest_s:.3f} s, over the {budget_s:g} s budget (RADIXSERVE_GRAMMAR_STEP_BUDGET); "
+            "its matching cost grows with the output, as for an ambiguous grammar such as a "
+            "bounded repetition of a part that can match the empty string")
