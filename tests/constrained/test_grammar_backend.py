@@ -4,6 +4,7 @@ test tokenizer: compile errors users see, what is refused, matcher and bitmask s
 from __future__ import annotations
 
 import json
+import math
 import threading
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from radixserve.constrained import GrammarCache, GrammarError, GrammarKey, create_grammar_backend
+from radixserve.constrained.step_budget import DEFAULT_STEP_BUDGET_S, step_budget_s
 from radixserve.server.openai.tool_parsers.enforced import required_schema
 
 EOS = 1
@@ -290,3 +292,17 @@ def test_cache_keeps_failures_and_evicts_least_recently_used(backend):
     assert counting.compiled.count(keys[0]) == 2
     cache.clear()
     assert len(cache) == 0
+
+
+def test_the_grammar_step_budget_is_read_once_and_off_across_ranks(monkeypatch):
+    monkeypatch.delenv("RADIXSERVE_GRAMMAR_STEP_BUDGET", raising=False)
+    assert step_budget_s(distributed=False) == DEFAULT_STEP_BUDGET_S
+    assert step_budget_s(distributed=True) == math.inf  # ranks would time matchers apart
+    monkeypatch.setenv("RADIXSERVE_GRAMMAR_STEP_BUDGET", "0.25")
+    assert step_budget_s(distributed=False) == 0.25
+    with pytest.raises(ValueError, match="does not combine with tensor or pipeline"):
+        step_budget_s(distributed=True)
+    for bad in ("-1", "nan", "soon"):
+        monkeypatch.setenv("RADIXSERVE_GRAMMAR_STEP_BUDGET", bad)
+        with pytest.raises(ValueError, match="seconds >= 0"):
+            step_budget_s(distributed=False)

@@ -11,11 +11,14 @@ scheduler ends the request with a 400 once a step took longer than
 ``RADIXSERVE_GRAMMAR_STEP_BUDGET`` seconds (default 0.5, a hundred times what a usual step
 takes; 0 ends every constrained request after its first token, which is how tests see it act).
 Steps are timed in the scheduler thread's CPU time, so a thread descheduled by a busy machine
-never looks like a slow grammar.
+never looks like a slow grammar. With tensor or pipeline parallelism the budget is off (and
+setting it is refused): each rank times its own matchers, and ranks that ended different
+requests would run different batches.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -26,9 +29,16 @@ from radixserve.constrained.base import GrammarMatcher
 DEFAULT_STEP_BUDGET_S = 0.5
 
 
-def step_budget_s() -> float:
-    """``RADIXSERVE_GRAMMAR_STEP_BUDGET`` in seconds (a number >= 0)."""
-    value = envs.RADIXSERVE_GRAMMAR_STEP_BUDGET.get(str(DEFAULT_STEP_BUDGET_S))
+def step_budget_s(distributed: bool) -> float:
+    """``RADIXSERVE_GRAMMAR_STEP_BUDGET`` in seconds (a number >= 0); infinite for the ranks of
+    a ``distributed`` model (see the module docstring)."""
+    value = envs.RADIXSERVE_GRAMMAR_STEP_BUDGET.get("")
+    if distributed:
+        if value:
+            raise ValueError("RADIXSERVE_GRAMMAR_STEP_BUDGET does not combine with tensor or "
+                             "pipeline parallelism")
+        return math.inf
+    value = value or str(DEFAULT_STEP_BUDGET_S)
     try:
         seconds = float(value)
     except ValueError:

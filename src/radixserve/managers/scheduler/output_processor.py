@@ -32,6 +32,7 @@ input is complete finishes at once and its embedding goes to the tokenizer manag
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 
 from radixserve import envs
-from radixserve.constrained.step_budget import over_budget_message, step_budget_s
+from radixserve.constrained.step_budget import over_budget_message
 from radixserve.finish_reason import FinishAbort, FinishLength, FinishReason
 from radixserve.layers.sampler import InputLogprobs
 from radixserve.managers.io_struct import (
@@ -120,6 +121,7 @@ class OutputProcessor:
         on_finish: Callable[[Req], None] | None = None,
         stream_interval: int = 1,
         send_to_tokenizer: Callable[[BatchEmbeddingOutput], None] | None = None,
+        grammar_step_budget_s: float = math.inf,
     ) -> None:
         self.tree_cache = tree_cache
         self.stream_interval = stream_interval
@@ -129,7 +131,7 @@ class OutputProcessor:
         self.send_to_detokenizer = send_to_detokenizer
         self.send_to_tokenizer = send_to_tokenizer
         self.inject_faults = envs.RADIXSERVE_TEST_INJECT_FAULTS.get()
-        self.grammar_step_budget_s = step_budget_s()
+        self.grammar_step_budget_s = grammar_step_budget_s  # constrained/step_budget.py
 
     def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
         """``result`` is the runner's ``SampleOutput`` for ``batch``."""

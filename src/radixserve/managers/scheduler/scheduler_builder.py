@@ -18,6 +18,7 @@ import torch
 
 from radixserve import envs
 from radixserve.constrained import GrammarCache, create_grammar_backend
+from radixserve.constrained.step_budget import step_budget_s
 from radixserve.distributed import ParallelState
 from radixserve.managers.scheduler.draft_proposer import (
     DraftModelProposer,
@@ -140,6 +141,7 @@ def build_scheduler(
         on_finish=sessions.on_req_finished,
         stream_interval=server_args.stream_interval,
         send_to_tokenizer=send_to_tokenizer,
+        grammar_step_budget_s=step_budget_s(parallel.distributed),
     )
     new_token_ratio = NewTokenRatio.from_conservativeness(server_args.schedule_conservativeness)
     batch_resources = BatchResources(
