@@ -261,6 +261,9 @@ def test_invalid_session_requests_get_400_and_leave_the_session_usable(api, rng,
     assert "Invalid request session id" in message and "'no-such-rid'" in message
     r = api.http.post("/generate", json={"input_ids": ids, "session_params": {"rid": "x"}})
     assert r.status_code == 400 and "session_params" in r.json()["error"]["message"]
+    r = api.http.post("/generate", json={"input_ids": ids, "session_params": {
+        "id": session, "rid": rid_of(root), "branch": True}})  # not SGLang's: not ignored
+    assert r.status_code == 400 and "`branch`" in r.json()["error"]["message"], r.text
     # Nothing changed: the root is still there and its context is intact.
     out = api.generate(ids, N, session, rid=rid_of(root))
     api.assert_turn(out, prompt + root["output_ids"] + ids, N)

@@ -8,7 +8,9 @@ from __future__ import annotations
 import msgspec
 
 
-class SessionParams(msgspec.Struct, kw_only=True):
+class SessionParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's five fields; any other is a 400 naming it (it would have no effect)."""
+
     id: str
     rid: str | None = None  # the request this one continues (None: a new root of the tree)
     offset: int | None = None  # keep only this many of the inherited tokens
