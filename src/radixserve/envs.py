@@ -61,8 +61,11 @@ RADIXSERVE_STRICT_MEM_CHECK = EnvStr("RADIXSERVE_STRICT_MEM_CHECK")
 # SGLang's SGLANG_REQ_WAITING_TIMEOUT (docs/priority.md).
 RADIXSERVE_REQ_WAITING_TIMEOUT = EnvStr("RADIXSERVE_REQ_WAITING_TIMEOUT")
 # Seconds one step of a request's grammar (its mask, or its advance by a token) may take before
-# the request ends with a 400 (constrained/step_budget.py). Default 0.5.
+# the request ends with a 400 (constrained/limits.py). Default 0.5.
 RADIXSERVE_GRAMMAR_STEP_BUDGET = EnvStr("RADIXSERVE_GRAMMAR_STEP_BUDGET")
+# Seconds a request may wait for its grammar to compile before it ends with a 400. Default 300,
+# as SGLang's SGLANG_GRAMMAR_TIMEOUT (constrained/limits.py).
+RADIXSERVE_GRAMMAR_TIMEOUT = EnvStr("RADIXSERVE_GRAMMAR_TIMEOUT")
 
 
 def radixserve_cache_dir(*parts: str) -> Path:

@@ -12,7 +12,12 @@ import torch
 from transformers import AutoTokenizer
 
 from radixserve.constrained import GrammarCache, GrammarError, GrammarKey, create_grammar_backend
-from radixserve.constrained.step_budget import DEFAULT_STEP_BUDGET_S, step_budget_s
+from radixserve.constrained.limits import (
+    DEFAULT_COMPILE_TIMEOUT_S,
+    DEFAULT_STEP_BUDGET_S,
+    compile_timeout_s,
+    step_budget_s,
+)
 from radixserve.server.openai.tool_parsers.enforced import required_schema
 
 EOS = 1
@@ -294,7 +299,10 @@ def test_cache_keeps_failures_and_evicts_least_recently_used(backend):
     assert len(cache) == 0
 
 
-def test_the_grammar_step_budget_is_read_once_and_off_across_ranks(monkeypatch):
+def test_the_grammar_limits_are_read_once_and_off_across_ranks(monkeypatch):
+    monkeypatch.delenv("RADIXSERVE_GRAMMAR_TIMEOUT", raising=False)
+    assert compile_timeout_s(distributed=False) == DEFAULT_COMPILE_TIMEOUT_S == 300  # SGLang's
+    assert compile_timeout_s(distributed=True) == math.inf
     monkeypatch.delenv("RADIXSERVE_GRAMMAR_STEP_BUDGET", raising=False)
     assert step_budget_s(distributed=False) == DEFAULT_STEP_BUDGET_S
     assert step_budget_s(distributed=True) == math.inf  # ranks would time matchers apart

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 from transformers import AutoTokenizer
@@ -163,7 +164,7 @@ def test_invalid_grammar_fails_with_400_before_anything_is_scheduled(llama_path,
 def test_a_grammar_step_over_the_budget_ends_its_request_alone(llama_path, prompts,
                                                                 monkeypatch):
     """With a budget of 0 s every grammar step is over it (the guard against matchers whose cost
-    grows with the output, constrained/step_budget.py): the constrained request ends with a 400
+    grows with the output, constrained/limits.py): the constrained request ends with a 400
     after its first token, its unconstrained neighbour runs to its end, and nothing leaks."""
     monkeypatch.setenv("RADIXSERVE_GRAMMAR_STEP_BUDGET", "0")
     driver = new_driver(llama_path)
@@ -261,6 +262,29 @@ def test_session_turns_are_constrained_per_turn(llama_path, tokenizer, prompts):
             if turn:
                 assert result.cached_tokens > 0  # the earlier turns' KV was reused
             parent = rid
+
+
+def test_a_grammar_not_compiled_in_time_ends_its_request_and_others_go_on(llama_path, prompts,
+                                                                          monkeypatch):
+    """The compile thread is held busy (as by a grammar that takes minutes); with a timeout of
+    0 s the request waiting behind it ends with a 400 at the next step, the unconstrained one
+    runs, and nothing leaks. SGLang's SGLANG_GRAMMAR_TIMEOUT, as RADIXSERVE_GRAMMAR_TIMEOUT."""
+    monkeypatch.setenv("RADIXSERVE_GRAMMAR_TIMEOUT", "0")
+    driver = new_driver(llama_path)
+    release = threading.Event()
+    driver.scheduler.grammars._executor.submit(release.wait)  # the one compile thread
+    try:
+        driver.submit("late", prompts[0], regex="[a-z]{1,8}", max_new_tokens=8)
+        driver.submit("free", prompts[1], max_new_tokens=8, ignore_eos=True)
+        driver.run()
+    finally:
+        release.set()
+    results = driver.results()
+    reason = results["late"].finished_reason
+    assert reason["type"] == "abort" and reason["status_code"] == 400, reason
+    assert "did not compile within 0 s" in reason["message"]
+    assert results["late"].completion_tokens == 0 and results["free"].completion_tokens == 8
+    assert driver.scheduler.handle_get_internal_state(None).state["num_grammar_queue_reqs"] == 0
 
 
 def test_abort_while_the_grammar_compiles_finishes_the_request(llama_path, prompts):

@@ -5,18 +5,21 @@ queue instead of the waiting queue; its grammar compiles on the ``GrammarCache``
 (at once if it is cached), so a slow compilation never stalls the batches that run meanwhile.
 Each scheduler step moves the requests whose grammar is ready to the waiting queue, in arrival
 order, each with a fresh matcher; a grammar that fails to compile fails its request with a 400
-carrying the grammar library's message, before anything of it was scheduled.
+carrying the grammar library's message, before anything of it was scheduled, and so does one that
+has not compiled within the timeout (``constrained/limits.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
 from radixserve.constrained import GrammarCache, GrammarError, GrammarKey
-from radixserve.constrained.step_budget import TimedMatcher
+from radixserve.constrained.limits import TimedMatcher, compile_timeout_message
 from radixserve.finish_reason import FinishAbort
 from radixserve.managers.scheduler.schedule_batch import Req
 
@@ -32,9 +35,13 @@ class Compiled:
 
 
 class GrammarQueue:
-    def __init__(self, cache: GrammarCache) -> None:
+    """``timeout_s``: how long a request may wait for its compile (``constrained/limits.py``)."""
+
+    def __init__(self, cache: GrammarCache, timeout_s: float = math.inf) -> None:
         self.cache = cache
+        self.timeout_s = timeout_s
         self.reqs: list[Req] = []
+        self._since: dict[str, float] = {}  # rid -> when it joined the queue
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -45,6 +52,7 @@ class GrammarQueue:
         assert grammar is not None, "only constrained requests wait for a grammar"
         req.grammar_future = self.cache.get(GrammarKey(*grammar))
         self.reqs.append(req)
+        self._since[req.rid] = time.monotonic()
 
     def pop_compiled(self, wait_all: bool = False) -> Compiled:
         """Take every request whose compilation finished, in arrival order. ``wait_all``: wait
@@ -54,11 +62,20 @@ class GrammarQueue:
             wait([r.grammar_future for r in self.reqs])
         out = Compiled()
         waiting = []
+        now = time.monotonic()
         for req in self.reqs:
             future = req.grammar_future
             if not future.done():
-                waiting.append(req)
+                if now - self._since[req.rid] < self.timeout_s:
+                    waiting.append(req)
+                    continue
+                # The compile goes on (a thread cannot be stopped); the request stops waiting.
+                out.failed.append((req, FinishAbort(
+                    message=compile_timeout_message(self.timeout_s), status_code=400)))
+                del self._since[req.rid]
+                req.grammar_future = None
                 continue
+            del self._since[req.rid]
             req.grammar_future = None
             try:
                 req.grammar = TimedMatcher(self.cache.backend.new_matcher(future.result()))
@@ -79,6 +96,7 @@ class GrammarQueue:
         self.reqs = [r for r in self.reqs if not hit(r)]
         for req in removed:
             req.grammar_future = None
+            del self._since[req.rid]
         return removed
 
     def wait(self, timeout: float) -> None:

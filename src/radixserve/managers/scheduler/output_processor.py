@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from radixserve import envs
-from radixserve.constrained.step_budget import over_budget_message
+from radixserve.constrained.limits import over_budget_message
 from radixserve.finish_reason import FinishAbort, FinishLength, FinishReason
 from radixserve.layers.sampler import InputLogprobs
 from radixserve.managers.io_struct import (
@@ -131,7 +131,7 @@ class OutputProcessor:
         self.send_to_detokenizer = send_to_detokenizer
         self.send_to_tokenizer = send_to_tokenizer
         self.inject_faults = envs.RADIXSERVE_TEST_INJECT_FAULTS.get()
-        self.grammar_step_budget_s = grammar_step_budget_s  # constrained/step_budget.py
+        self.grammar_step_budget_s = grammar_step_budget_s  # constrained/limits.py
 
     def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
         """``result`` is the runner's ``SampleOutput`` for ``batch``."""
@@ -192,7 +192,7 @@ class OutputProcessor:
             )
             return
         if req.grammar is not None and req.grammar.slowest_s >= self.grammar_step_budget_s:
-            # Its next steps would stall the whole batch longer still (constrained/step_budget)
+            # Its next steps would stall the whole batch longer still (constrained/limits)
             logger.warning("request %r: a grammar step took %.3f s; stopped", req.rid,
                            req.grammar.slowest_s)
             message = over_budget_message(req.grammar.slowest_s, self.grammar_step_budget_s)

@@ -61,7 +61,7 @@ from radixserve.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from radixserve.constrained import GrammarCache
-    from radixserve.constrained.step_budget import TimedMatcher
+    from radixserve.constrained.limits import TimedMatcher
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 # Every ``Req`` alive in this process, for the internal state's ``num_live_reqs``: once no

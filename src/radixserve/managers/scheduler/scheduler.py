@@ -114,7 +114,7 @@ class Scheduler:
         self.page_size: int = runner.page_size
         self.tree_cache = parts.tree_cache
         self.grammars = parts.grammars
-        self.grammar_queue = GrammarQueue(self.grammars)
+        self.grammar_queue = GrammarQueue(self.grammars, settings.grammar_timeout)
         self.sessions = parts.sessions
         self.memory = MemoryChecker(
             self.tree_cache, self.allocator, self.req_to_token_pool, self.max_total_num_tokens

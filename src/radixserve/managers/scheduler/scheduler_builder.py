@@ -18,7 +18,7 @@ import torch
 
 from radixserve import envs
 from radixserve.constrained import GrammarCache, create_grammar_backend
-from radixserve.constrained.step_budget import step_budget_s
+from radixserve.constrained.limits import compile_timeout_s, step_budget_s
 from radixserve.distributed import ParallelState
 from radixserve.managers.scheduler.draft_proposer import (
     DraftModelProposer,
@@ -184,6 +184,7 @@ def build_scheduler(
         chunked_prefill_size=server_args.chunked_prefill_size,
         watchdog_timeout=server_args.watchdog_timeout,
         waiting_timeout=waiting_timeout(parallel),
+        grammar_timeout=compile_timeout_s(parallel.distributed),
     )
     make_loop = choose_loop(server_args, parallel, tp_worker, is_generation, draft_model)
     return Scheduler(

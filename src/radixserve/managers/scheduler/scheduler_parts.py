@@ -3,6 +3,7 @@ code reads (kept apart from the builder so that the scheduler never imports its 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from radixserve.constrained import GrammarCache
@@ -26,6 +27,7 @@ class SchedulerSettings:
     chunked_prefill_size: int
     watchdog_timeout: float
     waiting_timeout: float = 0.0  # RADIXSERVE_REQ_WAITING_TIMEOUT; <= 0: none
+    grammar_timeout: float = math.inf  # RADIXSERVE_GRAMMAR_TIMEOUT (constrained/limits.py)
 
 
 @dataclass

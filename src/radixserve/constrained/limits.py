@@ -1,4 +1,9 @@
-"""A time budget per grammar step, so that one constrained request cannot stall the others.
+"""Bounds on what one constrained request's grammar may cost the others: its compile, its steps.
+
+A grammar compiles on one worker thread (``GrammarCache``), so a compile that never ends would
+hold every later grammar behind it: a request whose grammar has not compiled within
+``RADIXSERVE_GRAMMAR_TIMEOUT`` seconds (default 300, SGLang's ``SGLANG_GRAMMAR_TIMEOUT``) ends
+with a 400 (``GrammarQueue``). Matching then runs on the scheduler's thread:
 
 A matcher's work per token is usually microseconds, but an ambiguous grammar (a bounded
 repetition of a part that can be empty, written as a regex or in EBNF) keeps every way of
@@ -27,24 +32,34 @@ from radixserve import envs
 from radixserve.constrained.base import GrammarMatcher
 
 DEFAULT_STEP_BUDGET_S = 0.5
+DEFAULT_COMPILE_TIMEOUT_S = 300.0
 
 
 def step_budget_s(distributed: bool) -> float:
     """``RADIXSERVE_GRAMMAR_STEP_BUDGET`` in seconds (a number >= 0); infinite for the ranks of
     a ``distributed`` model (see the module docstring)."""
-    value = envs.RADIXSERVE_GRAMMAR_STEP_BUDGET.get("")
+    return _seconds(envs.RADIXSERVE_GRAMMAR_STEP_BUDGET, DEFAULT_STEP_BUDGET_S, distributed)
+
+
+def compile_timeout_s(distributed: bool) -> float:
+    """``RADIXSERVE_GRAMMAR_TIMEOUT`` in seconds (a number >= 0); infinite for the ranks of a
+    ``distributed`` model, which wait for every compile together (each reads its own clock)."""
+    return _seconds(envs.RADIXSERVE_GRAMMAR_TIMEOUT, DEFAULT_COMPILE_TIMEOUT_S, distributed)
+
+
+def _seconds(env: envs.EnvStr, default: float, distributed: bool) -> float:
+    value = env.get("")
     if distributed:
         if value:
-            raise ValueError("RADIXSERVE_GRAMMAR_STEP_BUDGET does not combine with tensor or "
-                             "pipeline parallelism")
+            raise ValueError(f"{env.name} does not combine with tensor or pipeline parallelism")
         return math.inf
-    value = value or str(DEFAULT_STEP_BUDGET_S)
+    value = value or str(default)
     try:
         seconds = float(value)
     except ValueError:
         seconds = -1.0
     if not seconds >= 0.0:  # NaN too
-        raise ValueError(f"RADIXSERVE_GRAMMAR_STEP_BUDGET must be seconds >= 0, got {value!r}")
+        raise ValueError(f"{env.name} must be seconds >= 0, got {value!r}")
     return seconds
 
 
@@ -81,3 +96,8 @@ def over_budget_message(slowest_s: float, budget_s: float) -> str:
             f"{slowest_s:.3f} s, over the {budget_s:g} s budget (RADIXSERVE_GRAMMAR_STEP_BUDGET); "
             "its matching cost grows with the output, as for an ambiguous grammar such as a "
             "bounded repetition of a part that can match the empty string")
+
+
+def compile_timeout_message(timeout_s: float) -> str:
+    return (f"the grammar did not compile within {timeout_s:g} s (RADIXSERVE_GRAMMAR_TIMEOUT): "
+            "it is too complex, or the grammars compiling before it were")
