@@ -1,24 +1,24 @@
 """Bounds on what one constrained request's grammar may cost the others: its compile, its steps.
 
-A grammar compiles on one worker thread (``GrammarCache``), so a compile that never ends would
-hold every later grammar behind it: a request whose grammar has not compiled within
-``RADIXSERVE_GRAMMAR_TIMEOUT`` seconds (default 300, SGLang's ``SGLANG_GRAMMAR_TIMEOUT``) ends
-with a 400 (``GrammarQueue``). Matching then runs on the scheduler's thread:
+Compile: grammars compile one at a time on a worker thread (``GrammarCache``), so a compile
+that never ends would hold every later grammar behind it. A request whose grammar has not
+compiled within ``RADIXSERVE_GRAMMAR_TIMEOUT`` seconds (default 300, as SGLang's
+``SGLANG_GRAMMAR_TIMEOUT``) ends with a 400 (``GrammarQueue``); the compile itself runs on.
 
-A matcher's work per token is usually microseconds, but an ambiguous grammar (a bounded
+Steps: a matcher's work per token is usually microseconds, but an ambiguous grammar (a bounded
 repetition of a part that can be empty, written as a regex or in EBNF) keeps every way of
 splitting the text alive, and each token then costs more than the one before: measured with
 xgrammar 0.2.x, ``root ::= (([a-z]{0,30}){0,29}){0,31}`` took 1.7 s for one token within 30.
-The matching runs on the scheduler's thread, so every other request waits for it. Regexes of that
-shape are refused before compiling (``regex_support.py``); this budget catches what a static check
-cannot see: ``TimedMatcher`` remembers a request's slowest step (mask or advance), and the
-scheduler ends the request with a 400 once a step took longer than
-``RADIXSERVE_GRAMMAR_STEP_BUDGET`` seconds (default 0.5, a hundred times what a usual step
-takes; 0 ends every constrained request after its first token, which is how tests see it act).
-Steps are timed in the scheduler thread's CPU time, so a thread descheduled by a busy machine
-never looks like a slow grammar. With tensor or pipeline parallelism the budget is off (and
-setting it is refused): each rank times its own matchers, and ranks that ended different
-requests would run different batches.
+Matching runs on the scheduler's thread, so every other request waits for it. Regexes of that
+shape are refused before compiling (``regex_support.py``); the step budget catches what a static
+check cannot see: ``TimedMatcher`` remembers a request's slowest step (mask or advance), and the
+scheduler ends the request with a 400 once a step took ``RADIXSERVE_GRAMMAR_STEP_BUDGET``
+seconds or more (default 0.5, a hundred times what a usual step takes; 0 ends every constrained
+request after its first token, which is how tests see it act). Steps are timed in the scheduler
+thread's CPU time, so a thread descheduled by a busy machine never looks like a slow grammar.
+
+With tensor or pipeline parallelism both are off (and setting them is refused): each rank reads
+its own clocks, and ranks that ended different requests would run different batches.
 """
 
 from __future__ import annotations
