@@ -19,6 +19,7 @@ syntax errors.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from re import _constants as _sre_constants
 from re import _parser as _sre_parse
@@ -39,9 +40,11 @@ def check_regex(pattern: str, where: str) -> None:
     """Raise ``GrammarError`` (its message starting with ``where``) if ``pattern`` repeats a
     part that can match the empty string a bounded number of times (see the module docstring)."""
     try:
-        parsed = _sre_parse.parse(pattern)
-    except (_sre_constants.error, RecursionError, OverflowError):
-        return  # not Python's syntax: xgrammar judges it
+        with warnings.catch_warnings():  # "possible nested set" and such: xgrammar's to judge
+            warnings.simplefilter("ignore")
+            parsed = _sre_parse.parse(pattern)
+    except Exception:  # not Python's syntax (or too deep for its parser): xgrammar judges it
+        return
     for low, high in _copied_empty_parts(parsed, 1):
         bounds = f"{{{low},{'' if high == _UNBOUNDED else high}}}"
         raise GrammarError(
