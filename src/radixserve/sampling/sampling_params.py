@@ -23,11 +23,11 @@ _EPS = 1e-6
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 # Every generated token is checked against every stop string: bound the work one request buys.
 MAX_STOP_STRINGS = 128
+MAX_STOP_STRING_CHARS = 4096
 # Bounds that keep float32 logits finite after a bias, a repetition penalty (a divisor of
 # positive logits) and a temperature down to _EPS: past them the sampler would see inf and NaN.
 MAX_LOGIT_BIAS = 1e30
 MIN_REPETITION_PENALTY = 1e-20
-MAX_STOP_STRING_CHARS = 4096
 # SGLang's sampling keys radixserve does not implement, with the values that mean "unused".
 UNSUPPORTED_KEYS: dict[str, tuple[Any, ...]] = {
     "beam_width": (None, 1),

@@ -41,7 +41,6 @@ class GrammarQueue:
         self.cache = cache
         self.timeout_s = timeout_s
         self.reqs: list[Req] = []
-        self._since: dict[str, float] = {}  # rid -> when it joined the queue
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -52,7 +51,6 @@ class GrammarQueue:
         assert grammar is not None, "only constrained requests wait for a grammar"
         req.grammar_future = self.cache.get(GrammarKey(*grammar))
         self.reqs.append(req)
-        self._since[req.rid] = time.monotonic()
 
     def pop_compiled(self, wait_all: bool = False) -> Compiled:
         """Take every request whose compilation finished, in arrival order. ``wait_all``: wait
@@ -66,16 +64,14 @@ class GrammarQueue:
         for req in self.reqs:
             future = req.grammar_future
             if not future.done():
-                if now - self._since[req.rid] < self.timeout_s:
+                if now - req.queued_at < self.timeout_s:  # queued when it arrived
                     waiting.append(req)
                     continue
                 # The compile goes on (a thread cannot be stopped); the request stops waiting.
                 out.failed.append((req, FinishAbort(
                     message=compile_timeout_message(self.timeout_s), status_code=400)))
-                del self._since[req.rid]
                 req.grammar_future = None
                 continue
-            del self._since[req.rid]
             req.grammar_future = None
             try:
                 req.grammar = TimedMatcher(self.cache.backend.new_matcher(future.result()))
@@ -96,7 +92,6 @@ class GrammarQueue:
         self.reqs = [r for r in self.reqs if not hit(r)]
         for req in removed:
             req.grammar_future = None
-            del self._since[req.rid]
         return removed
 
     def wait(self, timeout: float) -> None:
