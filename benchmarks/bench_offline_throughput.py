@@ -340,7 +340,7 @@ def print_kernel_dispatch(args: argparse.Namespace, model_path: str,
     from radixserve.layers.quantization.int8 import CpuInt8Weight
     from radixserve.model_config import ModelConfig, resolve_device
 
-    if resolve_device(args.device).type != "cpu" or not cpu_kernels.load_cpu_kernels():
+    if resolve_device(args.device).type != "cpu" or not cpu_kernels.has_ops("linear"):
         return  # a GPU's kernels are chosen once at build time, no dispatch table to show
     config = ModelConfig.from_path(model_path, dtype=args.dtype)
     dtype = config.torch_dtype
@@ -366,6 +366,8 @@ def print_kernel_dispatch(args: argparse.Namespace, model_path: str,
             print(json.dumps({"kernel_dispatch": layer, "n": n, "k": k, "kind": weight.kind(),
                               "source": source, "kernels": kd.describe(table),
                               "deterministic": deterministic}), flush=True)
+        if cpu_kernels.attention_kernels_support(dtype, config.head_dim) is not None:
+            return  # attention on the torch_native backend (an AVX2 CPU): no table
         # prefill attention per (extend, prefix) length bucket (layers/attention/extend_dispatch)
         allowed = xd.allowed_candidates(deterministic)
         shape = xd.Shape(dtype, config.head_dim,

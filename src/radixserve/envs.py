@@ -32,6 +32,9 @@ RADIXSERVE_DISABLE_CPU_KERNELS = EnvBool("RADIXSERVE_DISABLE_CPU_KERNELS")
 # Build those kernels for AVX-512 F/BW only, without the BF16, VNNI and AMX instructions this CPU
 # may have: the code older AVX-512 CPUs (Skylake, Cascade Lake) run, checked by the tests here.
 RADIXSERVE_CPU_KERNELS_AVX512_BASE = EnvBool("RADIXSERVE_CPU_KERNELS_AVX512_BASE")
+# Build the kernels an AVX2 CPU without AVX-512 runs (the linear kernel, csrc/avx2/) on a CPU
+# that has AVX-512, and use torch for the other ops: checked by the tests on any x86 CPU.
+RADIXSERVE_CPU_KERNELS_AVX2 = EnvBool("RADIXSERVE_CPU_KERNELS_AVX2")
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,12 @@ from radixserve.model_executor import model_runner
 from tests.checkpoints import kv_scales_of
 from tests.engine.conftest import ENGINE_KWARGS
 from tests.engine.test_quantized_engine import PROMPTS, greedy
+from tests.layers.helpers import needs_kernels
 from tests.model_executor.harness import make_runner
 from tests.model_executor.test_kv_scales import layer_count, scales_file
 
 
+@needs_kernels  # the cpu attention backend
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
 def test_engine_with_a_quantized_kv_cache_matches_torch_native(llama_path, strict_env,
                                                                kv_cache_dtype):
@@ -33,6 +35,7 @@ def test_engine_with_a_quantized_kv_cache_matches_torch_native(llama_path, stric
     assert [o["output_ids"] for o in outs] == greedy(runner, PROMPTS, 12)
 
 
+@needs_kernels  # the cpu attention backend
 def test_engine_over_a_calibrated_checkpoint_reads_its_kv_scales(calibrated_path, strict_env):
     """A checkpoint with a k_scale and v_scale per layer served with an fp8 KV cache: the
     Engine's cpu kernels (prefill and decode, CPU graphs) read each layer's codes under its
@@ -48,6 +51,7 @@ def test_engine_over_a_calibrated_checkpoint_reads_its_kv_scales(calibrated_path
     assert [o["output_ids"] for o in outs] == greedy(runner, PROMPTS, 12)
 
 
+@needs_kernels  # the cpu attention backend
 def test_engine_reads_a_quantization_param_file(llama_path, tmp_path, strict_env):
     """--quantization-param-path reaches the scheduler's runner: the Engine's cpu kernels over
     the file's scales generate what a torch_native runner over the same file does. The scales

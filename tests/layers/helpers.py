@@ -8,18 +8,34 @@ import torch
 from radixserve import envs
 from radixserve.layers.cpu_kernels import _cpu_flags, load_cpu_kernels
 
-# the kernels run here: the CPU has the instructions and RADIXSERVE_DISABLE_CPU_KERNELS is unset
-HAS_KERNELS = {"avx512f", "avx512bw"} <= _cpu_flags() and (
-    not envs.RADIXSERVE_DISABLE_CPU_KERNELS.get()
+_FLAGS = _cpu_flags()  # as the kernels are built (RADIXSERVE_CPU_KERNELS_AVX2 hides AVX-512)
+_ENABLED = not envs.RADIXSERVE_DISABLE_CPU_KERNELS.get()
+# all the kernels run here: the CPU has AVX-512 F/BW and RADIXSERVE_DISABLE_CPU_KERNELS is unset
+HAS_KERNELS = {"avx512f", "avx512bw"} <= _FLAGS and _ENABLED
+# the linear kernel runs here: that, or the AVX2 build (csrc/avx2/) on a CPU with AVX2 and FMA
+HAS_LINEAR_KERNEL = HAS_KERNELS or ({"avx2", "fma"} <= _FLAGS and _ENABLED)
+HAS_AMX = HAS_KERNELS and {"amx_tile", "amx_bf16"} <= _FLAGS
+
+
+# for tests that ask for what only the AVX-512 kernels provide by name: the `cpu` attention
+# backend (and so CPU graphs), the LoRA, int8 and 4-bit kernels
+needs_kernels = pytest.mark.skipif(
+    not HAS_KERNELS, reason="needs radixserve's CPU kernels (AVX-512 F and BW, not disabled)"
 )
-HAS_AMX = HAS_KERNELS and {"amx_tile", "amx_bf16"} <= _cpu_flags()
 
 
 def kernels_here() -> bool:
-    """Load the kernels (whichever test runs first); they load exactly where the CPU has
-    AVX-512 F/BW, and elsewhere ops keep to torch."""
-    assert load_cpu_kernels() == HAS_KERNELS
+    """Load the kernels (whichever test runs first); whether all of them run here. They load
+    where the CPU has AVX-512 F/BW (all of them) or AVX2 and FMA (the linear kernel only), and
+    elsewhere ops keep to torch."""
+    assert load_cpu_kernels() == HAS_LINEAR_KERNEL
     return HAS_KERNELS
+
+
+def linear_kernel_here() -> bool:
+    """Load the kernels; whether the linear kernel runs here (all builds have it)."""
+    kernels_here()
+    return HAS_LINEAR_KERNEL
 
 
 def require_kernels() -> None:
@@ -27,6 +43,13 @@ def require_kernels() -> None:
     test must show as skipped, not passed."""
     if not kernels_here():
         pytest.skip("needs radixserve's CPU kernels (AVX-512 F and BW, not disabled)")
+
+
+def require_linear_kernel() -> None:
+    """Skip the calling test where no build of the linear kernel runs (neither AVX-512 F/BW
+    nor AVX2 and FMA, or disabled)."""
+    if not linear_kernel_here():
+        pytest.skip("needs radixserve's linear kernel (AVX-512 F/BW or AVX2 and FMA)")
 
 
 def bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:

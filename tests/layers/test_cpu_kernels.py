@@ -33,6 +33,8 @@ from radixserve.layers.cpu_kernels import (
     fused_add_rms_norm,
     gemm_amx,
     grouped_gemm_amx,
+    has_ops,
+    kernel_set,
     linear,
     load_cpu_kernels,
     pack_linear_weight,
@@ -47,10 +49,12 @@ from radixserve.layers.rotary_embedding import RotaryEmbedding
 from tests.layers.helpers import (
     HAS_AMX,
     HAS_KERNELS,
+    HAS_LINEAR_KERNEL,
     assert_bf16_equal_but_for_ties,
     bf16_close,
     bf16_inputs,
     require_kernels,
+    require_linear_kernel,
 )
 
 
@@ -64,8 +68,12 @@ def random_problem(n: int, k: int, m: int, bias: bool, dtype: torch.dtype = torc
 
 
 def test_kernels_build_exactly_where_the_cpu_supports_them():
-    assert load_cpu_kernels() == HAS_KERNELS
-    if HAS_KERNELS:
+    assert load_cpu_kernels() == HAS_LINEAR_KERNEL
+    assert has_ops("linear") == HAS_LINEAR_KERNEL  # AVX-512 F/BW, or AVX2 and FMA
+    assert has_ops("linear", "rms_norm", "decode_attention", "linear_int8") == HAS_KERNELS
+    assert kernel_set() is None or kernel_set().name == ("avx512" if HAS_KERNELS else "avx2")
+    assert not has_ops("no_such_kernel")
+    if HAS_LINEAR_KERNEL:
         assert amx_available() == HAS_AMX
 
 
@@ -86,7 +94,7 @@ def kernel_linear(x, w, b):
     (100, 1300, 20, True), (72, 2210, 9, False),
 ])
 def test_linear_kernel_equals_a_float64_reference_up_to_rounding(dtype, n, k, m, bias):
-    require_kernels()
+    require_linear_kernel()
     w, x, b, reference = random_problem(n, k, m, bias, dtype)
     out = kernel_linear(x, w, b)
     assert out.shape == (m, n) and out.dtype == dtype
@@ -123,11 +131,11 @@ def test_what_a_killed_build_leaves_blocks_no_later_load_or_build(tmp_path, avx5
     from radixserve.layers import cpu_kernels
 
     assert load_cpu_kernels()
-    built = cpu_kernels._build_dir(cpu_kernels._cpu_flags())
+    built = cpu_kernels._build_dir(cpu_kernels._cpu_flags(), cpu_kernels.kernel_set())
     base_flags = cpu_kernels._cpu_flags() - NEWER_ISA.keys()
     fresh = avx512_base_cache if not any(avx512_base_cache.iterdir()) else tmp_path / "fresh"
     cases = [(tmp_path / "cached", built, {}),
-             (fresh, cpu_kernels._build_dir(base_flags),
+             (fresh, cpu_kernels._build_dir(base_flags, cpu_kernels.KERNEL_SETS[0]),
               {"RADIXSERVE_CPU_KERNELS_AVX512_BASE": "1"})]
     for cache, build, env in cases:
         kernels = cache / build.parent.relative_to(build.parents[2])
@@ -154,13 +162,14 @@ def test_kernels_for_avx512_cpus_without_bf16_vnni_or_amx_pass_the_kernel_tests(
     refuses them), it must pass the kernel, packed-weight, op, int8 and KV-cache quantization
     tests as they stand (the AMX kernel's own tests left out: that build has no AMX, and every
     test that runs must run, not skip; the killed-build test too, which has nothing of the
-    instruction sets in it and would build the variant again)."""
+    instruction sets in it and would build the variant again, and the AVX2 build's, a build of
+    its own)."""
     repo = Path(__file__).resolve().parents[2]
     tests = ["test_cpu_kernels.py", "test_packed_weight.py", "test_custom_ops.py",
              "test_quantization.py", "test_quantization_int4.py", "test_kv_cache_quant.py"]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-         "not avx512_cpus_without and not test_amx_ and not killed_build",
+         "not avx512_cpus_without and not test_amx_ and not killed_build and not avx2_build",
          *[f"tests/layers/{name}" for name in tests]],
         cwd=repo,
         env={**os.environ, "RADIXSERVE_CPU_KERNELS_AVX512_BASE": "1",
@@ -173,9 +182,69 @@ def test_kernels_for_avx512_cpus_without_bf16_vnni_or_amx_pass_the_kernel_tests(
     assert " passed" in done.stdout and "skipped" not in done.stdout
 
 
+# problems whose outputs an AVX2 build must give bit for bit (below): every row-tile height,
+# a partial block, odd K, a bias or none
+BIT_PROBLEMS = [(1001, 257, 13, True), (40, 71, 7, False), (17, 2048, 32, True)]
+
+
+def outputs_in_a_fresh_process(path: Path, env: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The linear kernel's outputs on ``BIT_PROBLEMS`` in both dtypes, computed by a process
+    with ``env`` (which kernel build it loads)."""
+    script = (
+        "import sys, torch; from tests.layers.test_cpu_kernels import bit_outputs; "
+        "torch.save(bit_outputs(), sys.argv[1])"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parents[2],
+                          env={**os.environ, **env}, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(path)
+
+
+def bit_outputs() -> dict[str, torch.Tensor]:
+    assert load_cpu_kernels()
+    return {f"{dtype}-{n}-{k}-{m}": kernel_linear(x, w, b)
+            for dtype in (torch.float32, torch.bfloat16)
+            for n, k, m, bias in BIT_PROBLEMS
+            for w, x, b, _ in [random_problem(n, k, m, bias, dtype)]}
+
+
+@pytest.mark.skipif(not HAS_KERNELS, reason="this CPU runs the AVX2 build itself, or none")
+@pytest.mark.timeout(1500)  # two builds of their own on a loaded machine, then the tests
+def test_the_avx2_build_passes_the_linear_tests_with_the_avx512_kernels_bits(
+        tmp_path, avx512_base_cache):
+    """CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, Intel before Skylake-SP) build
+    ``csrc/avx2/``: the linear kernel alone. Built here with AVX-512 hidden, it must pass the
+    linear kernel and packed-weight tests as they stand (none skipped), leave the other ops to
+    torch, and give what the AVX-512 kernel without AVX512-BF16 gives, bit for bit: the same
+    chains of multiply-adds (float32 layers: the same bits as this CPU's own build)."""
+    avx2 = {"RADIXSERVE_CPU_KERNELS_AVX2": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+         "linear_kernel or build_exactly or test_packed_weight",
+         "tests/layers/test_cpu_kernels.py", "tests/layers/test_packed_weight.py"],
+        cwd=repo, env={**os.environ, **avx2}, capture_output=True, text=True, timeout=1400,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout
+    ours = outputs_in_a_fresh_process(tmp_path / "avx2.pt", avx2)
+    if NEWER_ISA.keys() & _cpu_flags():  # this CPU's build uses AVX512-BF16 or newer
+        base = outputs_in_a_fresh_process(tmp_path / "base.pt", {
+            "RADIXSERVE_CPU_KERNELS_AVX512_BASE": "1", "XDG_CACHE_HOME": str(avx512_base_cache)})
+    else:
+        base = bit_outputs()
+    here = bit_outputs()
+    assert ours.keys() == base.keys() == here.keys()
+    for key in ours:
+        assert torch.equal(ours[key], base[key]), key
+        if key.startswith("torch.float32"):
+            assert torch.equal(ours[key], here[key]), key
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_linear_kernel_gives_a_row_the_same_bits_in_every_batch(dtype):
-    require_kernels()
+    require_linear_kernel()
     k = 2210  # a long input: several row tiles read each weight panel from L2
     w, x, b, _ = random_problem(1001, k, 70, True, dtype)
     full = kernel_linear(x, w, b)
@@ -187,7 +256,7 @@ def test_linear_kernel_gives_a_row_the_same_bits_in_every_batch(dtype):
 
 
 def test_linear_kernel_rejects_bad_input_with_a_clear_error():
-    require_kernels()
+    require_linear_kernel()
     blocked = pack_linear_weight(torch.zeros(40, 64, dtype=torch.bfloat16))
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="linear takes bfloat16 or float32 activations, got Ha"):

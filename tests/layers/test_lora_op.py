@@ -8,6 +8,7 @@ import torch
 
 from radixserve.layers.custom_op import OpImpl, build_context
 from radixserve.layers.lora import LoRABatchInfo, LoRADelta
+from tests.layers.helpers import needs_kernels
 
 
 def _expected(x, a, b, slots):
@@ -84,13 +85,7 @@ def assert_two_ranks_sum_to(impl, x, a, b, info, expected, **tol):
     torch.testing.assert_close(got, expected, **tol)
 
 
-needs_kernels = pytest.mark.skipif(
-    not __import__("radixserve.layers.cpu_kernels", fromlist=["x"]).load_cpu_kernels(),
-    reason="radixserve's CPU kernels do not load here",
-)
-
-
-@needs_kernels
+@needs_kernels  # the LoRA kernel (lora_add_), an AVX-512 one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("slots", [
     [1, -1, 0, 1, 2, 0, -1, 1, 1, 1, 1, 2],  # a decode: interleaved, a slot of five rows
@@ -127,6 +122,7 @@ def test_the_fused_cpu_kernel_adds_the_reference_delta_in_place(dtype, slots):
         b[0] *= 2  # the pool writes a slot: a new version, the copies are rebuilt
 
 
+@needs_kernels  # the LoRA kernel (lora_add_), an AVX-512 one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("runs", [True, False], ids=["runs", "interleaved"])
 def test_a_prefill_adds_in_place_the_same_bits_as_adding_the_cpu_delta(dtype, runs):

@@ -24,7 +24,7 @@ from radixserve.layers.packed_weight import (
     prepack_model,
 )
 from radixserve.layers.vocab_embedding import LMHead, VocabEmbedding
-from tests.layers.helpers import HAS_AMX, bf16_close, kernels_here, require_kernels
+from tests.layers.helpers import HAS_AMX, bf16_close, linear_kernel_here, require_linear_kernel
 from tests.model_executor.harness import make_runner
 
 LAYERS = {
@@ -58,7 +58,7 @@ def test_packed_layers_equal_f_linear_on_the_plain_weight_at_every_batch_size(na
         apply(layer, torch.zeros(1, layer.weight.shape[1], dtype=dtype))
     prepack_model(layer, MEMORY)
     assert layer.packed.weight.data_ptr() == layer.weight.data_ptr()  # the plain weight, kept
-    assert isinstance(layer.packed, CpuPackedWeight if kernels_here() else NativeWeight)
+    assert isinstance(layer.packed, CpuPackedWeight if linear_kernel_here() else NativeWeight)
     gen = torch.Generator().manual_seed(1)
     bias = getattr(layer, "bias", None)
     for rows in (1, 2, 5, 16, 31, 32, 33, 64, 100):
@@ -75,7 +75,7 @@ def test_packed_layers_equal_f_linear_on_the_plain_weight_at_every_batch_size(na
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_packed_weight_is_one_blocked_copy_for_every_batch_size(dtype):
-    require_kernels()
+    require_linear_kernel()
     layer = build_loaded("lm_head", dtype)  # 1001 rows: the copy pads them to 1008
     prepack_model(layer, MEMORY)
     packed = layer.packed
@@ -112,7 +112,7 @@ def test_prepack_model_packs_every_linear_and_the_tied_lm_head_keeps_the_embeddi
     assert len(packables) == 3
     assert all(m.packed.weight.data_ptr() == m.weight.data_ptr() for m in packables)
     assert model["lm_head"].packed.weight.data_ptr() == model["embed"].weight.data_ptr()
-    expected = OpImpl.CPU if kernels_here() else OpImpl.NATIVE
+    expected = OpImpl.CPU if linear_kernel_here() else OpImpl.NATIVE
     assert all(m.impl is expected for m in packables)
 
 
@@ -132,4 +132,4 @@ def test_a_runners_linears_carry_the_packed_weight_of_their_dtype(llama_path, dt
     layer = runner.model.model.layers[0]
     kinds = {type(m.packed) for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj,
                                       runner.model.lm_head)}
-    assert kinds == {CpuPackedWeight if kernels_here() else NativeWeight}
+    assert kinds == {CpuPackedWeight if linear_kernel_here() else NativeWeight}

@@ -98,4 +98,4 @@ def test_cuda_kernels_are_chosen_only_for_cuda(make, monkeypatch):
     monkeypatch.setattr(torch, "get_default_device", lambda: torch.device("cuda"))
     from radixserve.layers.custom_op import select_impl
 
-    assert select_impl(()) is OpImpl.CUDA
+    assert select_impl((), ()) is OpImpl.CUDA

@@ -15,6 +15,7 @@ import torch
 from radixserve.forward_batch import ForwardBatch
 from radixserve.lora.graph_inputs import PAD_LORA_SLOT, LoRAGraphInputs
 from radixserve.model_executor.cpu_graph_runner import CpuGraphRunner
+from tests.layers.helpers import require_kernels
 from tests.lora.adapters import make_adapter
 from tests.model_executor.harness import ManualSlots, make_runner
 
@@ -103,6 +104,7 @@ def test_cpu_graphs_trace_lora_for_any_mix_and_adapters_loaded_after(
     replay must compute what the eager step computes, bit for bit, whichever adapters its rows
     use (not those of the batch it was traced on, nor none), and after an adapter is loaded into
     a slot or unloaded from one (the kernel's copies of the pool are rewritten in place)."""
+    require_kernels()  # CPU graphs need the cpu attention backend: the AVX-512 kernels
     root = tmp_path_factory.mktemp(f"cpu-graph-adapters-{dtype}")
     paths = [
         f"attn={make_adapter(llama_path, root / 'attn', 4, ['q_proj', 'v_proj', 'o_proj'], 21)}",

@@ -10,7 +10,7 @@ import torch
 
 from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.layers.attention import Attention, create_attention_backend
-from radixserve.layers.cpu_kernels import load_cpu_kernels
+from radixserve.layers.cpu_kernels import attention_kernels_support
 from radixserve.mem_cache.kv_pool import MHATokenToKVPool
 from radixserve.mem_cache.req_to_token_pool import ReqToTokenPool
 from tests.layers.helpers import require_kernels
@@ -101,7 +101,7 @@ def _run(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], page
 
 def backends(dtype: torch.dtype) -> list[str]:
     """The backends that run a pool of ``dtype`` here."""
-    cpu = load_cpu_kernels() and dtype in (torch.float32, torch.bfloat16)
+    cpu = attention_kernels_support(dtype, HEAD_DIM) is None
     return ["torch_native", "cpu"] if cpu else ["torch_native"]
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.checkpoints import build_checkpoint
+from tests.layers.helpers import needs_kernels
 from tests.model_executor.harness import ManualSlots, hf_logits, make_runner
 
 ATOL = 1e-4
@@ -32,8 +33,8 @@ SHAPES = {
 
 
 # every shape on the cpu backend; the torch_native reference on the two smallest
-CASES = [(shape, "cpu") for shape in SHAPES] + [("gemma2", "torch_native"),
-                                                ("gemma3", "torch_native")]
+CASES = [pytest.param(shape, "cpu", marks=needs_kernels) for shape in SHAPES] + [
+    ("gemma2", "torch_native"), ("gemma3", "torch_native")]
 
 
 @pytest.fixture(scope="module")

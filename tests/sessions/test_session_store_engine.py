@@ -21,6 +21,7 @@ import pytest
 
 from radixserve import Engine
 from tests.engine.conftest import ENGINE_KWARGS, engine_state, wait_idle
+from tests.layers.helpers import needs_kernels
 from tests.sessions.conftest import BUSY_CHECK, random_ids, sampling
 from tests.sync import wait_for
 
@@ -71,7 +72,8 @@ def offloaded(engine: Engine) -> int:
     return engine_state(engine)["memory"]["session_offloaded_tokens"]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# the int8 case is deterministic: batch-invariant attention, the cpu backend's (AVX-512) kernels
+@pytest.mark.parametrize("case", ["plain", pytest.param("overlap-int8", marks=needs_kernels)])
 def test_engine_offloads_restores_and_resumes_a_session_across_engines(
     llama_path, tmp_path, monkeypatch, case,
 ):

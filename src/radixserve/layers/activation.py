@@ -15,6 +15,7 @@ class SiluAndMul(CustomOp):
     torch does; so does the CUDA one (``layers/triton_ops.py``)."""
 
     cpu_dtypes = cpu_kernels.KERNEL_DTYPES
+    cpu_ops = ("silu_and_mul",)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)

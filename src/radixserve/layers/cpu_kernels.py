@@ -28,17 +28,22 @@ Nothing asks on every call whether they run: each op picks them once, when the m
 (``layers/custom_op.py``), weights are packed for them once, after loading
 (``layers/packed_weight.py``), and the ``cpu`` attention backend calls the attention kernel.
 
-They need AVX-512 F and BW. BF16, FP16 (an fp8 KV cache's values), VNNI (int8 weights) and AMX
-instructions are used where the CPU has them and replaced by AVX-512 F/BW sequences where it
-does not (the same sums, or float32 ones for FP16's), so older AVX-512 CPUs (Skylake, Cascade
+The full set needs AVX-512 F and BW. BF16, FP16 (an fp8 KV cache's values), VNNI (int8 weights)
+and AMX instructions are used where the CPU has them and replaced by AVX-512 F/BW sequences where
+it does not (the same sums, or float32 ones for FP16's), so older AVX-512 CPUs (Skylake, Cascade
 Lake) run every kernel, float32 models included; ``RADIXSERVE_CPU_KERNELS_AVX512_BASE=1``
-builds that code on a newer CPU. The build goes through
+builds that code on a newer CPU. CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, Intel
+before Skylake-SP) build ``csrc/avx2/``, the linear kernel alone, on the same blocked weight and
+with the same sums (the bits of the AVX-512 kernel without AVX512-BF16): torch's own GEMMs are
+slowest there (bf16 at 15-19 GFLOP/s on a Zen 3 at every batch size), and the other ops keep
+their torch implementations (``has_ops`` says which kernels a build registers;
+``RADIXSERVE_CPU_KERNELS_AVX2=1`` builds the AVX2 set on an AVX-512 CPU). The build goes through
 ``torch.utils.cpp_extension`` (ninja and g++, about 20 s) into
 ``~/.cache/radixserve/kernels/<key>``; the key covers the sources, the torch version and this CPU's
 flags (the code is built for the CPU it runs on), so later starts load the cached library at once.
 Builds are serialised by an ``fcntl`` lock on ``<key>.lock``, which the kernel releases when its
 holder dies, and compile in a scratch directory of their own: a build killed half-way leaves
-nothing that later starts wait on. Without a compiler or the
+nothing that later starts wait on. Without a compiler or either
 instruction set, or with ``RADIXSERVE_DISABLE_CPU_KERNELS=1``, ``load_cpu_kernels`` returns False
 and ops are built with their torch implementations.
 """
@@ -53,6 +58,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -62,8 +68,33 @@ from radixserve.cache_files import exclusive, source_digest
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
-HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
+CSRC = Path(__file__).parent / "csrc"
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """One build of the kernels for a class of CPUs: the instructions it needs, its sources and
+    the g++ options that keep newer instructions out of its code."""
+
+    name: str
+    needs: frozenset[str]
+    sources: tuple[Path, ...]
+    cflags: tuple[str, ...] = ()
+
+
+# Best first: a CPU builds the first set whose instructions it has. The AVX2 set holds the
+# linear kernel only (csrc/avx2/): there the other ops keep torch's implementations.
+KERNEL_SETS = (
+    KernelSet("avx512", frozenset({"avx512f", "avx512bw"}), tuple(sorted(CSRC.glob("*.cpp")))),
+    KernelSet(
+        "avx2",
+        frozenset({"avx2", "fma"}),
+        tuple(sorted((CSRC / "avx2").glob("*.cpp"))),
+        ("-mno-avx512f",),  # also when RADIXSERVE_CPU_KERNELS_AVX2 builds it on an AVX-512 CPU
+    ),
+)
+SOURCES = tuple(source for kernel_set in KERNEL_SETS for source in kernel_set.sources)
 LIBRARY_NAME = "radixserve_cpu_kernels"
 BLOCK_ROWS = 16  # output rows per weight block (csrc/linear.cpp)
 AMX_MAX_ROWS = 32  # input rows small_gemm_amx and grouped_gemm_amx take (two tiles of 16)
@@ -85,13 +116,16 @@ NEWER_ISA = {
 
 def _cpu_flags() -> set[str]:
     """This CPU's instruction sets, as the kernels are built for them (without ``NEWER_ISA``
-    under ``RADIXSERVE_CPU_KERNELS_AVX512_BASE``)."""
+    under ``RADIXSERVE_CPU_KERNELS_AVX512_BASE``, without AVX-512 and AMX under
+    ``RADIXSERVE_CPU_KERNELS_AVX2``)."""
     try:
         with open("/proc/cpuinfo") as f:
             line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return set()
     flags = set(line.partition(":")[2].split())
+    if envs.RADIXSERVE_CPU_KERNELS_AVX2.get():
+        return {flag for flag in flags if not flag.startswith(("avx512", "amx"))}
     return flags - NEWER_ISA.keys() if envs.RADIXSERVE_CPU_KERNELS_AVX512_BASE.get() else flags
 
 
@@ -108,8 +142,15 @@ def kernel_sources_digest() -> str:
     return source_digest(*SOURCES, *HEADERS)
 
 
-def _build_dir(flags: set[str]) -> Path:
+def kernel_set() -> KernelSet | None:
+    """The kernels this CPU builds (None: it has neither AVX-512 F/BW nor AVX2 and FMA)."""
+    flags = _cpu_flags()
+    return next((ks for ks in KERNEL_SETS if ks.needs <= flags), None)
+
+
+def _build_dir(flags: set[str], kernels: KernelSet) -> Path:
     key = hashlib.sha256(kernel_sources_digest().encode())
+    key.update(kernels.name.encode())
     key.update(torch.__version__.encode())
     key.update(" ".join(sorted(flags)).encode())
     return envs.radixserve_cache_dir("kernels", key.hexdigest()[:16])
@@ -129,7 +170,9 @@ def _ninja_on_path() -> Iterator[None]:
         os.environ["PATH"] = path
 
 
-def _build_and_load(build_dir: Path, library: Path, left_out: list[str]) -> None:
+def _build_and_load(
+    build_dir: Path, library: Path, kernels: KernelSet, left_out: list[str]
+) -> None:
     """Compile into a scratch directory of this process, then move the library into place.
 
     ``cpp_extension`` guards its build directory with a plain ``lock`` file that only a live
@@ -143,10 +186,13 @@ def _build_and_load(build_dir: Path, library: Path, left_out: list[str]) -> None
     ) as scratch, _ninja_on_path():
         load(  # builds the library and loads it into this process
             name=LIBRARY_NAME,
-            sources=[str(s) for s in SOURCES],
+            sources=[str(s) for s in kernels.sources],
             # -fopenmp: at::parallel_for runs on torch's own OpenMP threads (same libgomp);
             # no contraction: a product and a sum round separately, as torch's kernels do
-            extra_cflags=["-O3", "-march=native", *left_out, "-fopenmp", "-ffp-contract=off"],
+            extra_cflags=[
+                "-O3", "-march=native", *left_out, *kernels.cflags, "-fopenmp",
+                "-ffp-contract=off",
+            ],
             extra_ldflags=["-fopenmp"],
             build_directory=scratch,
             is_python_module=False,
@@ -157,14 +203,13 @@ def _build_and_load(build_dir: Path, library: Path, left_out: list[str]) -> None
 @functools.cache
 def load_cpu_kernels() -> bool:
     """Register ``torch.ops.radixserve_cpu.*``; False when they cannot run here."""
-    if envs.RADIXSERVE_DISABLE_CPU_KERNELS.get():
+    kernels = kernel_set()
+    if envs.RADIXSERVE_DISABLE_CPU_KERNELS.get() or kernels is None:
         return False
     flags = _cpu_flags()
-    if not {"avx512f", "avx512bw"} <= flags:
-        return False
     left_out = [option for flag, option in NEWER_ISA.items() if flag not in flags]
     try:
-        build_dir = _build_dir(flags)
+        build_dir = _build_dir(flags, kernels)
         build_dir.mkdir(parents=True, exist_ok=True)
         library = build_dir / f"{LIBRARY_NAME}.so"
         with exclusive(build_dir.with_suffix(".lock")):
@@ -174,11 +219,23 @@ def load_cpu_kernels() -> bool:
             if library.exists():
                 torch.ops.load_library(str(library))
             else:
-                _build_and_load(build_dir, library, left_out)
+                _build_and_load(build_dir, library, kernels, left_out)
     except Exception as e:  # no compiler, no ninja, a failed build: torch still works
         logger.warning("radixserve's CPU kernels are unavailable, using torch's: %s", e)
         return False
     return True
+
+
+def has_ops(*names: str) -> bool:
+    """Whether the kernels load here and register every op in ``names``
+    (``torch.ops.radixserve_cpu.<name>``): an AVX-512 build has them all, an AVX2 build only
+    ``linear``."""
+    return load_cpu_kernels() and all(_registered(name) for name in names)
+
+
+@functools.cache
+def _registered(name: str) -> bool:
+    return hasattr(torch.ops.radixserve_cpu, name)  # asked once the library is loaded
 
 
 @functools.cache
@@ -378,8 +435,10 @@ def attention_kernels_support(dtype: torch.dtype, head_dim: int) -> str | None:
     """Why the attention kernels cannot take a KV pool of ``dtype`` with ``head_dim``, or None
     when they can (head_dim a multiple of 16 up to 256, float32, bf16, or int8/fp8 codes with
     scales; any GQA group)."""
-    if not load_cpu_kernels():
-        return "radixserve's CPU kernels do not run on this machine"
+    if not has_ops(
+        "decode_attention", "extend_attention", "decode_attention_quant", "extend_attention_quant"
+    ):
+        return "radixserve's CPU attention kernels do not run on this machine"
     if dtype not in KERNEL_DTYPES + QUANTIZED_KV_DTYPES:
         return (
             "the CPU attention kernels take float32, bfloat16, int8, float8_e4m3fn or "

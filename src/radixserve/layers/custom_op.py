@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from radixserve.layers.cpu_kernels import load_cpu_kernels
+from radixserve.layers.cpu_kernels import has_ops
 
 
 class OpImpl(enum.Enum):
@@ -48,11 +48,12 @@ def build_context(device: torch.device | str, dtype: torch.dtype) -> Iterator[No
         torch.set_default_dtype(previous)
 
 
-def select_impl(cpu_dtypes: tuple[torch.dtype, ...]) -> OpImpl:
-    """The implementation an op with CPU kernels for ``cpu_dtypes`` takes in the current build
-    context (torch's default device and dtype)."""
+def select_impl(cpu_dtypes: tuple[torch.dtype, ...], cpu_ops: tuple[str, ...]) -> OpImpl:
+    """The implementation an op whose CPU version calls the kernels ``cpu_ops``
+    (``torch.ops.radixserve_cpu.<name>``) for ``cpu_dtypes`` takes in the current build context
+    (torch's default device and dtype): CPU where this CPU's kernel build has them all."""
     device, dtype = torch.get_default_device(), torch.get_default_dtype()
-    if device.type == "cpu" and dtype in cpu_dtypes and load_cpu_kernels():
+    if device.type == "cpu" and dtype in cpu_dtypes and cpu_ops and has_ops(*cpu_ops):
         return OpImpl.CPU
     if device.type == "cuda":
         return OpImpl.CUDA
@@ -64,15 +65,18 @@ class CustomOp(nn.Module):
 
     Subclasses implement ``forward_native`` and override ``forward_cpu`` / ``forward_cuda``
     where they have kernels, and list in ``cpu_dtypes`` the model dtypes their CPU kernels take
-    (a model in another dtype keeps the native path). The CPU and CUDA versions must return what
-    ``forward_native`` returns, up to the rounding their docstrings state.
+    (a model in another dtype keeps the native path) and in ``cpu_ops`` the kernels
+    ``forward_cpu`` calls (a CPU whose kernel build lacks one keeps the native path). The CPU
+    and CUDA versions must return what ``forward_native`` returns, up to the rounding their
+    docstrings state.
     """
 
     cpu_dtypes: tuple[torch.dtype, ...] = ()
+    cpu_ops: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         super().__init__()
-        self.impl = select_impl(self.cpu_dtypes)
+        self.impl = select_impl(self.cpu_dtypes, self.cpu_ops)
         self._forward: Callable[..., Any] = {
             OpImpl.NATIVE: self.forward_native,
             OpImpl.CPU: self.forward_cpu,

@@ -77,6 +77,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 class FusedMoE(CustomOp):
     cpu_dtypes = cpu_kernels.KERNEL_DTYPES
+    cpu_ops = ("silu_and_mul",)  # and the AMX GEMMs where amx_available()
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, quant_config: QuantizationConfig | None = None,

@@ -25,6 +25,7 @@ class RMSNorm(CustomOp):
     """
 
     cpu_dtypes = cpu_kernels.KERNEL_DTYPES
+    cpu_ops = ("rms_norm", "fused_add_rms_norm")
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()

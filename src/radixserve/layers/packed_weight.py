@@ -204,12 +204,13 @@ class Prepackable(nn.Module):
     and holds ``NotPacked`` until ``prepack_model`` calls ``prepack``, which keeps what the
     subclass's ``pack`` builds."""
 
-    # model dtypes whose weights the CPU kernels pack
+    # model dtypes whose weights the CPU kernels pack, and the kernel they multiply with
     cpu_dtypes = cpu_kernels.KERNEL_DTYPES
+    cpu_ops = ("linear",)
 
     def __init__(self) -> None:
         super().__init__()
-        self.impl = select_impl(self.cpu_dtypes)
+        self.impl = select_impl(self.cpu_dtypes, self.cpu_ops)
         self.packed: PackedWeight = NotPacked()
 
     def prepack(self, options: PackOptions) -> PackedWeight:
@@ -240,7 +241,7 @@ def planned_copy_bytes(
     packs = (
         device.type == "cpu"
         and dtype in cpu_kernels.KERNEL_DTYPES
-        and cpu_kernels.load_cpu_kernels()
+        and cpu_kernels.has_ops(*Prepackable.cpu_ops)
         and room_for_packed_copy(weight_bytes, total_memory_bytes)
     )
     return weight_bytes if packs else 0

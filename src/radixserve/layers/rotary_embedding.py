@@ -96,6 +96,7 @@ class ApplyRotaryEmbedding(CustomOp):
     exactly as these four ops; the CUDA one (``layers/triton_ops.py``) rounds where they do."""
 
     cpu_dtypes = cpu_kernels.KERNEL_DTYPES
+    cpu_ops = ("rotary",)
 
     def forward_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)

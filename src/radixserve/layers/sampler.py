@@ -109,6 +109,7 @@ class GreedyArgmax(CustomOp):
     """
 
     cpu_dtypes = cpu_kernels.KERNEL_DTYPES
+    cpu_ops = ("argmax",)
 
     def forward_native(self, logits: torch.Tensor) -> torch.Tensor:
         bs, vocab = logits.shape
@@ -168,6 +169,7 @@ class TokenBitmask(CustomOp):
     """
 
     cpu_dtypes = cpu_kernels.KERNEL_DTYPES
+    cpu_ops = ("apply_token_bitmask",)
 
     def forward_native(self, mask: GrammarMask, logits: torch.Tensor) -> None:
         mask.apply_backend(logits)

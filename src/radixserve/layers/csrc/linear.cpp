@@ -163,19 +163,8 @@ void run(const at::Tensor& x, const at::Tensor& w, const void* bias, at::Tensor&
 // weight.size(1) steps; bias: [N] of x's dtype or None. Returns [M, n].
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias, int64_t n) {
-  check_activations("linear", x);
+  check_blocked_linear("linear", x, weight, n, kBlock);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "linear: x is ", x.scalar_type(),
-              ", the weight ", weight.scalar_type());
-  const int64_t step = bf16 ? 2 : 1;
-  TORCH_CHECK(weight.dim() == 4 && weight.size(2) == kBlock && weight.size(3) == step &&
-                  weight.is_contiguous(),
-              "weight must be blocked [N/16, K/", step, ", 16, ", step, "]");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == weight.size(1) * step,
-              "x must be [M, K] with contiguous rows and K = ", weight.size(1) * step,
-              " (the weight's padded input size), got ", x.sizes());
-  TORCH_CHECK(n > (weight.size(0) - 1) * kBlock && n <= weight.size(0) * kBlock, "n = ", n,
-              " does not fit the weight's ", weight.size(0), " blocks");
   const void* bp = checked_bias("linear", x, bias, n);
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return y;

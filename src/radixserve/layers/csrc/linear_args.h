@@ -25,6 +25,24 @@ inline const void* checked_bias(const char* op, const at::Tensor& x,
   return bias->data_ptr();
 }
 
+// x [M, K] (rows contiguous) against a blocked weight [N/block, K/step, block, step] of x's
+// dtype (step 2 for bf16's input pairs, 1 for float32) for an n-column output.
+inline void check_blocked_linear(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                                 int64_t n, int64_t block) {
+  check_activations(op, x);
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), op, ": x is ", x.scalar_type(),
+              ", the weight ", weight.scalar_type());
+  const int64_t step = x.scalar_type() == at::kBFloat16 ? 2 : 1;
+  TORCH_CHECK(weight.dim() == 4 && weight.size(2) == block && weight.size(3) == step &&
+                  weight.is_contiguous(),
+              "weight must be blocked [N/", block, ", K/", step, ", ", block, ", ", step, "]");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == weight.size(1) * step,
+              "x must be [M, K] with contiguous rows and K = ", weight.size(1) * step,
+              " (the weight's padded input size), got ", x.sizes());
+  TORCH_CHECK(n > (weight.size(0) - 1) * block && n <= weight.size(0) * block, "n = ", n,
+              " does not fit the weight's ", weight.size(0), " blocks");
+}
+
 // f(T{}) with T the element type of x's values: uint16_t for bf16, float for float32.
 template <typename F>
 void with_element_type(const at::Tensor& x, F&& f) {

@@ -153,6 +153,7 @@ class LoRADelta(CustomOp):
     (``lora/tp_shards.py``)."""
 
     cpu_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    cpu_ops = ("lora_add_",)
 
     def __init__(self) -> None:
         super().__init__()

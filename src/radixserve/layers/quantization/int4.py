@@ -142,7 +142,7 @@ def pack_int4(
     codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, impl: OpImpl
 ) -> Int4Weight:
     """The ``PackedWeight`` of a 4-bit weight for a layer built with ``impl``."""
-    if impl is OpImpl.CPU:
+    if impl is OpImpl.CPU and cpu_kernels.has_ops("linear_int4"):  # not in an AVX2 build
         return CpuInt4Weight(codes, scales, offsets)
     return Int4Weight(codes, scales, offsets)
 

@@ -1,0 +1,192 @@
+// Linear layers for CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, Intel Haswell to Comet
+// Lake, and the E-cores of hybrid Intel parts), bf16 and float32: the op `csrc/linear.cpp`
+// defines for AVX-512 CPUs, on the same blocked weight, `[N/16][K/2][16][2]` (bf16) or
+// `[N/16][K][16]` (float32). One block, 16 output columns, is two 8-lane registers here.
+//
+// A tile is up to 6 input rows by one block: 12 float32 sums, the block's step in two registers
+// and one broadcast input fill 15 of the 16 registers. One block is one contiguous stream of
+// the weight (the hardware prefetcher follows it); a prefill's row tiles reuse it from the L2
+// cache. torch's own GEMMs on such CPUs are slow where this kernel is not: on an AMD EPYC (Zen
+// 3), F.linear ran float32 at 9-98 GFLOP/s and bf16 at 15-18 GFLOP/s at every batch size
+// (benchmarks/RESULTS.md, session 31).
+//
+// Each output is the same chain of float32 multiply-adds as in the AVX-512 kernel without
+// AVX512-BF16: inputs in ascending order from zero, a bf16 pair's second product before its
+// first; then the bias is added and the sum rounded once as c10 rounds. So a row's output is
+// the same bits whatever batch it is part of, and the same bits as on an AVX-512 CPU without
+// AVX512-BF16. bf16 activations are widened to float32 once per call (exact), so the inner
+// loop broadcasts float32 inputs as it does for float32 models.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#include "../linear_args.h"
+
+namespace {
+
+using namespace radixserve_cpu;
+
+constexpr int64_t kBlock = 16;  // output columns per block: two registers of float32 sums
+constexpr int kMaxRows = 6;     // rows per tile: 6 x 2 sums + 2 weights + 1 input in 16 registers
+
+// The weight's element type: one input step of a block, as float32 registers.
+struct F32Weight {
+  using T = float;
+  static constexpr int64_t kStep = 1;  // inputs per step
+};
+
+struct Bf16Weight {
+  using T = uint16_t;
+  static constexpr int64_t kStep = 2;  // a pair of inputs, (k, k+1) side by side per column
+};
+
+// Output storage: float32 sums (plus the bias, added in float32) to T.
+inline void store_out(float* y, const float* sums, const float* bias, int64_t cols) {
+  for (int64_t j = 0; j < cols; ++j) y[j] = sums[j] + (bias ? bias[j] : 0.0f);
+}
+inline void store_out(uint16_t* y, const float* sums, const float* bias, int64_t cols) {
+  for (int64_t j = 0; j < cols; ++j) {
+    y[j] = c10::BFloat16(sums[j] + (bias ? bias[j] : 0.0f)).x;  // round to nearest even
+  }
+}
+
+struct Problem {
+  int64_t n, steps;     // output columns; input steps (K / kStep, padded)
+  int64_t x_stride;     // floats between input rows (the float32 copy for bf16)
+  int64_t block_elems;  // weight elements of one block (steps * 16 * kStep)
+  int64_t y_stride;     // elements between output rows
+};
+
+// Rows [0, MR) of x (float32) times one block w, into y at column `col` (a partial last block
+// stores `n - col` columns). `bias` is float32 (widened once per call) or null.
+template <typename W, int MR, typename Out>
+void tile(const float* x, const typename W::T* w, const float* bias, Out* y, int64_t col,
+          const Problem& p) {
+  __m256 lo[MR], hi[MR];
+  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  const int64_t steps = p.steps, stride = p.x_stride;
+  if constexpr (W::kStep == 1) {
+    for (int64_t s = 0; s < steps; ++s) {
+      const __m256 w0 = _mm256_loadu_ps(w + s * kBlock);
+      const __m256 w1 = _mm256_loadu_ps(w + s * kBlock + 8);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * stride + s);
+        lo[r] = _mm256_fmadd_ps(xv, w0, lo[r]);
+        hi[r] = _mm256_fmadd_ps(xv, w1, hi[r]);
+      }
+    }
+  } else {
+    const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    for (int64_t s = 0; s < steps; ++s) {
+      const float* xs = x + 2 * s;
+      // the first eight columns' pairs, then the last eight's
+      const __m256i pairs0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * 32));
+      const __m256 odd0 = _mm256_castsi256_ps(_mm256_and_si256(pairs0, high));  // input k+1
+      const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs0, 16));  // input k
+      for (int r = 0; r < MR; ++r) {
+        lo[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + r * stride + 1), odd0, lo[r]);
+        lo[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + r * stride), even0, lo[r]);
+      }
+      const __m256i pairs1 =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * 32 + 16));
+      const __m256 odd1 = _mm256_castsi256_ps(_mm256_and_si256(pairs1, high));
+      const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs1, 16));
+      for (int r = 0; r < MR; ++r) {
+        hi[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + r * stride + 1), odd1, hi[r]);
+        hi[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + r * stride), even1, hi[r]);
+      }
+    }
+  }
+  // sums to memory with constant indices first: a loop of calls indexing the registers would
+  // make g++ keep them in memory, stored at every step of the loop above
+  alignas(32) float sums[MR][kBlock];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    _mm256_store_ps(sums[r], lo[r]);
+    _mm256_store_ps(sums[r] + 8, hi[r]);
+  }
+  const int64_t cols = std::min<int64_t>(kBlock, p.n - col);
+  for (int r = 0; r < MR; ++r) {
+    store_out(y + r * p.y_stride + col, sums[r], bias ? bias + col : nullptr, cols);
+  }
+}
+
+// Blocks [first, last) for all m rows: each block's row tiles in turn, the rows split into
+// tiles of near-equal height (32 rows: 6, 6, 5, 5, 5, 5), since a tile of one or two rows has
+// too few independent sums to keep both FMA units busy.
+template <typename W, typename Out>
+void blocks(const float* x, int64_t m, const typename W::T* w, const float* bias, Out* y,
+            int64_t first, int64_t last, const Problem& p) {
+  const int64_t tiles = (m + kMaxRows - 1) / kMaxRows;
+  for (int64_t b = first; b < last; ++b) {
+    const auto* wb = w + b * p.block_elems;
+    const int64_t col = b * kBlock;
+    for (int64_t t = 0, r = 0; t < tiles; ++t) {
+      const int64_t rows = m / tiles + (t < m % tiles ? 1 : 0);
+      const float* xr = x + r * p.x_stride;
+      Out* yr = y + r * p.y_stride;
+      switch (rows) {
+        case 1: tile<W, 1>(xr, wb, bias, yr, col, p); break;
+        case 2: tile<W, 2>(xr, wb, bias, yr, col, p); break;
+        case 3: tile<W, 3>(xr, wb, bias, yr, col, p); break;
+        case 4: tile<W, 4>(xr, wb, bias, yr, col, p); break;
+        case 5: tile<W, 5>(xr, wb, bias, yr, col, p); break;
+        default: tile<W, kMaxRows>(xr, wb, bias, yr, col, p); break;
+      }
+      r += rows;
+    }
+  }
+}
+
+template <typename W>
+void run(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+         at::Tensor& y, int64_t n) {
+  // float32 inputs and bias: a bf16 call widens them once (exact), the loop then broadcasts
+  // float32 values for both weight types; float32 rows are read where they are (a row-strided
+  // view of a wider activation included)
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat).contiguous();
+  const at::Tensor bf = bias.has_value() && bias->defined() ? bias->to(at::kFloat) : at::Tensor();
+  const int64_t m = x.size(0), nblocks = w.size(0);
+  const Problem p{n, w.size(1), xf.stride(0), w.stride(0), n};
+  const float* xp = xf.data_ptr<float>();
+  const auto* wp = reinterpret_cast<const typename W::T*>(w.data_ptr());
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  // Threads split the output columns, whole blocks each; a small layer stays on one thread.
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, m * p.block_elems));
+  with_element_type(x, [&](auto element) {
+    using Out = decltype(element);
+    Out* yp = reinterpret_cast<Out*>(y.data_ptr());
+    at::parallel_for(0, nblocks, grain, [&](int64_t first, int64_t last) {
+      blocks<W>(xp, m, wp, bp, yp, first, last, p);
+    });
+  });
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias, int64_t n) {
+  check_blocked_linear("linear", x, weight, n, kBlock);
+  checked_bias("linear", x, bias, n);
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return y;
+  if (x.scalar_type() == at::kBFloat16) {
+    run<Bf16Weight>(x, weight, bias, y, n);
+  } else {
+    run<F32Weight>(x, weight, bias, y, n);
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias, int n) -> Tensor");
+  m.impl("linear", c10::DispatchKey::CPU, &linear);
+}
