@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 
 #include "../linear_args.h"
 
@@ -36,17 +37,6 @@ using namespace radixserve_cpu;
 
 constexpr int64_t kBlock = 16;  // output columns per block: two registers of float32 sums
 constexpr int kMaxRows = 6;     // rows per tile: 6 x 2 sums + 2 weights + 1 input in 16 registers
-
-// The weight's element type: one input step of a block, as float32 registers.
-struct F32Weight {
-  using T = float;
-  static constexpr int64_t kStep = 1;  // inputs per step
-};
-
-struct Bf16Weight {
-  using T = uint16_t;
-  static constexpr int64_t kStep = 2;  // a pair of inputs, (k, k+1) side by side per column
-};
 
 // Output storage: float32 sums (plus the bias, added in float32) to T.
 inline void store_out(float* y, const float* sums, const float* bias, int64_t cols) {
@@ -59,21 +49,22 @@ inline void store_out(uint16_t* y, const float* sums, const float* bias, int64_t
 }
 
 struct Problem {
-  int64_t n, steps;     // output columns; input steps (K / kStep, padded)
+  int64_t n, steps;     // output columns; input steps (K, or K / 2 bf16 pairs; padded)
   int64_t x_stride;     // floats between input rows (the float32 copy for bf16)
-  int64_t block_elems;  // weight elements of one block (steps * 16 * kStep)
+  int64_t block_elems;  // weight elements of one block (K x 16, padded)
   int64_t y_stride;     // elements between output rows
 };
 
 // Rows [0, MR) of x (float32) times one block w, into y at column `col` (a partial last block
-// stores `n - col` columns). `bias` is float32 (widened once per call) or null.
-template <typename W, int MR, typename Out>
-void tile(const float* x, const typename W::T* w, const float* bias, Out* y, int64_t col,
-          const Problem& p) {
+// stores `n - col` columns). T is the weight's and the output's element type (uint16_t holds
+// bf16: a step is an input pair, (k, k+1) side by side per column; float: one input). `bias`
+// is float32 (widened once per call) or null.
+template <typename T, int MR>
+void tile(const float* x, const T* w, const float* bias, T* y, int64_t col, const Problem& p) {
   __m256 lo[MR], hi[MR];
   for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   const int64_t steps = p.steps, stride = p.x_stride;
-  if constexpr (W::kStep == 1) {
+  if constexpr (std::is_same_v<T, float>) {
     for (int64_t s = 0; s < steps; ++s) {
       const __m256 w0 = _mm256_loadu_ps(w + s * kBlock);
       const __m256 w1 = _mm256_loadu_ps(w + s * kBlock + 8);
@@ -122,9 +113,9 @@ void tile(const float* x, const typename W::T* w, const float* bias, Out* y, int
 // Blocks [first, last) for all m rows: each block's row tiles in turn, the rows split into
 // tiles of near-equal height (32 rows: 6, 6, 5, 5, 5, 5), since a tile of one or two rows has
 // too few independent sums to keep both FMA units busy.
-template <typename W, typename Out>
-void blocks(const float* x, int64_t m, const typename W::T* w, const float* bias, Out* y,
-            int64_t first, int64_t last, const Problem& p) {
+template <typename T>
+void blocks(const float* x, int64_t m, const T* w, const float* bias, T* y, int64_t first,
+            int64_t last, const Problem& p) {
   const int64_t tiles = (m + kMaxRows - 1) / kMaxRows;
   for (int64_t b = first; b < last; ++b) {
     const auto* wb = w + b * p.block_elems;
@@ -132,21 +123,22 @@ void blocks(const float* x, int64_t m, const typename W::T* w, const float* bias
     for (int64_t t = 0, r = 0; t < tiles; ++t) {
       const int64_t rows = m / tiles + (t < m % tiles ? 1 : 0);
       const float* xr = x + r * p.x_stride;
-      Out* yr = y + r * p.y_stride;
+      T* yr = y + r * p.y_stride;
       switch (rows) {
-        case 1: tile<W, 1>(xr, wb, bias, yr, col, p); break;
-        case 2: tile<W, 2>(xr, wb, bias, yr, col, p); break;
-        case 3: tile<W, 3>(xr, wb, bias, yr, col, p); break;
-        case 4: tile<W, 4>(xr, wb, bias, yr, col, p); break;
-        case 5: tile<W, 5>(xr, wb, bias, yr, col, p); break;
-        default: tile<W, kMaxRows>(xr, wb, bias, yr, col, p); break;
+        case 1: tile<T, 1>(xr, wb, bias, yr, col, p); break;
+        case 2: tile<T, 2>(xr, wb, bias, yr, col, p); break;
+        case 3: tile<T, 3>(xr, wb, bias, yr, col, p); break;
+        case 4: tile<T, 4>(xr, wb, bias, yr, col, p); break;
+        case 5: tile<T, 5>(xr, wb, bias, yr, col, p); break;
+        default: tile<T, kMaxRows>(xr, wb, bias, yr, col, p); break;
       }
       r += rows;
     }
   }
 }
 
-template <typename W>
+// T: the element type of x, the weight and y (one dtype, checked)
+template <typename T>
 void run(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
          at::Tensor& y, int64_t n) {
   // float32 inputs and bias: a bf16 call widens them once (exact), the loop then broadcasts
@@ -157,16 +149,13 @@ void run(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tenso
   const int64_t m = x.size(0), nblocks = w.size(0);
   const Problem p{n, w.size(1), xf.stride(0), w.stride(0), n};
   const float* xp = xf.data_ptr<float>();
-  const auto* wp = reinterpret_cast<const typename W::T*>(w.data_ptr());
+  const T* wp = reinterpret_cast<const T*>(w.data_ptr());
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   // Threads split the output columns, whole blocks each; a small layer stays on one thread.
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, m * p.block_elems));
-  with_element_type(x, [&](auto element) {
-    using Out = decltype(element);
-    Out* yp = reinterpret_cast<Out*>(y.data_ptr());
-    at::parallel_for(0, nblocks, grain, [&](int64_t first, int64_t last) {
-      blocks<W>(xp, m, wp, bp, yp, first, last, p);
-    });
+  at::parallel_for(0, nblocks, grain, [&](int64_t first, int64_t last) {
+    blocks(xp, m, wp, bp, yp, first, last, p);
   });
 }
 
@@ -176,11 +165,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
   checked_bias("linear", x, bias, n);
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return y;
-  if (x.scalar_type() == at::kBFloat16) {
-    run<Bf16Weight>(x, weight, bias, y, n);
-  } else {
-    run<F32Weight>(x, weight, bias, y, n);
-  }
+  with_element_type(x, [&](auto element) { run<decltype(element)>(x, weight, bias, y, n); });
   return y;
 }
 
