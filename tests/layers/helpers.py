@@ -19,9 +19,8 @@ HAS_AMX = HAS_KERNELS and {"amx_tile", "amx_bf16"} <= _FLAGS
 
 # for tests that ask for what only the AVX-512 kernels provide by name: the `cpu` attention
 # backend (and so CPU graphs), the LoRA, int8 and 4-bit kernels
-needs_kernels = pytest.mark.skipif(
-    not HAS_KERNELS, reason="needs radixserve's CPU kernels (AVX-512 F and BW, not disabled)"
-)
+_NEEDS_KERNELS = "needs radixserve's CPU kernels (AVX-512 F and BW, not disabled)"
+needs_kernels = pytest.mark.skipif(not HAS_KERNELS, reason=_NEEDS_KERNELS)
 
 
 def kernels_here() -> bool:
@@ -42,7 +41,7 @@ def require_kernels() -> None:
     """Skip the calling test where the kernels do not run: a kernel test that found nothing to
     test must show as skipped, not passed."""
     if not kernels_here():
-        pytest.skip("needs radixserve's CPU kernels (AVX-512 F and BW, not disabled)")
+        pytest.skip(_NEEDS_KERNELS)
 
 
 def require_linear_kernel() -> None:
