@@ -15,6 +15,9 @@ HAS_KERNELS = {"avx512f", "avx512bw"} <= _FLAGS and _ENABLED
 # the linear kernel runs here: that, or the AVX2 build (csrc/avx2/) on a CPU with AVX2 and FMA
 HAS_LINEAR_KERNEL = HAS_KERNELS or ({"avx2", "fma"} <= _FLAGS and _ENABLED)
 HAS_AMX = HAS_KERNELS and {"amx_tile", "amx_bf16"} <= _FLAGS
+# the ops the AVX2 build registers (csrc/avx2/): the linear kernel and the elementwise ones
+AVX2_OPS = frozenset({"linear", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary",
+                      "argmax"})
 
 
 # for tests that ask for what only the AVX-512 kernels provide by name: the `cpu` attention
@@ -42,6 +45,19 @@ def require_kernels() -> None:
     test must show as skipped, not passed."""
     if not kernels_here():
         pytest.skip(_NEEDS_KERNELS)
+
+
+def ops_here(*names: str) -> bool:
+    """Load the kernels; whether the ops ``names`` run here: all of them where the AVX-512
+    kernels do, those of ``AVX2_OPS`` where the AVX2 build does."""
+    kernels_here()
+    return HAS_KERNELS or (HAS_LINEAR_KERNEL and set(names) <= AVX2_OPS)
+
+
+def require_ops(*names: str) -> None:
+    """Skip the calling test where the kernels ``names`` do not run (see ``ops_here``)."""
+    if not ops_here(*names):
+        pytest.skip(f"needs radixserve's CPU kernels {', '.join(names)}")
 
 
 def require_linear_kernel() -> None:

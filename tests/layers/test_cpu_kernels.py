@@ -47,6 +47,7 @@ from radixserve.layers.cpu_kernels import (
 )
 from radixserve.layers.rotary_embedding import RotaryEmbedding
 from tests.layers.helpers import (
+    AVX2_OPS,
     HAS_AMX,
     HAS_KERNELS,
     HAS_LINEAR_KERNEL,
@@ -55,6 +56,7 @@ from tests.layers.helpers import (
     bf16_inputs,
     require_kernels,
     require_linear_kernel,
+    require_ops,
 )
 
 
@@ -70,6 +72,7 @@ def random_problem(n: int, k: int, m: int, bias: bool, dtype: torch.dtype = torc
 def test_kernels_build_exactly_where_the_cpu_supports_them():
     assert load_cpu_kernels() == HAS_LINEAR_KERNEL
     assert has_ops("linear") == HAS_LINEAR_KERNEL  # AVX-512 F/BW, or AVX2 and FMA
+    assert has_ops(*AVX2_OPS) == HAS_LINEAR_KERNEL  # ... with the elementwise ops
     assert has_ops("linear", "rms_norm", "decode_attention", "linear_int8") == HAS_KERNELS
     assert kernel_set() is None or kernel_set().name == ("avx512" if HAS_KERNELS else "avx2")
     assert not has_ops("no_such_kernel")
@@ -214,16 +217,18 @@ def bit_outputs() -> dict[str, torch.Tensor]:
 def test_the_avx2_build_passes_the_linear_tests_with_the_avx512_kernels_bits(
         tmp_path, avx512_base_cache):
     """CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, Intel before Skylake-SP) build
-    ``csrc/avx2/``: the linear kernel alone. Built here with AVX-512 hidden, it must pass the
-    linear kernel and packed-weight tests as they stand (none skipped), leave the other ops to
-    torch, and give what the AVX-512 kernel without AVX512-BF16 gives, bit for bit: the same
-    chains of multiply-adds (float32 layers: the same bits as this CPU's own build)."""
+    ``csrc/avx2/``: the linear and elementwise kernels. Built here with AVX-512 hidden, it must
+    pass their tests as they stand (none skipped), leave the other ops to torch, and give what
+    the AVX-512 linear kernel without AVX512-BF16 gives, bit for bit: the same chains of
+    multiply-adds (float32 layers: the same bits as this CPU's own build)."""
     avx2 = {"RADIXSERVE_CPU_KERNELS_AVX2": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")}
     repo = Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-         "linear_kernel or build_exactly or test_packed_weight",
-         "tests/layers/test_cpu_kernels.py", "tests/layers/test_packed_weight.py"],
+         "linear_kernel or build_exactly or test_packed_weight or rms_norm or silu_and_mul or "
+         "rotary or argmax or wrong_dtype_or_shape",
+         "tests/layers/test_cpu_kernels.py", "tests/layers/test_packed_weight.py",
+         "tests/layers/test_custom_ops.py"],
         cwd=repo, env={**os.environ, **avx2}, capture_output=True, text=True, timeout=1400,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
@@ -382,7 +387,7 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows, hidden", SHAPES)
 def test_rms_norm_kernel_equals_a_float64_reference_with_transformers_roundings(rows, hidden):
-    require_kernels()
+    require_ops("rms_norm")
     x, _, weight = bf16_inputs(rows, hidden, seed=rows * hidden)
     out = rms_norm(x, weight, EPS)
     assert out.shape == x.shape and out.dtype == torch.bfloat16
@@ -391,7 +396,7 @@ def test_rms_norm_kernel_equals_a_float64_reference_with_transformers_roundings(
 
 @pytest.mark.parametrize("rows, hidden", SHAPES)
 def test_fused_add_rms_norm_stores_torchs_bf16_sum_and_its_norm_in_place(rows, hidden):
-    require_kernels()
+    require_ops("fused_add_rms_norm")
     x, residual, weight = bf16_inputs(rows, hidden, seed=rows + hidden)
     total = x + residual  # torch's bf16 add: the unfused decoder's residual stream
     x_ptr, residual_ptr = x.data_ptr(), residual.data_ptr()
@@ -403,7 +408,7 @@ def test_fused_add_rms_norm_stores_torchs_bf16_sum_and_its_norm_in_place(rows, h
 
 @pytest.mark.parametrize("rows, d", SHAPES)
 def test_silu_and_mul_kernel_equals_a_float64_reference_with_torchs_roundings(rows, d):
-    require_kernels()
+    require_ops("silu_and_mul")
     x, _, _ = bf16_inputs(rows, 2 * d, seed=rows * d + 1)
     out = silu_and_mul(x)
     assert out.shape == (rows, d) and out.dtype == torch.bfloat16
@@ -411,7 +416,7 @@ def test_silu_and_mul_kernel_equals_a_float64_reference_with_torchs_roundings(ro
 
 
 def test_silu_and_mul_kernel_agrees_with_torch_on_every_bf16_gate():
-    require_kernels()
+    require_ops("silu_and_mul")
     # all 65536 bit patterns: the kernel's exp over the whole range, overflow, inf and NaN
     gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     up = torch.ones_like(gate)
@@ -423,7 +428,7 @@ def test_silu_and_mul_kernel_agrees_with_torch_on_every_bf16_gate():
 
 
 def test_kernels_reject_a_wrong_dtype_or_shape_with_a_clear_error():
-    require_kernels()
+    require_ops("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary")
     x, residual, weight = bf16_inputs(2, 8, seed=3)
     ops = torch.ops.radixserve_cpu
     with pytest.raises(RuntimeError, match="rms_norm: weight is BFloat16, x is Float"):
@@ -576,7 +581,7 @@ def test_decode_attention_kernel_rejects_bad_input_with_a_clear_error():
 
 @pytest.mark.parametrize("heads, head_dim", [(18, 64), (3, 128), (2, 40)])
 def test_rotary_kernel_equals_torchs_four_bf16_ops_bit_for_bit(heads, head_dim):
-    require_kernels()
+    require_ops("rotary")
     gen = torch.Generator().manual_seed(heads)
     emb = RotaryEmbedding(head_dim, 4096, 10000.0)
     positions = torch.randint(0, 4096, (7,), generator=gen)

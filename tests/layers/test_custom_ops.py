@@ -18,8 +18,8 @@ from radixserve.layers.sampler import GreedyArgmax
 from tests.layers.helpers import (
     assert_bf16_equal_but_for_ties,
     bf16_inputs,
-    kernels_here,
-    require_kernels,
+    ops_here,
+    require_ops,
 )
 
 OPS = {
@@ -42,16 +42,16 @@ def build(make, dtype: torch.dtype, device: str = "cpu"):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_an_op_takes_the_cpu_kernels_where_they_load_for_the_models_dtype(name, dtype):
     op = build(OPS[name], dtype)
-    expected = OpImpl.CPU if kernels_here() and dtype in op.cpu_dtypes else OpImpl.NATIVE
+    expected = OpImpl.CPU if ops_here(name) and dtype in op.cpu_dtypes else OpImpl.NATIVE
     assert op.impl is expected
     # bound once: a call goes straight to the chosen implementation
     assert op._forward == (op.forward_cpu if expected is OpImpl.CPU else op.forward_native)
     assert build(OPS[name], dtype, "meta").impl is OpImpl.NATIVE  # no kernels for that device
 
 
-def cpu_op(make, dtype: torch.dtype = torch.bfloat16):
-    """The op built for ``dtype`` on CPU (the test skips where the kernels do not run)."""
-    require_kernels()
+def cpu_op(kernel: str, make, dtype: torch.dtype = torch.bfloat16):
+    """The op built for ``dtype`` on CPU (the test skips where its kernel does not run)."""
+    require_ops(kernel)
     op = build(make, dtype)
     assert op.impl is OpImpl.CPU
     return op
@@ -70,7 +70,7 @@ DTYPES = [torch.bfloat16, torch.float32]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed, rows, hidden", SHAPES)
 def test_rms_norm_cpu_equals_native_but_for_ties(seed, rows, hidden, dtype):
-    op = cpu_op(lambda: RMSNorm(hidden), dtype)
+    op = cpu_op("rms_norm", lambda: RMSNorm(hidden), dtype)
     x, residual, weight = (t.to(dtype) for t in bf16_inputs(rows, hidden, seed=seed))
     op.weight.data = weight
     equal_but_for_ties(op.forward_cpu(x), op.forward_native(x), steps=2)
@@ -85,7 +85,7 @@ def test_rms_norm_cpu_equals_native_but_for_ties(seed, rows, hidden, dtype):
 
 
 def test_rms_norm_cpu_takes_views_out_of_place():
-    op = cpu_op(lambda: RMSNorm(64))
+    op = cpu_op("rms_norm", lambda: RMSNorm(64))
     # Qwen3's per-head q of a fused qkv row, and a residual view: neither is contiguous
     qkv, residual, weight = bf16_inputs(3, 4 * 64 + 2 * 64, seed=1)
     op.weight.data = weight[:64]
@@ -103,7 +103,7 @@ def test_rms_norm_cpu_takes_views_out_of_place():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed, rows, d", SHAPES)
 def test_silu_and_mul_cpu_equals_native_but_for_ties(seed, rows, d, dtype):
-    op = cpu_op(SiluAndMul, dtype)
+    op = cpu_op("silu_and_mul", SiluAndMul, dtype)
     x = bf16_inputs(rows, 2 * d, seed=seed)[0].to(dtype)
     equal_but_for_ties(op.forward_cpu(x), op.forward_native(x))
 
@@ -111,7 +111,7 @@ def test_silu_and_mul_cpu_equals_native_but_for_ties(seed, rows, d, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", range(6))
 def test_rotary_cpu_equals_native_bit_for_bit(seed, dtype):
-    op = cpu_op(ApplyRotaryEmbedding, dtype)
+    op = cpu_op("rotary", ApplyRotaryEmbedding, dtype)
     rng = random.Random(seed)
     tokens, heads, head_dim = rng.randint(1, 40), rng.randint(1, 20), 2 * rng.randint(1, 128)
     gen = torch.Generator().manual_seed(seed)
@@ -130,7 +130,7 @@ def test_rotary_cpu_equals_native_bit_for_bit(seed, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed, rows, vocab", SHAPES)
 def test_argmax_cpu_equals_native_with_ties_nan_and_banned_rows(seed, rows, vocab, dtype):
-    op = cpu_op(GreedyArgmax)
+    op = cpu_op("argmax", GreedyArgmax)
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows + 4, vocab, generator=gen).to(dtype)
     logits[0, [0, vocab - 1]] = 100.0  # a tie: the first maximum wins

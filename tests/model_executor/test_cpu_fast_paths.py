@@ -11,7 +11,7 @@ import torch
 from radixserve.layers import custom_op
 from radixserve.layers.custom_op import OpImpl
 from tests.checkpoints import build_checkpoint
-from tests.layers.helpers import require_kernels
+from tests.layers.helpers import AVX2_OPS, require_kernels, require_ops
 from tests.model_executor.harness import ManualSlots, make_runner
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.05}
@@ -44,6 +44,23 @@ def test_kernels_model_equals_the_native_model(arch_path, dtype, monkeypatch):
     torch.testing.assert_close(
         run_steps(arch_path, dtype, "cpu"), native_runner_steps(arch_path, dtype, monkeypatch),
         atol=tol, rtol=tol,
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_ops_beside_torch_native_attention_equal_the_native_model(
+    arch_path, dtype, monkeypatch
+):
+    """What an AVX2 CPU runs (the linear and elementwise kernels, the ``torch_native``
+    attention backend), on AVX-512 CPUs too."""
+    require_ops(*AVX2_OPS)
+    runner = make_runner(arch_path, dtype=dtype, attention_backend="torch_native")
+    layer = runner.model.model.layers[0]
+    assert layer.mlp.act_fn.impl is layer.input_layernorm.impl is OpImpl.CPU
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(
+        run_steps(arch_path, dtype, "torch_native"),
+        native_runner_steps(arch_path, dtype, monkeypatch), atol=tol, rtol=tol,
     )
 
 

@@ -8,7 +8,7 @@ import torch
 
 from radixserve.layers.custom_op import build_context
 from radixserve.layers.sampler import GreedyArgmax
-from tests.layers.helpers import require_kernels
+from tests.layers.helpers import require_ops
 
 
 @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32-model", "bf16-model"])
@@ -36,7 +36,7 @@ def test_greedy_argmax_of_empty_batch_is_empty(greedy_argmax):
 
 
 def test_greedy_argmax_kernel_rejects_bad_logits_with_a_clear_error():
-    require_kernels()
+    require_ops("argmax")
     with pytest.raises(RuntimeError, match=r"argmax takes \[rows, vocab\] logits, got \[8\]"):
         torch.ops.radixserve_cpu.argmax(torch.zeros(8))
     # an empty vocabulary is torch's error, not a read out of bounds

@@ -33,10 +33,12 @@ and AMX instructions are used where the CPU has them and replaced by AVX-512 F/B
 it does not (the same sums, or float32 ones for FP16's), so older AVX-512 CPUs (Skylake, Cascade
 Lake) run every kernel, float32 models included; ``RADIXSERVE_CPU_KERNELS_AVX512_BASE=1``
 builds that code on a newer CPU. CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, Intel
-before Skylake-SP) build ``csrc/avx2/``, the linear kernel alone, on the same blocked weight and
-with the same sums (the bits of the AVX-512 kernel without AVX512-BF16): torch's own GEMMs are
-slowest there (bf16 at 15-19 GFLOP/s on a Zen 3 at every batch size), and the other ops keep
-their torch implementations (``has_ops`` says which kernels a build registers;
+before Skylake-SP) build ``csrc/avx2/``: the linear kernel, on the same blocked weight and with
+the same sums (the bits of the AVX-512 kernel without AVX512-BF16; torch's own GEMMs are slowest
+there, bf16 at 15-19 GFLOP/s on a Zen 3 at every batch size), and the elementwise ops (norms,
+SwiGLU, rotary, argmax: the same row functions with 8-lane registers). The attention, LoRA,
+int8/int4 and token-bitmask ops keep their torch implementations there (``has_ops`` says which
+kernels a build registers;
 ``RADIXSERVE_CPU_KERNELS_AVX2=1`` builds the AVX2 set on an AVX-512 CPU). The build goes through
 ``torch.utils.cpp_extension`` (ninja and g++, about 20 s) into
 ``~/.cache/radixserve/kernels/<key>``; the key covers the sources, the torch version and this CPU's
@@ -69,7 +71,7 @@ from radixserve.cache_files import exclusive, source_digest
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-HEADERS = tuple(sorted(CSRC.glob("*.h")))
+HEADERS = tuple(sorted(CSRC.rglob("*.h")))  # csrc/avx2/ has its own
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ class KernelSet:
 
 
 # Best first: a CPU builds the first set whose instructions it has. The AVX2 set holds the
-# linear kernel only (csrc/avx2/): there the other ops keep torch's implementations.
+# linear and elementwise kernels (csrc/avx2/): there the other ops keep torch's implementations.
 KERNEL_SETS = (
     KernelSet("avx512", frozenset({"avx512f", "avx512bw"}), tuple(sorted(CSRC.glob("*.cpp")))),
     KernelSet(
@@ -228,8 +230,8 @@ def load_cpu_kernels() -> bool:
 
 def has_ops(*names: str) -> bool:
     """Whether the kernels load here and register every op in ``names``
-    (``torch.ops.radixserve_cpu.<name>``): an AVX-512 build has them all, an AVX2 build only
-    ``linear``."""
+    (``torch.ops.radixserve_cpu.<name>``): an AVX-512 build has them all, an AVX2 build the
+    linear and elementwise ones."""
     return load_cpu_kernels() and all(_registered(name) for name in names)
 
 
