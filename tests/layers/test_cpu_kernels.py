@@ -94,7 +94,7 @@ def kernel_linear(x, w, b):
 @pytest.mark.parametrize("n, k, m, bias", [
     (48, 70, 1, True), (1152, 896, 1, True), (896, 4864, 2, False), (1001, 64, 13, True),
     (40, 71, 7, False), (17, 32, 6, True), (80, 128, 64, False), (7, 9, 100, True),
-    (100, 1300, 20, True), (72, 2210, 9, False),
+    (100, 1300, 20, True), (72, 2210, 9, False), (50, 700, 130, True),
 ])
 def test_linear_kernel_equals_a_float64_reference_up_to_rounding(dtype, n, k, m, bias):
     require_linear_kernel()
@@ -251,9 +251,10 @@ def test_the_avx2_build_passes_the_linear_tests_with_the_avx512_kernels_bits(
 def test_linear_kernel_gives_a_row_the_same_bits_in_every_batch(dtype):
     require_linear_kernel()
     k = 2210  # a long input: several row tiles read each weight panel from L2
-    w, x, b, _ = random_problem(1001, k, 70, True, dtype)
+    # 200 rows: a prefill's worth of row tiles per block
+    w, x, b, _ = random_problem(1001, k, 200, True, dtype)
     full = kernel_linear(x, w, b)
-    for rows in (slice(0, 1), slice(5, 6), slice(3, 16), slice(31, 70)):
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 16), slice(31, 70), slice(90, 200)):
         assert torch.equal(kernel_linear(x[rows].contiguous(), w, b), full[rows])
     # a row-strided view of a wider activation, as the model passes slices
     wide = torch.cat([x, x], dim=1)
