@@ -16,7 +16,8 @@
 // So results equal torch's bit for bit, except for the rare value that lands on the other side of
 // a rounding because torch's sum of squares (in another order) or its exp differs in the last
 // bit. The build turns off floating-point contraction, so a product and a sum are rounded
-// separately, as torch's separate kernels round them.
+// separately, as torch's separate kernels round them. The ops' checks and threading are
+// elementwise_ops.h's, shared with the AVX2 build (avx2/elementwise.cpp).
 
 #include <immintrin.h>
 

@@ -1,6 +1,8 @@
 // The elementwise ops (RMSNorm alone or after the residual add, SwiGLU, rotary, greedy argmax)
 // for CPUs with AVX2 and FMA: csrc/elementwise.cpp's row functions with 8-lane registers, the
-// same operations in the same order, so the same bits (its comment says how they match torch's).
+// same operations in the same order, so the same bits (its comment says how they match torch's),
+// but for the norms' double sums of squares, added in another order (exact to far below the
+// float32 rounding that follows).
 // The ops' checks and threading are csrc/elementwise_ops.h, shared with the AVX-512 build.
 
 #include <immintrin.h>
