@@ -129,24 +129,24 @@ void tile(const float* x, const T* w, const float* bias, T* y, int64_t col, cons
 // Blocks [first, last) for all m rows: each block's row tiles in turn, the rows split into
 // tiles of near-equal height (32 rows: 6, 6, 5, 5, 5, 5), since a tile of one or two rows has
 // too few independent sums to keep both FMA units busy. The first tile streams the block from
-// memory, the others read it from L2; in float32, the second tile on prefetch the next block
-// into L2, a quarter of its lines per tile, so that the next first tile does not wait on
-// memory: 3-27% faster at 16-32 rows on the Zen 3 guest (RESULTS.md, session 32).
+// memory, the others read it from L2; in float32, the second to fifth tiles prefetch the next
+// block into L2, a quarter of its lines each, so that the next first tile does not wait on
+// memory: 5-35% faster at 16-32 rows on the Zen 3 guest (RESULTS.md, session 32).
 template <typename T>
 void blocks(const float* x, int64_t m, const T* w, const float* bias, T* y, int64_t first,
             int64_t last, const Problem& p) {
   const int64_t tiles = (m + kMaxRows - 1) / kMaxRows;
+  // a float32 block is one 64-byte line per step; a tile prefetches a line every few steps
+  const int64_t per_tile = p.steps / kPrefetchSteps;
   for (int64_t b = first; b < last; ++b) {
     const auto* wb = w + b * p.block_elems;
     const int64_t col = b * kBlock;
-    const int64_t lines = p.block_elems * static_cast<int64_t>(sizeof(T)) / 64;
-    const int64_t per_tile = p.steps / kPrefetchSteps;  // lines a tile prefetches
     for (int64_t t = 0, r = 0; t < tiles; ++t) {
       const int64_t rows = m / tiles + (t < m % tiles ? 1 : 0);
       const float* xr = x + r * p.x_stride;
       T* yr = y + r * p.y_stride;
       const char* next = std::is_same_v<T, float> && b + 1 < last && t > 0 &&
-                                 (t - 1) * per_tile < lines
+                                 (t - 1) * per_tile < p.steps
                              ? reinterpret_cast<const char*>(wb + p.block_elems) +
                                    (t - 1) * per_tile * 64
                              : nullptr;
