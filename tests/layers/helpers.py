@@ -28,16 +28,15 @@ needs_kernels = pytest.mark.skipif(not HAS_KERNELS, reason=_NEEDS_KERNELS)
 
 def kernels_here() -> bool:
     """Load the kernels (whichever test runs first); whether all of them run here. They load
-    where the CPU has AVX-512 F/BW (all of them) or AVX2 and FMA (the linear kernel only), and
-    elsewhere ops keep to torch."""
+    where the CPU has AVX-512 F/BW (all of them) or AVX2 and FMA (``AVX2_OPS``), and elsewhere
+    ops keep to torch."""
     assert load_cpu_kernels() == HAS_LINEAR_KERNEL
     return HAS_KERNELS
 
 
 def linear_kernel_here() -> bool:
     """Load the kernels; whether the linear kernel runs here (all builds have it)."""
-    kernels_here()
-    return HAS_LINEAR_KERNEL
+    return ops_here("linear")
 
 
 def require_kernels() -> None:
@@ -63,8 +62,7 @@ def require_ops(*names: str) -> None:
 def require_linear_kernel() -> None:
     """Skip the calling test where no build of the linear kernel runs (neither AVX-512 F/BW
     nor AVX2 and FMA, or disabled)."""
-    if not linear_kernel_here():
-        pytest.skip("needs radixserve's linear kernel (AVX-512 F/BW or AVX2 and FMA)")
+    require_ops("linear")
 
 
 def bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
