@@ -6,6 +6,7 @@ compared with the native reference at batch sizes of every bucket."""
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from radixserve.layers.linear import MergedColumnParallelLinear, RowParallelLine
 from radixserve.layers.packed_weight import CpuPackedWeight, prepack_model
 from radixserve.layers.quantization.int8 import CpuInt8Weight, Int8Weight, quantize_int8
 from radixserve.server_args import ServerArgs
-from tests.layers.helpers import HAS_AMX, bf16_close, require_kernels
+from tests.layers.helpers import HAS_AMX, bf16_close, require_kernels, require_linear_kernel
 
 BUCKETS = len(kd.ROW_BUCKETS)
 
@@ -84,6 +85,15 @@ class FakeWeight:
     def set_table(self, table) -> None:
         self.table = tuple(table)
 
+    def timing_proxy(self, max_out: int) -> FakeWeight:
+        return self
+
+    def kernels(self) -> dict:
+        def never(x, bias):
+            raise AssertionError("a fake weight's kernel ran: the timing is injected")
+
+        return {name: never for name in (kd.BLOCKED, kd.AMX, kd.ONEDNN)}
+
 
 def timings(fast_from: int):
     """A measurement where oneDNN wins from bucket ``fast_from`` on; counts its calls."""
@@ -98,27 +108,71 @@ def timings(fast_from: int):
 
 
 IDENTITY = {"cpu_model": "Xeon", "cpu_flags": "f", "torch": "2.x", "threads": "2",
-            "kernels": "k", "onednn": ""}
+            "kernels": "k", "onednn": "", "method": kd.MEASURE_METHOD}
 
 
-def test_tune_measures_each_shape_once_and_the_cache_answers_the_next_start(tmp_path):
-    weights = [FakeWeight(64, 32), FakeWeight(64, 32), FakeWeight(16, 32),
-               FakeWeight(8, 8, candidates=(kd.BLOCKED,))]  # one candidate: nothing to time
-    measure, calls = timings(fast_from=6)
-    cache = kd.DispatchCache(tmp_path, IDENTITY)
-    tables = kd.tune(weights, cache, measure_fn=measure)
-    assert sorted(calls) == ["bf16:16x32:blocked+onednn", "bf16:64x32:blocked+onednn"]
-    expected = (kd.BLOCKED,) * 6 + (kd.ONEDNN,) * 4
-    assert set(tables) == set(calls) and all(t == expected for t in tables.values())
-    assert [w.table for w in weights[:3]] == [expected] * 3
-    assert weights[3].table == (kd.BLOCKED,) * BUCKETS
-    stored = json.loads(cache.path.read_text())
-    assert stored["machine"] == IDENTITY and set(stored["entries"]) == set(calls)
+def scripted(readings: dict[int, list[dict[str, float]]]):
+    """A ``time_fn`` giving, for a batch of ``rows``, the next of ``readings[rows]`` (the same
+    for every candidate where none is left); records the rows of each timing."""
+    asked: list[int] = []
 
-    again, calls_again = timings(fast_from=0)  # would choose differently: must not be asked
-    fresh = [FakeWeight(64, 32)]
-    kd.tune(fresh, kd.DispatchCache(tmp_path, IDENTITY), measure_fn=again)
-    assert calls_again == [] and fresh[0].table == expected
+    def time_fn(kernels, x):
+        rows = x.shape[0]
+        asked.append(rows)
+        left = readings.get(rows, [])
+        reading = left.pop(0) if left else {kd.BLOCKED: 1.0, kd.ONEDNN: 1.0}
+        assert set(reading) == set(kernels)
+        return reading
+
+    return time_fn, asked
+
+
+def test_a_bucket_leaves_the_static_table_only_if_its_choice_loses_two_timings():
+    # one row: blocked (static) read slow once, then as fast as ever: timed twice, kept
+    # 64 rows: oneDNN faster both times: timed twice, switched; elsewhere a tie: timed once
+    time_fn, asked = scripted({
+        1: [{kd.BLOCKED: 0.66, kd.ONEDNN: 0.60}, {kd.BLOCKED: 0.33, kd.ONEDNN: 0.62}],
+        64: [{kd.BLOCKED: 4.0, kd.ONEDNN: 2.0}, {kd.BLOCKED: 3.8, kd.ONEDNN: 2.1}],
+    })
+    weight = FakeWeight(64, 32)
+    seconds = kd.measure(weight, time_fn=time_fn)
+    assert asked == [*kd.ROW_BUCKETS, 1, 64]  # the sweep, then the two would-be switches
+    assert seconds[kd.BLOCKED][0] == 0.33 and seconds[kd.ONEDNN][0] == 0.60  # best of two
+    assert seconds[kd.BLOCKED][6] == 3.8 and seconds[kd.ONEDNN][6] == 2.0
+    expected = [kd.BLOCKED] * BUCKETS
+    expected[6] = kd.ONEDNN
+    assert kd.choose(seconds, weight.static()) == tuple(expected)
+    # nothing would switch: one timing per bucket
+    quiet_fn, quiet_asked = scripted({})
+    kd.measure(weight, time_fn=quiet_fn)
+    assert quiet_asked == list(kd.ROW_BUCKETS)
+
+
+def test_the_budget_cuts_the_sweep_not_the_second_timings(monkeypatch):
+    clock = [0.0]  # the budget's clock: one second per timing
+    monkeypatch.setattr(kd, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def ticking(readings):
+        time_fn, asked = scripted(readings)
+
+        def tick(kernels, x):
+            clock[0] += 1.0
+            return time_fn(kernels, x)
+
+        return tick, asked
+
+    def slow_once():  # the blocked kernel slow at one row the first time
+        return {1: [{kd.BLOCKED: 0.66, kd.ONEDNN: 0.60}, {kd.BLOCKED: 0.33, kd.ONEDNN: 0.62}]}
+
+    # the sweep ends past the budget, and the would-be switch at one row is timed again anyway
+    time_fn, asked = ticking(slow_once())
+    seconds = kd.measure(FakeWeight(64, 32), budget_end=BUCKETS - 0.5, time_fn=time_fn)
+    assert asked == [*kd.ROW_BUCKETS, 1] and seconds[kd.BLOCKED][0] == 0.33
+    # a sweep the budget cuts short returns what it timed (the rest None), with no second look
+    clock[0] = 0.0
+    time_fn, asked = ticking(slow_once())
+    seconds = kd.measure(FakeWeight(64, 32), budget_end=2.5, time_fn=time_fn)
+    assert asked == [1, 2, 4] and seconds[kd.ONEDNN][:4] == [0.60, 1.0, 1.0, None]
 
 
 @pytest.mark.parametrize("changed", ["cpu_model", "cpu_flags", "torch", "threads", "kernels",
@@ -171,7 +225,7 @@ ROWS = (1, 2, 3, 8, 16, 31, 32, 33, 64, 100, 200, 600)  # every bucket, and past
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_float_candidate_equals_the_native_reference_in_every_bucket(dtype):
-    require_kernels()
+    require_linear_kernel()
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(96, 64, generator=gen) / 8).to(dtype)
     bias = torch.randn(96, generator=gen).to(dtype)
@@ -208,7 +262,7 @@ def test_every_int8_candidate_equals_the_native_reference_in_every_bucket():
 
 
 def test_measure_times_each_candidate_in_every_bucket_and_stops_at_the_budget():
-    require_kernels()
+    require_linear_kernel()
     packed = CpuPackedWeight((torch.randn(64, 64) / 8).to(torch.bfloat16))
     seconds = kd.measure(packed)
     assert set(seconds) == set(packed.candidates)
@@ -218,7 +272,7 @@ def test_measure_times_each_candidate_in_every_bucket_and_stops_at_the_budget():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_weight_runs_its_tables_kernel_for_each_bucket(dtype):
-    require_kernels()
+    require_linear_kernel()
     packed = CpuPackedWeight((torch.randn(96, 64) / 8).to(dtype))
     names = [n for n in packed.candidates if n != kd.AMX]
     table = tuple(names[b % len(names)] for b in range(BUCKETS))
