@@ -5,8 +5,8 @@
 //
 // A tile is up to 6 input rows by one block: 12 float32 sums, the block's step in two registers
 // and one broadcast input fill 15 of the 16 registers. One block is one contiguous stream of
-// the weight (the hardware prefetcher follows it); a prefill's row tiles reuse it from the L2
-// cache. torch's own GEMMs on such CPUs are slow where this kernel is not: on an AMD EPYC (Zen
+// the weight (the hardware prefetcher follows it, and the first tile asks 1 KiB ahead); a
+// prefill's row tiles reuse it from the L2 cache. torch's own GEMMs on such CPUs are slow where this kernel is not: on an AMD EPYC (Zen
 // 3), F.linear ran float32 at 9-98 GFLOP/s and bf16 at 15-18 GFLOP/s at every batch size
 // (benchmarks/RESULTS.md, session 31).
 //
@@ -38,6 +38,7 @@ using namespace radixserve_cpu;
 constexpr int64_t kBlock = 16;  // output columns per block: two registers of float32 sums
 constexpr int kMaxRows = 6;     // rows per tile: 6 x 2 sums + 2 weights + 1 input in 16 registers
 constexpr int kPrefetchSteps = 4;  // float32 steps per line of the next block prefetched
+constexpr int64_t kAheadBytes = 1024;  // how far ahead a block's first tile asks for its weights
 
 // Output storage: float32 sums (plus the bias, added in float32) to T.
 inline void store_out(float* y, const float* sums, const float* bias, int64_t cols) {
@@ -60,10 +61,11 @@ struct Problem {
 // stores `n - col` columns). T is the weight's and the output's element type (uint16_t holds
 // bf16: a step is an input pair, (k, k+1) side by side per column; float: one input). `bias`
 // is float32 (widened once per call) or null. A float32 tile given `next` also prefetches one
-// line from there into L2 every kPrefetchSteps steps (see blocks).
+// line from there into L2 every kPrefetchSteps steps; an `ahead` tile (a block's first, which
+// streams it from memory) asks for each step's line kAheadBytes ahead (see blocks).
 template <typename T, int MR>
 void tile(const float* x, const T* w, const float* bias, T* y, int64_t col, const Problem& p,
-          const char* next) {
+          const char* next, bool ahead) {
   __m256 lo[MR], hi[MR];
   for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   const int64_t steps = p.steps, stride = p.x_stride;
@@ -88,11 +90,16 @@ void tile(const float* x, const T* w, const float* bias, T* y, int64_t col, cons
 #pragma GCC unroll 4
         for (int u = 0; u < kPrefetchSteps; ++u) step(s + u);
       }
+    } else if (ahead) {
+      for (; s < steps; ++s) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + s * kBlock) + kAheadBytes, _MM_HINT_T0);
+        step(s);
+      }
     }
     for (; s < steps; ++s) step(s);
   } else {
     const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-    for (int64_t s = 0; s < steps; ++s) {
+    const auto step = [&](int64_t s) {
       const float* xs = x + 2 * s;
       // the first eight columns' pairs, then the last eight's
       const __m256i pairs0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * 32));
@@ -110,7 +117,15 @@ void tile(const float* x, const T* w, const float* bias, T* y, int64_t col, cons
         hi[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + r * stride + 1), odd1, hi[r]);
         hi[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + r * stride), even1, hi[r]);
       }
+    };
+    int64_t s = 0;
+    if (ahead) {
+      for (; s < steps; ++s) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + s * 32) + kAheadBytes, _MM_HINT_T0);
+        step(s);
+      }
     }
+    for (; s < steps; ++s) step(s);
   }
   // sums to memory with constant indices first: a loop of calls indexing the registers would
   // make g++ keep them in memory, stored at every step of the loop above
@@ -131,7 +146,11 @@ void tile(const float* x, const T* w, const float* bias, T* y, int64_t col, cons
 // too few independent sums to keep both FMA units busy. The first tile streams the block from
 // memory, the others read it from L2; in float32, the second to fifth tiles prefetch the next
 // block into L2, a quarter of its lines each, so that the next first tile does not wait on
-// memory: 5-35% faster at 16-32 rows on the Zen 3 guest (RESULTS.md, session 32).
+// memory: 5-35% faster at 16-32 rows on the Zen 3 guest (RESULTS.md, session 32). The first
+// tile also asks for its lines 1 KiB ahead, which the hardware prefetcher alone does not keep
+// up with when few rows leave the loop waiting on memory: bf16 12-35% faster at 1-2 rows, fp32
+// up to 22% at 2-16 rows, the same at 32-512 (session 33); the later tiles, reading from L2,
+// do not (it cost bf16 2-4% at 512 rows).
 template <typename T>
 void blocks(const float* x, int64_t m, const T* w, const float* bias, T* y, int64_t first,
             int64_t last, const Problem& p) {
@@ -151,12 +170,12 @@ void blocks(const float* x, int64_t m, const T* w, const float* bias, T* y, int6
                                    (t - 1) * per_tile * 64
                              : nullptr;
       switch (rows) {
-        case 1: tile<T, 1>(xr, wb, bias, yr, col, p, next); break;
-        case 2: tile<T, 2>(xr, wb, bias, yr, col, p, next); break;
-        case 3: tile<T, 3>(xr, wb, bias, yr, col, p, next); break;
-        case 4: tile<T, 4>(xr, wb, bias, yr, col, p, next); break;
-        case 5: tile<T, 5>(xr, wb, bias, yr, col, p, next); break;
-        default: tile<T, kMaxRows>(xr, wb, bias, yr, col, p, next); break;
+        case 1: tile<T, 1>(xr, wb, bias, yr, col, p, next, t == 0); break;
+        case 2: tile<T, 2>(xr, wb, bias, yr, col, p, next, t == 0); break;
+        case 3: tile<T, 3>(xr, wb, bias, yr, col, p, next, t == 0); break;
+        case 4: tile<T, 4>(xr, wb, bias, yr, col, p, next, t == 0); break;
+        case 5: tile<T, 5>(xr, wb, bias, yr, col, p, next, t == 0); break;
+        default: tile<T, kMaxRows>(xr, wb, bias, yr, col, p, next, t == 0); break;
       }
       r += rows;
     }
