@@ -30,7 +30,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from bench_offline_throughput import _random_prompt, resolve_model
+from bench_offline_throughput import _random_prompt
+from make_bench_models import resolve_model
 
 from radixserve.layers import cpu_kernels
 from radixserve.layers import kernel_dispatch as kd

@@ -1,14 +1,16 @@
-"""What the HTTP benchmarks share: the benchmark models by name, and a server to measure."""
+"""What the benchmarks share: the benchmark models by name, torch's thread count, and a
+server to measure."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 BENCH_MODELS = ("tiny", "small")
@@ -16,15 +18,23 @@ READY_PREFIX = "radixserve ready: "
 
 
 def resolve_model(name: str) -> str:
-    """A checkpoint directory; the benchmark models are built on first use."""
-    if name not in BENCH_MODELS:
-        return name
-    from make_bench_models import DEFAULT_OUT, build  # imports torch: only when needed
+    """A checkpoint directory (or GGUF file); the benchmark models are built on first use."""
+    from make_bench_models import resolve_model as resolve  # imports torch: only when needed
 
-    path = DEFAULT_OUT / name
-    if not (path / "config.json").is_file():
-        print(json.dumps(build(name, path, seed=0)), file=sys.stderr, flush=True)
-    return str(path)
+    return resolve(name)[1]
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Give torch in this process ``threads`` threads (default: leave torch's choice)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 class Server:

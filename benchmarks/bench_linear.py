@@ -24,13 +24,16 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from bench_offline_throughput import resolve_model
+from bench_common import torch_threads
+from make_bench_models import resolve_model
 
 from radixserve.layers import cpu_kernels, kernel_dispatch
 from radixserve.layers.packed_weight import CpuPackedWeight
@@ -109,6 +112,58 @@ def sig(value: float) -> float:
 
 def call(x: torch.Tensor, kernel) -> torch.Tensor:
     return kernel(x, None)
+
+
+def print_kernel_dispatch(args: argparse.Namespace, model_path: str,
+                          engine_kwargs: dict[str, Any]) -> None:
+    """One JSON line per linear layer type: the kernel its batches run per row bucket, as the
+    Engine just chose it (read back from the dispatch cache its autotune wrote, with the
+    scheduler's thread count; the static table where it measured nothing)."""
+    from radixserve.layers import cpu_kernels
+    from radixserve.layers import kernel_dispatch as kd
+    from radixserve.layers.attention import extend_dispatch as xd
+    from radixserve.layers.packed_weight import CpuPackedWeight
+    from radixserve.layers.quantization.int4 import GROUP, CpuInt4Weight
+    from radixserve.layers.quantization.int8 import CpuInt8Weight
+    from radixserve.model_config import ModelConfig, resolve_device
+
+    if resolve_device(args.device).type != "cpu" or not cpu_kernels.has_ops("linear"):
+        return  # a GPU's kernels are chosen once at build time, no dispatch table to show
+    config = ModelConfig.from_path(model_path, dtype=args.dtype)
+    dtype = config.torch_dtype
+    shapes = {**layer_projections(config), "lm_head": (config.vocab_size, config.hidden_size)}
+    quantization = engine_kwargs.get("quantization")
+    deterministic = engine_kwargs.get("enable_deterministic_inference", False)
+    with torch_threads(args.threads or len(os.sched_getaffinity(0))):
+        cache = kd.DispatchCache(kd.default_cache_root(),
+                                 kd.machine_identity(cpu_kernels.cpu_flags()))
+        for layer, (n, k) in shapes.items():
+            if quantization == "int8" or (quantization == "int4" and layer == "lm_head"):
+                weight = CpuInt8Weight(torch.zeros(n, k, dtype=torch.int8), torch.ones(n, 1))
+            elif quantization == "int4":
+                groups = -(-k // GROUP)
+                weight = CpuInt4Weight(torch.zeros(n, k, dtype=torch.uint8),
+                                       torch.ones(n, groups, dtype=torch.float16),
+                                       torch.zeros(n, groups, dtype=torch.float16))
+            else:
+                weight = CpuPackedWeight(torch.zeros(n, k, dtype=dtype))
+            weight.activation_dtype = dtype
+            weight.restrict(deterministic)
+            table, source = kd.cached_or_static(weight, cache)
+            print(json.dumps({"kernel_dispatch": layer, "n": n, "k": k, "kind": weight.kind(),
+                              "source": source, "kernels": kd.describe(table),
+                              "deterministic": deterministic}), flush=True)
+        if cpu_kernels.attention_kernels_support(dtype, config.head_dim) is not None:
+            return  # attention on the torch_native backend (an AVX2 CPU): no table
+        # prefill attention per (extend, prefix) length bucket (layers/attention/extend_dispatch)
+        allowed = xd.allowed_candidates(deterministic)
+        shape = xd.Shape(dtype, config.head_dim,
+                         config.num_attention_heads // config.num_key_value_heads, allowed)
+        static = xd.static_table(allowed, cpu_kernels.amx_available(), dtype)
+        table, source = xd.cached_or_static(shape, static, cache)
+        print(json.dumps({"kernel_dispatch": "attention_extend", "kind": shape.key(),
+                          "source": source, "kernels": xd.describe(table),
+                          "deterministic": deterministic}), flush=True)
 
 
 def main() -> None:

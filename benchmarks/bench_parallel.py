@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_offline_throughput import decode_record, prefill_record, resolve_model  # noqa: E402
+from bench_offline_throughput import decode_record, prefill_record  # noqa: E402
+from make_bench_models import resolve_model  # noqa: E402
 
 TOPOLOGIES = {
     "tp1": {},

