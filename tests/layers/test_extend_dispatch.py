@@ -75,7 +75,9 @@ def test_tune_chooses_the_faster_per_cell_and_the_cache_answers_the_next_start(t
     static = (xd.NATIVE,) * xd.NUM_CELLS
     measure, calls = timings(sdpa_faster_from_extend=256)
     table = xd.tune(SHAPE, static, kd.DispatchCache(tmp_path, IDENTITY), measure_fn=measure)
-    assert calls == [list(range(xd.NUM_CELLS))]
+    # every cell, then the cells that would switch, once more
+    assert calls == [list(range(xd.NUM_CELLS)),
+                     [c for c in range(xd.NUM_CELLS) if xd.cell_sizes(c)[0] >= 256]]
     for cell, name in enumerate(table):
         assert name == (xd.SDPA if xd.cell_sizes(cell)[0] >= 256 else xd.NATIVE)
     stored = json.loads(kd.DispatchCache(tmp_path, IDENTITY).path.read_text())
@@ -92,7 +94,7 @@ def test_tune_chooses_the_faster_per_cell_and_the_cache_answers_the_next_start(t
     # another head_dim or group is another entry: measured
     other = xd.Shape(torch.bfloat16, 128, 7, BOTH)
     xd.tune(other, static, kd.DispatchCache(tmp_path, IDENTITY), measure_fn=again)
-    assert len(calls_again) == 1
+    assert len(calls_again) == 2  # every cell, then the switches once more
 
 
 @pytest.mark.parametrize("changed", ["cpu_model", "cpu_flags", "torch"])
@@ -103,7 +105,7 @@ def test_a_new_cpu_or_torch_measures_attention_again(tmp_path, changed):
     other = {**IDENTITY, changed: IDENTITY[changed] + "-new"}
     again, calls = timings(sdpa_faster_from_extend=0)
     table = xd.tune(SHAPE, static, kd.DispatchCache(tmp_path, other), measure_fn=again)
-    assert len(calls) == 1 and table == (xd.SDPA,) * xd.NUM_CELLS
+    assert calls == [list(range(xd.NUM_CELLS))] * 2 and table == (xd.SDPA,) * xd.NUM_CELLS
 
 
 def test_a_close_call_keeps_the_static_choice_and_cells_past_the_budget_are_measured_later(
@@ -121,8 +123,29 @@ def test_a_close_call_keeps_the_static_choice_and_cells_past_the_budget_are_meas
     assert xd.tune(SHAPE, static, cache, measure_fn=partial) == static
     measure, calls = timings(sdpa_faster_from_extend=10**6)  # SDPA slower everywhere
     table = xd.tune(SHAPE, static, kd.DispatchCache(tmp_path, IDENTITY), measure_fn=measure)
-    assert calls == [list(range(2, xd.NUM_CELLS))]  # the two cached cells are not timed again
+    assert calls[0] == list(range(2, xd.NUM_CELLS))  # the two cached cells are not timed again
+    # then the static SDPA cells among them, which switch, once more
+    assert calls[1:] == [[c for c in range(2, xd.NUM_CELLS) if static[c] == xd.SDPA]]
     assert table[:2] == static[:2] and table[2:] == (xd.NATIVE,) * (xd.NUM_CELLS - 2)
+
+
+def test_a_cell_leaves_the_static_table_only_if_its_choice_loses_two_timings(tmp_path):
+    static = (xd.NATIVE,) * xd.NUM_CELLS
+    calls: list[list[int]] = []
+
+    def slow_once(shape, cells, budget_end):  # native read slow in cell 0 the first time only
+        calls.append(list(cells))
+        seconds = {n: [None] * xd.NUM_CELLS for n in shape.candidates}
+        for cell in cells:
+            seconds[xd.NATIVE][cell] = 3.0 if cell == 0 and len(calls) == 1 else 1.0
+            seconds[xd.SDPA][cell] = 2.0
+        return seconds
+
+    cache = kd.DispatchCache(tmp_path, IDENTITY)
+    assert xd.tune(SHAPE, static, cache, measure_fn=slow_once) == static
+    assert calls == [list(range(xd.NUM_CELLS)), [0]]
+    # the cache holds each candidate's better time: the next start keeps the static choice too
+    assert kd.DispatchCache(tmp_path, IDENTITY).get(SHAPE.key())[xd.NATIVE][0] == 1.0
 
 
 def test_measure_times_every_cell_it_is_given_and_stops_at_the_budget():
@@ -195,7 +218,7 @@ def test_attention_timed_under_load_is_timed_again_at_a_quiet_start(tmp_path):
     busy = FakeLoad(busy_while_measuring=True, quiet_at_start=False)
     table = xd.tune(SHAPE, static, kd.DispatchCache(tmp_path, IDENTITY), measure_fn=measure,
                     load=busy)
-    assert len(calls) == 1 and table != static  # the busy timing is used meanwhile
+    assert len(calls) == 2 and table != static  # the busy timing is used meanwhile
     assert kd.DispatchCache(tmp_path, IDENTITY).busy_keys() == {SHAPE.key()}
     again, calls_again = timings(sdpa_faster_from_extend=0)
     assert xd.tune(SHAPE, static, kd.DispatchCache(tmp_path, IDENTITY), measure_fn=again,
@@ -204,5 +227,5 @@ def test_attention_timed_under_load_is_timed_again_at_a_quiet_start(tmp_path):
     quiet = FakeLoad(busy_while_measuring=False, quiet_at_start=True)
     table = xd.tune(SHAPE, static, kd.DispatchCache(tmp_path, IDENTITY), measure_fn=again,
                     load=quiet)
-    assert calls_again == [list(range(xd.NUM_CELLS))] and table == (xd.SDPA,) * xd.NUM_CELLS
+    assert calls_again == [list(range(xd.NUM_CELLS))] * 2 and table == (xd.SDPA,) * xd.NUM_CELLS
     assert kd.DispatchCache(tmp_path, IDENTITY).busy_keys() == frozenset()
