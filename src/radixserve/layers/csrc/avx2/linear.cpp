@@ -4,11 +4,14 @@
 // `[N/16][K][16]` (float32). One block, 16 output columns, is two 8-lane registers here.
 //
 // A tile is up to 6 input rows by one block: 12 float32 sums, the block's step in two registers
-// and one broadcast input fill 15 of the 16 registers. One block is one contiguous stream of
-// the weight (the hardware prefetcher follows it, and the first tile asks 1 KiB ahead); a
-// prefill's row tiles reuse it from the L2 cache. torch's own GEMMs on such CPUs are slow where this kernel is not: on an AMD EPYC (Zen
-// 3), F.linear ran float32 at 9-98 GFLOP/s and bf16 at 15-18 GFLOP/s at every batch size
-// (benchmarks/RESULTS.md, session 31).
+// and one broadcast input fill 15 of the 16 registers. A bf16 step is an input pair: its weights
+// widen to four registers (each input's products of 16 columns), so a bf16 tile is up to 5 rows
+// and each broadcast input feeds both halves of the block (1.3-1.5x faster at 8-512 rows than 6
+// rows that broadcast each input twice; RESULTS.md, session 33). One block is one contiguous
+// stream of the weight (the hardware prefetcher follows it, and the first tile asks 1 KiB
+// ahead); a prefill's row tiles reuse it from the L2 cache. torch's own GEMMs on such CPUs are
+// slow where this kernel is not: on an AMD EPYC (Zen 3), F.linear ran float32 at 9-98 GFLOP/s
+// and bf16 at 15-18 GFLOP/s at every batch size (benchmarks/RESULTS.md, session 31).
 //
 // Each output is the same chain of float32 multiply-adds as in the AVX-512 kernel without
 // AVX512-BF16: inputs in ascending order from zero, a bf16 pair's second product before its
@@ -37,6 +40,7 @@ using namespace radixserve_cpu;
 
 constexpr int64_t kBlock = 16;  // output columns per block: two registers of float32 sums
 constexpr int kMaxRows = 6;     // rows per tile: 6 x 2 sums + 2 weights + 1 input in 16 registers
+constexpr int kMaxBf16Rows = 5;  // bf16: 5 x 2 sums + 4 weights (a pair's two) + 1 input in 15
 constexpr int kPrefetchSteps = 4;  // float32 steps per line of the next block prefetched
 constexpr int64_t kAheadBytes = 1024;  // how far ahead a block's first tile asks for its weights
 
@@ -101,21 +105,22 @@ void tile(const float* x, const T* w, const float* bias, T* y, int64_t col, cons
     const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
     const auto step = [&](int64_t s) {
       const float* xs = x + 2 * s;
-      // the first eight columns' pairs, then the last eight's
+      // the first eight columns' pairs, then the last eight's, each as the products of input
+      // k+1 (odd) and of input k (even)
       const __m256i pairs0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * 32));
-      const __m256 odd0 = _mm256_castsi256_ps(_mm256_and_si256(pairs0, high));  // input k+1
-      const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs0, 16));  // input k
-      for (int r = 0; r < MR; ++r) {
-        lo[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + r * stride + 1), odd0, lo[r]);
-        lo[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + r * stride), even0, lo[r]);
-      }
       const __m256i pairs1 =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * 32 + 16));
+      const __m256 odd0 = _mm256_castsi256_ps(_mm256_and_si256(pairs0, high));
       const __m256 odd1 = _mm256_castsi256_ps(_mm256_and_si256(pairs1, high));
+      const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs0, 16));
       const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs1, 16));
       for (int r = 0; r < MR; ++r) {
-        hi[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + r * stride + 1), odd1, hi[r]);
-        hi[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + r * stride), even1, hi[r]);
+        const __m256 x1 = _mm256_broadcast_ss(xs + r * stride + 1);
+        lo[r] = _mm256_fmadd_ps(x1, odd0, lo[r]);
+        hi[r] = _mm256_fmadd_ps(x1, odd1, hi[r]);
+        const __m256 x0 = _mm256_broadcast_ss(xs + r * stride);
+        lo[r] = _mm256_fmadd_ps(x0, even0, lo[r]);
+        hi[r] = _mm256_fmadd_ps(x0, even1, hi[r]);
       }
     };
     int64_t s = 0;
@@ -142,19 +147,20 @@ void tile(const float* x, const T* w, const float* bias, T* y, int64_t col, cons
 }
 
 // Blocks [first, last) for all m rows: each block's row tiles in turn, the rows split into
-// tiles of near-equal height (32 rows: 6, 6, 5, 5, 5, 5), since a tile of one or two rows has
-// too few independent sums to keep both FMA units busy. The first tile streams the block from
-// memory, the others read it from L2; in float32, the second to fifth tiles prefetch the next
-// block into L2, a quarter of its lines each, so that the next first tile does not wait on
-// memory: 5-35% faster at 16-32 rows on the Zen 3 guest (RESULTS.md, session 32). The first
-// tile also asks for its lines 1 KiB ahead, which the hardware prefetcher alone does not keep
-// up with when few rows leave the loop waiting on memory: bf16 12-35% faster at 1-2 rows, fp32
-// up to 22% at 2-16 rows, the same at 32-512 (session 33); the later tiles, reading from L2,
-// do not (it cost bf16 2-4% at 512 rows).
+// tiles of near-equal height (32 float32 rows: 6, 6, 5, 5, 5, 5; bf16: 5, 5, 5, 5, 4, 4, 4),
+// since a tile of one or two rows has too few independent sums to keep both FMA units busy.
+// The first tile streams the block from memory, the others read it from L2; in float32, the
+// second to fifth tiles prefetch the next block into L2, a quarter of its lines each, so that
+// the next first tile does not wait on memory: 5-35% faster at 16-32 rows on the Zen 3 guest
+// (RESULTS.md, session 32). The first tile also asks for its lines 1 KiB ahead, which the
+// hardware prefetcher alone does not keep up with when few rows leave the loop waiting on
+// memory: bf16 12-35% faster at 1-2 rows, fp32 up to 22% at 2-16 rows, the same at 32-512
+// (session 33); the later tiles, reading from L2, do not (it cost bf16 2-4% at 512 rows).
 template <typename T>
 void blocks(const float* x, int64_t m, const T* w, const float* bias, T* y, int64_t first,
             int64_t last, const Problem& p) {
-  const int64_t tiles = (m + kMaxRows - 1) / kMaxRows;
+  constexpr int max_rows = std::is_same_v<T, float> ? kMaxRows : kMaxBf16Rows;
+  const int64_t tiles = (m + max_rows - 1) / max_rows;
   // a float32 block is one 64-byte line per step; a tile prefetches a line every few steps
   const int64_t per_tile = p.steps / kPrefetchSteps;
   for (int64_t b = first; b < last; ++b) {
@@ -175,7 +181,7 @@ void blocks(const float* x, int64_t m, const T* w, const float* bias, T* y, int6
         case 3: tile<T, 3>(xr, wb, bias, yr, col, p, next, t == 0); break;
         case 4: tile<T, 4>(xr, wb, bias, yr, col, p, next, t == 0); break;
         case 5: tile<T, 5>(xr, wb, bias, yr, col, p, next, t == 0); break;
-        default: tile<T, kMaxRows>(xr, wb, bias, yr, col, p, next, t == 0); break;
+        default: tile<T, max_rows>(xr, wb, bias, yr, col, p, next, t == 0); break;
       }
       r += rows;
     }
