@@ -15,13 +15,14 @@ HAS_KERNELS = {"avx512f", "avx512bw"} <= _FLAGS and _ENABLED
 # the linear kernel runs here: that, or the AVX2 build (csrc/avx2/) on a CPU with AVX2 and FMA
 HAS_LINEAR_KERNEL = HAS_KERNELS or ({"avx2", "fma"} <= _FLAGS and _ENABLED)
 HAS_AMX = HAS_KERNELS and {"amx_tile", "amx_bf16"} <= _FLAGS
-# the ops the AVX2 build registers (csrc/avx2/): the linear kernel and the elementwise ones
-AVX2_OPS = frozenset({"linear", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary",
-                      "argmax"})
+# the ops the AVX2 build registers (csrc/avx2/): the linear kernels (float and int8) and the
+# elementwise ones
+AVX2_OPS = frozenset({"linear", "linear_int8", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
+                      "rotary", "argmax"})
 
 
 # for tests that ask for what only the AVX-512 kernels provide by name: the `cpu` attention
-# backend (and so CPU graphs), the LoRA, int8 and 4-bit kernels
+# backend (and so CPU graphs), the LoRA and 4-bit kernels
 _NEEDS_KERNELS = "needs radixserve's CPU kernels (AVX-512 F and BW, not disabled)"
 needs_kernels = pytest.mark.skipif(not HAS_KERNELS, reason=_NEEDS_KERNELS)
 

@@ -36,7 +36,9 @@ from radixserve.layers.cpu_kernels import (
     has_ops,
     kernel_set,
     linear,
+    linear_int8,
     load_cpu_kernels,
+    pack_int8_weight,
     pack_linear_weight,
     paged_attention,
     paged_attention_quant,
@@ -45,6 +47,7 @@ from radixserve.layers.cpu_kernels import (
     silu_and_mul,
     small_gemm_amx,
 )
+from radixserve.layers.quantization.int8 import quantize_int8
 from radixserve.layers.rotary_embedding import RotaryEmbedding
 from tests.layers.helpers import (
     AVX2_OPS,
@@ -205,11 +208,22 @@ def outputs_in_a_fresh_process(path: Path, env: dict[str, str]) -> dict[str, tor
 
 
 def bit_outputs() -> dict[str, torch.Tensor]:
+    """The float linear kernel's outputs, and the int8 kernel's on the same problems (int8
+    weights, per channel and in groups of 64 inputs where K allows)."""
     assert load_cpu_kernels()
-    return {f"{dtype}-{n}-{k}-{m}": kernel_linear(x, w, b)
-            for dtype in (torch.float32, torch.bfloat16)
-            for n, k, m, bias in BIT_PROBLEMS
-            for w, x, b, _ in [random_problem(n, k, m, bias, dtype)]}
+    outputs = {f"{dtype}-{n}-{k}-{m}": kernel_linear(x, w, b)
+               for dtype in (torch.float32, torch.bfloat16)
+               for n, k, m, bias in BIT_PROBLEMS
+               for w, x, b, _ in [random_problem(n, k, m, bias, dtype)]}
+    for dtype in (torch.float32, torch.bfloat16):
+        for n, k, m, bias in BIT_PROBLEMS:
+            w, x, b, _ = random_problem(n, k, m, bias, dtype)
+            for group in (None, 64) if k % 64 == 0 else (None,):
+                q, scales = quantize_int8(w.float(), group)
+                weight, blocked_scales = pack_int8_weight(q, scales)
+                outputs[f"int8-{group}-{dtype}-{n}-{k}-{m}"] = linear_int8(
+                    x, weight, blocked_scales, b, n)
+    return outputs
 
 
 @pytest.mark.skipif(not HAS_KERNELS, reason="this CPU runs the AVX2 build itself, or none")
@@ -217,18 +231,19 @@ def bit_outputs() -> dict[str, torch.Tensor]:
 def test_the_avx2_build_passes_the_linear_tests_with_the_avx512_kernels_bits(
         tmp_path, avx512_base_cache):
     """CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, Intel before Skylake-SP) build
-    ``csrc/avx2/``: the linear and elementwise kernels. Built here with AVX-512 hidden, it must
-    pass their tests as they stand (none skipped), leave the other ops to torch, and give what
-    the AVX-512 linear kernel without AVX512-BF16 gives, bit for bit: the same chains of
-    multiply-adds (float32 layers: the same bits as this CPU's own build)."""
+    ``csrc/avx2/``: the linear (float and int8) and elementwise kernels. Built here with AVX-512
+    hidden, it must pass their tests as they stand (none skipped), leave the other ops to torch,
+    and give what the AVX-512 linear kernels without AVX512-BF16 and VNNI give, bit for bit: the
+    same chains of multiply-adds, the same exact int32 sums (float32 layers: the same bits as
+    this CPU's own build)."""
     avx2 = {"RADIXSERVE_CPU_KERNELS_AVX2": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")}
     repo = Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
          "linear_kernel or build_exactly or test_packed_weight or rms_norm or silu_and_mul or "
-         "rotary or argmax or wrong_dtype_or_shape",
+         "rotary or argmax or wrong_dtype_or_shape or int8_kernel",
          "tests/layers/test_cpu_kernels.py", "tests/layers/test_packed_weight.py",
-         "tests/layers/test_custom_ops.py"],
+         "tests/layers/test_custom_ops.py", "tests/layers/test_quantization.py"],
         cwd=repo, env={**os.environ, **avx2}, capture_output=True, text=True, timeout=1400,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -18,7 +18,13 @@ from radixserve.layers.linear import MergedColumnParallelLinear, RowParallelLine
 from radixserve.layers.packed_weight import CpuPackedWeight, prepack_model
 from radixserve.layers.quantization.int8 import CpuInt8Weight, Int8Weight, quantize_int8
 from radixserve.server_args import ServerArgs
-from tests.layers.helpers import HAS_AMX, bf16_close, require_kernels, require_linear_kernel
+from tests.layers.helpers import (
+    HAS_AMX,
+    bf16_close,
+    require_kernels,
+    require_linear_kernel,
+    require_ops,
+)
 
 BUCKETS = len(kd.ROW_BUCKETS)
 
@@ -247,7 +253,7 @@ def test_every_float_candidate_equals_the_native_reference_in_every_bucket(dtype
 
 
 def test_every_int8_candidate_equals_the_native_reference_in_every_bucket():
-    require_kernels()
+    require_ops("linear_int8")
     gen = torch.Generator().manual_seed(0)
     q, scales = quantize_int8(torch.randn(96, 64, generator=gen))
     bias = torch.randn(96, generator=gen).to(torch.bfloat16)

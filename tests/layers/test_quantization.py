@@ -20,7 +20,7 @@ from radixserve.layers.quantization.int8 import (
     pack_int8,
     quantize_int8,
 )
-from tests.layers.helpers import require_kernels
+from tests.layers.helpers import require_ops
 
 
 @pytest.mark.parametrize("group_size", [None, 32])
@@ -58,7 +58,7 @@ def assert_close_to_reference(out: torch.Tensor, reference: torch.Tensor) -> Non
     (48, 71, 3, None), (160, 4864, 13, None), (64, 512, 64, 256),
 ])
 def test_int8_kernel_equals_the_dequantised_reference(dtype, n, k, m, group_size):
-    require_kernels()
+    require_ops("linear_int8")
     q, scales, x, bias = int8_problem(n, k, m, group_size, dtype)
     reference = Int8Weight(q, scales).linear(x, bias)
     packed = pack_int8(q, scales, OpImpl.CPU)
@@ -71,7 +71,7 @@ def test_int8_kernel_equals_the_dequantised_reference(dtype, n, k, m, group_size
 
 
 def test_int8_kernel_rejects_bad_input_with_a_clear_error():
-    require_kernels()
+    require_ops("linear_int8")
     q, scales = quantize_int8(torch.randn(40, 64))
     weight, blocked_scales = cpu_kernels.pack_int8_weight(q, scales)
     x = torch.zeros(2, 64, dtype=torch.bfloat16)

@@ -35,9 +35,10 @@ Lake) run every kernel, float32 models included; ``RADIXSERVE_CPU_KERNELS_AVX512
 builds that code on a newer CPU. CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, Intel
 before Skylake-SP) build ``csrc/avx2/``: the linear kernel, on the same blocked weight and with
 the same sums (the bits of the AVX-512 kernel without AVX512-BF16; torch's own GEMMs are slowest
-there, bf16 at 15-19 GFLOP/s on a Zen 3 at every batch size), and the elementwise ops (norms,
-SwiGLU, rotary, argmax: the same row functions with 8-lane registers). The attention, LoRA,
-int8/int4 and token-bitmask ops keep their torch implementations there (``has_ops`` says which
+there, bf16 at 15-19 GFLOP/s on a Zen 3 at every batch size), the int8 kernel (the same int32
+sums, without VNNI) and the elementwise ops (norms, SwiGLU, rotary, argmax: the same row
+functions with 8-lane registers). The attention, LoRA, int4 and token-bitmask ops keep their
+torch implementations there (``has_ops`` says which
 kernels a build registers;
 ``RADIXSERVE_CPU_KERNELS_AVX2=1`` builds the AVX2 set on an AVX-512 CPU). The build goes through
 ``torch.utils.cpp_extension`` (ninja and g++, about 20 s) into
@@ -86,7 +87,7 @@ class KernelSet:
 
 
 # Best first: a CPU builds the first set whose instructions it has. The AVX2 set holds the
-# linear and elementwise kernels (csrc/avx2/): there the other ops keep torch's implementations.
+# linear, int8 and elementwise kernels (csrc/avx2/): there the other ops keep torch's.
 KERNEL_SETS = (
     KernelSet("avx512", frozenset({"avx512f", "avx512bw"}), tuple(sorted(CSRC.glob("*.cpp")))),
     KernelSet(

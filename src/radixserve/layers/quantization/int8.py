@@ -114,7 +114,7 @@ class CpuInt8Weight(MultiKernelWeight, Int8Weight):
 
 def pack_int8(weight: torch.Tensor, scales: torch.Tensor, impl: OpImpl) -> Int8Weight:
     """The ``PackedWeight`` of an int8 weight for a layer built with ``impl``."""
-    if impl is OpImpl.CPU and cpu_kernels.has_ops("linear_int8"):  # not in an AVX2 build
+    if impl is OpImpl.CPU and cpu_kernels.has_ops("linear_int8"):  # AVX-512 and AVX2 builds
         return CpuInt8Weight(weight, scales)
     return Int8Weight(weight, scales)
 

@@ -1,0 +1,277 @@
+// Weight-only int8 linear layers (W8A16) for CPUs with AVX2 and FMA but no AVX-512: the op
+// `csrc/linear_int8.cpp` defines for AVX-512 CPUs, on the same layout (int8 [N/16][K/2][16][2],
+// float32 scales [N/16][groups][16]) and with the same sums, bit for bit.
+//
+// As there, each activation row is quantised to int16 with one scale (max |x| / 32767), and a
+// step multiplies a broadcast pair of inputs by a pair of int8 weights per column (widened to
+// int16) into exact int32 sums: `vpmaddwd` and an add (AVX-VNNI's `vpdpwssd` where the CPU has
+// it, the same sums). A block's 16 columns are two registers of 8. The int32 sums cover at most
+// 128 input pairs and never cross a group; each is converted to float32, multiplied by its
+// group's scale and added to the output's sum in input order; the row's scale and the bias come
+// last and the sum is rounded once. So a row's result does not depend on its batch, and is the
+// AVX-512 kernel's.
+//
+// Without a kernel, int8 weights on such CPUs were dequantised whole on every call and sent
+// to torch's bf16 GEMM, which runs at 13-20 GFLOP/s there (benchmarks/RESULTS.md, session 33).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#include "../linear_args.h"
+#include "vec_math.h"
+
+namespace {
+
+using namespace radixserve_cpu;
+using radixserve_cpu::avx2::load8;
+using radixserve_cpu::avx2::round_to;
+using radixserve_cpu::avx2::store8;
+
+constexpr int64_t kBlock = 16;
+constexpr int64_t kChunk = 128;  // input pairs per int32 sum
+constexpr int64_t kAhead = 1024;  // how far ahead each block's weights are asked for
+constexpr float kInt16Max = 32767.0f;
+
+// Tiles of MR rows by NB blocks keep 2 x MR x NB int32 sums, 2 x NB widened weights and one
+// input pair in the 16 registers: decode batches of one or two rows take two blocks at a time
+// (13 registers), larger ones four rows of one block (11: each widened weight feeds 4 rows).
+// The float32 sums are touched once per 128 steps and may live in memory.
+struct Small {
+  static constexpr int kRows = 2, kPanel = 2;
+};
+struct Large {
+  static constexpr int kRows = 4, kPanel = 1;
+};
+
+// sum + a.even * b.even + a.odd * b.odd per int32 lane of int16 pairs
+inline __m256i dot_pairs(__m256i sum, __m256i a, __m256i b) {
+#ifdef __AVXVNNI__
+  return _mm256_dpwssd_avx_epi32(sum, a, b);
+#else
+  return _mm256_add_epi32(sum, _mm256_madd_epi16(a, b));
+#endif
+}
+
+// Rows [first, last) of x (k values each) -> int16 rows of xq_stride values (0 past k) and one
+// scale per row, x ~ xq * scale: csrc/int16_rows.h's quantize_rows, 8 lanes at a time.
+template <typename T>
+void quantize_rows(const T* x, int64_t x_stride, int64_t k, int16_t* xq, int64_t xq_stride,
+                   float* row_scale, int64_t first, int64_t last) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t r = first; r < last; ++r) {
+    const T* xr = x + r * x_stride;
+    __m256 top = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i += 8) {
+      top = _mm256_max_ps(top, _mm256_and_ps(load8(xr + i, k - i), magnitude));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, top);
+    const float max = *std::max_element(lanes, lanes + 8);
+    const float scale = max > 0 ? max / kInt16Max : 1.0f;
+    const __m256 inv = _mm256_set1_ps(max > 0 ? kInt16Max / max : 0.0f);
+    int16_t* qr = xq + r * xq_stride;
+    for (int64_t i = 0; i < xq_stride; i += 8) {
+      const __m256 v = load8(xr + i, std::max<int64_t>(0, k - i));
+      const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v, inv));  // to nearest, ties to even
+      // saturated to int16, packed per 128-bit lane, then the two lanes' halves side by side
+      const __m128i packed =
+          _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packs_epi32(q, q), 0b1000));
+      if (xq_stride - i >= 8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + i), packed);
+      } else {
+        int16_t buf[8];
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(buf), packed);
+        std::memcpy(qr + i, buf, (xq_stride - i) * sizeof(int16_t));
+      }
+    }
+    row_scale[r] = scale;
+  }
+}
+
+struct Problem {
+  int64_t n, groups, group_steps;  // output columns; groups; input pairs per group
+  int64_t x_stride, y_stride;      // int16 inputs between rows of xq; outputs between rows
+  int64_t block_bytes;             // bytes of one weight block (pairs * 32)
+};
+
+template <typename T, int MR, int NB>
+void tile(const int16_t* xq, const float* row_scale, const int8_t* w, const float* scales,
+          const T* bias, T* y, int64_t col, const Problem& p) {
+  __m256 acc[MR][NB][2];
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b][0] = acc[r][b][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const int64_t group_end = (g + 1) * p.group_steps;
+    for (int64_t first = g * p.group_steps; first < group_end; first += kChunk) {
+      const int64_t last = std::min(first + kChunk, group_end);
+      __m256i sum[MR][NB][2];
+      for (int r = 0; r < MR; ++r)
+        for (int b = 0; b < NB; ++b) sum[r][b][0] = sum[r][b][1] = _mm256_setzero_si256();
+      // a step is 32 bytes of each block: columns 0-7's pairs, then 8-15's
+      const auto step = [&](int64_t s) {
+        __m256i wv[NB][2];
+        for (int b = 0; b < NB; ++b) {
+          const int8_t* ws = w + b * p.block_bytes + s * 2 * kBlock;
+          wv[b][0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws)));
+          wv[b][1] =
+              _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + 16)));
+        }
+        for (int r = 0; r < MR; ++r) {
+          const __m256i pair =
+              _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + r * p.x_stride + 2 * s));
+          for (int b = 0; b < NB; ++b) {
+            sum[r][b][0] = dot_pairs(sum[r][b][0], pair, wv[b][0]);
+            sum[r][b][1] = dot_pairs(sum[r][b][1], pair, wv[b][1]);
+          }
+        }
+      };
+      // two steps per cache line of each block: one prefetch per line, outside any test in
+      // the step (a test there can make g++ keep the sums in memory)
+      int64_t s = first;
+      for (; s + 2 <= last; s += 2) {
+        for (int b = 0; b < NB; ++b) {
+          _mm_prefetch(reinterpret_cast<const char*>(w + b * p.block_bytes + s * 2 * kBlock) +
+                           kAhead,
+                       _MM_HINT_T0);
+        }
+        step(s);
+        step(s + 1);
+      }
+      if (s < last) step(s);
+      for (int b = 0; b < NB; ++b) {
+        const float* sc = scales + (b * p.groups + g) * kBlock;
+        const __m256 scale0 = _mm256_loadu_ps(sc), scale1 = _mm256_loadu_ps(sc + 8);
+        for (int r = 0; r < MR; ++r) {
+          acc[r][b][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][b][0]), scale0, acc[r][b][0]);
+          acc[r][b][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][b][1]), scale1, acc[r][b][1]);
+        }
+      }
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    const int64_t c = col + b * kBlock, left = p.n - c;
+    const __m256 add0 = bias ? load8(bias + c, left) : _mm256_setzero_ps();
+    const __m256 add1 = bias && left > 8 ? load8(bias + c + 8, left - 8) : _mm256_setzero_ps();
+    for (int r = 0; r < MR; ++r) {
+      const __m256 scale = _mm256_set1_ps(row_scale[r]);
+      T* yr = y + r * p.y_stride + c;
+      store8(yr, round_to<T>(_mm256_fmadd_ps(acc[r][b][0], scale, add0)), left);
+      if (left > 8) {
+        store8(yr + 8, round_to<T>(_mm256_fmadd_ps(acc[r][b][1], scale, add1)), left - 8);
+      }
+    }
+  }
+}
+
+template <typename T, typename Tiles, int NB>
+void row_tiles(const int16_t* xq, const float* row_scale, int64_t m, const int8_t* w,
+               const float* scales, const T* bias, T* y, int64_t col, const Problem& p) {
+  int64_t r = 0;
+  constexpr int kMaxRows = Tiles::kRows;
+  for (; r + kMaxRows <= m; r += kMaxRows) {
+    tile<T, kMaxRows, NB>(xq + r * p.x_stride, row_scale + r, w, scales, bias,
+                          y + r * p.y_stride, col, p);
+  }
+  const int16_t* xr = xq + r * p.x_stride;
+  const float* sr = row_scale + r;
+  T* yr = y + r * p.y_stride;
+  switch (m - r) {
+    case 1: tile<T, 1, NB>(xr, sr, w, scales, bias, yr, col, p); break;
+    case 2: tile<T, 2, NB>(xr, sr, w, scales, bias, yr, col, p); break;
+    case 3: tile<T, 3, NB>(xr, sr, w, scales, bias, yr, col, p); break;
+    default: break;
+  }
+}
+
+template <typename T, typename Tiles>
+void panels(const int16_t* xq, const float* row_scale, int64_t m, const int8_t* w,
+            const float* scales, const T* bias, T* y, int64_t first, int64_t last,
+            const Problem& p) {
+  const int64_t scale_block = p.groups * kBlock;
+  constexpr int kPanel = Tiles::kPanel;
+  int64_t b = first;
+  for (; b + kPanel <= last; b += kPanel) {
+    row_tiles<T, Tiles, kPanel>(xq, row_scale, m, w + b * p.block_bytes,
+                                scales + b * scale_block, bias, y, b * kBlock, p);
+  }
+  if constexpr (kPanel > 1) {
+    if (b < last) {  // one block left (panels are at most two)
+      row_tiles<T, Tiles, 1>(xq, row_scale, m, w + b * p.block_bytes, scales + b * scale_block,
+                             bias, y, b * kBlock, p);
+    }
+  }
+}
+
+// x: [M, K] bf16 or float32 (rows contiguous, K at most the weight's padded input size);
+// weight: int8 [N/16, K/2, 16, 2]; scales: float32 [N/16, groups, 16]; bias: [n] of x's dtype or
+// None. Returns [M, n] in x's dtype. The checks and messages are csrc/linear_int8.cpp's.
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias, int64_t n) {
+  check_activations("linear_int8", x);
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 4 && weight.size(2) == kBlock &&
+                  weight.size(3) == 2 && weight.is_contiguous(),
+              "linear_int8: the weight must be int8 blocked [N/16, K/2, 16, 2]");
+  const int64_t blocks = weight.size(0), pairs = weight.size(1), k = x.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (k + 1) / 2 == pairs,
+              "linear_int8: x must be [M, K] with contiguous rows and K = ", 2 * pairs,
+              " (or one less), got ", x.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 3 &&
+                  scales.size(0) == blocks && scales.size(2) == kBlock &&
+                  scales.is_contiguous() && scales.size(1) >= 1 && pairs % scales.size(1) == 0,
+              "linear_int8: scales must be float32 [N/16, groups, 16] with the groups dividing "
+              "the input, got ", scales.sizes());
+  TORCH_CHECK(n > (blocks - 1) * kBlock && n <= blocks * kBlock, "linear_int8: n = ", n,
+              " does not fit the weight's ", blocks, " blocks");
+  const void* bias_data = checked_bias("linear_int8", x, bias, n);
+  const int64_t m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const int64_t groups = scales.size(1);
+  at::Tensor xq = at::empty({m, 2 * pairs}, x.options().dtype(at::kShort));
+  at::Tensor row_scale = at::empty({m}, x.options().dtype(at::kFloat));
+  const Problem p{n, groups, pairs / groups, 2 * pairs, n, weight.stride(0)};
+  const auto* wp = weight.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  int16_t* xqp = xq.data_ptr<int16_t>();
+  float* rsp = row_scale.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, m * p.block_bytes));
+  with_element_type(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+    const T* bp = static_cast<const T*>(bias_data);
+    T* yp = reinterpret_cast<T*>(y.data_ptr());
+    at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
+      quantize_rows(xp, x.stride(0), k, xqp, 2 * pairs, rsp, first, last);
+    });
+    const auto split = [&](auto tiles) {
+      using Tiles = decltype(tiles);
+      const int64_t panel = Tiles::kPanel, total = (blocks + panel - 1) / panel;
+      at::parallel_for(0, total, grain, [&](int64_t first, int64_t last) {
+        panels<T, Tiles>(xqp, rsp, m, wp, sp, bp, yp, first * panel,
+                         std::min(last * panel, blocks), p);
+      });
+    };
+    if (m <= Small::kRows) {
+      split(Small{});
+    } else {
+      split(Large{});
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
+  m.def("linear_int8(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int n) -> Tensor");
+  m.impl("linear_int8", c10::DispatchKey::CPU, &linear_int8);
+}
