@@ -154,7 +154,7 @@ void tile(const float* x, const T* w, const float* bias, T* y, int64_t col, cons
 // the next first tile does not wait on memory: 5-35% faster at 16-32 rows on the Zen 3 guest
 // (RESULTS.md, session 32). The first tile also asks for its lines 1 KiB ahead, which the
 // hardware prefetcher alone does not keep up with when few rows leave the loop waiting on
-// memory: bf16 12-35% faster at 1-2 rows, fp32 up to 22% at 2-16 rows, the same at 32-512
+// memory: bf16 8-36% faster at 1-2 rows, fp32 up to 22% at 2-16 rows, the same at 32-512
 // (session 33); the later tiles, reading from L2, do not (it cost bf16 2-4% at 512 rows).
 template <typename T>
 void blocks(const float* x, int64_t m, const T* w, const float* bias, T* y, int64_t first,
