@@ -5,7 +5,8 @@ Quantisation is symmetric: ``scale = max |w| / 127`` over each output channel (o
 round(w / scale)``, no zero point, so ``w ≈ q * scale`` and a product with ``x`` is the int8 sum
 scaled once per group. ``Int8Weight`` is the ``PackedWeight`` of such a weight: natively it
 multiplies with the dequantised weight in float32 (the reference); on CPU, radixserve's kernel
-(``csrc/linear_int8.cpp``) reads the int8 copy directly and streams half the bytes of bf16.
+(``csrc/linear_int8.cpp``, ``csrc/avx2/linear_int8.cpp`` on CPUs with AVX2 but no AVX-512)
+reads the int8 copy directly and streams half the bytes of bf16.
 """
 
 from __future__ import annotations
