@@ -46,7 +46,9 @@ constexpr float kInt16Max = 32767.0f;
 // Tiles of MR rows by NB blocks keep 2 x MR x NB int32 sums, 2 x NB widened weights and one
 // input pair in the 16 registers: decode batches of one or two rows take two blocks at a time
 // (13 registers), larger ones four rows of one block (11: each widened weight feeds 4 rows).
-// The float32 sums are touched once per 128 steps and may live in memory.
+// The float32 sums are touched once per 128 steps and may live in memory. Measured against
+// 2 x 1 and 1 x 3 tiles at 1-2 rows (within 5%, or 1 x 3 up to 15% slower) and 2 x 2 and 3 x 1
+// from 8 rows up (up to 30% slower at 128 rows) on a Zen 3 (RESULTS.md, session 33).
 struct Small {
   static constexpr int kRows = 2, kPanel = 2;
 };
