@@ -61,12 +61,37 @@ struct Problem {
   int64_t y_stride;     // elements between output rows
 };
 
+// step(s) for s in [0, steps) of one block `w`, whose steps are one 64-byte line each (16
+// float32 columns, or 16 bf16 pairs), with the prefetches its tile asks for: given `next`, one
+// line from there into L2 every kPrefetchSteps steps; if `ahead` (a block's first tile, which
+// streams it from memory), each step's line kAheadBytes ahead. The prefetches sit in loops of
+// their own with no test inside: a test in the step loop made g++ keep the sums in memory (2x
+// slower); tiles that prefetch nothing keep the plain loop (prefetching lines already in L2
+// cost them 10% at 256-512 rows).
+template <typename Step>
+inline void walk(const Step& step, int64_t steps, const void* w, const char* next, bool ahead) {
+  int64_t s = 0;
+  if (next) {
+    const char* line = next;
+    for (; s + kPrefetchSteps <= steps; s += kPrefetchSteps, line += 64) {
+      _mm_prefetch(line, _MM_HINT_T1);
+#pragma GCC unroll 4
+      for (int u = 0; u < kPrefetchSteps; ++u) step(s + u);
+    }
+  } else if (ahead) {
+    for (; s < steps; ++s) {
+      _mm_prefetch(static_cast<const char*>(w) + s * 64 + kAheadBytes, _MM_HINT_T0);
+      step(s);
+    }
+  }
+  for (; s < steps; ++s) step(s);
+}
+
 // Rows [0, MR) of x (float32) times one block w, into y at column `col` (a partial last block
 // stores `n - col` columns). T is the weight's and the output's element type (uint16_t holds
 // bf16: a step is an input pair, (k, k+1) side by side per column; float: one input). `bias`
-// is float32 (widened once per call) or null. A float32 tile given `next` also prefetches one
-// line from there into L2 every kPrefetchSteps steps; an `ahead` tile (a block's first, which
-// streams it from memory) asks for each step's line kAheadBytes ahead (see blocks).
+// is float32 (widened once per call) or null. `next` and `ahead`: the prefetches of `walk`
+// (blocks says which tiles ask for which).
 template <typename T, int MR>
 void tile(const float* x, const T* w, const float* bias, T* y, int64_t col, const Problem& p,
           const char* next, bool ahead) {
@@ -83,24 +108,7 @@ void tile(const float* x, const T* w, const float* bias, T* y, int64_t col, cons
         hi[r] = _mm256_fmadd_ps(xv, w1, hi[r]);
       }
     };
-    int64_t s = 0;
-    if (next) {
-      // unconditional prefetches in an unrolled loop: a test for one inside the step loop made
-      // g++ keep the sums in memory (2x slower); tiles that prefetch nothing keep the plain loop
-      // (prefetching lines already in L2 cost them 10% at 256-512 rows)
-      const char* line = next;
-      for (; s + kPrefetchSteps <= steps; s += kPrefetchSteps, line += 64) {
-        _mm_prefetch(line, _MM_HINT_T1);
-#pragma GCC unroll 4
-        for (int u = 0; u < kPrefetchSteps; ++u) step(s + u);
-      }
-    } else if (ahead) {
-      for (; s < steps; ++s) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + s * kBlock) + kAheadBytes, _MM_HINT_T0);
-        step(s);
-      }
-    }
-    for (; s < steps; ++s) step(s);
+    walk(step, steps, w, next, ahead);
   } else {
     const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
     const auto step = [&](int64_t s) {
@@ -123,14 +131,7 @@ void tile(const float* x, const T* w, const float* bias, T* y, int64_t col, cons
         hi[r] = _mm256_fmadd_ps(x0, even1, hi[r]);
       }
     };
-    int64_t s = 0;
-    if (ahead) {
-      for (; s < steps; ++s) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + s * 32) + kAheadBytes, _MM_HINT_T0);
-        step(s);
-      }
-    }
-    for (; s < steps; ++s) step(s);
+    walk(step, steps, w, next, ahead);
   }
   // sums to memory with constant indices first: a loop of calls indexing the registers would
   // make g++ keep them in memory, stored at every step of the loop above
