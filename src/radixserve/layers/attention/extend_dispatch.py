@@ -311,11 +311,7 @@ def tune(
                 with load.window() as window_again:
                     again = measure_fn(shape, switched, start + budget_s)
                 busy = busy or window_again.busy
-                for name, values in again.items():
-                    for cell in switched:
-                        first, took = seconds[name][cell], values[cell]
-                        if took is not None:
-                            seconds[name][cell] = took if first is None else min(first, took)
+                kernel_dispatch.keep_better(seconds, again, switched)
             if cache is not None:
                 cache.put({shape.key(): seconds}, [shape.key()] if busy else [])
     table = kernel_dispatch.choose(seconds, static)
