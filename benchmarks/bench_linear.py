@@ -36,8 +36,11 @@ from bench_common import torch_threads
 from make_bench_models import resolve_model
 
 from radixserve.layers import cpu_kernels, kernel_dispatch
+from radixserve.layers.attention import extend_dispatch as xd
 from radixserve.layers.packed_weight import CpuPackedWeight
-from radixserve.model_config import ModelConfig
+from radixserve.layers.quantization.int4 import GROUP, CpuInt4Weight
+from radixserve.layers.quantization.int8 import CpuInt8Weight
+from radixserve.model_config import ModelConfig, resolve_device
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 VERDICT_MARGIN = 0.25  # the chosen kernel may be this much slower than the best: timing noise
@@ -97,10 +100,7 @@ def dispatched(weights: dict[str, torch.Tensor], static: bool) -> dict[str, CpuP
     table."""
     packed = {proj: CpuPackedWeight(w) for proj, w in weights.items()}
     if not static:
-        cache = kernel_dispatch.DispatchCache(
-            kernel_dispatch.default_cache_root(),
-            kernel_dispatch.machine_identity(cpu_kernels.cpu_flags()),
-        )
+        cache = kernel_dispatch.machine_cache()
         kernel_dispatch.tune(packed.values(), cache)
     return packed
 
@@ -119,14 +119,6 @@ def print_kernel_dispatch(args: argparse.Namespace, model_path: str,
     """One JSON line per linear layer type: the kernel its batches run per row bucket, as the
     Engine just chose it (read back from the dispatch cache its autotune wrote, with the
     scheduler's thread count; the static table where it measured nothing)."""
-    from radixserve.layers import cpu_kernels
-    from radixserve.layers import kernel_dispatch as kd
-    from radixserve.layers.attention import extend_dispatch as xd
-    from radixserve.layers.packed_weight import CpuPackedWeight
-    from radixserve.layers.quantization.int4 import GROUP, CpuInt4Weight
-    from radixserve.layers.quantization.int8 import CpuInt8Weight
-    from radixserve.model_config import ModelConfig, resolve_device
-
     if resolve_device(args.device).type != "cpu" or not cpu_kernels.has_ops("linear"):
         return  # a GPU's kernels are chosen once at build time, no dispatch table to show
     config = ModelConfig.from_path(model_path, dtype=args.dtype)
@@ -135,8 +127,7 @@ def print_kernel_dispatch(args: argparse.Namespace, model_path: str,
     quantization = engine_kwargs.get("quantization")
     deterministic = engine_kwargs.get("enable_deterministic_inference", False)
     with torch_threads(args.threads or len(os.sched_getaffinity(0))):
-        cache = kd.DispatchCache(kd.default_cache_root(),
-                                 kd.machine_identity(cpu_kernels.cpu_flags()))
+        cache = kernel_dispatch.machine_cache()
         for layer, (n, k) in shapes.items():
             if quantization == "int8" or (quantization == "int4" and layer == "lm_head"):
                 weight = CpuInt8Weight(torch.zeros(n, k, dtype=torch.int8), torch.ones(n, 1))
@@ -149,9 +140,9 @@ def print_kernel_dispatch(args: argparse.Namespace, model_path: str,
                 weight = CpuPackedWeight(torch.zeros(n, k, dtype=dtype))
             weight.activation_dtype = dtype
             weight.restrict(deterministic)
-            table, source = kd.cached_or_static(weight, cache)
+            table, source = kernel_dispatch.cached_or_static(weight, cache)
             print(json.dumps({"kernel_dispatch": layer, "n": n, "k": k, "kind": weight.kind(),
-                              "source": source, "kernels": kd.describe(table),
+                              "source": source, "kernels": kernel_dispatch.describe(table),
                               "deterministic": deterministic}), flush=True)
         if cpu_kernels.attention_kernels_support(dtype, config.head_dim) is not None:
             return  # attention on the torch_native backend (an AVX2 CPU): no table

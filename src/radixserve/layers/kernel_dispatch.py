@@ -53,7 +53,7 @@ import torch
 from radixserve import envs
 from radixserve.cache_files import exclusive
 from radixserve.layers.cpu_contention import LoadProbe, MachineLoad
-from radixserve.layers.cpu_kernels import kernel_sources_digest
+from radixserve.layers.cpu_kernels import cpu_flags, kernel_sources_digest
 
 logger = logging.getLogger(__name__)
 
@@ -297,6 +297,11 @@ class DispatchCache:
         tmp.write_text(json.dumps({"machine": dict(self.identity), "entries": self._entries,
                                    "busy": sorted(self._busy)}))
         os.replace(tmp, self.path)
+
+
+def machine_cache() -> DispatchCache:
+    """The cache of this machine (its CPU's flags, torch, threads, ...) under the default root."""
+    return DispatchCache(default_cache_root(), machine_identity(cpu_flags()))
 
 
 def stale_keys(keys: Iterable[str], cache: DispatchCache | None,

@@ -271,10 +271,7 @@ def prepack_model(
         p.activation_dtype = activation_dtype
         p.restrict(batch_invariant)
     if cpu_kernel_autotune == "on" and multi:
-        cache = kernel_dispatch.DispatchCache(
-            kernel_dispatch.default_cache_root(),
-            kernel_dispatch.machine_identity(cpu_kernels.cpu_flags()),
-        )
+        cache = kernel_dispatch.machine_cache()
         kernel_dispatch.tune(multi, cache)
     elif multi:
         for key, table in kernel_dispatch.tables_by_shape(multi).items():

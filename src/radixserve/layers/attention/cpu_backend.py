@@ -88,10 +88,7 @@ class CpuAttnBackend(AttentionBackend):
         )
         cache = None
         if autotune == "on" and len(shape.candidates) > 1:
-            cache = kernel_dispatch.DispatchCache(
-                kernel_dispatch.default_cache_root(),
-                kernel_dispatch.machine_identity(cpu_kernels.cpu_flags()),
-            )
+            cache = kernel_dispatch.machine_cache()
             self.extend_table = xd.tune(shape, self.static_extend_table(), cache)
         else:
             self.extend_table = self.static_extend_table()
